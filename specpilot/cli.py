@@ -1,0 +1,179 @@
+"""`specpilot` command line.  Every command takes --json for machine-readable output; input
+errors print one line (``error: ...``) and exit with status 2, divergence exits with 1."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specpilot.errors import SpecPilotError
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):\n    ",
+    "The quick brown fox",
+    "import numpy as np\n\ndef softmax(x):",
+    "User: What is speculative decoding?\nAssistant:",
+)
+
+
+def _load_system(spec_or_build: str):
+    from specpilot.compiler.spec import load_spec
+    from specpilot.runtime.stock import StockSystem
+
+    path = Path(spec_or_build)
+    if path.is_dir():
+        raise SpecPilotError(f"{path} is a directory; give a model.yaml (compiled builds are not supported yet)")
+    return StockSystem(load_spec(path))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SpecPilotError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def _read_requests(path: Path | None, system, max_new: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max new tokens) per request, from JSONL or the built-in prompts."""
+    if path is None:
+        if system.vocab_size >= 256 or not hasattr(system.tokenizer, "vocab_size"):
+            return [(system.tokenizer.encode(p), max_new) for p in DEFAULT_PROMPTS]
+        return [([(7 * i + 3 * j) % system.vocab_size for j in range(8)], max_new) for i in range(4)]
+    if not path.is_file():
+        raise SpecPilotError(f"{path}: requests file not found")
+    requests = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecPilotError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(req, dict) or ("prompt" in req) == ("prompt_ids" in req):
+            raise SpecPilotError(f"{path}:{n}: expected an object with 'prompt' (text) or 'prompt_ids' (list)")
+        if "prompt" in req:
+            if not isinstance(req["prompt"], str):
+                raise SpecPilotError(f"{path}:{n}: 'prompt' must be a string")
+            ids = system.tokenizer.encode(req["prompt"])
+        else:
+            ids = req["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise SpecPilotError(f"{path}:{n}: 'prompt_ids' must be a list of integers")
+        limit = req.get("max_new_tokens", max_new)
+        if not isinstance(limit, int) or limit < 1:
+            raise SpecPilotError(f"{path}:{n}: 'max_new_tokens' must be a positive integer")
+        requests.append((ids, limit))
+    if not requests:
+        raise SpecPilotError(f"{path}: no requests")
+    return requests
+
+
+@click.group()
+@click.version_option(package_name="specpilot")
+def cli():
+    """SpecPilot: lossless speculative decoding, lowered to TVM and searched by agents."""
+
+
+@cli.command()
+@click.argument("spec_or_build")
+@click.option("--prompt", help="prompt text (tokenized with the target's tokenizer)")
+@click.option("--prompt-ids", help="prompt as comma-separated token ids")
+@click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
+@click.option("--engine", type=click.Choice(["stock", "stock-spec"]), default="stock-spec", show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens")
+@click.option("--record-lattices", type=click.Path(dir_okay=False, path_type=Path),
+              help="write every drafter lattice to this JSONL file")
+@click.option("--replay-lattices", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="draft from a recorded lattice file instead of running the drafter")
+@click.option("--json", "as_json", is_flag=True)
+def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, record_lattices,
+             replay_lattices, as_json):
+    """Generate greedily from a prompt with a stock engine."""
+    if (prompt is None) == (prompt_ids is None):
+        raise SpecPilotError("give exactly one of --prompt or --prompt-ids")
+    system = _load_system(spec_or_build)
+    ids = _parse_ids(prompt_ids) if prompt_ids is not None else system.tokenizer.encode(prompt)
+    gen = system.generate(engine, ids, max_new_tokens, stop_at_eos=not ignore_eos,
+                          record_lattices=record_lattices, replay_lattices=replay_lattices)
+    text = system.tokenizer.decode(gen.tokens)
+    if as_json:
+        click.echo(json.dumps({"engine": engine, "prompt_tokens": len(ids), "tokens": gen.tokens, "text": text,
+                               "tokens_per_s": round(gen.tokens_per_s, 3),
+                               "mean_accepted": round(gen.mean_accepted, 4),
+                               "verifications": len(gen.accepted)}))
+    else:
+        click.echo(text)
+        click.echo(f"[{engine}: {len(gen.tokens)} tokens, {gen.tokens_per_s:.1f} tokens/s, "
+                   f"{gen.mean_accepted:.2f} tokens per verification]", err=True)
+
+
+@cli.command()
+@click.argument("spec_or_build")
+@click.option("--requests", type=click.Path(dir_okay=False, path_type=Path),
+              help="JSONL, one request per line: {\"prompt\": ...} or {\"prompt_ids\": [...]}")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--engine", type=click.Choice(["stock", "stock-spec"]), default="stock-spec", show_default=True,
+              help="the system under test; stock is always greedy autoregressive decoding")
+@click.option("--tie-tolerance", type=click.FloatRange(0), default=None,
+              help="excuse mismatches where stock's top-2 logit margin is below this "
+                   "(default 0 in float32, 0.1 in bfloat16/float16)")
+@click.option("--inject-fault-after", type=click.IntRange(0), default=None,
+              help="from this generated position on, bias the system under test's runner-up token")
+@click.option("--fault-bias", type=float, default=100.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, inject_fault_after, fault_bias,
+           as_json):
+    """Token forcing: check the system under test against stock greedy decoding."""
+    from specpilot.runtime.forcing import force_requests, runner_up_fault
+
+    system = _load_system(spec_or_build)
+    if tie_tolerance is None:
+        tie_tolerance = 0.0 if system.spec.deployment.dtype == "float32" else 0.1
+    hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
+    stock_runs, system_runs = [], []
+    for ids, limit in _read_requests(requests, system, max_new_tokens):
+        stock = system.generate("stock", ids, limit)
+        stock_runs.append(stock)
+        system_runs.append(system.generate(engine, ids, limit, force=stock.tokens, logits_hook=hook))
+    report = force_requests(stock_runs, system_runs, tie_tolerance)
+    summary = report.to_dict()
+    summary.update(engine=engine, fault_injected_after=inject_fault_after,
+                   mean_accepted=round(sum(r.mean_accepted for r in system_runs) / len(system_runs), 4))
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        verdict = "PASS" if report.passed else "FAIL"
+        click.echo(f"{verdict}: {engine} vs stock over {report.requests} requests, {report.positions} positions, "
+                   f"tie tolerance {tie_tolerance}; excused near-ties: {len(report.excused)}")
+        for e in report.excused:
+            click.echo(f"  excused: request {e.request} position {e.position}: stock {e.stock_token}, "
+                       f"system {e.system_token}, margin {e.stock_margin:.4g}")
+        d = report.first_divergence
+        if d is not None:
+            tok = system.tokenizer
+            click.echo(f"first divergence: request {d.request}, position {d.position}: stock token {d.stock_token} "
+                       f"{tok.decode([d.stock_token])!r}, system token {d.system_token} "
+                       f"{tok.decode([d.system_token])!r}, stock margin {d.stock_margin:.4g}; "
+                       f"context {tok.decode(d.context)!r}")
+    sys.exit(0 if report.passed else 1)
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except SpecPilotError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

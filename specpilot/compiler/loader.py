@@ -1,0 +1,74 @@
+"""From a validated spec to configs and weights for the target and the drafter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specpilot.compiler.config import ModelConfig, config_from_hf
+from specpilot.compiler.spec import ModelSource, Spec
+from specpilot.compiler.weights import gguf_to_checkpoint, load_checkpoint, random_weights
+from specpilot.errors import CheckpointError, SpecError, SpecPilotError
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_path: Path | None   # a directory with tokenizer.json, or the file itself
+    description: str
+
+
+def load_source(spec: Spec, source: ModelSource, key: str) -> LoadedModel:
+    try:
+        if source.checkpoint:
+            directory = spec.resolve(source.checkpoint, f"{key}.checkpoint")
+            cfg, weights = load_checkpoint(directory)
+            tok, desc = directory, str(directory)
+        elif source.gguf:
+            path = spec.resolve(source.gguf, f"{key}.gguf")
+            directory = gguf_to_checkpoint(path)
+            cfg, weights = load_checkpoint(directory)
+            tok, desc = directory, str(path)
+        else:
+            cfg = config_from_hf(source.config, where=f"{spec.path}: {key}.config", architecture=source.architecture)
+            weights = random_weights(cfg, source.init.seed)
+            tok, desc = None, f"{source.architecture} (random, seed {source.init.seed})"
+    except (CheckpointError, SpecError):
+        raise
+    except SpecPilotError as e:  # config problems: say which spec key led there
+        raise SpecError(spec.path, key, str(e)) from None
+    if source.tokenizer:
+        tok = spec.resolve(source.tokenizer, f"{key}.tokenizer")
+    if tok is not None and tok.is_dir() and not (tok / "tokenizer.json").is_file():
+        tok = None
+    return LoadedModel(cfg, weights, tok, desc)
+
+
+def early_exit(target: LoadedModel, layers: int) -> LoadedModel:
+    """The target's first ``layers`` layers with its final norm and head: a self-drafter."""
+    cfg = target.cfg
+    cut = replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
+    keep = {k: v for k, v in target.weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    return LoadedModel(cut, keep, target.tokenizer_path, f"first {layers} layers of the target")
+
+
+def load_models(spec: Spec) -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and (for model drafters) drafter, with the drafter's vocabulary checked."""
+    target = load_source(spec, spec.target, "target")
+    d = spec.drafter
+    if d.kind == "ngram":
+        return target, None
+    if d.kind == "early-exit":
+        if d.layers >= target.cfg.num_hidden_layers:
+            raise SpecError(spec.path, "drafter.layers",
+                            f"{d.layers} is not fewer than the target's {target.cfg.num_hidden_layers} layers")
+        return target, early_exit(target, d.layers)
+    drafter = load_source(spec, d, "drafter")
+    if drafter.cfg.vocab_size != target.cfg.vocab_size:
+        raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "
+                        f"target's {target.cfg.vocab_size}; a drafter must share the target's vocabulary")
+    return target, drafter

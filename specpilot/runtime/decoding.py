@@ -1,0 +1,103 @@
+"""Greedy decoding, plain and speculative, on any model with ``new_state`` / ``forward``.
+
+Both loops can be *forced*: given stock's tokens, they emit those instead of their own
+choices (so the run follows stock's path) and record their own greedy choice at every
+position.  That is token forcing: the system under test is exact iff its choices equal
+stock's tokens everywhere.  ``logits_hook(position, logits)`` lets a test inject faults.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                 # emitted tokens (stock's when forced)
+    choices: list[int]                # the system's own greedy choice at each position
+    margins: list[float]              # top-1 minus top-2 logit of the system's logits there
+    accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
+    seconds: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens per target verification pass (accepted drafts + the target's own token)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Emitter:
+    """Turns logits rows into emitted tokens, choices and margins, honouring forcing."""
+
+    def __init__(self, max_new: int, force, logits_hook, stop_ids):
+        self.max_new, self.force, self.hook, self.stop_ids = max_new, force, logits_hook, set(stop_ids)
+        self.gen = Generation([], [], [])
+        self.stopped = False
+
+    def target_token(self, logits_row: torch.Tensor) -> int:
+        """Record the system's choice at the next position and return the token to emit."""
+        pos = len(self.gen.tokens)
+        if self.hook is not None:
+            logits_row = self.hook(pos, logits_row)
+        top2 = logits_row.topk(2)
+        choice = int(top2.indices[0])
+        self.gen.choices.append(choice)
+        self.gen.margins.append(float(top2.values[0] - top2.values[1]))
+        token = self.force[pos] if self.force is not None else choice
+        self.gen.tokens.append(token)
+        if token in self.stop_ids or len(self.gen.tokens) >= self.max_new:
+            self.stopped = True
+        return token
+
+
+def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=None,
+                   logits_hook=None, stop_ids=()) -> Generation:
+    """Stock decoding: one target pass per token."""
+    start = time.perf_counter()
+    state = model.new_state(capacity)
+    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    logits = model.forward(prompt, state)[-1]
+    while True:
+        token = out.target_token(logits)
+        out.gen.accepted.append(1)
+        if out.stopped:
+            break
+        logits = model.forward([token], state)[-1]
+    out.gen.seconds = time.perf_counter() - start
+    return out.gen
+
+
+def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int, capacity: int,
+                force=None, logits_hook=None, stop_ids=()) -> Generation:
+    """Stock speculative decoding: draft a chain, verify it in one target pass, keep the
+    longest prefix the target agrees with plus the target's own next token."""
+    start = time.perf_counter()
+    state = model.new_state(capacity)
+    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    if hasattr(drafter, "reset"):
+        drafter.reset()
+    logits = model.forward(prompt, state)[-1]
+    last = out.target_token(logits)            # emitted, not yet fed to the target
+    out.gen.accepted.append(1)
+    while not out.stopped:
+        room = min(draft_len, out.max_new - len(out.gen.tokens), capacity - state.length - 1)
+        draft = drafter.propose(prompt + out.gen.tokens, room).chain()[:room]
+        base = state.length
+        rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
+        committed = 0
+        for i in range(len(draft) + 1):
+            last = out.target_token(rows[i])
+            committed += 1
+            if out.stopped or i == len(draft) or draft[i] != last:
+                break
+        state.truncate(base + committed)       # keep [last fed] + accepted drafts; drop the rest
+        state.drop_history()
+        out.gen.accepted.append(committed)
+    out.gen.seconds = time.perf_counter() - start
+    return out.gen

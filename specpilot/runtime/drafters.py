@@ -1,0 +1,122 @@
+"""Drafters: given the accepted context, propose the next few tokens as a `Lattice`.
+
+- `ModelDrafter`: a small causal LM (a separate checkpoint, or the target's first layers)
+  drafting greedily; keeps its own state in step with the accepted context and rolls it
+  back (KV truncation, recorded recurrent states) when drafts are rejected.
+- `NGramDrafter`: training-free prompt lookup: continue the longest suffix of the context
+  that occurred before, ranking continuations by how often they followed it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+
+from specpilot.runtime.lattice import Lattice
+from specpilot.runtime.reference.model import ReferenceModel
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ModelDrafter:
+    def __init__(self, model: ReferenceModel, top_k: int, capacity: int, name: str = "model"):
+        self.model, self.top_k, self.capacity, self.name = model, top_k, capacity, name
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = self.model.new_state(self.capacity)
+        self.consumed: list[int] = []   # the tokens whose KV / recurrent state is in self.state
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Bring the state to ``context`` and return the logits after its last token."""
+        keep = _common_prefix(self.consumed, context)
+        if keep == len(context):        # nothing new: recompute the last position
+            keep -= 1
+        if keep < self.state.length:
+            self.state.truncate(keep)
+        self.state.drop_history()
+        self.consumed = list(context[:keep])
+        new = context[keep:]
+        if keep == 0 and len(new) > 1:  # first call: prefill without per-token states
+            self.model.forward(new[:-1], self.state)
+            new = new[-1:]
+        logits = self.model.forward(new, self.state, record=True)[-1]
+        self.consumed = list(context)
+        return logits
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        n = min(n, self.capacity - len(context))
+        if n <= 0:
+            return Lattice.empty(self.top_k)
+        logits = self._sync(context)
+        tokens, logprobs = [], []
+        for i in range(n):
+            top = torch.log_softmax(logits, dim=-1).topk(self.top_k)
+            tokens.append(top.indices)
+            logprobs.append(top.values)
+            if i + 1 < n:
+                logits = self.model.forward(top.indices[:1], self.state, record=True)[-1]
+                self.consumed.append(int(top.indices[0]))
+        return Lattice(torch.stack(tokens), torch.stack(logprobs))
+
+
+class NGramDrafter:
+    """Prompt lookup over an incrementally built n-gram index of the context."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, top_k: int = 4):
+        self.max_n, self.min_n, self.top_k = max_n, min_n, top_k
+        self.reset()
+
+    def reset(self) -> None:
+        self.indexed: list[int] = []
+        # (n-gram) -> Counter(next token), and next token -> last position seen (recency tie-break)
+        self.follow: dict[tuple, Counter] = defaultdict(Counter)
+        self.last_seen: dict[tuple, dict[int, int]] = defaultdict(dict)
+
+    def _index(self, context: list[int]) -> None:
+        if context[:len(self.indexed)] != self.indexed:
+            self.reset()
+        for end in range(max(len(self.indexed), 1), len(context)):
+            nxt = context[end]
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n < 0:
+                    break
+                gram = tuple(context[end - n:end])
+                self.follow[gram][nxt] += 1
+                self.last_seen[gram][nxt] = end
+        self.indexed = list(context)
+
+    def _candidates(self, seq: list[int]) -> list[tuple[int, float]]:
+        for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
+            gram = tuple(seq[-n:])
+            counts = self.follow.get(gram)
+            if counts:
+                total = sum(counts.values())
+                seen = self.last_seen[gram]
+                ranked = sorted(counts, key=lambda t: (-counts[t], -seen[t], t))
+                return [(t, counts[t] / total) for t in ranked[:self.top_k]]
+        return []
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        self._index(context)
+        seq, tokens, logprobs = list(context), [], []
+        for _ in range(n):
+            cands = self._candidates(seq)
+            if not cands:
+                break
+            pad = self.top_k - len(cands)   # fewer continuations than top_k: pad with impossible ones
+            tokens.append([t for t, _ in cands] + [cands[0][0]] * pad)
+            logprobs.append([float(torch.tensor(p).log()) for _, p in cands] + [float("-inf")] * pad)
+            seq.append(cands[0][0])
+        if not tokens:
+            return Lattice.empty(self.top_k)
+        return Lattice(torch.tensor(tokens, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32))

@@ -1,0 +1,78 @@
+"""Token forcing: the correctness gate every optimized path passes.
+
+Stock (the target's own greedy autoregressive decoding) produces tokens and, at each
+position, its top-2 logit margin.  The system under test runs forced onto stock's tokens
+and reports its own greedy choice at every position.  Exact means choice == stock token
+everywhere.  In fp32 on the CPU nothing is excused.  In lower precision a mismatch is
+excused only where stock's margin is below ``tie_tolerance``; each excused position is
+listed in the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Divergence:
+    request: int
+    position: int          # index among the generated tokens, 0-based
+    stock_token: int
+    system_token: int
+    stock_margin: float
+    context: list[int]     # up to 8 stock tokens before the position
+
+
+@dataclass
+class ForcingReport:
+    passed: bool
+    requests: int
+    positions: int
+    tie_tolerance: float
+    first_divergence: Divergence | None = None
+    excused: list[Divergence] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(stock_tokens: list[int], stock_margins: list[float], system_choices: list[int],
+            tie_tolerance: float = 0.0, request: int = 0) -> tuple[Divergence | None, list[Divergence]]:
+    """First unexcused divergence (or None) and the excused near-ties, for one request."""
+    if len(system_choices) != len(stock_tokens):
+        raise ValueError(f"system produced {len(system_choices)} choices for {len(stock_tokens)} positions")
+    excused = []
+    for pos, (want, got, margin) in enumerate(zip(stock_tokens, system_choices, stock_margins)):
+        if want == got:
+            continue
+        d = Divergence(request, pos, want, got, margin, stock_tokens[max(0, pos - 8):pos])
+        if margin < tie_tolerance:
+            excused.append(d)
+            continue
+        return d, excused
+    return None, excused
+
+
+def force_requests(stock_runs, system_runs, tie_tolerance: float = 0.0) -> ForcingReport:
+    """stock_runs / system_runs: per request, objects with tokens, margins / choices."""
+    report = ForcingReport(True, len(stock_runs), 0, tie_tolerance)
+    for r, (stock, system) in enumerate(zip(stock_runs, system_runs)):
+        report.positions += len(stock.tokens)
+        first, excused = compare(stock.tokens, stock.margins, system.choices, tie_tolerance, r)
+        report.excused.extend(excused)
+        if first is not None and report.first_divergence is None:
+            report.first_divergence = first
+            report.passed = False
+    return report
+
+
+def runner_up_fault(after: int, bias: float):
+    """A logits hook that adds ``bias`` to the second-ranked token from position ``after`` on:
+    a fault any gate must catch at ``after`` once the bias exceeds the margin there."""
+    def hook(position: int, logits):
+        if position < after:
+            return logits
+        logits = logits.clone()
+        logits[logits.topk(2).indices[1]] += bias
+        return logits
+    return hook

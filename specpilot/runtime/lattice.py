@@ -1,0 +1,104 @@
+"""Drafter lattices: per drafted position, the top candidates with log-probabilities.
+
+A chain drafter conditions position i on the top-1 tokens of positions < i; the lattice
+keeps the runner-up candidates too, so tree builders and the cost model can replay what a
+wider tree would have accepted without running the models again.
+
+Recorded as JSON lines (never pickles): a header, then one line per verification step.
+Floats round-trip exactly through JSON (Python floats are doubles; the values are float32).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specpilot.errors import SpecPilotError
+
+FORMAT = "specpilot-lattices"
+VERSION = 1
+
+
+@dataclass
+class Lattice:
+    tokens: torch.Tensor     # (positions, top_k) int64, best first
+    logprobs: torch.Tensor   # (positions, top_k) float32
+
+    @property
+    def positions(self) -> int:
+        return self.tokens.shape[0]
+
+    def chain(self) -> list[int]:
+        return self.tokens[:, 0].tolist() if self.positions else []
+
+    def to_record(self, step: int, context_len: int) -> dict:
+        return {"step": step, "context_len": context_len, "tokens": self.tokens.tolist(),
+                "logprobs": self.logprobs.tolist()}
+
+    @staticmethod
+    def empty(top_k: int = 1) -> "Lattice":
+        return Lattice(torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k))
+
+
+class LatticeRecorder:
+    """Wraps a drafter and writes every lattice it proposes to a JSONL file."""
+
+    def __init__(self, drafter, path: Path, prompt: list[int]):
+        self.drafter, self.name = drafter, drafter.name
+        self.file = open(path, "w")
+        self.file.write(json.dumps({"format": FORMAT, "version": VERSION, "drafter": drafter.name,
+                                    "prompt": prompt}) + "\n")
+        self.step = 0
+
+    def reset(self) -> None:
+        if hasattr(self.drafter, "reset"):
+            self.drafter.reset()
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        lattice = self.drafter.propose(context, n)
+        self.file.write(json.dumps(lattice.to_record(self.step, len(context))) + "\n")
+        self.step += 1
+        return lattice
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class ReplayDrafter:
+    """Hands back recorded lattices in order; refuses to go on if the run has diverged."""
+
+    name = "replay"
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        try:
+            lines = path.read_text().splitlines()
+            header = json.loads(lines[0])
+            records = [json.loads(line) for line in lines[1:] if line.strip()]
+        except (OSError, IndexError, json.JSONDecodeError) as e:
+            raise SpecPilotError(f"{path}: not a lattice recording ({e})") from None
+        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
+            raise SpecPilotError(f"{path}: not a {FORMAT} v{VERSION} file")
+        self.path, self.prompt, self.records, self.next = path, header.get("prompt"), records, 0
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        if self.next >= len(self.records):
+            raise SpecPilotError(f"{self.path}: recording has {len(self.records)} steps; replay asked for more")
+        rec = self.records[self.next]
+        if rec.get("context_len") != len(context):
+            raise SpecPilotError(f"{self.path}: replay diverged at step {self.next}: recorded context length "
+                                 f"{rec.get('context_len')}, now {len(context)}")
+        try:
+            tokens = torch.tensor(rec["tokens"], dtype=torch.long)
+            logprobs = torch.tensor(rec["logprobs"], dtype=torch.float32)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecPilotError(f"{self.path}: step {self.next} is malformed ({e})") from None
+        if tokens.ndim != 2 and tokens.numel() == 0:
+            tokens, logprobs = Lattice.empty().tokens, Lattice.empty().logprobs
+        if tokens.shape != logprobs.shape or tokens.ndim != 2:
+            raise SpecPilotError(f"{self.path}: step {self.next}: tokens and logprobs shapes differ")
+        self.next += 1
+        return Lattice(tokens[:n], logprobs[:n])
