@@ -86,7 +86,9 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
                 base = 0.0
             t = base + 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen)
+            # with a tied head, a unit-scale embedding dominates the residual stream and the model
+            # echoes its input token; a smaller one lets the layers decide
+            t = torch.randn(shape, generator=gen) * (0.1 if cfg.tie_word_embeddings else 1.0)
         else:
             fan_in = math.prod(shape[1:])
             t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)

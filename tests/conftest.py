@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny configs of every supported family, odd sizes on purpose."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from specpilot.compiler.config import config_from_hf
+from specpilot.compiler.weights import random_weights
+from specpilot.runtime.reference.model import ReferenceModel
+
+TINY_CONFIGS = {
+    "LlamaForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=3,
+                             num_attention_heads=6, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    "Qwen2ForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=3,
+                             num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True),
+    "Qwen3ForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=3,
+                             num_attention_heads=6, num_key_value_heads=2, head_dim=10),
+    "Qwen3NextForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=0,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=6, linear_conv_kernel_dim=3),
+    "Qwen3_5ForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                               linear_value_head_dim=6),
+}
+
+DENSE = "Qwen3ForCausalLM"
+HYBRID = "Qwen3_5ForCausalLM"
+
+
+def tiny_config(arch: str, **overrides):
+    return config_from_hf({**TINY_CONFIGS[arch], **overrides}, architecture=arch)
+
+
+def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, **overrides) -> ReferenceModel:
+    cfg = tiny_config(arch, **overrides)
+    return ReferenceModel(cfg, random_weights(cfg, seed), dtype)
+
+
+def noisy_copy(model: ReferenceModel, scale: float, seed: int = 1) -> ReferenceModel:
+    """The same model with Gaussian noise on its weights: a drafter that agrees often, not always."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: v + scale * v.std().nan_to_num(0.0) * torch.randn(v.shape, generator=gen)
+               for k, v in model.w.items() if not (model.cfg.tie_word_embeddings and k == "lm_head.weight")}
+    return ReferenceModel(model.cfg, weights, model.dtype)
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """Run the `specpilot` entry point in-process; returns (exit code, stdout, stderr)."""
+    from specpilot.cli import main
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["specpilot", *map(str, args)])
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

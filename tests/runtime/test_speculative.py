@@ -1,0 +1,94 @@
+"""Stock speculative decoding produces exactly the autoregressive tokens, dense and hybrid,
+with every drafter, including after rejections in the middle of a drafted block."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpilot.runtime.decoding import autoregressive, speculative
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
+from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
+
+PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 17, 29, 41]
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID, "LlamaForCausalLM", "Qwen3NextForCausalLM"])
+@pytest.mark.parametrize("draft_len", [1, 4, 7])
+def test_model_drafter_matches_autoregressive(arch, draft_len):
+    target = tiny_model(arch, seed=3)
+    drafter = ModelDrafter(noisy_copy(target, 0.3), top_k=3, capacity=512)
+    want = autoregressive(target, PROMPT, 96, 512).tokens
+    got = speculative(target, drafter, PROMPT, 96, draft_len, 512)
+    assert got.tokens == want
+    committed = got.accepted[1:]
+    if draft_len > 1:  # some blocks were cut mid-way, and some drafts were accepted
+        assert any(1 < c < draft_len + 1 for c in committed)
+        assert any(c == 1 for c in committed)
+    assert got.mean_accepted > 1.0
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_hybrid_rollback_with_early_exit_drafter(arch):
+    from dataclasses import replace
+
+    from specpilot.runtime.reference.model import ReferenceModel
+    target = tiny_model(arch, seed=6)
+    cut = replace(target.cfg, num_hidden_layers=2, layer_types=target.cfg.layer_types[:2])
+    keep = {k: v for k, v in target.w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    drafter = ModelDrafter(ReferenceModel(cut, keep), top_k=2, capacity=512)
+    want = autoregressive(target, PROMPT, 80, 512).tokens
+    assert speculative(target, drafter, PROMPT, 80, 5, 512).tokens == want
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_ngram_drafter_matches_autoregressive(arch):
+    target = tiny_model(arch, seed=8)
+    want = autoregressive(target, PROMPT, 120, 512).tokens
+    got = speculative(target, NGramDrafter(max_n=3, min_n=1, top_k=4), PROMPT, 120, 6, 512)
+    assert got.tokens == want
+    assert got.mean_accepted > 1.0
+
+
+def test_exact_length_and_eos_stop():
+    target = tiny_model(DENSE, seed=3)
+    want = autoregressive(target, PROMPT, 40, 512).tokens
+    eos = want[10]
+    stopped = speculative(target, ModelDrafter(noisy_copy(target, 0.1), 2, 512), PROMPT, 40, 5, 512,
+                          stop_ids=(eos,)).tokens
+    assert stopped == want[:want.index(eos) + 1]
+    assert len(speculative(target, NGramDrafter(), PROMPT, 37, 8, 512).tokens) == 37
+
+
+def test_ngram_lattice_ranks_by_count_then_recency():
+    d = NGramDrafter(max_n=2, min_n=1, top_k=3)
+    lat = d.propose([1, 2, 9, 1, 2, 7, 1, 2, 7, 1, 2], 2)
+    assert lat.tokens[0].tolist() == [7, 9, 7]          # 7 twice, 9 once, padded
+    assert lat.logprobs[0, 2] == float("-inf")
+    assert lat.chain() == [7, 1]
+
+
+def test_lattices_record_and_replay_exactly(tmp_path):
+    target = tiny_model(HYBRID, seed=3)
+    path = tmp_path / "lattices.jsonl"
+    rec = LatticeRecorder(ModelDrafter(noisy_copy(target, 0.3), 3, 512), path, PROMPT)
+    live = speculative(target, rec, PROMPT, 64, 4, 512)
+    rec.close()
+    replayed = speculative(target, ReplayDrafter(path), PROMPT, 64, 4, 512)
+    assert replayed.tokens == live.tokens
+    assert replayed.accepted == live.accepted
+    # replaying against a different run is refused, not silently wrong
+    from specpilot.errors import SpecPilotError
+    with pytest.raises(SpecPilotError, match="diverged|asks for more|asked for more"):
+        speculative(target, ReplayDrafter(path), PROMPT[:-1], 64, 4, 512)
+
+
+def test_corrupt_lattice_file_is_a_clear_error(tmp_path):
+    from specpilot.errors import SpecPilotError
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "something-else"}\n')
+    with pytest.raises(SpecPilotError, match="not a specpilot-lattices"):
+        ReplayDrafter(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(SpecPilotError, match="not a lattice recording"):
+        ReplayDrafter(bad)
