@@ -106,6 +106,11 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 
+    @staticmethod
+    def from_dict(d: dict) -> "ModelConfig":
+        """Inverse of `to_dict` (build manifests store configs that way)."""
+        return ModelConfig(**{**d, "layer_types": tuple(d["layer_types"]), "eos_token_ids": tuple(d["eos_token_ids"])})
+
     def to_hf_dict(self) -> dict:
         """The config.json transformers would write for this model (for checkpoints we save)."""
         hf: dict[str, Any] = {
@@ -234,3 +239,19 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
         linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
         linear_num_key_heads=nk, linear_num_value_heads=nv,
     )
+
+
+def cache_shapes(cfg: ModelConfig, capacity: int, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of the cache tensors a model's step functions take."""
+    shapes = {}
+    n_attn = cfg.layer_types.count("full_attention")
+    n_gdn = cfg.layer_types.count("linear_attention")
+    if n_attn:
+        shapes["kv"] = ((n_attn, 2, cfg.num_key_value_heads, capacity, cfg.head_dim), dtype)
+    if n_gdn:
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        shapes["conv"] = ((n_gdn, conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+        shapes["rec"] = ((n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim), "float32")
+    return shapes

@@ -1,0 +1,175 @@
+"""TIR kernels the lowering calls where Relax has no operator: the KV-cache write, the gated
+delta rule recurrence, and the per-token conv windows that rollback needs.
+
+Each kernel comes in a CPU form (plain loops, the outer ones parallel) and a GPU form (the
+same loops bound to blocks and threads); both compute the same thing in the same order, so
+the reference comparisons in the tests hold for either.  ``gpu`` picks the form.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+
+def kv_write(n_layers: int, layer: int, n_kv: int, capacity: int, head_dim: int, dtype: str, gpu: bool):
+    """kv[layer, 0|1, h, slots[t], :] = k|v[t, h, :] for the T new tokens (in place)."""
+    width = n_kv * head_dim
+    threads = min(256, width)
+    rounds = (width + threads - 1) // threads
+    if gpu:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+            n = T.int64()
+            kv = T.match_buffer(kv_h, (n_layers, 2, n_kv, capacity, head_dim), dtype)
+            k = T.match_buffer(k_h, (n, n_kv, head_dim), dtype)
+            v = T.match_buffer(v_h, (n, n_kv, head_dim), dtype)
+            slots = T.match_buffer(slots_h, (n,), "int32")
+            with T.sblock("root"):
+                for t in T.thread_binding(n, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for r in range(rounds):
+                            if r * threads + tx < width:
+                                kv[layer, 0, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
+                                   (r * threads + tx) % head_dim] = k[t, (r * threads + tx) // head_dim,
+                                                                      (r * threads + tx) % head_dim]
+                                kv[layer, 1, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
+                                   (r * threads + tx) % head_dim] = v[t, (r * threads + tx) // head_dim,
+                                                                      (r * threads + tx) % head_dim]
+        return kernel
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        n = T.int64()
+        kv = T.match_buffer(kv_h, (n_layers, 2, n_kv, capacity, head_dim), dtype)
+        k = T.match_buffer(k_h, (n, n_kv, head_dim), dtype)
+        v = T.match_buffer(v_h, (n, n_kv, head_dim), dtype)
+        slots = T.match_buffer(slots_h, (n,), "int32")
+        with T.sblock("root"):
+            for t, h, x in T.grid(n, n_kv, head_dim):
+                kv[layer, 0, h, T.Cast("int64", slots[t]), x] = k[t, h, x]
+                kv[layer, 1, h, T.Cast("int64", slots[t]), x] = v[t, h, x]
+    return kernel
+
+
+def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool):
+    """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
+    (head, value column): S[:, j] lives in registers while the tokens stream by.
+
+    Inputs q, k (T, H, dk) normalized (q scaled), v (T, H, dv), g, beta (T, H), s0 (H, dk, dv),
+    all float32.  Outputs o (T, H, dv) and either the final state (H, dk, dv) or, with
+    ``keep_states``, the state after every token (T, H, dk, dv).
+    """
+    if gpu:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+                   s0_h: T.handle, o_h: T.handle, st_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+            n = T.int64()
+            q = T.match_buffer(q_h, (n, n_heads, dk), "float32")
+            k = T.match_buffer(k_h, (n, n_heads, dk), "float32")
+            v = T.match_buffer(v_h, (n, n_heads, dv), "float32")
+            g = T.match_buffer(g_h, (n, n_heads), "float32")
+            beta = T.match_buffer(b_h, (n, n_heads), "float32")
+            s0 = T.match_buffer(s0_h, (n_heads, dk, dv), "float32")
+            o = T.match_buffer(o_h, (n, n_heads, dv), "float32")
+            st = T.match_buffer(st_h, (n, n_heads, dk, dv) if keep_states else (n_heads, dk, dv), "float32")
+            with T.sblock("root"):
+                for h in T.thread_binding(n_heads, thread="blockIdx.x"):
+                    for j in T.thread_binding(dv, thread="threadIdx.x"):
+                        s = T.alloc_buffer((dk,), "float32", scope="local")
+                        acc = T.alloc_buffer((1,), "float32", scope="local")
+                        for i in range(dk):
+                            s[i] = s0[h, i, j]
+                        for t in range(n):
+                            acc[0] = T.float32(0)
+                            for i in range(dk):
+                                s[i] = s[i] * T.exp(g[t, h])
+                                acc[0] = acc[0] + k[t, h, i] * s[i]
+                            acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
+                            for i in range(dk):
+                                s[i] = s[i] + k[t, h, i] * acc[0]
+                            acc[0] = T.float32(0)
+                            for i in range(dk):
+                                acc[0] = acc[0] + q[t, h, i] * s[i]
+                            o[t, h, j] = acc[0]
+                            if keep_states:
+                                for i in range(dk):
+                                    st[t, h, i, j] = s[i]
+                        if not keep_states:
+                            for i in range(dk):
+                                st[h, i, j] = s[i]
+        return kernel
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+               s0_h: T.handle, o_h: T.handle, st_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        n = T.int64()
+        q = T.match_buffer(q_h, (n, n_heads, dk), "float32")
+        k = T.match_buffer(k_h, (n, n_heads, dk), "float32")
+        v = T.match_buffer(v_h, (n, n_heads, dv), "float32")
+        g = T.match_buffer(g_h, (n, n_heads), "float32")
+        beta = T.match_buffer(b_h, (n, n_heads), "float32")
+        s0 = T.match_buffer(s0_h, (n_heads, dk, dv), "float32")
+        o = T.match_buffer(o_h, (n, n_heads, dv), "float32")
+        st = T.match_buffer(st_h, (n, n_heads, dk, dv) if keep_states else (n_heads, dk, dv), "float32")
+        with T.sblock("root"):
+            for h in T.parallel(n_heads):
+                for j in range(dv):
+                    s = T.alloc_buffer((dk,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    for i in range(dk):
+                        s[i] = s0[h, i, j]
+                    for t in range(n):
+                        acc[0] = T.float32(0)
+                        for i in range(dk):
+                            s[i] = s[i] * T.exp(g[t, h])
+                            acc[0] = acc[0] + k[t, h, i] * s[i]
+                        acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
+                        for i in range(dk):
+                            s[i] = s[i] + k[t, h, i] * acc[0]
+                        acc[0] = T.float32(0)
+                        for i in range(dk):
+                            acc[0] = acc[0] + q[t, h, i] * s[i]
+                        o[t, h, j] = acc[0]
+                        if keep_states:
+                            for i in range(dk):
+                                st[t, h, i, j] = s[i]
+                    if not keep_states:
+                        for i in range(dk):
+                            st[h, i, j] = s[i]
+    return kernel
+
+
+def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
+    """out[t, c, :] = the K-1 conv inputs ending at token t: window[c, t+1 : t+K]."""
+    keep = kernel_size - 1
+    threads = min(256, channels)
+    rounds = (channels + threads - 1) // threads
+    if gpu:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel(w_h: T.handle, out_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+            n = T.int64()
+            window = T.match_buffer(w_h, (channels, n + keep), dtype)
+            out = T.match_buffer(out_h, (n, channels, keep), dtype)
+            with T.sblock("root"):
+                for t in T.thread_binding(n, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for r, j in T.grid(rounds, keep):
+                            if r * threads + tx < channels:
+                                out[t, r * threads + tx, j] = window[r * threads + tx, t + 1 + j]
+        return kernel
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(w_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        n = T.int64()
+        window = T.match_buffer(w_h, (channels, n + keep), dtype)
+        out = T.match_buffer(out_h, (n, channels, keep), dtype)
+        with T.sblock("root"):
+            for t, c, j in T.grid(n, channels, keep):
+                out[t, c, j] = window[c, t + 1 + j]
+    return kernel

@@ -1,0 +1,393 @@
+"""Lowering: every step of speculative decoding as Relax functions in one IRModule.
+
+For the target and the drafter (prefix ``target_`` / ``drafter_``):
+
+    prefill(tokens[T], positions[T], slots[T], mask[T, L], caches...)  -> logits[T, V], new states
+    decode (tokens[1], ...)                                              same, one token
+    verify (tokens[T], ...)  -> logits[T, V], the Gated DeltaNet conv / recurrent state after
+                                *every* token (so any accepted prefix can be kept)
+    commit (conv_states[T, ...], rec_states[T, ...], index[1])  -> the states after token index
+
+``positions`` are rotary positions, ``slots`` the KV-cache rows the new tokens are written to,
+and ``mask[t, j]`` says whether token t may attend cache row j < L: a chain is causal, a tree
+is ancestor-only, with the same functions.  The KV cache ``kv[A, 2, n_kv, S, d]`` (A attention
+layers) is written in place; recurrent states are values: ``conv[G, C, K-1]`` and
+``rec[G, H, dk, dv]`` (float32) for the G Gated DeltaNet layers.  Weights are function
+parameters (packed), named ``target.<Hugging Face name>``, so passes can transform them ahead
+of time.  The math follows `runtime.reference.model` line for line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax as rx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.core import wrap_nested
+
+from specpilot.compiler import kernels
+from specpilot.compiler.config import ModelConfig, cache_shapes
+
+
+def _apply(relax_op, x: Tensor) -> Tensor:
+    """A Relax operator the nn frontend does not wrap (cos, sin)."""
+    return wrap_nested(relax_op(x._expr), relax_op.__name__)
+
+
+def _slice(x: Tensor, axis: int, begin, end, name: str) -> Tensor:
+    return wrap_nested(rx.op.strided_slice(x._expr, axes=[axis], begin=[begin], end=[end], assume_inbound=True), name)
+
+
+class _Weight(nn.Module):
+    """A bare weight under its Hugging Face name (embed_tokens.weight, lm_head.weight, conv1d.weight)."""
+
+    def __init__(self, shape, dtype: str):
+        self.weight = nn.Parameter(shape, dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
+        self.weight = nn.Parameter((out_features, in_features), dtype)
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = op.matmul(x, op.permute_dims(self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered: bool, dtype: str):
+        self.weight = nn.Parameter((dim,), dtype)
+        self.eps, self.zero_centered, self.dtype = eps, zero_centered, dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = op.astype(x, "float32")
+        h = h / op.sqrt(op.sum(h * h, axis=-1, keepdims=True) / float(x.shape[-1]) + self.eps)
+        if self.zero_centered:  # Qwen3-Next / Qwen3.5: (x * (1 + w)) then cast
+            return op.astype(h * (op.astype(self.weight, "float32") + 1.0), self.dtype)
+        return op.astype(h, self.dtype) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        H, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj = Linear(H, I, b, dtype), Linear(H, I, b, dtype)
+        self.down_proj = Linear(I, H, b, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(op.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class StepInputs:
+    positions: Tensor
+    slots: Tensor
+    mask: Tensor
+    cos: Tensor
+    sin: Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_attn: int):
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.dtype, self.gpu, self.capacity, self.n_attn = cfg, dtype, gpu, capacity, n_attn
+        q_out = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)
+        self.q_proj = Linear(H, q_out, cfg.qkv_bias, dtype)
+        self.k_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
+        self.v_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(cfg.num_attention_heads * d, H, cfg.o_bias, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
+
+    def _rope(self, x: Tensor, s: StepInputs) -> Tensor:
+        rot, d = self.cfg.rotary_dim, self.cfg.head_dim
+        cos, sin = op.unsqueeze(s.cos, 1), op.unsqueeze(s.sin, 1)       # (T, 1, rot)
+        xr = _slice(x, 2, 0, rot, "rot") if rot < d else x
+        x1, x2 = _slice(xr, 2, 0, rot // 2, "x1"), _slice(xr, 2, rot // 2, rot, "x2")
+        rotated = op.concat([op.negative(x2), x1], dim=2)
+        out = xr * cos + rotated * sin
+        return op.concat([out, _slice(x, 2, rot, d, "pass")], dim=2) if rot < d else out
+
+    def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
+        cfg = self.cfg
+        T_, d, nh, nkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        q = self.q_proj(x)
+        gate = None
+        if cfg.attn_output_gate:
+            qg = op.reshape(q, (T_, nh, 2 * d))
+            q, gate = _slice(qg, 2, 0, d, "q"), op.reshape(_slice(qg, 2, d, 2 * d, "gate"), (T_, nh * d))
+        q = op.reshape(q, (T_, nh, d))
+        k = op.reshape(self.k_proj(x), (T_, nkv, d))
+        v = op.reshape(self.v_proj(x), (T_, nkv, d))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, s), self._rope(k, s)
+        kernel = kernels.kv_write(self.n_attn, layer, nkv, self.capacity, d, self.dtype, self.gpu)
+        kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots], [0],
+                                     Tensor.placeholder(kv.shape, self.dtype))
+        L = s.mask.shape[1]
+        own = _slice(_slice(kv, 0, layer, layer + 1, "layer_kv"), 3, 0, L, "live_kv")  # (1, 2, nkv, L, d)
+        keys = op.reshape(_slice(own, 1, 0, 1, "keys"), (nkv, L, d))
+        values = op.reshape(_slice(own, 1, 1, 2, "values"), (nkv, L, d))
+        if nh != nkv:
+            keys, values = op.repeat(keys, nh // nkv, axis=0), op.repeat(values, nh // nkv, axis=0)
+        scores = op.matmul(op.permute_dims(q, [1, 0, 2]), op.permute_dims(keys, [0, 2, 1])) * (d ** -0.5)
+        neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
+        scores = op.where(op.broadcast_to(op.unsqueeze(s.mask, 0), scores.shape), scores, neg)
+        probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
+        out = op.reshape(op.permute_dims(op.matmul(probs, values), [1, 0, 2]), (T_, nh * d))
+        if gate is not None:
+            out = out * op.sigmoid(gate)
+        return self.o_proj(out), kv
+
+
+def _index(i: int) -> Tensor:
+    return wrap_nested(rx.const([i], "int32"), "index")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool):
+        H = cfg.hidden_size
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.cfg, self.dtype, self.gpu = cfg, dtype, gpu
+        self.conv_dim = 2 * nk * dk + nv * dv
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            self.in_proj_qkvz = Linear(H, 2 * nk * dk + 2 * nv * dv, False, dtype)
+            self.in_proj_ba = Linear(H, 2 * nv, False, dtype)
+        else:
+            self.in_proj_qkv = Linear(H, self.conv_dim, False, dtype)
+            self.in_proj_z = Linear(H, nv * dv, False, dtype)
+            self.in_proj_b = Linear(H, nv, False, dtype)
+            self.in_proj_a = Linear(H, nv, False, dtype)
+        self.conv1d = _Weight((self.conv_dim, 1, K), dtype)
+        self.dt_bias = nn.Parameter((nv,), dtype)
+        self.A_log = nn.Parameter((nv,), dtype)
+        self.norm = RMSNorm(dv, cfg.rms_norm_eps, False, dtype)
+        self.out_proj = Linear(nv * dv, H, False, dtype)
+
+    def _projections(self, x: Tensor):
+        cfg = self.cfg
+        T_, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            qkvz = op.reshape(self.in_proj_qkvz(x), (T_, nk, 2 * dk + 2 * r * dv))
+            q = _slice(qkvz, 2, 0, dk, "q")
+            k = _slice(qkvz, 2, dk, 2 * dk, "k")
+            v = _slice(qkvz, 2, 2 * dk, 2 * dk + r * dv, "v")
+            z = _slice(qkvz, 2, 2 * dk + r * dv, 2 * dk + 2 * r * dv, "z")
+            ba = op.reshape(self.in_proj_ba(x), (T_, nk, 2 * r))
+            b, a = _slice(ba, 2, 0, r, "b"), _slice(ba, 2, r, 2 * r, "a")
+            mixed = op.concat([op.reshape(q, (T_, nk * dk)), op.reshape(k, (T_, nk * dk)),
+                               op.reshape(v, (T_, nv * dv))], dim=1)
+            return mixed, op.reshape(z, (T_, nv, dv)), op.reshape(b, (T_, nv)), op.reshape(a, (T_, nv))
+        return (self.in_proj_qkv(x), op.reshape(self.in_proj_z(x), (T_, nv, dv)),
+                self.in_proj_b(x), self.in_proj_a(x))
+
+    def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor, keep_states: bool):
+        """conv_state (C, K-1), rec_state (H, dk, dv) -> out, and the new states (final, or per token)."""
+        cfg = self.cfg
+        T_, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        C = self.conv_dim
+        mixed, z, b, a = self._projections(x)
+        window = op.concat([conv_state, op.permute_dims(mixed)], dim=1)                 # (C, K-1+T)
+        conv = op.conv1d(op.unsqueeze(window, 0), self.conv1d.weight, groups=C)          # (1, C, T)
+        mixed = op.permute_dims(op.silu(op.squeeze(conv, 0)))                             # (T, C)
+        q = op.astype(op.reshape(_slice(mixed, 1, 0, nk * dk, "q"), (T_, nk, dk)), "float32")
+        k = op.astype(op.reshape(_slice(mixed, 1, nk * dk, 2 * nk * dk, "k"), (T_, nk, dk)), "float32")
+        v = op.astype(op.reshape(_slice(mixed, 1, 2 * nk * dk, C, "v"), (T_, nv, dv)), "float32")
+        if nv != nk:
+            q, k = op.repeat(q, nv // nk, axis=1), op.repeat(k, nv // nk, axis=1)
+        q = q / op.sqrt(op.sum(q * q, axis=-1, keepdims=True) + 1e-6) * (dk ** -0.5)
+        k = k / op.sqrt(op.sum(k * k, axis=-1, keepdims=True) + 1e-6)
+        beta = op.sigmoid(op.astype(b, "float32"))
+        g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
+            op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
+        kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu)
+        state_shape = (T_, nv, dk, dv) if keep_states else (nv, dk, dv)
+        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", [q, k, v, g, beta, rec_state],
+                                     [Tensor.placeholder((T_, nv, dv), "float32"),
+                                      Tensor.placeholder(state_shape, "float32")])
+        if keep_states:
+            new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu), "conv_window_states",
+                                       [window], Tensor.placeholder((T_, C, K - 1), self.dtype))
+        else:
+            new_conv = _slice(window, 1, T_, T_ + K - 1, "conv_tail")
+        o = self.norm(op.astype(o, self.dtype))
+        o = op.astype(op.astype(o, "float32") * op.silu(op.astype(z, "float32")), self.dtype)
+        return self.out_proj(op.reshape(o, (T_, nv * dv))), new_conv, new_rec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_attn: int):
+        eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
+        if kind == "full_attention":
+            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_attn)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, gpu)
+        self.mlp = MLP(cfg, dtype)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int):
+        n_attn = cfg.layer_types.count("full_attention")
+        self.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_attn)
+                                     for kind in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
+
+
+class CausalLM(nn.Module):
+    """One model's step functions; parameter names are its Hugging Face names."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int):
+        self.cfg, self.dtype, self.capacity = cfg, dtype, capacity
+        self.model = Backbone(cfg, dtype, gpu, capacity)
+        self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype) if not cfg.tie_word_embeddings else None
+        self.rope_inv_freq = nn.Parameter((len(range(0, int(cfg.head_dim * cfg.partial_rotary_factor), 2)),),
+                                          "float32")
+
+    @property
+    def n_attn(self) -> int:
+        return self.cfg.layer_types.count("full_attention")
+
+    @property
+    def n_gdn(self) -> int:
+        return self.cfg.layer_types.count("linear_attention")
+
+    def step(self, tokens, positions, slots, mask, kv, conv, rec, keep_states: bool):
+        cfg = self.cfg
+        freqs = op.matmul(op.unsqueeze(op.astype(positions, "float32"), 1), op.unsqueeze(self.rope_inv_freq, 0))
+        emb = op.concat([freqs, freqs], dim=1)
+        s = StepInputs(positions, slots, mask, op.astype(_apply(rx.op.cos, emb), self.dtype), op.astype(_apply(rx.op.sin, emb), self.dtype))
+        h = op.take(self.model.embed_tokens.weight, tokens, axis=0)
+        convs, recs, a, g = [], [], 0, 0
+        for layer, kind in zip(self.model.layers, cfg.layer_types):
+            x = layer.input_layernorm(h)
+            if kind == "full_attention":
+                x, kv = layer.self_attn(x, s, kv, a)
+                a += 1
+            else:
+                conv_g = op.squeeze(_slice(conv, 0, g, g + 1, "conv_state"), 0)
+                rec_g = op.squeeze(_slice(rec, 0, g, g + 1, "rec_state"), 0)
+                x, c_new, r_new = layer.linear_attn(x, conv_g, rec_g, keep_states)
+                convs.append(c_new)
+                recs.append(r_new)
+                g += 1
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h)
+        head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
+        logits = op.astype(op.matmul(h, op.permute_dims(head)), "float32")
+        outputs = [logits]
+        if self.n_gdn:
+            axis = 1 if keep_states else 0   # per-token states: (T, G, ...), final: (G, ...)
+            outputs += [op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
+                        op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
+        return tuple(outputs) if len(outputs) > 1 else logits
+
+    def commit(self, conv_states, rec_states, index):
+        """The recurrent states after token ``index`` of a verify pass."""
+        return (op.squeeze(op.take(conv_states, index, axis=0), 0), op.squeeze(op.take(rec_states, index, axis=0), 0))
+
+    # the exported entry points; the cache arguments exist only where the model has such layers
+    def prefill(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.step(tokens, positions, slots, mask, kv, conv, rec, keep_states=False)
+
+    def verify(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.step(tokens, positions, slots, mask, kv, conv, rec, keep_states=True)
+
+
+class Deployment(nn.Module):
+    """The target and (for model drafters) the drafter; each method is one exported function."""
+
+    def __init__(self, target: CausalLM, drafter: CausalLM | None):
+        self.target, self.drafter = target, drafter
+
+    def target_prefill(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.target.prefill(tokens, positions, slots, mask, kv, conv, rec)
+
+    def target_decode(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.target.prefill(tokens, positions, slots, mask, kv, conv, rec)
+
+    def target_verify(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.target.verify(tokens, positions, slots, mask, kv, conv, rec)
+
+    def target_commit(self, conv_states, rec_states, index):
+        return self.target.commit(conv_states, rec_states, index)
+
+    def drafter_prefill(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.drafter.prefill(tokens, positions, slots, mask, kv, conv, rec)
+
+    def drafter_decode(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.drafter.prefill(tokens, positions, slots, mask, kv, conv, rec)
+
+    def drafter_verify(self, tokens, positions, slots, mask, kv, conv, rec):
+        return self.drafter.verify(tokens, positions, slots, mask, kv, conv, rec)
+
+    def drafter_commit(self, conv_states, rec_states, index):
+        return self.drafter.commit(conv_states, rec_states, index)
+
+
+def _share_parameters(drafter: CausalLM, target: CausalLM) -> None:
+    """An early-exit drafter reads the target's own weights: point its parameters at them."""
+    target_params = dict(target.named_parameters())
+    for name, _ in list(drafter.named_parameters()):
+        *path, leaf = name.split(".")
+        owner = drafter
+        for part in path:
+            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        setattr(owner, leaf, target_params[name])
+
+
+def _step_spec(cfg: ModelConfig, capacity: int, dtype: str, tokens) -> dict:
+    caches = cache_shapes(cfg, capacity, dtype)
+    absent = nn.spec.Tensor([1], "float32")   # a model without such layers takes a placeholder
+    return {
+        "tokens": nn.spec.Tensor([tokens], "int32"),
+        "positions": nn.spec.Tensor([tokens], "int32"),
+        "slots": nn.spec.Tensor([tokens], "int32"),
+        "mask": nn.spec.Tensor([tokens, "kv_len"], "bool"),
+        "kv": nn.spec.Tensor(*caches["kv"]) if "kv" in caches else absent,
+        "conv": nn.spec.Tensor(*caches["conv"]) if "conv" in caches else absent,
+        "rec": nn.spec.Tensor(*caches["rec"]) if "rec" in caches else absent,
+        "$": {"param_mode": "packed", "effect_mode": "none"},
+    }
+
+
+def _commit_spec(cfg: ModelConfig, capacity: int, dtype: str) -> dict:
+    caches = cache_shapes(cfg, capacity, dtype)
+    (conv_shape, conv_dtype), (rec_shape, _) = caches["conv"], caches["rec"]
+    return {
+        "conv_states": nn.spec.Tensor(["n", *conv_shape], conv_dtype),
+        "rec_states": nn.spec.Tensor(["n", *rec_shape], "float32"),
+        "index": nn.spec.Tensor([1], "int32"),
+        "$": {"param_mode": "none", "effect_mode": "none"},
+    }
+
+
+def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
+                     gpu: bool, drafter_shares_target: bool = False):
+    """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
+    ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once."""
+    target = CausalLM(target_cfg, dtype, gpu, capacity)
+    drafter = CausalLM(drafter_cfg, dtype, gpu, capacity) if drafter_cfg is not None else None
+    if drafter is not None and drafter_shares_target:
+        _share_parameters(drafter, target)
+    spec = {}
+    for prefix, model, cfg in (("target", target, target_cfg), ("drafter", drafter, drafter_cfg)):
+        if model is None:
+            continue
+        spec[f"{prefix}_prefill"] = _step_spec(cfg, capacity, dtype, "n")
+        spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, dtype, 1)
+        spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, dtype, "n")
+        if model.n_gdn:
+            spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, dtype)
+    mod, params = Deployment(target, drafter).export_tvm(spec=spec)
+    return mod, [name for name, _ in params]

@@ -1,0 +1,233 @@
+"""The engine for compiled builds: loads ``build/model.so`` with the TVM runtime alone (no
+compiler) and drives its step functions with the same interface as the reference model, so
+the decoding loops in `runtime.decoding` run unchanged on either.
+
+Device state per sequence: the KV cache (written in place by the step functions), and for
+Gated DeltaNet layers the conv / recurrent states (values: each call returns new ones).  A
+verify pass returns the states after every token; ``truncate`` keeps the accepted prefix by
+calling the build's ``commit`` function.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specpilot.compiler.config import ModelConfig, cache_shapes
+from specpilot.errors import SpecPilotError
+
+BUILD_FORMAT = "specpilot-build"
+
+
+def _import_tvm_runtime(gpu: bool):
+    """tvm without needing its compiler; on GPUs also load the CUDA runtime library."""
+    import tvm
+
+    if gpu and not tvm.cuda(0).exist:
+        try:
+            import tvm_ffi
+            tvm_ffi.libinfo.load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_LOCAL",
+                                            extra_lib_paths=tvm.libinfo.package_lib_paths())
+        except Exception as e:  # the loader raises whatever dlopen reports
+            raise SpecPilotError(f"cannot load TVM's CUDA runtime ({e})") from None
+        if not tvm.cuda(0).exist:
+            raise SpecPilotError("this build is for CUDA but no CUDA device is visible")
+    return tvm
+
+
+def read_manifest(build_dir: Path) -> dict:
+    path = Path(build_dir) / "manifest.json"
+    if not path.is_file():
+        raise SpecPilotError(f"{build_dir}: not a build directory (no manifest.json); run `specpilot compile` first")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecPilotError(f"{path}: not valid JSON ({e.msg})") from None
+    if manifest.get("format") != BUILD_FORMAT:
+        raise SpecPilotError(f"{path}: not a SpecPilot build manifest")
+    return manifest
+
+
+class CompiledModule:
+    """One loaded build: the VM, the parameters on the device, the function table."""
+
+    def __init__(self, build_dir: Path, verify_hashes: bool = True):
+        self.dir = Path(build_dir)
+        self.manifest = read_manifest(self.dir)
+        gpu = self.manifest["target_kind"] == "cuda"
+        tvm = _import_tvm_runtime(gpu)
+        self.tvm = tvm
+        self.device = tvm.cuda(0) if gpu else tvm.cpu(0)
+        if verify_hashes:
+            self._check_hashes()
+        try:
+            lib = tvm.runtime.load_module(str(self.dir / "model.so"))
+        except Exception as e:  # TVM raises its own error types for unloadable libraries
+            raise SpecPilotError(f"{self.dir / 'model.so'}: cannot load ({str(e).splitlines()[0]})") from None
+        self.vm = lib["vm_load_executable"]()
+        dev_type, dev_id = self.device.dlpack_device_type(), self.device.index
+        cpu = tvm.cpu(0)
+        self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
+        self.params = self._load_params()
+        self.functions = {name: self.vm[name] for name in self.manifest["functions"]}
+
+    def _check_hashes(self) -> None:
+        from specpilot.compiler.weights import file_digest
+        for rel, digest in self.manifest["hashes"].items():
+            path = self.dir / rel
+            if not path.is_file():
+                raise SpecPilotError(f"{path}: missing from the build")
+            if file_digest(path) != digest:
+                raise SpecPilotError(f"{path}: content hash differs from manifest.json (corrupt or modified build)")
+
+    def _load_params(self):
+        from safetensors.torch import load_file
+        stored = load_file(str(self.dir / "params" / "params.safetensors"))
+        aliases = self.manifest["aliases"]
+        on_device = {}
+        for name, tensor in stored.items():
+            host = self.tvm.runtime.from_dlpack(tensor.clone())   # safetensors data may be unaligned
+            on_device[name] = host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
+        try:
+            return [on_device[aliases.get(name, name)] for name in self.manifest["params"]]
+        except KeyError as e:
+            raise SpecPilotError(f"{self.dir}: parameter {e} listed in manifest.json is missing") from None
+
+    def empty(self, shape, dtype: str):
+        return self.tvm.runtime.empty(shape, dtype, self.device)
+
+    def tensor(self, array: np.ndarray):
+        return self.tvm.runtime.tensor(array, self.device)
+
+    def model(self, which: str) -> "CompiledModel":
+        if which not in self.manifest["models"]:
+            raise SpecPilotError(f"{self.dir}: the build has no {which} model")
+        return CompiledModel(self, which)
+
+    def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
+        """The build's own weights under Hugging Face names, for the stock reference."""
+        from safetensors.torch import load_file
+        stored = load_file(str(self.dir / "params" / "params.safetensors"))
+        aliases = self.manifest["aliases"]
+        prefix = which + "."
+        return {name[len(prefix):]: stored[aliases.get(name, name)] for name in self.manifest["params"]
+                if name.startswith(prefix) and not name.endswith("rope_inv_freq")}
+
+
+@dataclass
+class _Pass:
+    start: int
+    length: int
+    conv_states: object       # (T, G, C, K-1) on the device
+    rec_states: object        # (T, G, H, dk, dv)
+    conv_before: object
+    rec_before: object
+
+
+class CompiledState:
+    def __init__(self, model: "CompiledModel", module: CompiledModule, cfg: ModelConfig, capacity: int, dtype: str):
+        self.model, self.capacity, self.length = model, capacity, 0
+        placeholder = module.tensor(np.zeros((1,), "float32"))
+        shapes = cache_shapes(cfg, capacity, dtype)
+        self.kv = module.tensor(np.zeros(shapes["kv"][0], _np_dtype(dtype))) if "kv" in shapes else placeholder
+        self.conv = module.tensor(np.zeros(shapes["conv"][0], _np_dtype(dtype))) if "conv" in shapes else placeholder
+        self.rec = module.tensor(np.zeros(shapes["rec"][0], "float32")) if "rec" in shapes else placeholder
+        self.history: list[_Pass] = []
+
+    def check_room(self, n_new: int) -> None:
+        if self.length + n_new > self.capacity:
+            raise SpecPilotError(f"sequence of {self.length + n_new} tokens exceeds deployment.max_seq_len="
+                                 f"{self.capacity}; raise it in the spec or ask for fewer tokens")
+
+    def snapshot(self):
+        return (self.length, self.conv, self.rec)
+
+    def restore(self, snap) -> None:
+        self.length, self.conv, self.rec = snap
+        self.history.clear()
+
+    def drop_history(self) -> None:
+        self.history.clear()
+
+    def truncate(self, length: int) -> None:
+        self.model.truncate(self, length)
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+class CompiledModel:
+    """`ReferenceModel`'s interface over a build's ``<which>_*`` functions."""
+
+    def __init__(self, module: CompiledModule, which: str):
+        self.module, self.which = module, which
+        self.cfg = ModelConfig.from_dict(module.manifest["models"][which])
+        self.dtype = module.manifest["dtype"]
+        self.capacity = module.manifest["capacity"]
+        self.has_gdn = self.cfg.is_hybrid
+        fns = module.functions
+        self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
+        self._commit = fns.get(f"{which}_commit")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def new_state(self, capacity: int) -> CompiledState:
+        if capacity > self.capacity:
+            raise SpecPilotError(f"capacity {capacity} exceeds the build's max_seq_len {self.capacity}")
+        return CompiledState(self, self.module, self.cfg, self.capacity, self.dtype)
+
+    def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False):
+        tokens = np.asarray(tokens, dtype="int32").reshape(-1)
+        T, start = tokens.shape[0], state.length
+        state.check_room(T)
+        slots = np.arange(start, start + T, dtype="int32")
+        positions = slots if positions is None else np.asarray(positions, dtype="int32")
+        if attn_mask is None:
+            mask = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
+        else:
+            mask = np.asarray(attn_mask, dtype=bool)
+        m = self.module
+        args = [m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), state.kv, state.conv, state.rec]
+        fn = self._verify if record else (self._decode if T == 1 else self._prefill)
+        out = fn(*args, m.params)
+        logits = out[0] if self.has_gdn else out
+        if self.has_gdn:
+            if record:
+                conv_states, rec_states = out[1], out[2]
+                state.history.append(_Pass(start, T, conv_states, rec_states, state.conv, state.rec))
+                state.conv, state.rec = self._commit(conv_states, rec_states, m.tensor(np.array([T - 1], "int32")))
+            else:
+                state.conv, state.rec = out[1], out[2]
+        state.length = start + T
+        return torch.from_numpy(logits.numpy())
+
+    def truncate(self, state: CompiledState, length: int) -> None:
+        if length == state.length:
+            return
+        if not 0 <= length < state.length:
+            raise SpecPilotError(f"cannot truncate a state of length {state.length} to {length}")
+        if self.has_gdn:
+            for p in state.history:
+                if length == p.start:
+                    state.conv, state.rec = p.conv_before, p.rec_before
+                    break
+                if p.start < length <= p.start + p.length:
+                    index = self.module.tensor(np.array([length - p.start - 1], "int32"))
+                    state.conv, state.rec = self._commit(p.conv_states, p.rec_states, index)
+                    break
+            else:
+                raise SpecPilotError(f"recurrent state at length {length} was not recorded; "
+                                     "run the pass with record=True or restore a snapshot")
+            state.history = [p for p in state.history if p.start < length]
+        state.length = length
