@@ -20,13 +20,17 @@ DEFAULT_PROMPTS = (
 
 
 def _load_system(spec_or_build: str):
-    from specpilot.compiler.spec import load_spec
-    from specpilot.runtime.stock import StockSystem
+    from specpilot.runtime.systems import load_system
+    return load_system(spec_or_build)
 
-    path = Path(spec_or_build)
-    if path.is_dir():
-        raise SpecPilotError(f"{path} is a directory; give a model.yaml (compiled builds are not supported yet)")
-    return StockSystem(load_spec(path))
+
+def _default_engine(spec_or_build: str, engine: str | None) -> str:
+    if engine is not None:
+        return engine
+    return "compiled-spec" if Path(spec_or_build).is_dir() else "stock-spec"
+
+
+ENGINES = ["stock", "stock-spec", "compiled", "compiled-spec"]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -82,7 +86,8 @@ def cli():
 @click.option("--prompt", help="prompt text (tokenized with the target's tokenizer)")
 @click.option("--prompt-ids", help="prompt as comma-separated token ids")
 @click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
-@click.option("--engine", type=click.Choice(["stock", "stock-spec"]), default="stock-spec", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINES), default=None,
+              help="default: compiled-spec for a build directory, stock-spec for a spec")
 @click.option("--ignore-eos", is_flag=True, help="keep generating past end-of-sequence tokens")
 @click.option("--record-lattices", type=click.Path(dir_okay=False, path_type=Path),
               help="write every drafter lattice to this JSONL file")
@@ -91,9 +96,10 @@ def cli():
 @click.option("--json", "as_json", is_flag=True)
 def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, record_lattices,
              replay_lattices, as_json):
-    """Generate greedily from a prompt with a stock engine."""
+    """Generate greedily from a prompt (a spec: stock engines; a build directory: compiled ones too)."""
     if (prompt is None) == (prompt_ids is None):
         raise SpecPilotError("give exactly one of --prompt or --prompt-ids")
+    engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else system.tokenizer.encode(prompt)
     gen = system.generate(engine, ids, max_new_tokens, stop_at_eos=not ignore_eos,
@@ -115,8 +121,9 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
 @click.option("--requests", type=click.Path(dir_okay=False, path_type=Path),
               help="JSONL, one request per line: {\"prompt\": ...} or {\"prompt_ids\": [...]}")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
-@click.option("--engine", type=click.Choice(["stock", "stock-spec"]), default="stock-spec", show_default=True,
-              help="the system under test; stock is always greedy autoregressive decoding")
+@click.option("--engine", type=click.Choice(ENGINES), default=None,
+              help="the system under test (default: compiled-spec for a build directory, stock-spec for a "
+                   "spec); stock is always the reference's greedy autoregressive decoding")
 @click.option("--tie-tolerance", type=click.FloatRange(0), default=None,
               help="excuse mismatches where stock's top-2 logit margin is below this "
                    "(default 0 in float32, 0.1 in bfloat16/float16)")
@@ -129,9 +136,10 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     """Token forcing: check the system under test against stock greedy decoding."""
     from specpilot.runtime.forcing import force_requests, runner_up_fault
 
+    engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
     if tie_tolerance is None:
-        tie_tolerance = 0.0 if system.spec.deployment.dtype == "float32" else 0.1
+        tie_tolerance = 0.0 if system.dtype == "float32" else 0.1
     hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
     stock_runs, system_runs = [], []
     for ids, limit in _read_requests(requests, system, max_new_tokens):
@@ -161,9 +169,78 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     sys.exit(0 if report.passed else 1)
 
 
+@cli.command("compile")
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", "target_text", default="llvm", show_default=True,
+              help="llvm | 'cuda -arch=sm_XX [-device=NAME]' | TVM JSON {\"kind\": \"cuda\", \"arch\": ...}")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("build"),
+              show_default=True)
+@click.option("--passes", default="", help="pipeline text; overrides the spec's passes")
+@click.option("--print-ir-after", help="print the IR after this stage (lower, relax-pipeline, a pass) or 'all'")
+@click.option("--dump-ir", type=click.Path(file_okay=False, path_type=Path), help="write the IR after every stage here")
+@click.option("--json", "as_json", is_flag=True)
+def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, as_json):
+    """Lower a spec to TVM, apply the pipeline, build and export to a directory."""
+    import os
+
+    from rich.console import Console
+
+    from specpilot.compiler.build import build, cuda_runtime_loadable, cuda_stub_env
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+
+    target = parse_target(target_text)
+    loaded_spec = load_spec(spec)
+    if target.is_gpu and not cuda_runtime_loadable() and not os.environ.get("SPECPILOT_CUDA_STUB"):
+        # TVM embeds device code only when its CUDA runtime loads: re-run with a stub driver
+        env = cuda_stub_env()
+        os.execve(sys.executable, [sys.executable, "-m", "specpilot.cli", *sys.argv[1:]], env)
+    console = Console(stderr=True, quiet=as_json)
+    with console.status("compiling") as status:
+        manifest = build(loaded_spec, target, output, passes, print_ir_after, dump_ir,
+                         progress=lambda message: status.update(message))
+    summary = {"output": str(output), "target": manifest["target"], "functions": manifest["functions"],
+               "pipeline": manifest["pipeline"], "build_seconds": manifest["build_seconds"]}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"built {output} for {manifest['target']} in {manifest['build_seconds']} s: "
+                   f"{', '.join(manifest['functions'])}")
+
+
+@cli.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--prompt", help="prompt text")
+@click.option("--prompt-ids", help="prompt as comma-separated token ids")
+@click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
+@click.option("--engine", type=click.Choice(["compiled", "compiled-spec"]), default="compiled-spec",
+              show_default=True)
+@click.option("--ignore-eos", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def run(ctx, build_dir, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, as_json):
+    """Generate with a compiled build (the TVM runtime drives its step functions)."""
+    if not build_dir.is_dir():
+        raise SpecPilotError(f"{build_dir}: not a build directory; run `specpilot compile` first")
+    ctx.invoke(generate, spec_or_build=str(build_dir), prompt=prompt, prompt_ids=prompt_ids,
+               max_new_tokens=max_new_tokens, engine=engine, ignore_eos=ignore_eos, record_lattices=None,
+               replay_lattices=None, as_json=as_json)
+
+
+def _join_target_flags(argv: list[str]) -> list[str]:
+    """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
+    out: list[str] = []
+    for arg in argv:
+        if arg.startswith(("-arch=", "-device=")) and len(out) >= 2 and out[-2] == "--target":
+            out[-1] = f"{out[-1]} {arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main() -> None:
     try:
-        cli(standalone_mode=False)
+        cli(args=_join_target_flags(sys.argv[1:]), prog_name="specpilot", standalone_mode=False)
     except SpecPilotError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -86,9 +86,9 @@ def test_bad_generate_arguments(run_cli, args, message):
     assert code == 2 and message in err and "Traceback" not in err
 
 
-def test_build_directory_is_refused_clearly(run_cli, tmp_path):
+def test_directory_without_a_build_is_refused_clearly(run_cli, tmp_path):
     code, _, err = run_cli("generate", tmp_path, "--prompt-ids", "1")
-    assert code == 2 and "is a directory; give a model.yaml" in err
+    assert code == 2 and "not a build directory (no manifest.json)" in err
 
 
 def test_console_script_runs_as_a_process():

@@ -17,22 +17,22 @@ SPEC = Path(__file__).resolve().parents[3] / "examples" / "smollm2.yaml"
 
 @pytest.fixture(scope="module")
 def system():
-    from specpilot.compiler.spec import load_spec
-    from specpilot.runtime.stock import StockSystem
-    return StockSystem(load_spec(SPEC))
+    from specpilot.runtime.systems import load_system
+    return load_system(SPEC)
 
 
 def test_parity_with_transformers(system):
     transformers = pytest.importorskip("transformers")
     from specpilot.compiler.weights import gguf_to_checkpoint
-    spec = system.spec
+    from specpilot.compiler.spec import load_spec
+    spec = load_spec(SPEC)
     directory = gguf_to_checkpoint(spec.resolve(spec.target.gguf, "target.gguf"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = system.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0]
-        state = system.target.new_state(512)
-        got = system.target.forward(prompt, state)
+        state = system.engines['stock'].model.new_state(512)
+        got = system.engines['stock'].model.forward(prompt, state)
         rel = ((got - want).abs().max() / want.abs().max()).item()
         print(f"\nSmolLM2-135M prefill logits: max relative difference {rel:.2e}")
         assert rel < 1e-4

@@ -1,0 +1,123 @@
+"""Systems that generate: a target, a drafter, a tokenizer, and the engines that drive them.
+
+- from a spec: ``stock`` (greedy autoregressive on the PyTorch reference) and ``stock-spec``
+  (chain speculative decoding on the reference);
+- from a build directory: the same two stock engines on the build's own weights, plus
+  ``compiled`` and ``compiled-spec`` running the compiled module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specpilot.errors import SpecPilotError
+from specpilot.runtime.decoding import Generation, autoregressive, speculative
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
+from specpilot.runtime.reference.model import ReferenceModel
+from specpilot.runtime.tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Engine:
+    model: object                                # ReferenceModel or CompiledModel
+    drafter: Callable[[], object] | None = None  # builds a fresh drafter; None: autoregressive
+
+
+class System:
+    def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
+                 eos_ids: tuple[int, ...], dtype: str):
+        self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
+        self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
+        self._drafters: dict[str, object] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engines["stock"].model.vocab_size
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise SpecPilotError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise SpecPilotError(f"prompt token {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def generate(self, engine: str, prompt: list[int], max_new: int, force=None, logits_hook=None,
+                 stop_at_eos: bool = False, record_lattices: Path | None = None,
+                 replay_lattices: Path | None = None) -> Generation:
+        if engine not in self.engines:
+            raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
+        self.check_prompt(prompt)
+        if len(prompt) + max_new > self.capacity:
+            raise SpecPilotError(f"prompt ({len(prompt)}) + max new tokens ({max_new}) exceeds "
+                                 f"deployment.max_seq_len={self.capacity}")
+        stop_ids = self.eos_ids if stop_at_eos else ()
+        e = self.engines[engine]
+        if e.drafter is None:
+            return autoregressive(e.model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
+        if engine not in self._drafters:
+            self._drafters[engine] = e.drafter()
+        drafter = ReplayDrafter(replay_lattices) if replay_lattices else self._drafters[engine]
+        if record_lattices:
+            drafter = LatticeRecorder(drafter, record_lattices, prompt)
+        try:
+            return speculative(e.model, drafter, prompt, max_new, self.draft_len, self.capacity,
+                               force, logits_hook, stop_ids)
+        finally:
+            if record_lattices:
+                drafter.close()
+
+
+def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int, min_ngram: int):
+    if kind == "ngram":
+        return lambda: NGramDrafter(max_ngram, min_ngram, top_k)
+    return lambda: ModelDrafter(model, top_k, capacity, name=kind)
+
+
+def from_spec(spec) -> System:
+    from specpilot.compiler.loader import load_models
+
+    dtype = DTYPES[spec.deployment.dtype]
+    target, drafter = load_models(spec)
+    capacity, d = spec.deployment.max_seq_len, spec.drafter
+    reference = ReferenceModel(target.cfg, target.weights, dtype)
+    draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
+    make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram)
+    engines = {"stock": Engine(reference), "stock-spec": Engine(reference, make)}
+    return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
+                  d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype)
+
+
+def from_build(build_dir: Path) -> System:
+    from specpilot.compiler.config import ModelConfig
+    from specpilot.runtime.engine import CompiledModule
+
+    module = CompiledModule(build_dir)
+    m = module.manifest
+    dtype, capacity, d = DTYPES[m["dtype"]], m["capacity"], m["drafter"]
+    refs = {which: ReferenceModel(ModelConfig.from_dict(m["models"][which]), module.reference_weights(which), dtype)
+            for which in m["models"]}
+    compiled = {which: module.model(which) for which in m["models"]}
+    ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"])
+    cmp_make = _drafter_factory(d["kind"], compiled.get("drafter"), d["top_k"], capacity, d["max_ngram"],
+                                d["min_ngram"])
+    engines = {"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
+               "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)}
+    tok = Path(build_dir) / m["tokenizer"] if m.get("tokenizer") else None
+    cfg = refs["target"].cfg
+    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, d["draft_len"],
+                  tuple(cfg.eos_token_ids), m["dtype"])
+
+
+def load_system(spec_or_build: str | Path) -> System:
+    path = Path(spec_or_build)
+    if path.is_dir():
+        return from_build(path)
+    from specpilot.compiler.spec import load_spec
+    return from_spec(load_spec(path))
