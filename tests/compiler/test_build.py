@@ -1,0 +1,136 @@
+"""Compiled builds on the CPU (--target llvm, fp32): every architecture's compiled
+autoregressive and compiled speculative decoding pass token forcing exactly against the
+stock reference, and a build loads with the TVM runtime alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specpilot.compiler.build import build
+from specpilot.compiler.spec import load_spec
+from specpilot.compiler.target import parse_target
+from specpilot.errors import SpecPilotError
+from specpilot.runtime.forcing import force_requests
+from specpilot.runtime.systems import from_build
+from tests.conftest import TINY_CONFIGS
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAFTERS = {  # every drafter kind is covered by some architecture
+    "LlamaForCausalLM": {"kind": "model", "architecture": "LlamaForCausalLM",
+                         "config": {**TINY_CONFIGS["LlamaForCausalLM"], "num_hidden_layers": 1}, "init": {"seed": 5}},
+    "Qwen2ForCausalLM": {"kind": "ngram"},
+    "Qwen3ForCausalLM": {"kind": "early-exit", "layers": 2},
+    "Qwen3NextForCausalLM": {"kind": "early-exit", "layers": 3},
+    "Qwen3_5ForCausalLM": {"kind": "model", "architecture": "Qwen3_5ForCausalLM",
+                           "config": {**TINY_CONFIGS["Qwen3_5ForCausalLM"], "num_hidden_layers": 2,
+                                      "layer_types": ["linear_attention", "full_attention"]}, "init": {"seed": 5}},
+}
+PROMPTS = [[(11 * i + 3 * r) % 301 for i in range(9 + 4 * r)] for r in range(3)]
+
+
+def _spec(tmp_path, arch):
+    data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
+            "drafter": {**DRAFTERS[arch], "draft_len": 4, "top_k": 3},
+            "deployment": {"dtype": "float32", "max_seq_len": 400}}
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_spec(path)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def built(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    spec = _spec(tmp, request.param)
+    manifest = build(spec, parse_target("llvm"), tmp / "build")
+    return tmp / "build", manifest
+
+
+def test_manifest_and_functions(built):
+    out, manifest = built
+    assert (out / "model.so").is_file() and (out / "params" / "params.safetensors").is_file()
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == manifest
+    hybrid = manifest["models"]["target"]["layer_types"].count("linear_attention") > 0
+    for fn in ("prefill", "decode", "verify"):
+        assert f"target_{fn}" in manifest["functions"]
+    assert ("target_commit" in manifest["functions"]) == hybrid
+    assert manifest["versions"]["apache-tvm"] == "0.27.0.post1"
+    assert set(manifest["hashes"]) == {"model.so", "params/params.safetensors"}
+
+
+@pytest.mark.parametrize("engine", ["compiled", "compiled-spec"])
+def test_compiled_token_forcing_256_exact(built, engine):
+    out, _ = built
+    system = from_build(out)
+    stock_runs, runs = [], []
+    for prompt in PROMPTS:
+        stock = system.generate("stock", prompt, 256)
+        stock_runs.append(stock)
+        runs.append(system.generate(engine, prompt, 256, force=stock.tokens))
+    report = force_requests(stock_runs, runs, tie_tolerance=0.0)
+    assert report.passed, report.first_divergence
+    assert report.positions == 3 * 256 and not report.excused
+    if engine == "compiled-spec":   # and unforced it generates stock's tokens
+        assert system.generate(engine, PROMPTS[0], 96).tokens == stock_runs[0].tokens[:96]
+
+
+def test_runtime_only_load(built):
+    """A fresh process with TVM forced onto its runtime library (no compiler) runs the build."""
+    out, _ = built
+    code = (
+        "import sys, json; import tvm;"
+        "from specpilot.runtime.engine import CompiledModule;"
+        "from specpilot.runtime.decoding import autoregressive;"
+        "m = CompiledModule(sys.argv[1]).model('target');"
+        "print(json.dumps({'compiler': hasattr(tvm, 'relax') and hasattr(tvm.relax, 'build'),"
+        " 'tokens': autoregressive(m, [1, 2, 3], 8, 400).tokens}))"
+    )
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["compiler"] is False
+    assert result["tokens"] == from_build(out).generate("stock", [1, 2, 3], 8).tokens
+
+
+def test_corrupt_build_is_refused(built, tmp_path):
+    import shutil
+    out, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    params = copy / "params" / "params.safetensors"
+    data = bytearray(params.read_bytes())
+    data[-1] ^= 0xFF
+    params.write_bytes(bytes(data))
+    with pytest.raises(SpecPilotError, match="content hash differs"):
+        from_build(copy)
+    (copy / "manifest.json").write_text("{}")
+    with pytest.raises(SpecPilotError, match="not a SpecPilot build manifest"):
+        from_build(copy)
+
+
+def test_unknown_pass_is_refused_before_building(tmp_path):
+    spec = _spec(tmp_path, "Qwen3ForCausalLM")
+    with pytest.raises(SpecPilotError, match="unknown pass"):
+        build(spec, parse_target("llvm"), tmp_path / "b", passes="w12-layout")
+
+
+def test_cli_compile_run_verify(run_cli, tmp_path):
+    out = tmp_path / "b"
+    code, stdout, _ = run_cli("compile", ROOT / "examples" / "tiny-llama.yaml", "--target", "llvm", "-o", out,
+                              "--dump-ir", tmp_path / "ir", "--json")
+    assert code == 0 and json.loads(stdout)["target"] == "llvm"
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["01-lower.py", "02-relax-pipeline.py"]
+    assert "def target_verify" in (tmp_path / "ir" / "01-lower.py").read_text()
+    code, stdout, _ = run_cli("run", out, "--prompt", "hi", "--max-new-tokens", 12, "--json")
+    assert code == 0 and len(json.loads(stdout)["tokens"]) == 12
+    code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--inject-fault-after", 5)
+    assert code == 1 and "position 5" in stdout
