@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/specpilot generate examples/tiny-hybrid.yaml --prompt "def fibonacci(n):" --max-new-tokens 48 --engine stock-spec
-	$(BIN)/specpilot verify examples/tiny-hybrid.yaml --max-new-tokens 96
+	$(BIN)/specpilot compile examples/tiny-hybrid.yaml --target llvm -o build/tiny-hybrid
+	$(BIN)/specpilot run build/tiny-hybrid --prompt "def fibonacci(n):" --max-new-tokens 48 --json
+	$(BIN)/specpilot verify build/tiny-hybrid --max-new-tokens 128
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -178,8 +178,12 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 @click.option("--passes", default="", help="pipeline text; overrides the spec's passes")
 @click.option("--print-ir-after", help="print the IR after this stage (lower, relax-pipeline, a pass) or 'all'")
 @click.option("--dump-ir", type=click.Path(file_okay=False, path_type=Path), help="write the IR after every stage here")
+@click.option("--schedule", type=click.Choice(["tvm-default", "nt-gemv"]), default=None,
+              help="kernel schedule set (default: nt-gemv on GPUs, tvm-default on the CPU)")
+@click.option("--params", "params_mode", type=click.Choice(["file", "seeded"]), default="file", show_default=True,
+              help="seeded: write no weights; seeded random models are regenerated at load")
 @click.option("--json", "as_json", is_flag=True)
-def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, as_json):
+def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedule, params_mode, as_json):
     """Lower a spec to TVM, apply the pipeline, build and export to a directory."""
     import os
 
@@ -198,7 +202,7 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, as_json
     console = Console(stderr=True, quiet=as_json)
     with console.status("compiling") as status:
         manifest = build(loaded_spec, target, output, passes, print_ir_after, dump_ir,
-                         progress=lambda message: status.update(message))
+                         progress=lambda message: status.update(message), params=params_mode, schedule=schedule)
     summary = {"output": str(output), "target": manifest["target"], "functions": manifest["functions"],
                "pipeline": manifest["pipeline"], "build_seconds": manifest["build_seconds"]}
     if as_json:

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specpilot.compiler.config import ModelConfig
-from specpilot.compiler.loader import LoadedModel, load_models
+from specpilot.compiler.loader import load_models
 from specpilot.compiler.lower import lower_deployment
+from specpilot.compiler.weights import packed_parameters
 from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
 from specpilot.errors import SpecPilotError
@@ -57,37 +57,6 @@ def _versions() -> dict:
     return out
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Exactly the reference model's frequencies (computed by torch, passed as a parameter)."""
-    rot = int(cfg.head_dim * cfg.partial_rotary_factor)
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
-
-
-def _parameter_values(names: list[str], target: LoadedModel, drafter: LoadedModel | None,
-                      dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(unique tensors by stored name, alias map name -> stored name) for the packed order."""
-    stored: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    by_id: dict[int, str] = {}
-    models = {"target": target, "drafter": drafter}
-    for name in names:
-        prefix, _, hf = name.partition(".")
-        model = models[prefix]
-        if hf == "rope_inv_freq":
-            value = rope_inv_freq(model.cfg)
-        else:
-            value = model.weights[hf].to(dtype)
-        source = model.weights.get(hf) if hf != "rope_inv_freq" else None
-        ident = id(source) if source is not None else None
-        if ident is not None and ident in by_id:           # an early-exit drafter's shared weights
-            aliases[name] = by_id[ident]
-            continue
-        stored[name] = value.contiguous()
-        if ident is not None:
-            by_id[ident] = name
-    return stored, aliases
-
-
 def cuda_runtime_loadable() -> bool:
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -96,15 +65,41 @@ def cuda_runtime_loadable() -> bool:
         return False
 
 
+# driver entry points libtvm_runtime_cuda.so binds when it loads (TVM 0.27, `nm -D --undefined-only`)
+_CUDA_DRIVER_SYMBOLS = ("cuDeviceGetName", "cuFuncSetAttribute", "cuGetErrorName", "cuGetErrorString",
+                        "cuLaunchKernelEx", "cuModuleGetFunction", "cuModuleLoadData", "cuModuleUnload",
+                        "cuTensorMapEncodeTiled", "cuInit")
+
+
+def _driver_symbols() -> list[str]:
+    """The cu* symbols this TVM's CUDA runtime needs, read from the library when nm is there."""
+    import tvm
+
+    names = set(_CUDA_DRIVER_SYMBOLS)
+    for directory in tvm.libinfo.package_lib_paths() if hasattr(tvm.libinfo, "package_lib_paths") else []:
+        lib = Path(directory) / "libtvm_runtime_cuda.so"
+        if lib.is_file():
+            try:
+                out = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True,
+                                     text=True, check=True).stdout
+                names |= {line.split()[-1] for line in out.splitlines() if line.split()[-1].startswith("cu")}
+            except (OSError, subprocess.CalledProcessError):
+                pass
+    return sorted(n for n in names if n.isidentifier())
+
+
 def cuda_stub_env() -> dict:
     """Environment for a CUDA build on a machine without a driver: a stub libcuda.so.1 whose
-    only job is to let TVM's CUDA runtime library load, and nvcc as the compiler."""
-    stub_dir = Path(tempfile.gettempdir()) / "specpilot-cuda-stub"
+    only job is to let TVM's CUDA runtime library load (every entry point answers
+    CUDA_ERROR_NO_DEVICE), and nvcc as the compiler, so the build embeds real sm_XX code."""
+    symbols = _driver_symbols()
+    tag = hashlib.sha256(" ".join(symbols).encode()).hexdigest()[:12]
+    stub_dir = Path(tempfile.gettempdir()) / f"specpilot-cuda-stub-{tag}"
     stub = stub_dir / "libcuda.so.1"
     if not stub.exists():
         stub_dir.mkdir(parents=True, exist_ok=True)
         src = stub_dir / "stub.c"
-        src.write_text("int cuInit(unsigned int flags) { (void)flags; return 100; }\n")  # 100: no device
+        src.write_text("".join(f"int {name}() {{ return 100; }}\n" for name in symbols))
         try:
             subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(src)],
                            check=True, capture_output=True)
@@ -117,11 +112,28 @@ def cuda_stub_env() -> dict:
     return env
 
 
-def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
-          print_ir_after: str | None = None, dump_ir: Path | None = None, progress=None) -> dict:
-    """Lower, apply the pipeline, compile and export.  Returns the manifest."""
+def load_cuda_runtime() -> bool:
+    """Load TVM's CUDA runtime library into this process (needed to embed device code)."""
     import tvm
-    from tvm import relax
+    import tvm_ffi
+
+    try:
+        tvm_ffi.libinfo.load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_GLOBAL",
+                                        extra_lib_paths=tvm.libinfo.package_lib_paths())
+        return True
+    except Exception:  # dlopen failures come back as OSError or RuntimeError depending on the loader
+        return False
+
+
+def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
+          print_ir_after: str | None = None, dump_ir: Path | None = None, progress=None,
+          params: str = "file", schedule: str | None = None) -> dict:
+    """Lower, apply the pipeline, compile and export.  Returns the manifest.
+
+    params="seeded" (seeded random models only) writes no weights: the engine regenerates
+    them from the seeds, so realistic-shape builds travel as a few megabytes.
+    """
+    import tvm
 
     say = progress or (lambda message: None)
     pipeline = passes or spec.passes
@@ -133,8 +145,14 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     if target.kind == "llvm" and dtype_name != "float32":
         raise SpecPilotError(f"deployment.dtype {dtype_name} is for GPU targets; --target llvm builds float32")
     started = time.perf_counter()
+    seeds = {"target": spec.target.init.seed if spec.target.init else None,
+             "drafter": spec.drafter.init.seed if spec.drafter.kind == "model" and spec.drafter.init else None}
+    if params not in ("file", "seeded"):
+        raise SpecPilotError(f"params must be 'file' or 'seeded', not {params!r}")
+    if params == "seeded" and (seeds["target"] is None or (spec.drafter.kind == "model" and seeds["drafter"] is None)):
+        raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
     say("loading weights")
-    tgt, drf = load_models(spec)
+    tgt, drf = load_models(spec, weights=params == "file")
     capacity = spec.deployment.max_seq_len
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, capacity, target.is_gpu,
@@ -149,10 +167,17 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
             (dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
 
     instrument("lower", mod)
+    from specpilot.schedules.relax_pipeline import SCHEDULES, pipeline as relax_pipeline
+    schedule = schedule or ("nt-gemv" if target.is_gpu else "tvm-default")
+    if schedule not in SCHEDULES:
+        raise SpecPilotError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     tvm_target = target.tvm_target()
+    if target.is_gpu and not load_cuda_runtime():
+        raise SpecPilotError("a CUDA build needs TVM's CUDA runtime library to load (to embed sm_XX code); "
+                             "run through `specpilot compile`, which provides a stub driver when none is installed")
     say(f"compiling for {target.text()}")
     with tvm_target:
-        mod = relax.get_default_pipeline(tvm_target)(mod)
+        mod = relax_pipeline(tvm_target, schedule)(mod)
         stages.append(("relax-pipeline", mod))
         instrument("relax-pipeline", mod)
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None)
@@ -160,10 +185,14 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     say("exporting")
     lib_path = out_dir / "model.so"
     executable.export_library(str(lib_path))
-    stored, aliases = _parameter_values(names, tgt, drf, dtype)
-    (out_dir / "params").mkdir(exist_ok=True)
-    params_path = out_dir / "params" / "params.safetensors"
-    save_file(stored, str(params_path), metadata={"format": "pt"})
+    hashes = {"model.so": _sha256(lib_path)}
+    aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
+    if params == "file":
+        stored, aliases = packed_parameters(names, tgt, drf, dtype)
+        (out_dir / "params").mkdir(exist_ok=True)
+        params_path = out_dir / "params" / "params.safetensors"
+        save_file(stored, str(params_path), metadata={"format": "pt"})
+        hashes["params/params.safetensors"] = _sha256(params_path)
     tokenizer = None
     if tgt.tokenizer_path is not None:
         src = tgt.tokenizer_path / "tokenizer.json" if tgt.tokenizer_path.is_dir() else tgt.tokenizer_path
@@ -177,13 +206,13 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "spec": spec.model_dump(mode="json", exclude={"path"}),
         "spec_path": str(spec.path) if spec.path else None,
         "pipeline": pipeline, "target": target.text(), "target_kind": target.kind, "arch": target.arch,
-        "dtype": dtype_name, "capacity": capacity,
+        "dtype": dtype_name, "capacity": capacity, "schedule": schedule,
         "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},
         "functions": functions, "params": names, "aliases": aliases, "tokenizer": tokenizer,
         "versions": _versions(),
-        "hashes": {"model.so": _sha256(lib_path), "params/params.safetensors": _sha256(params_path)},
+        "params_source": params, "seeds": seeds, "hashes": hashes,
         "build_seconds": round(time.perf_counter() - started, 2),
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))

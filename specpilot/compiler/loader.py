@@ -21,7 +21,8 @@ class LoadedModel:
     description: str
 
 
-def load_source(spec: Spec, source: ModelSource, key: str) -> LoadedModel:
+def load_source(spec: Spec, source: ModelSource, key: str, weights: bool = True) -> LoadedModel:
+    """``weights=False`` (seeded random models only): the config alone, no tensors drawn."""
     try:
         if source.checkpoint:
             directory = spec.resolve(source.checkpoint, f"{key}.checkpoint")
@@ -34,7 +35,7 @@ def load_source(spec: Spec, source: ModelSource, key: str) -> LoadedModel:
             tok, desc = directory, str(path)
         else:
             cfg = config_from_hf(source.config, where=f"{spec.path}: {key}.config", architecture=source.architecture)
-            weights = random_weights(cfg, source.init.seed)
+            weights = random_weights(cfg, source.init.seed) if weights else {}
             tok, desc = None, f"{source.architecture} (random, seed {source.init.seed})"
     except (CheckpointError, SpecError):
         raise
@@ -56,9 +57,9 @@ def early_exit(target: LoadedModel, layers: int) -> LoadedModel:
     return LoadedModel(cut, keep, target.tokenizer_path, f"first {layers} layers of the target")
 
 
-def load_models(spec: Spec) -> tuple[LoadedModel, LoadedModel | None]:
+def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and (for model drafters) drafter, with the drafter's vocabulary checked."""
-    target = load_source(spec, spec.target, "target")
+    target = load_source(spec, spec.target, "target", weights)
     d = spec.drafter
     if d.kind == "ngram":
         return target, None
@@ -67,7 +68,7 @@ def load_models(spec: Spec) -> tuple[LoadedModel, LoadedModel | None]:
             raise SpecError(spec.path, "drafter.layers",
                             f"{d.layers} is not fewer than the target's {target.cfg.num_hidden_layers} layers")
         return target, early_exit(target, d.layers)
-    drafter = load_source(spec, d, "drafter")
+    drafter = load_source(spec, d, "drafter", weights)
     if drafter.cfg.vocab_size != target.cfg.vocab_size:
         raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "
                         f"target's {target.cfg.vocab_size}; a drafter must share the target's vocabulary")

@@ -36,6 +36,18 @@ def _apply(relax_op, x: Tensor) -> Tensor:
     return wrap_nested(relax_op(x._expr), relax_op.__name__)
 
 
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b accumulated in float32 and rounded once to the operands' dtype, as torch/cuBLAS do
+    (TVM's matmul otherwise accumulates in bf16, which drifts far from the reference)."""
+    out = op.matmul(a, b, out_dtype="float32")
+    return out if a.dtype == "float32" else op.astype(out, a.dtype)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    y = _matmul(x, op.permute_dims(weight))
+    return y + bias if bias is not None else y
+
+
 def _slice(x: Tensor, axis: int, begin, end, name: str) -> Tensor:
     return wrap_nested(rx.op.strided_slice(x._expr, axes=[axis], begin=[begin], end=[end], assume_inbound=True), name)
 
@@ -53,8 +65,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter((out_features,), dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = op.matmul(x, op.permute_dims(self.weight))
-        return y + self.bias if self.bias is not None else y
+        return _linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -134,11 +145,11 @@ class Attention(nn.Module):
         values = op.reshape(_slice(own, 1, 1, 2, "values"), (nkv, L, d))
         if nh != nkv:
             keys, values = op.repeat(keys, nh // nkv, axis=0), op.repeat(values, nh // nkv, axis=0)
-        scores = op.matmul(op.permute_dims(q, [1, 0, 2]), op.permute_dims(keys, [0, 2, 1])) * (d ** -0.5)
+        scores = _matmul(op.permute_dims(q, [1, 0, 2]), op.permute_dims(keys, [0, 2, 1])) * (d ** -0.5)
         neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
         scores = op.where(op.broadcast_to(op.unsqueeze(s.mask, 0), scores.shape), scores, neg)
         probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
-        out = op.reshape(op.permute_dims(op.matmul(probs, values), [1, 0, 2]), (T_, nh * d))
+        out = op.reshape(op.permute_dims(_matmul(probs, values), [1, 0, 2]), (T_, nh * d))
         if gate is not None:
             out = out * op.sigmoid(gate)
         return self.o_proj(out), kv
@@ -195,7 +206,9 @@ class GatedDeltaNet(nn.Module):
         C = self.conv_dim
         mixed, z, b, a = self._projections(x)
         window = op.concat([conv_state, op.permute_dims(mixed)], dim=1)                 # (C, K-1+T)
-        conv = op.conv1d(op.unsqueeze(window, 0), self.conv1d.weight, groups=C)          # (1, C, T)
+        conv = wrap_nested(rx.op.nn.conv1d(op.unsqueeze(window, 0)._expr, self.conv1d.weight._expr, groups=C,
+                                           out_dtype="float32"), "conv1d")                 # (1, C, T)
+        conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
         mixed = op.permute_dims(op.silu(op.squeeze(conv, 0)))                             # (T, C)
         q = op.astype(op.reshape(_slice(mixed, 1, 0, nk * dk, "q"), (T_, nk, dk)), "float32")
         k = op.astype(op.reshape(_slice(mixed, 1, nk * dk, 2 * nk * dk, "k"), (T_, nk, dk)), "float32")
@@ -284,7 +297,7 @@ class CausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
         head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
-        logits = op.astype(op.matmul(h, op.permute_dims(head)), "float32")
+        logits = op.astype(_matmul(h, op.permute_dims(head)), "float32")
         outputs = [logits]
         if self.n_gdn:
             axis = 1 if keep_states else 0   # per-token states: (T, G, ...), final: (G, ...)

@@ -221,3 +221,35 @@ def gguf_to_checkpoint(path: Path) -> Path:
     cfg_path.write_text(json.dumps(hf, indent=2))
     tmp.rename(out)
     return out
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Exactly the reference model's frequencies (computed by torch, passed as a parameter)."""
+    rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+
+
+def packed_parameters(names: list[str], target, drafter,
+                      dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The values of a build's packed parameters: (unique tensors by stored name, alias map
+    name -> stored name).  ``target`` / ``drafter`` have ``cfg`` and ``weights`` (HF names)."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    by_id: dict[int, str] = {}
+    models = {"target": target, "drafter": drafter}
+    for name in names:
+        prefix, _, hf = name.partition(".")
+        model = models[prefix]
+        if hf == "rope_inv_freq":
+            value = rope_inv_freq(model.cfg)
+        else:
+            value = model.weights[hf].to(dtype)
+        source = model.weights.get(hf) if hf != "rope_inv_freq" else None
+        ident = id(source) if source is not None else None
+        if ident is not None and ident in by_id:           # an early-exit drafter's shared weights
+            aliases[name] = by_id[ident]
+            continue
+        stored[name] = value.contiguous()
+        if ident is not None:
+            by_id[ident] = name
+    return stored, aliases

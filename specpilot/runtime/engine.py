@@ -73,6 +73,7 @@ class CompiledModule:
         dev_type, dev_id = self.device.dlpack_device_type(), self.device.index
         cpu = tvm.cpu(0)
         self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
+        self._stored, self._aliases = self._read_params()
         self.params = self._load_params()
         self.functions = {name: self.vm[name] for name in self.manifest["functions"]}
 
@@ -85,12 +86,33 @@ class CompiledModule:
             if file_digest(path) != digest:
                 raise SpecPilotError(f"{path}: content hash differs from manifest.json (corrupt or modified build)")
 
+    def _read_params(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """(stored values by name, aliases): from params/, or regenerated from the manifest's seeds."""
+        m = self.manifest
+        if m.get("params_source", "file") == "file":
+            from safetensors.torch import load_file
+            return load_file(str(self.dir / "params" / "params.safetensors")), m["aliases"]
+        from types import SimpleNamespace
+
+        from specpilot.compiler.weights import packed_parameters, random_weights
+        cfgs = {which: ModelConfig.from_dict(d) for which, d in m["models"].items()}
+        target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], m["seeds"]["target"]))
+        drafter = None
+        if "drafter" in cfgs:
+            if m["drafter"]["kind"] == "early-exit":   # the target's own first layers
+                n = cfgs["drafter"].num_hidden_layers
+                weights = {k: v for k, v in target.weights.items()
+                           if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+            else:
+                weights = random_weights(cfgs["drafter"], m["seeds"]["drafter"])
+            drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
+        dtype = getattr(torch, m["dtype"])
+        return packed_parameters(m["params"], target, drafter, dtype)
+
     def _load_params(self):
-        from safetensors.torch import load_file
-        stored = load_file(str(self.dir / "params" / "params.safetensors"))
-        aliases = self.manifest["aliases"]
+        aliases = self._aliases
         on_device = {}
-        for name, tensor in stored.items():
+        for name, tensor in self._stored.items():
             host = self.tvm.runtime.from_dlpack(tensor.clone())   # safetensors data may be unaligned
             on_device[name] = host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
         try:
@@ -98,8 +120,9 @@ class CompiledModule:
         except KeyError as e:
             raise SpecPilotError(f"{self.dir}: parameter {e} listed in manifest.json is missing") from None
 
-    def empty(self, shape, dtype: str):
-        return self.tvm.runtime.empty(shape, dtype, self.device)
+    def zeros(self, shape, dtype: str):
+        host = self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype)))
+        return host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
 
     def tensor(self, array: np.ndarray):
         return self.tvm.runtime.tensor(array, self.device)
@@ -111,9 +134,7 @@ class CompiledModule:
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference."""
-        from safetensors.torch import load_file
-        stored = load_file(str(self.dir / "params" / "params.safetensors"))
-        aliases = self.manifest["aliases"]
+        stored, aliases = self._stored, self._aliases
         prefix = which + "."
         return {name[len(prefix):]: stored[aliases.get(name, name)] for name in self.manifest["params"]
                 if name.startswith(prefix) and not name.endswith("rope_inv_freq")}
@@ -132,11 +153,11 @@ class _Pass:
 class CompiledState:
     def __init__(self, model: "CompiledModel", module: CompiledModule, cfg: ModelConfig, capacity: int, dtype: str):
         self.model, self.capacity, self.length = model, capacity, 0
-        placeholder = module.tensor(np.zeros((1,), "float32"))
+        placeholder = module.zeros((1,), "float32")
         shapes = cache_shapes(cfg, capacity, dtype)
-        self.kv = module.tensor(np.zeros(shapes["kv"][0], _np_dtype(dtype))) if "kv" in shapes else placeholder
-        self.conv = module.tensor(np.zeros(shapes["conv"][0], _np_dtype(dtype))) if "conv" in shapes else placeholder
-        self.rec = module.tensor(np.zeros(shapes["rec"][0], "float32")) if "rec" in shapes else placeholder
+        self.kv = module.zeros(*shapes["kv"]) if "kv" in shapes else placeholder
+        self.conv = module.zeros(*shapes["conv"]) if "conv" in shapes else placeholder
+        self.rec = module.zeros(*shapes["rec"]) if "rec" in shapes else placeholder
         self.history: list[_Pass] = []
 
     def check_room(self, n_new: int) -> None:
@@ -156,13 +177,6 @@ class CompiledState:
 
     def truncate(self, length: int) -> None:
         self.model.truncate(self, length)
-
-
-def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
 
 
 class CompiledModel:

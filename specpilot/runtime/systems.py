@@ -101,8 +101,9 @@ def from_build(build_dir: Path) -> System:
     module = CompiledModule(build_dir)
     m = module.manifest
     dtype, capacity, d = DTYPES[m["dtype"]], m["capacity"], m["drafter"]
-    refs = {which: ReferenceModel(ModelConfig.from_dict(m["models"][which]), module.reference_weights(which), dtype)
-            for which in m["models"]}
+    device = "cuda" if m["target_kind"] == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
+    refs = {which: ReferenceModel(ModelConfig.from_dict(m["models"][which]), module.reference_weights(which), dtype,
+                                  device) for which in m["models"]}
     compiled = {which: module.model(which) for which in m["models"]}
     ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"])
     cmp_make = _drafter_factory(d["kind"], compiled.get("drafter"), d["top_k"], capacity, d["max_ngram"],

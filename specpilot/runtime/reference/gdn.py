@@ -26,7 +26,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = Fals
     """Returns (o (T, H, dv), final state (H, dk, dv), per-token states (T, H, dk, dv) or None)."""
     T = q.shape[0]
     out = torch.empty_like(v)
-    states = torch.empty((T, *state.shape), dtype=state.dtype) if keep_states else None
+    states = torch.empty((T, *state.shape), dtype=state.dtype, device=state.device) if keep_states else None
     S = state
     for t in range(T):
         S = S * g[t].exp()[:, None, None]
@@ -52,20 +52,20 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     q, k, v = (x.reshape(n, C, H, -1).permute(2, 0, 1, 3) for x in (q, k, v))
     g, beta = (x.reshape(n, C, H).permute(2, 0, 1) for x in (g, beta))
     cum = g.cumsum(-1)                                        # log decay from chunk start
-    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     kb, vb = k * beta[..., None], v * beta[..., None]
     # (I + A) W = rhs with A strictly lower: the corrections each token makes to later ones
-    strictly_lower = torch.ones(C, C, dtype=torch.bool).tril(-1)
+    strictly_lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)
     A = ((kb @ k.transpose(-1, -2)) * decay).masked_fill(~strictly_lower, 0.0)
-    eye = torch.eye(C, dtype=q.dtype)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
     U = torch.linalg.solve_triangular(eye + A, vb, upper=False, unitriangular=True)
     W = torch.linalg.solve_triangular(eye + A, kb * cum.exp()[..., None], upper=False, unitriangular=True)
     intra = (q @ k.transpose(-1, -2)) * decay                # includes the diagonal
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     S = state
-    out = torch.empty(H, n, C, dv, dtype=v.dtype)
+    out = torch.empty(H, n, C, dv, dtype=v.dtype, device=v.device)
     for c in range(n):
         v_new = U[:, c] - W[:, c] @ S                          # values minus what the state already holds
         out[:, c] = q_decayed[:, c] @ S + intra[:, c] @ v_new

@@ -36,21 +36,21 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
 
 
 class ReferenceModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
-        self.cfg = cfg
-        self.dtype = dtype
-        self.w = {name: t.to(dtype) for name, t in weights.items()}
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         if cfg.tie_word_embeddings:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))).to(self.device)
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
     def new_state(self, capacity: int) -> ModelState:
-        return ModelState(self.cfg, capacity, self.dtype)
+        return ModelState(self.cfg, capacity, self.dtype, self.device)
 
     # -- one step ------------------------------------------------------------------------
     @torch.no_grad()
@@ -63,13 +63,14 @@ class ReferenceModel:
         Returns float32 logits (T, vocab) and advances ``state.length`` by T.
         """
         cfg, w = self.cfg, self.w
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        dev = self.device
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=dev)
         T, start = tokens.shape[0], state.length
         state.check_room(T)
-        if positions is None:
-            positions = torch.arange(start, start + T)
-        if attn_mask is None:
-            attn_mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
+        positions = torch.arange(start, start + T, device=dev) if positions is None else \
+            torch.as_tensor(positions, device=dev)
+        attn_mask = torch.ones(T, start + T, dtype=torch.bool, device=dev).tril(start) if attn_mask is None else \
+            torch.as_tensor(attn_mask, device=dev)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)

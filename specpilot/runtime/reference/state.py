@@ -21,9 +21,9 @@ from specpilot.errors import SpecPilotError
 
 
 class KVCache:
-    def __init__(self, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
-        self.k = torch.zeros(n_kv_heads, capacity, head_dim, dtype=dtype)
-        self.v = torch.zeros(n_kv_heads, capacity, head_dim, dtype=dtype)
+    def __init__(self, n_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device):
+        self.k = torch.zeros(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (n_kv, T, d) at cache positions start .. start+T-1."""
@@ -34,9 +34,9 @@ class KVCache:
 class RecurrentState:
     """One Gated DeltaNet layer: conv window (conv_dim, K-1) and recurrent state (H, dk, dv)."""
 
-    def __init__(self, conv_dim: int, kernel: int, n_heads: int, dk: int, dv: int, dtype: torch.dtype):
-        self.conv = torch.zeros(conv_dim, kernel - 1, dtype=dtype)
-        self.recurrent = torch.zeros(n_heads, dk, dv, dtype=torch.float32)
+    def __init__(self, conv_dim: int, kernel: int, n_heads: int, dk: int, dv: int, dtype: torch.dtype, device):
+        self.conv = torch.zeros(conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(n_heads, dk, dv, dtype=torch.float32, device=device)
         # states recorded since the last drop_history(): length -> (conv, recurrent)
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -50,19 +50,19 @@ class StateSnapshot:
 class ModelState:
     """Everything a decoding step of one sequence reads and writes besides the weights."""
 
-    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device="cpu"):
         self.capacity = capacity
         self.length = 0
         self.layers: list[KVCache | RecurrentState] = []
         for kind in cfg.layer_types:
             if kind == "full_attention":
-                self.layers.append(KVCache(cfg.num_key_value_heads, cfg.head_dim, capacity, dtype))
+                self.layers.append(KVCache(cfg.num_key_value_heads, cfg.head_dim, capacity, dtype, device))
             else:
                 conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
                     + cfg.linear_num_value_heads * cfg.linear_value_head_dim
                 self.layers.append(RecurrentState(conv_dim, cfg.linear_conv_kernel_dim,
                                                   cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                                  cfg.linear_value_head_dim, dtype))
+                                                  cfg.linear_value_head_dim, dtype, device))
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:

@@ -1,0 +1,46 @@
+"""What every benchmark records beside its numbers: machine, GPU, versions, date."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
+           "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+           "torch": torch.__version__}
+    for pkg in ("apache-tvm", "apache-tvm-ffi", "triton", "transformers"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = None
+    try:
+        import tvm
+        env["tvm_runtime"] = tvm.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            env["driver"] = None
+    return env
+
+
+def write(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    return path

@@ -1,0 +1,143 @@
+"""Autoregressive decode speed, side by side in one run: the compiled module vs the PyTorch
+reference eager vs the reference under torch.compile, at batch 1, plus achieved weight bytes/s
+against the copy bandwidth measured in the same run.
+
+    python bench/decode.py BUILD_DIR [BUILD_DIR ...] [--context 512] [--steps 48] [--out DIR]
+
+Every engine decodes greedily from the same prompt; the tokens of each are compared with the
+eager reference's (in bf16 near-ties may legitimately flip; the match count is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import write  # noqa: E402
+from specpilot.runtime.systems import from_build  # noqa: E402
+
+
+def copy_bandwidth(gib: float = 2.0, iters: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    n = int(gib * (1 << 30))
+    x, y = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n * iters / (start.elapsed_time(end) / 1e3)
+
+
+def weight_bytes_per_step(model) -> int:
+    """What one decode step must read: every weight once, but only one row of the embedding."""
+    total = 0
+    for name, t in model.w.items():
+        if name == "model.embed_tokens.weight" and not model.cfg.tie_word_embeddings:
+            total += t.shape[1] * t.element_size()
+        elif name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue  # the same tensor as the embedding, counted there in full
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: int = 3):
+    state = model.new_state(capacity)
+    logits = model.forward(prompt, state)
+    tokens, times = [], []
+    for i in range(steps + warmup):
+        token = int(logits[-1].argmax())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model.forward([token], state)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        tokens.append(token)
+    return tokens, times
+
+
+class Compiled:
+    """The reference's forward under torch.compile (dynamic shapes: the cache grows each step)."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.w = model, model.cfg, model.w
+        self._forward = torch.compile(model.forward, dynamic=True)
+
+    def new_state(self, capacity):
+        return self.model.new_state(capacity)
+
+    def forward(self, tokens, state, **kw):
+        # a tensor, not a list: dynamo would specialize on the token values and recompile every step
+        return self._forward(torch.as_tensor(tokens, device="cuda"), state, **kw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("builds", nargs="+", type=Path)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    bandwidth = copy_bandwidth()
+    print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for build in args.builds:
+        t = time.perf_counter()
+        system = from_build(build)
+        print(f"{build.name}: loaded in {time.perf_counter() - t:.1f} s", flush=True)
+        eager = system.engines["stock"].model
+        nbytes = weight_bytes_per_step(eager)
+        capacity = system.capacity
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, system.vocab_size, (args.context,), generator=gen).tolist()
+        engines = {"compiled (TVM)": system.engines["compiled"].model, "torch eager": eager}
+        if not args.no_torch_compile:
+            engines["torch.compile"] = Compiled(eager)
+        reference_tokens = None
+        for name, model in engines.items():
+            try:
+                tokens, times = decode_steps(model, prompt, args.steps, capacity)
+            except Exception as e:  # torch.compile failures are a result to report, not a crash
+                rows.append({"build": build.name, "engine": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"  {name}: failed ({type(e).__name__})", flush=True)
+                continue
+            if name == "torch eager":
+                reference_tokens = tokens
+            med = statistics.median(times)
+            q = statistics.quantiles(times, n=10)
+            rows.append({"build": build.name, "engine": name, "median_ms": med * 1e3, "p10_ms": q[0] * 1e3,
+                         "p90_ms": q[-1] * 1e3, "tokens_per_s": 1 / med, "weight_bytes": nbytes,
+                         "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth,
+                         "tokens": tokens})
+        for row in rows:
+            if row["build"] == build.name and "tokens" in row and reference_tokens is not None:
+                row["tokens_matching_eager"] = sum(a == b for a, b in zip(row.pop("tokens"), reference_tokens))
+        del system, engines, eager
+        torch.cuda.empty_cache()
+    path = write("decode", {"context": args.context, "steps": args.steps, "copy_bandwidth": bandwidth,
+                            "results": rows}, args.out)
+    print(f"\n{'build':24s} {'engine':16s} {'ms/step':>8s} {'p10-p90':>15s} {'tok/s':>7s} {'TB/s':>6s} {'%copy':>6s} match")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['build']:24s} {r['engine']:16s} error: {r['error'][:60]}")
+            continue
+        print(f"{r['build']:24s} {r['engine']:16s} {r['median_ms']:8.2f} {r['p10_ms']:7.2f}-{r['p90_ms']:<7.2f} "
+              f"{r['tokens_per_s']:7.1f} {r['bytes_per_s'] / 1e12:6.2f} {100 * r['fraction_of_copy_bw']:5.1f}% "
+              f"{r.get('tokens_matching_eager', '-')}/{args.steps + 3}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The Relax-to-TIR pipeline a build runs after the passes: legalization plus kernel schedules.
+
+Schedule sets (a knob the tuner can turn; each computes exactly what the graph says):
+
+- ``tvm-default``: TVM's own default pipeline for the target (dlight's default GPU rules).
+- ``nt-gemv`` (GPU): first fuse ``matmul(x, permute_dims(W))`` into one transposed-weight
+  matmul, so decode GEMVs read W row-major and dlight's GEMV / low-batch GEMV rules apply,
+  instead of the fallback schedule they get through a separate transpose.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+SCHEDULES = ("tvm-default", "nt-gemv")
+
+
+def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if schedule == "tvm-default" or target.kind.name != "cuda":
+        return relax.get_default_pipeline(target)
+    from tvm.relax.backend.cuda import pipeline as cuda
+    from tvm.s_tir import dlight as dl
+
+    legalize = [
+        relax.transform.FuseTransposeMatmul(),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
+                                dl.gpu.GeneralReduction(), dl.gpu.Fallback()),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.nt_gemv_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        with target:
+            seq = tvm.transform.Sequential(cuda.library_dispatch_passes(target) + legalize
+                                           + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
+            return seq(mod)
+
+    return _pipeline
