@@ -50,3 +50,21 @@ def test_stock_spec_token_forcing(system):
     report = force_requests([stock], [spec])
     print(f"\nSmolLM2-135M ngram stock-spec: passed={report.passed}, {spec.mean_accepted:.2f} tokens/verification")
     assert report.passed
+
+
+def test_compiled_build_token_forcing(tmp_path):
+    """The CPU build of SmolLM2-135M: compiled AR and compiled-spec exact over 256 tokens."""
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import from_build
+    build(load_spec(SPEC), parse_target("llvm"), tmp_path / "build")
+    system = from_build(tmp_path / "build")
+    prompt = system.tokenizer.encode("def fibonacci(n):\n")
+    stock = system.generate("stock", prompt, 256)
+    for engine in ("compiled", "compiled-spec"):
+        run = system.generate(engine, prompt, 256, force=stock.tokens)
+        report = force_requests([stock], [run])
+        print(f"\nSmolLM2-135M {engine}: passed={report.passed}, {run.mean_accepted:.2f} tokens/verification")
+        assert report.passed, report.first_divergence
