@@ -231,6 +231,42 @@ def run(ctx, build_dir, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, 
                replay_lattices=None, as_json=as_json)
 
 
+def _model_weights(spec_or_checkpoint: str) -> dict:
+    """The target's weights from a model.yaml or a Hugging Face checkpoint directory."""
+    path = Path(spec_or_checkpoint)
+    if path.is_dir():
+        from specpilot.compiler.weights import load_checkpoint
+        return load_checkpoint(path)[1]
+    from specpilot.compiler.loader import load_source
+    from specpilot.compiler.spec import load_spec
+    spec = load_spec(path)
+    return load_source(spec, spec.target, "target").weights
+
+
+@cli.group()
+def w12():
+    """The W12 lossless 12-bit weight layout."""
+
+
+@w12.command("stats")
+@click.argument("spec_or_checkpoint")
+@click.option("--json", "as_json", is_flag=True)
+def w12_stats(spec_or_checkpoint, as_json):
+    """Bytes ratio (metadata and escapes included), escape rate, and a bit-exact round trip."""
+    from specpilot.compiler import w12 as codec
+
+    result = codec.stats(_model_weights(spec_or_checkpoint))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for t in result["tensors"]:
+            click.echo(f"{t['name']:56s} {str(tuple(t['shape'])):>16s} ratio {t['bytes_ratio']:.4f} "
+                       f"escapes {100 * t['escape_rate']:.3f}% exact {t['bit_exact']}")
+        click.echo(f"total: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate {100 * result['escape_rate']:.4f}%, "
+                   f"bit-exact round trip: {result['bit_exact']}")
+    sys.exit(0 if result["bit_exact"] else 1)
+
+
 def _join_target_flags(argv: list[str]) -> list[str]:
     """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
     out: list[str] = []

@@ -68,3 +68,14 @@ def test_compiled_build_token_forcing(tmp_path):
         report = force_requests([stock], [run])
         print(f"\nSmolLM2-135M {engine}: passed={report.passed}, {run.mean_accepted:.2f} tokens/verification")
         assert report.passed, report.first_divergence
+
+
+def test_w12_on_every_smollm2_weight():
+    from specpilot.compiler import w12
+    from specpilot.compiler.loader import load_source
+    from specpilot.compiler.spec import load_spec
+    spec = load_spec(SPEC)
+    result = w12.stats(load_source(spec, spec.target, "target").weights)
+    print(f"\nSmolLM2-135M W12: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate {result['escape_rate']:.4%}")
+    assert result["bit_exact"] and all(t["bit_exact"] for t in result["tensors"])
+    assert result["bytes_ratio"] <= 0.76

@@ -1,0 +1,195 @@
+"""W12: a lossless 12-bit layout for bf16 weights, with a nested 8-bit view.
+
+A bf16 weight is sign (1) | exponent (8) | mantissa (7).  Within one output channel (a row
+of W[N, K]) the exponents of trained weights crowd into a narrow band, so each row picks a
+base exponent b and stores every weight whose exponent e lies in [b, b + 15] as
+
+    sign (1) | e - b (4) | mantissa (7)                       = 12 bits
+
+in two planes:
+
+    hi plane, uint8:  sign | offset (4) | mantissa bits 6..4  -> alone, the nested 8-bit view
+    lo plane, 4 bits: mantissa bits 3..0, two weights a byte  -> hi + lo restore the bits exactly
+
+Weights the window cannot hold (±0, subnormals, exponents outside it, ±inf, NaN with its
+payload) go to a sparse list of (flat index, exact bf16 bits); their plane entries are 0.
+The base is the window start that holds the most normal exponents of the row (lowest start
+on ties).  Decoding restores every bit pattern, which the tests check for all 65,536.
+
+Bytes: N*K (hi) + ceil(N*K/2) (lo) + N (bases) + 6 per escape, i.e. 0.75 of bf16 plus a
+little.  Packs are stored as safetensors with a checksum of the source bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specpilot.errors import CheckpointError, SpecPilotError
+
+WINDOW = 16
+FORMAT = "specpilot-w12"
+VERSION = 1
+
+
+@dataclass
+class W12Pack:
+    shape: tuple[int, ...]        # the original tensor's shape; rows = shape[0]
+    hi: torch.Tensor              # (N, K) uint8
+    lo: torch.Tensor              # (ceil(N*K/2),) uint8, element 2i in the low nibble
+    base: torch.Tensor            # (N,) uint8 base exponent per row
+    escape_index: torch.Tensor    # (E,) int64 flat indices
+    escape_bits: torch.Tensor     # (E,) int16 exact bf16 bit patterns
+    source_sha256: str            # of the original bf16 bits
+
+    @property
+    def numel(self) -> int:
+        return self.hi.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as stored: both planes, the bases and the escape list (int32 index + 16-bit value)."""
+        return self.hi.numel() + self.lo.numel() + self.base.numel() + 6 * self.escape_index.numel()
+
+    @property
+    def escape_rate(self) -> float:
+        return self.escape_index.numel() / max(self.numel, 1)
+
+
+def _bits(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.bfloat16:
+        raise SpecPilotError(f"W12 packs bf16 weights, got {weight.dtype}")
+    return weight.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _rows(weight: torch.Tensor) -> tuple[int, int]:
+    n = weight.shape[0] if weight.dim() >= 1 else 1
+    return n, weight.numel() // max(n, 1)
+
+
+def _sha256(bits16: torch.Tensor) -> str:
+    return hashlib.sha256(bits16.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def encode(weight: torch.Tensor) -> W12Pack:
+    """Pack a bf16 tensor (any shape; rows along dim 0)."""
+    n, k = _rows(weight)
+    bits = _bits(weight).reshape(n, k)
+    sign, exponent, mantissa = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
+    normal = (exponent > 0) & (exponent < 255)
+    # histogram of normal exponents per row, then the 16-wide window holding the most
+    counts = torch.zeros(n, 256 + WINDOW, dtype=torch.int64)
+    counts.scatter_add_(1, exponent.to(torch.int64), normal.to(torch.int64))
+    csum = torch.nn.functional.pad(counts.cumsum(1), (1, 0))
+    window_counts = csum[:, WINDOW:WINDOW + 256] - csum[:, :256]       # window starting at b = 0..255
+    base = window_counts.argmax(1).clamp(1, 254 - WINDOW + 1)           # argmax: lowest start on ties
+    offset = exponent - base[:, None]
+    inside = normal & (offset >= 0) & (offset < WINDOW)
+    hi = torch.where(inside, (sign << 7) | (offset.clamp(0, WINDOW - 1) << 3) | (mantissa >> 4), 0).to(torch.uint8)
+    lo4 = torch.where(inside, mantissa & 0xF, 0).to(torch.uint8).reshape(-1)
+    if lo4.numel() % 2:
+        lo4 = torch.cat([lo4, lo4.new_zeros(1)])
+    lo = lo4[0::2] | (lo4[1::2] << 4)
+    escape_index = (~inside).reshape(-1).nonzero().squeeze(1)
+    escape_bits = bits.reshape(-1)[escape_index].to(torch.int16)
+    return W12Pack(tuple(weight.shape), hi, lo, base.to(torch.uint8), escape_index, escape_bits,
+                   _sha256(bits.to(torch.int16)))
+
+
+def decode(pack: W12Pack) -> torch.Tensor:
+    """The exact bf16 tensor back."""
+    n, k = pack.hi.shape
+    hi = pack.hi.to(torch.int32)
+    lo4 = torch.stack([pack.lo & 0xF, pack.lo >> 4], dim=1).reshape(-1)[: n * k].to(torch.int32).reshape(n, k)
+    exponent = pack.base.to(torch.int32)[:, None] + ((hi >> 3) & 0xF)
+    bits = ((hi >> 7) << 15) | (exponent << 7) | (((hi & 0x7) << 4) | lo4)
+    bits = bits.reshape(-1)
+    bits[pack.escape_index] = pack.escape_bits.to(torch.int32) & 0xFFFF
+    return bits.to(torch.int16).view(torch.bfloat16).reshape(pack.shape)
+
+
+def decode_hi(pack: W12Pack) -> torch.Tensor:
+    """The nested 8-bit view: hi plane only, the missing low mantissa bits taken at their midpoint.
+
+    An approximation (relative error at most 2**-4); escaped weights keep their exact value.
+    """
+    n, k = pack.hi.shape
+    hi = pack.hi.to(torch.int32)
+    exponent = pack.base.to(torch.int32)[:, None] + ((hi >> 3) & 0xF)
+    bits = (((hi >> 7) << 15) | (exponent << 7) | ((hi & 0x7) << 4) | 0x8).reshape(-1)
+    bits[pack.escape_index] = pack.escape_bits.to(torch.int32) & 0xFFFF
+    return bits.to(torch.int16).view(torch.bfloat16).reshape(pack.shape)
+
+
+def save_pack(packs: dict[str, W12Pack], path: Path) -> None:
+    tensors, meta = {}, {}
+    for name, p in packs.items():
+        tensors.update({f"{name}::hi": p.hi, f"{name}::lo": p.lo, f"{name}::base": p.base,
+                        f"{name}::escape_index": p.escape_index.to(torch.int32),
+                        f"{name}::escape_bits": p.escape_bits})
+        meta[name] = {"shape": list(p.shape), "source_sha256": p.source_sha256}
+    save_file(tensors, str(path), metadata={"format": FORMAT, "version": str(VERSION), "tensors": json.dumps(meta)})
+
+
+def load_pack(path: Path, verify: bool = True) -> dict[str, W12Pack]:
+    """Read a pack; with ``verify``, decode each tensor and check its source checksum."""
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read W12 pack ({e})") from None
+    if metadata.get("format") != FORMAT or metadata.get("version") != str(VERSION):
+        raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} pack")
+    try:
+        meta = json.loads(metadata["tensors"])
+        packs = {name: W12Pack(tuple(m["shape"]), tensors[f"{name}::hi"], tensors[f"{name}::lo"],
+                               tensors[f"{name}::base"], tensors[f"{name}::escape_index"].to(torch.int64),
+                               tensors[f"{name}::escape_bits"], m["source_sha256"]) for name, m in meta.items()}
+    except (KeyError, json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{path}: W12 pack is incomplete ({e})") from None
+    if verify:
+        for name, p in packs.items():
+            if _sha256(decode(p).view(torch.int16)) != p.source_sha256:
+                raise CheckpointError(f"{path}: tensor {name} does not decode to its source (checksum mismatch); "
+                                      "the pack is corrupt or from other weights")
+    return packs
+
+
+def to_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the bf16 tensor, whether it equals the input exactly)."""
+    bf = weight.to(torch.bfloat16)
+    return bf, bool(torch.equal(bf.to(weight.dtype), weight)) if weight.dtype != torch.bfloat16 else True
+
+
+def stats(weights: dict[str, torch.Tensor], check_round_trip: bool = True) -> dict:
+    """Per-tensor and total W12 statistics over a model's matrices (>= 2-D); 1-D tensors stay bf16."""
+    rows, packed, bf16_bytes, escapes, numel = [], 0, 0, 0, 0
+    all_exact = True
+    for name in sorted(weights):
+        w = weights[name]
+        if w.dim() < 2:
+            continue
+        bf, exact_cast = to_bf16(w)
+        pack = encode(bf)
+        ok = bool(torch.equal(decode(pack).view(torch.int16), bf.view(torch.int16))) if check_round_trip else None
+        all_exact &= bool(ok) if check_round_trip else True
+        rows.append({"name": name, "shape": list(w.shape), "bytes_ratio": pack.nbytes / (2 * pack.numel),
+                     "escape_rate": pack.escape_rate, "bit_exact": ok, "source_dtype": str(w.dtype).split(".")[-1],
+                     "bf16_exact_cast": exact_cast})
+        packed += pack.nbytes
+        bf16_bytes += 2 * pack.numel
+        escapes += pack.escape_index.numel()
+        numel += pack.numel
+    if not rows:
+        raise SpecPilotError("no matrices (>= 2-D tensors) to pack")
+    return {"bytes_ratio": packed / bf16_bytes, "escape_rate": escapes / numel,
+            "bit_exact": all_exact if check_round_trip else None, "tensors": rows,
+            "packed_bytes": packed, "bf16_bytes": bf16_bytes}

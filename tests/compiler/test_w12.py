@@ -1,0 +1,110 @@
+"""W12: bit-exact round trips (every bf16 pattern, odd shapes, special values), the nested
+8-bit view's error bound, pack files with checksums, and the stats command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.compiler import w12
+from specpilot.errors import CheckpointError, SpecPilotError
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def test_all_65536_bit_patterns_round_trip():
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for shape in [(256, 256), (65536, 1), (1, 65536), (1024, 64)]:
+        w = every.reshape(shape)
+        assert same_bits(w12.decode(w12.encode(w)), w)
+    shuffled = every[torch.randperm(65536, generator=torch.Generator().manual_seed(0))].reshape(128, 512)
+    assert same_bits(w12.decode(w12.encode(shuffled)), shuffled)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (7, 129), (33, 1), (64, 4097), (5, 3, 7), (17,)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scale", [0.02, 1.0, 300.0])
+def test_random_tensors_round_trip(shape, scale):
+    g = torch.Generator().manual_seed(hash((shape, scale)) % 2**31)
+    w = (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+    pack = w12.encode(w)
+    assert same_bits(w12.decode(pack), w)
+    assert pack.hi.dtype == torch.uint8 and pack.lo.numel() == (pack.numel + 1) // 2
+
+
+def test_special_values_go_to_the_escape_list_and_come_back():
+    specials = torch.tensor([0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC1, 0xFFFF, 0x7F81],
+                            dtype=torch.int32).to(torch.int16)       # ±0, subnormals, ±inf, NaNs with payloads
+    row = torch.full((64,), 0x3F80, dtype=torch.int16)              # 1.0
+    row[:9] = specials
+    row[20], row[21] = 0x5F00, 0x1F00                               # far outliers above and below the window
+    w = row.view(torch.bfloat16).reshape(1, -1)
+    pack = w12.encode(w)
+    assert set(pack.escape_index.tolist()) == set(range(9)) | {20, 21}
+    assert same_bits(w12.decode(pack), w)
+
+
+def test_nested_view_is_the_hi_plane_within_two_to_the_minus_four():
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(61, 333, generator=g) * 0.05).to(torch.bfloat16)
+    pack = w12.encode(w)
+    view = w12.decode_hi(pack).float()
+    exact = w.float()
+    normal = exact.abs() > 0
+    rel = ((view - exact).abs() / exact.abs())[normal]
+    assert rel.max() <= 2 ** -4 and rel.mean() < 2 ** -5
+    # the view depends on the hi plane alone: destroying the lo plane changes nothing
+    pack.lo.zero_()
+    assert torch.equal(w12.decode_hi(pack).float(), view)
+
+
+def test_bytes_ratio_is_three_quarters_plus_metadata():
+    w = (torch.randn(512, 1024) * 0.02).to(torch.bfloat16)
+    pack = w12.encode(w)
+    assert 0.75 < pack.nbytes / (2 * pack.numel) < 0.752
+
+
+def test_rejects_non_bf16():
+    with pytest.raises(SpecPilotError, match="W12 packs bf16 weights"):
+        w12.encode(torch.randn(4, 4))
+
+
+def test_pack_file_round_trip_and_corruption(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    packs = {"a.weight": w12.encode((torch.randn(31, 45, generator=g)).to(torch.bfloat16)),
+             "b.weight": w12.encode((torch.randn(8, 8, generator=g) * 1e-3).to(torch.bfloat16))}
+    path = tmp_path / "model.w12.safetensors"
+    w12.save_pack(packs, path)
+    loaded = w12.load_pack(path)
+    for name, p in packs.items():
+        assert same_bits(w12.decode(loaded[name]), w12.decode(p))
+    # flip one bit of a stored plane: the checksum of the decoded source no longer matches
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    tensors = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    tensors["a.weight::hi"][3, 4] ^= 0x10
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match="a.weight does not decode to its source"):
+        w12.load_pack(path)
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="cannot read W12 pack"):
+        w12.load_pack(path)
+
+
+def test_stats_cli_json(run_cli):
+    spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-hybrid.yaml"
+    code, out, _ = run_cli("w12", "stats", spec, "--json")
+    result = json.loads(out)
+    assert code == 0 and result["bit_exact"] is True
+    assert set(result) >= {"bytes_ratio", "escape_rate", "bit_exact", "tensors"}
+    assert 0.75 < result["bytes_ratio"] < 0.8
+    assert all(t["bit_exact"] for t in result["tensors"])
+    names = {t["name"] for t in result["tensors"]}
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "model.norm.weight" not in names
