@@ -267,6 +267,67 @@ def w12_stats(spec_or_checkpoint, as_json):
     sys.exit(0 if result["bit_exact"] else 1)
 
 
+@cli.group()
+def passes():
+    """The pass toolkit: what passes exist, and whether a pipeline is legal."""
+
+
+@passes.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def passes_list(as_json):
+    """Name, options, requires, conflicts and a one-line doc of every registered pass."""
+    from specpilot.passes.registry import REGISTRY
+
+    rows = [{"name": cls.name, "doc": cls.doc,
+             "options": [{"name": o.name, "type": o.type.__name__, "default": o.default, "doc": o.doc}
+                         for o in cls.options],
+             "requires": list(cls.requires), "conflicts": list(cls.conflicts), "after": list(cls.after),
+             "targets": list(cls.targets)} for cls in sorted(REGISTRY.values(), key=lambda c: c.name)]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no passes are registered")
+    for r in rows:
+        opts = ", ".join(f"{o['name']}: {o['type']} = {o['default']}" for o in r["options"]) or "-"
+        click.echo(f"{r['name']:24s} {r['doc']}\n{'':24s} options: {opts}; requires: "
+                   f"{', '.join(r['requires']) or '-'}; conflicts: {', '.join(r['conflicts']) or '-'}")
+
+
+@passes.command("check")
+@click.argument("pipeline_text")
+@click.option("--spec", "spec_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", "target_text", default="llvm", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def passes_check(pipeline_text, spec_path, target_text, as_json):
+    """Exit 0 if the pipeline is legal for the spec and target, else 1 with the reasons."""
+    from specpilot.compiler.target import parse_target
+    from specpilot.passes.base import PassContext
+    from specpilot.passes.legality import check
+    from specpilot.passes.pipeline import parse
+
+    target = parse_target(target_text)
+    pipeline = parse(pipeline_text)
+    context = PassContext(target_kind=target.kind, arch=target.arch)
+    if spec_path is not None:
+        from specpilot.compiler.loader import load_models
+        from specpilot.compiler.spec import load_spec
+        spec = load_spec(spec_path)
+        cfg = load_models(spec, weights=False)[0].cfg if spec.target.architecture else load_models(spec)[0].cfg
+        context = PassContext(target_kind=target.kind, arch=target.arch, architecture=cfg.architecture,
+                              hybrid=cfg.is_hybrid, dtype=spec.deployment.dtype)
+    reasons = check(pipeline, context)
+    if as_json:
+        click.echo(json.dumps({"pipeline": str(pipeline), "legal": not reasons, "reasons": reasons}))
+    elif reasons:
+        click.echo(f"illegal: {pipeline}")
+        for r in reasons:
+            click.echo(f"  - {r}")
+    else:
+        click.echo(f"legal: {pipeline or '(empty pipeline)'}")
+    sys.exit(1 if reasons else 0)
+
+
 def _join_target_flags(argv: list[str]) -> list[str]:
     """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
     out: list[str] = []

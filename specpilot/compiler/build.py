@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from specpilot.compiler.loader import load_models
 from specpilot.compiler.lower import lower_deployment
 from specpilot.compiler.weights import packed_parameters
+from specpilot.passes.base import PassContext
 from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
 from specpilot.errors import SpecPilotError
@@ -136,10 +137,11 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     import tvm
 
     say = progress or (lambda message: None)
-    pipeline = passes or spec.passes
-    if pipeline.strip():
-        # the pass registry arrives with the pass toolkit; until then every pass name is unknown
-        raise SpecPilotError(f"unknown pass in pipeline {pipeline!r}: no passes are registered yet")
+    from specpilot.passes.legality import require_legal
+    from specpilot.passes.pipeline import parse
+    from specpilot.passes.runner import run_pipeline
+
+    pipeline = parse(passes or spec.passes)
     dtype_name = spec.deployment.dtype
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     if target.kind == "llvm" and dtype_name != "float32":
@@ -153,6 +155,9 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
     say("loading weights")
     tgt, drf = load_models(spec, weights=params == "file")
+    context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
+                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name)
+    require_legal(pipeline, context)   # before the long steps
     capacity = spec.deployment.max_seq_len
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, capacity, target.is_gpu,
@@ -167,6 +172,16 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
             (dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
 
     instrument("lower", mod)
+    if len(pipeline):
+        say(f"running passes {pipeline}")
+
+        def after_pass(name: str, module) -> None:
+            stages.append((name, module))
+            instrument(name, module)
+
+        mod, records = run_pipeline(pipeline, mod, context, after=after_pass)
+    else:
+        records = []
     from specpilot.schedules.relax_pipeline import SCHEDULES, pipeline as relax_pipeline
     schedule = schedule or ("nt-gemv" if target.is_gpu else "tvm-default")
     if schedule not in SCHEDULES:
@@ -189,6 +204,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
     if params == "file":
         stored, aliases = packed_parameters(names, tgt, drf, dtype)
+        for p in pipeline:
+            stored = p.transform_params(stored, context)
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
         save_file(stored, str(params_path), metadata={"format": "pt"})
@@ -205,7 +222,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "spec": spec.model_dump(mode="json", exclude={"path"}),
         "spec_path": str(spec.path) if spec.path else None,
-        "pipeline": pipeline, "target": target.text(), "target_kind": target.kind, "arch": target.arch,
+        "pipeline": str(pipeline), "passes": [vars(r) for r in records], "target": target.text(), "target_kind": target.kind, "arch": target.arch,
         "dtype": dtype_name, "capacity": capacity, "schedule": schedule,
         "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,

@@ -144,6 +144,13 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
         raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
     if d.min_ngram > d.max_ngram:
         raise SpecError(spec.path, "drafter.min_ngram", f"{d.min_ngram} exceeds max_ngram {d.max_ngram}")
+    if spec.passes.strip():
+        from specpilot.errors import SpecPilotError
+        from specpilot.passes.pipeline import parse
+        try:
+            parse(spec.passes)
+        except SpecPilotError as e:
+            raise SpecError(spec.path, "passes", str(e)) from None
     return spec
 
 

@@ -1,0 +1,116 @@
+"""What a pass is: a named IRModule -> IRModule rewrite with typed options, declared
+relations to other passes, a legality check, statistics, and optional ahead-of-time
+parameter transforms.
+
+A pass subclass declares, as class attributes:
+
+    name         the pipeline-text name, e.g. "tree-verify"
+    options      typed `Option`s with defaults, in canonical order
+    requires     passes that must also be in the pipeline, earlier
+    conflicts    passes that must not be in the pipeline
+    after        passes that, when present, must come earlier (ordering only)
+    targets      target kinds it may run for ("llvm", "cuda")
+    statistics   names of the numbers ``apply`` reports
+
+and implements ``legal(context) -> (ok, reason)`` and ``apply(mod, context) -> mod`` (on a
+clone: never mutate the input).  Passes keep no global mutable state, so candidates build in
+parallel processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from specpilot.errors import SpecPilotError
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type           # int, float, bool or str
+    default: Any
+    doc: str = ""
+    choices: tuple = ()
+
+    def coerce(self, value: Any, pass_name: str) -> Any:
+        where = f"{pass_name}{{{self.name}=...}}"
+        if self.type is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value in ("true", "false"):
+                return value == "true"
+            raise SpecPilotError(f"{where}: expected true or false, got {value!r}")
+        try:
+            if self.type is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            coerced = self.type(value)
+        except (TypeError, ValueError):
+            raise SpecPilotError(f"{where}: expected {self.type.__name__}, got {value!r}") from None
+        if self.choices and coerced not in self.choices:
+            raise SpecPilotError(f"{where}: expected one of {list(self.choices)}, got {coerced!r}")
+        return coerced
+
+
+@dataclass
+class PassContext:
+    """What legality and rewrites may look at: the deployment and the target, never timings."""
+    target_kind: str = "llvm"                 # "llvm" | "cuda"
+    arch: str | None = None
+    architecture: str | None = None           # the target model's family
+    hybrid: bool = False                      # has Gated DeltaNet layers
+    dtype: str = "float32"
+    statistics: dict = field(default_factory=dict)   # pass name -> {statistic: value}
+
+
+class Pass:
+    name: ClassVar[str] = ""
+    doc: ClassVar[str] = ""
+    options: ClassVar[tuple[Option, ...]] = ()
+    requires: ClassVar[tuple[str, ...]] = ()
+    conflicts: ClassVar[tuple[str, ...]] = ()
+    after: ClassVar[tuple[str, ...]] = ()
+    targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
+    statistics: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **values: Any):
+        known = {o.name: o for o in self.options}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise SpecPilotError(f"{self.name}: unknown option {unknown[0]!r}; "
+                                 f"options: {', '.join(known) or 'none'}")
+        self.values = {o.name: o.coerce(values[o.name], self.name) if o.name in values else o.default
+                       for o in self.options}
+
+    def __getitem__(self, option: str) -> Any:
+        return self.values[option]
+
+    def legal(self, context: PassContext) -> tuple[bool, str]:
+        return True, ""
+
+    def apply(self, mod, context: PassContext):
+        raise NotImplementedError(f"{self.name} does not implement apply")
+
+    def transform_params(self, params: dict, context: PassContext) -> dict:
+        """Ahead-of-time parameter rewrite matching ``apply`` (default: none)."""
+        return params
+
+    def __str__(self) -> str:
+        changed = [f"{o.name}={_format(self.values[o.name])}" for o in self.options
+                   if self.values[o.name] != o.default]
+        return self.name + ("{" + ",".join(changed) + "}" if changed else "")
+
+    def __repr__(self) -> str:
+        return f"<pass {self}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pass) and self.name == other.name and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)

@@ -1,0 +1,103 @@
+"""Pipeline legality, solved with z3: requires / conflicts / order / target constraints.
+
+Each pass of a candidate set gets a Boolean "present" and an integer position.  The rules:
+
+    requires     present(p) -> present(q) and pos(q) < pos(p)
+    conflicts    not (present(p) and present(q))
+    after        present(p) and present(q) -> pos(q) < pos(p)
+    target       present(p) -> the target kind is one of p.targets
+    legality     present(p) -> p.legal(context) was ok
+
+`check` fixes presence and positions to the given pipeline and, if that is unsatisfiable,
+returns the violated rules in words (z3's unsat core over named assertions).  `orderings`
+enumerates every legal order of a set of passes (the search uses that).
+"""
+
+from __future__ import annotations
+
+import z3
+
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import Pass, PassContext
+from specpilot.passes.pipeline import Pipeline
+
+
+def _rules(passes: list[Pass], context: PassContext, present: dict, pos: dict) -> list[tuple[str, z3.BoolRef]]:
+    names = {p.name for p in passes}
+    rules = []
+    for p in passes:
+        for q in p.requires:
+            if q in names:
+                rules.append((f"{p.name} requires {q} earlier in the pipeline",
+                              z3.Implies(present[p.name], z3.And(present[q], pos[q] < pos[p.name]))))
+            else:
+                rules.append((f"{p.name} requires {q}, which is not in the pipeline", z3.Not(present[p.name])))
+        for q in p.conflicts:
+            if q in names:
+                rules.append((f"{p.name} conflicts with {q}", z3.Not(z3.And(present[p.name], present[q]))))
+        for q in p.after:
+            if q in names:
+                rules.append((f"{p.name} must come after {q}",
+                              z3.Implies(z3.And(present[p.name], present[q]), pos[q] < pos[p.name])))
+        if context.target_kind not in p.targets:
+            rules.append((f"{p.name} is not available for target {context.target_kind} "
+                          f"(only {', '.join(p.targets)})", z3.Not(present[p.name])))
+        ok, reason = p.legal(context)
+        if not ok:
+            rules.append((f"{p.name}: {reason}", z3.Not(present[p.name])))
+    return rules
+
+
+def check(pipeline: Pipeline, context: PassContext) -> list[str]:
+    """The violated rules, in words; empty when the pipeline is legal."""
+    passes = list(pipeline)
+    counts = {}
+    for p in passes:
+        counts[p.name] = counts.get(p.name, 0) + 1
+    repeated = [f"{name} appears {n} times; a pass may appear once" for name, n in counts.items() if n > 1]
+    if repeated:
+        return repeated
+    present = {p.name: z3.Bool(f"present_{p.name}") for p in passes}
+    pos = {p.name: z3.Int(f"pos_{p.name}") for p in passes}
+    facts = [f for i, p in enumerate(passes) for f in (present[p.name], pos[p.name] == i)]  # the pipeline as given
+    rules = _rules(passes, context, present, pos)
+    violated: set[str] = set()
+    while True:   # one unsat core at a time, until what is left is satisfiable: every violation, not one
+        solver = z3.Solver()
+        solver.add(*facts)
+        labels = {}
+        for k, (words, rule) in enumerate(rules):
+            label = z3.Bool(f"rule_{k}")
+            labels[str(label)] = words
+            solver.assert_and_track(rule, label)
+        if solver.check() == z3.sat:
+            return sorted(violated)
+        core = {labels[str(label)] for label in solver.unsat_core()}
+        violated |= core
+        rules = [(words, rule) for words, rule in rules if words not in core]
+
+
+def require_legal(pipeline: Pipeline, context: PassContext) -> None:
+    reasons = check(pipeline, context)
+    if reasons:
+        raise SpecPilotError(f"illegal pipeline {str(pipeline)!r}: " + "; ".join(reasons))
+
+
+def orderings(passes: list[Pass], context: PassContext, limit: int = 1000) -> list[Pipeline]:
+    """Every legal ordering of all of ``passes`` (at most ``limit``), in a deterministic order."""
+    present = {p.name: z3.Bool(f"present_{p.name}") for p in passes}
+    pos = {p.name: z3.Int(f"pos_{p.name}") for p in passes}
+    solver = z3.Solver()
+    n = len(passes)
+    for p in passes:
+        solver.add(present[p.name], pos[p.name] >= 0, pos[p.name] < n)
+    solver.add(z3.Distinct(*pos.values()) if n > 1 else z3.BoolVal(True))
+    for _, rule in _rules(passes, context, present, pos):
+        solver.add(rule)
+    found = []
+    while len(found) < limit and solver.check() == z3.sat:
+        model = solver.model()
+        order = sorted(passes, key=lambda p: model.eval(pos[p.name]).as_long())
+        found.append(Pipeline(order))
+        solver.add(z3.Or([pos[p.name] != model.eval(pos[p.name]) for p in passes]))
+    return sorted(found, key=str)
