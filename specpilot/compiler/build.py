@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 
 from specpilot.compiler.loader import load_models
 from specpilot.compiler.lower import lower_deployment
-from specpilot.compiler.weights import packed_parameters
+from specpilot.compiler.weights import dedupe, packed_parameters
 from specpilot.passes.base import PassContext
 from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
@@ -145,8 +145,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     dtype_name = spec.deployment.dtype
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     started = time.perf_counter()
-    seeds = {"target": spec.target.init.seed if spec.target.init else None,
-             "drafter": spec.drafter.init.seed if spec.drafter.kind == "model" and spec.drafter.init else None}
+    seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
+             "drafter": spec.drafter.init.model_dump() if spec.drafter.kind == "model" and spec.drafter.init else None}
     if params not in ("file", "seeded"):
         raise SpecPilotError(f"params must be 'file' or 'seeded', not {params!r}")
     if params == "seeded" and (seeds["target"] is None or (spec.drafter.kind == "model" and seeds["drafter"] is None)):
@@ -154,13 +154,15 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     say("loading weights")
     tgt, drf = load_models(spec, weights=params == "file")
     context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
-                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name)
+                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params == "file")
     require_legal(pipeline, context)   # before the long steps
     capacity = spec.deployment.max_seq_len
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, capacity, target.is_gpu,
                                   drafter_shares_target=spec.drafter.kind == "early-exit")
     stages: list[tuple[str, object]] = [("lower", mod)]
+    full = packed_parameters(names, tgt, drf, dtype) if params == "file" else {}
+    context.params = full
 
     def instrument(stage: str, module) -> None:
         if print_ir_after in (stage, "all"):
@@ -201,9 +203,10 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     hashes = {"model.so": _sha256(lib_path)}
     aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
     if params == "file":
-        stored, aliases = packed_parameters(names, tgt, drf, dtype)
         for p in pipeline:
-            stored = p.transform_params(stored, context)
+            full = p.transform_params(full, context)
+        names = list(full)
+        stored, aliases = dedupe(full)
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
         save_file(stored, str(params_path), metadata={"format": "pt"})

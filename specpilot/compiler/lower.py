@@ -321,7 +321,9 @@ class Deployment(nn.Module):
     """The target and (for model drafters) the drafter; each method is one exported function."""
 
     def __init__(self, target: CausalLM, drafter: CausalLM | None):
-        self.target, self.drafter = target, drafter
+        # drafter first: a weight an early-exit drafter shares with the target is read, by every
+        # function, from the slot named last -- the target's, where target passes rewrite it
+        self.drafter, self.target = drafter, target
 
     def target_prefill(self, tokens, positions, slots, mask, kv, conv, rec):
         return self.target.prefill(tokens, positions, slots, mask, kv, conv, rec)

@@ -32,6 +32,7 @@ class _Strict(BaseModel):
 
 class RandomInit(_Strict):
     seed: int = Field(ge=0)
+    round_to: Literal["bfloat16"] | None = None   # draw, then round every weight to a bf16 value
 
 
 class ModelSource(_Strict):

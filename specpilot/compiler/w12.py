@@ -193,3 +193,46 @@ def stats(weights: dict[str, torch.Tensor], check_round_trip: bool = True) -> di
     return {"bytes_ratio": packed / bf16_bytes, "escape_rate": escapes / numel,
             "bit_exact": all_exact if check_round_trip else None, "tensors": rows,
             "packed_bytes": packed, "bf16_bytes": bf16_bytes}
+
+
+@dataclass
+class W12Kernel:
+    """A pack in the layout the decode-fused GEMM reads: planes, bases, and escapes as CSR by row
+    (row pointer, column, exact bits), each row's escapes in column order."""
+    hi: torch.Tensor        # (N, K) uint8
+    lo: torch.Tensor        # (ceil(N*K/2),) uint8
+    base: torch.Tensor      # (N,) uint8
+    esc_ptr: torch.Tensor   # (N+1,) int32
+    esc_col: torch.Tensor   # (max(E,1),) int32; a padding entry (-1) when E == 0
+    esc_bits: torch.Tensor  # (max(E,1),) int32, the bf16 bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.hi, self.lo, self.base, self.esc_ptr,
+                                                          self.esc_col, self.esc_bits))
+
+
+def kernel_layout(pack: W12Pack) -> W12Kernel:
+    n, k = pack.hi.shape
+    rows, cols = pack.escape_index // k, pack.escape_index % k
+    ptr = torch.zeros(n + 1, dtype=torch.int32)
+    ptr[1:] = torch.bincount(rows, minlength=n).cumsum(0).to(torch.int32)
+    bits = pack.escape_bits.to(torch.int32) & 0xFFFF
+    if pack.escape_index.numel() == 0:
+        cols, bits = torch.full((1,), -1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+    return W12Kernel(pack.hi, pack.lo, pack.base, ptr, cols.to(torch.int32), bits)
+
+
+def decode_kernel_layout(k: W12Kernel) -> torch.Tensor:
+    """The exact bf16 matrix back from the kernel layout."""
+    n, kk = k.hi.shape
+    count = int(k.esc_ptr[-1])
+    rows = torch.repeat_interleave(torch.arange(n), (k.esc_ptr[1:] - k.esc_ptr[:-1]).long())
+    pack = W12Pack((n, kk), k.hi, k.lo, k.base, rows * kk + k.esc_col[:count].long(),
+                   k.esc_bits[:count].to(torch.int16), "")
+    return decode(pack)
+
+
+def gemm_reference(x: torch.Tensor, k: W12Kernel) -> torch.Tensor:
+    """y = x @ W^T in float32 with W decoded from the kernel layout (what the TIR kernel computes)."""
+    return x.float() @ decode_kernel_layout(k).float().T

@@ -66,7 +66,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> dict[str, torch.Tensor]:
     """A seeded random model whose greedy output is varied rather than flat.
 
     Matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms near their identity, Gated
@@ -92,7 +92,7 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
         else:
             fan_in = math.prod(shape[1:])
             t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
-        weights[name] = t.float()
+        weights[name] = t.to(torch.bfloat16).float() if round_to == "bfloat16" else t.float()
     return weights
 
 
@@ -229,27 +229,33 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
 
 
-def packed_parameters(names: list[str], target, drafter,
-                      dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The values of a build's packed parameters: (unique tensors by stored name, alias map
-    name -> stored name).  ``target`` / ``drafter`` have ``cfg`` and ``weights`` (HF names)."""
-    stored: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    by_id: dict[int, str] = {}
+def packed_parameters(names: list[str], target, drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The values of a build's packed parameters in packed order, by name.  ``target`` /
+    ``drafter`` have ``cfg`` and ``weights`` (HF names); a weight the drafter shares with the
+    target (early exit) is the same tensor object under both names (see `dedupe`)."""
+    converted: dict[int, torch.Tensor] = {}
     models = {"target": target, "drafter": drafter}
+    full = {}
     for name in names:
         prefix, _, hf = name.partition(".")
         model = models[prefix]
         if hf == "rope_inv_freq":
-            value = rope_inv_freq(model.cfg)
-        else:
-            value = model.weights[hf].to(dtype)
-        source = model.weights.get(hf) if hf != "rope_inv_freq" else None
-        ident = id(source) if source is not None else None
-        if ident is not None and ident in by_id:           # an early-exit drafter's shared weights
-            aliases[name] = by_id[ident]
+            full[name] = rope_inv_freq(model.cfg)
             continue
-        stored[name] = value.contiguous()
-        if ident is not None:
-            by_id[ident] = name
+        source = model.weights[hf]
+        if id(source) not in converted:
+            converted[id(source)] = source.to(dtype).contiguous()
+        full[name] = converted[id(source)]
+    return full
+
+
+def dedupe(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(unique tensors by their first name, alias map other name -> that name)."""
+    stored, aliases, first = {}, {}, {}
+    for name, tensor in full.items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+            stored[name] = tensor
     return stored, aliases

@@ -60,7 +60,10 @@ class PassContext:
     architecture: str | None = None           # the target model's family
     hybrid: bool = False                      # has Gated DeltaNet layers
     dtype: str = "float32"
+    weights_known: bool = True                # False for --params seeded builds
+    params: dict = field(default_factory=dict)       # packed parameter name -> value, in packed order
     statistics: dict = field(default_factory=dict)   # pass name -> {statistic: value}
+    scratch: dict = field(default_factory=dict)      # pass name -> what apply leaves for transform_params
 
 
 class Pass:

@@ -94,9 +94,10 @@ class CompiledModule:
             return load_file(str(self.dir / "params" / "params.safetensors")), m["aliases"]
         from types import SimpleNamespace
 
-        from specpilot.compiler.weights import packed_parameters, random_weights
+        from specpilot.compiler.weights import dedupe, packed_parameters, random_weights
         cfgs = {which: ModelConfig.from_dict(d) for which, d in m["models"].items()}
-        target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], m["seeds"]["target"]))
+        seeds = m["seeds"]
+        target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], **seeds["target"]))
         drafter = None
         if "drafter" in cfgs:
             if m["drafter"]["kind"] == "early-exit":   # the target's own first layers
@@ -104,10 +105,10 @@ class CompiledModule:
                 weights = {k: v for k, v in target.weights.items()
                            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
             else:
-                weights = random_weights(cfgs["drafter"], m["seeds"]["drafter"])
+                weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         dtype = getattr(torch, m["dtype"])
-        return packed_parameters(m["params"], target, drafter, dtype)
+        return dedupe(packed_parameters(m["params"], target, drafter, dtype))
 
     def _load_params(self):
         aliases = self._aliases
@@ -135,9 +136,22 @@ class CompiledModule:
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference."""
         stored, aliases = self._stored, self._aliases
+        value = lambda name: stored[aliases.get(name, name)]  # noqa: E731
+        names = self.manifest["params"]
         prefix = which + "."
-        return {name[len(prefix):]: stored[aliases.get(name, name)] for name in self.manifest["params"]
-                if name.startswith(prefix) and not name.endswith("rope_inv_freq")}
+        out = {}
+        for name in names:
+            if not name.startswith(prefix) or name.endswith("rope_inv_freq") or ".w12_" in name:
+                continue
+            if f"{name}.w12_lo" in names:   # stored in the W12 layout: decode the exact weights back
+                from specpilot.compiler import w12
+                weight = w12.decode_kernel_layout(w12.W12Kernel(
+                    value(name), *(value(f"{name}.{s}") for s in ("w12_lo", "w12_base", "w12_esc_ptr",
+                                                                   "w12_esc_col", "w12_esc_bits"))))
+                out[name[len(prefix):]] = weight.to(getattr(torch, self.manifest["dtype"]))
+            else:
+                out[name[len(prefix):]] = value(name)
+        return out
 
 
 @dataclass

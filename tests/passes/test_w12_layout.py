@@ -1,0 +1,145 @@
+"""w12-layout: before/expected IR, where it must not fire, where it must raise, and compiled
+builds that pass token forcing exactly on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from specpilot.compiler import kernels, w12
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import PassContext
+from specpilot.passes.pipeline import parse
+from specpilot.passes.runner import run_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), tokens: R.Tensor(("n",), "int32"),
+             packed_params: R.Tuple(R.Tensor((6, 8), "float32"), R.Tensor((6,), "float32"),
+                                    R.Tensor((10, 8), "float32"))) -> R.Tensor(("n", 6), "float32"):
+        R.func_attr({"num_input": 2})
+        with R.dataflow():
+            w = packed_params[0]
+            wt = R.permute_dims(w, axes=None)
+            y = R.matmul(x, wt, out_dtype="float32")
+            b = packed_params[1]
+            table = packed_params[2]
+            e = R.take(table, tokens, axis=0)
+            z = R.add(y, b)
+            s = R.add(z, R.sum(e, axis=[1], keepdims=True))
+            R.output(s)
+        return s
+
+
+def _context(weights: dict) -> PassContext:
+    return PassContext(target_kind="llvm", dtype="float32", params=weights)
+
+
+def _weights(exact: bool = True):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8, generator=g)
+    w = w.to(torch.bfloat16).float() if exact else w
+    table = torch.randn(10, 8, generator=g).to(torch.bfloat16).float()
+    return {"target.a.weight": w, "target.a.bias": torch.randn(6, generator=g), "target.emb.weight": table}
+
+
+def _expected(layout: w12.W12Kernel):
+    bb = relax.BlockBuilder()
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, 8), "float32"))
+    tokens = relax.Var("tokens", relax.TensorType((n,), "int32"))
+    planes = [layout.hi, layout.lo, layout.base, layout.esc_ptr, layout.esc_col, layout.esc_bits]
+    fields = [relax.TensorType(list(layout.hi.shape), "uint8"), relax.TensorType((6,), "float32"),
+              relax.TensorType((10, 8), "float32")] + \
+             [relax.TensorType(list(t.shape), str(t.dtype).split(".")[-1]) for t in planes[1:]]
+    packed = relax.Var("packed_params", relax.TupleType(fields))
+    with bb.function("main", [x, tokens, packed], attrs={"num_input": 2}):
+        gemm = bb.add_func(kernels.w12_gemm(6, 8, int(layout.esc_ptr[-1]), "float32"), "w12_gemm")
+        with bb.dataflow():
+            y = bb.emit(relax.call_tir(gemm, [x] + [relax.TupleGetItem(packed, j) for j in (0, 3, 4, 5, 6, 7)],
+                                       relax.TensorType((n, 6), "float32")))
+            b = bb.emit(relax.TupleGetItem(packed, 1))
+            table = bb.emit(relax.TupleGetItem(packed, 2))
+            e = bb.emit(relax.op.take(table, tokens, axis=0))
+            z = bb.emit(relax.op.add(y, b))
+            s = bb.emit_output(relax.op.add(z, relax.op.sum(e, axis=[1], keepdims=True)))
+        bb.emit_func_output(s)
+    return bb.get()
+
+
+def test_before_expected():
+    weights = _weights()
+    context = _context(weights)
+    after, records = run_pipeline(parse("w12-layout"), Before, context)
+    layout = context.scratch["w12-layout"]["target.a.weight"]
+    tvm.ir.assert_structural_equal(after, _expected(layout))
+    assert records[0].statistics["rewritten"] == 1 and records[0].statistics["weights"] == 1
+    # the weight read by take() stays as it is; the params follow the IR
+    params = parse("w12-layout").passes[0].transform_params(weights, context)
+    assert list(params) == ["target.a.weight", "target.a.bias", "target.emb.weight", "target.a.weight.w12_lo",
+                            "target.a.weight.w12_base", "target.a.weight.w12_esc_ptr",
+                            "target.a.weight.w12_esc_col", "target.a.weight.w12_esc_bits"]
+    assert torch.equal(w12.decode_kernel_layout(layout).float(), weights["target.a.weight"])
+
+
+def test_does_not_fire_on_weights_that_are_not_bf16():
+    context = _context(_weights(exact=False))
+    after, records = run_pipeline(parse("w12-layout"), Before, context)
+    tvm.ir.assert_structural_equal(after, Before)
+    assert records[0].statistics["weights"] == 0
+
+
+def test_min_size_excludes_small_matrices():
+    context = _context(_weights())
+    after, _ = run_pipeline(parse("w12-layout{min_size=49}"), Before, context)
+    tvm.ir.assert_structural_equal(after, Before)
+
+
+@pytest.mark.parametrize("context,reason", [
+    (PassContext(target_kind="llvm", weights_known=False), "needs the weights at build time"),
+    (PassContext(target_kind="cuda", arch="sm_90"), "not available for target cuda"),
+])
+def test_illegal_contexts_raise(context, reason):
+    with pytest.raises(SpecPilotError, match=reason):
+        run_pipeline(parse("w12-layout"), Before, context)
+
+
+@pytest.mark.parametrize("example", ["tiny-llama.yaml", "tiny-hybrid.yaml"])
+def test_compiled_w12_builds_pass_token_forcing_exactly(example, tmp_path):
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import from_build
+
+    manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b",
+                     passes="w12-layout")
+    stats = manifest["passes"][0]["statistics"]
+    assert manifest["pipeline"] == "w12-layout" and stats["weights"] > 0 and stats["rewritten"] > 0
+    assert stats["bytes_after"] < 0.8 * stats["bytes_before"]
+    system = from_build(tmp_path / "b")
+    prompts = [[(13 * i + r) % 384 for i in range(10 + 5 * r)] for r in range(2)]
+    for engine in ("compiled", "compiled-spec"):
+        stock_runs = [system.generate("stock", p, 128) for p in prompts]
+        runs = [system.generate(engine, p, 128, force=s.tokens) for p, s in zip(prompts, stock_runs)]
+        report = force_requests(stock_runs, runs)
+        assert report.passed and not report.excused, report.first_divergence
+
+
+def test_seeded_build_refuses_w12(tmp_path):
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    with pytest.raises(SpecPilotError, match="w12-layout: needs the weights at build time"):
+        build(load_spec(ROOT / "examples" / "tiny-llama.yaml"), parse_target("llvm"), tmp_path / "b",
+              passes="w12-layout", params="seeded")
