@@ -120,7 +120,7 @@ def test_corrupt_build_is_refused(built, tmp_path):
 def test_unknown_pass_is_refused_before_building(tmp_path):
     spec = _spec(tmp_path, "Qwen3ForCausalLM")
     with pytest.raises(SpecPilotError, match="unknown pass"):
-        build(spec, parse_target("llvm"), tmp_path / "b", passes="w12-layout")
+        build(spec, parse_target("llvm"), tmp_path / "b", passes="fuse-everything")
 
 
 def test_cli_compile_run_verify(run_cli, tmp_path):

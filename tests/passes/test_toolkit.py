@@ -182,5 +182,11 @@ def test_cli_passes_check_and_list(run_cli):
     assert code == 0 and isinstance(__import__("json").loads(out), list)
     code, out, _ = run_cli("passes", "check", "")
     assert code == 0 and out.startswith("legal")
-    code, _, err = run_cli("passes", "check", "w12-layout")
-    assert code == 2 and "unknown pass 'w12-layout'" in err
+    code, out, _ = run_cli("passes", "list", "--json")
+    assert [p["name"] for p in __import__("json").loads(out)] == ["w12-layout"]
+    code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "llvm")
+    assert code == 0 and out.startswith("legal: w12-layout")
+    code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "cuda -arch=sm_90")
+    assert code == 1 and "w12-layout is not available for target cuda (only llvm)" in out
+    code, _, err = run_cli("passes", "check", "fuse-everything")
+    assert code == 2 and "unknown pass 'fuse-everything'" in err
