@@ -31,21 +31,13 @@ from safetensors.torch import save_file
 
 from specpilot.compiler.loader import load_models
 from specpilot.compiler.lower import lower_deployment
-from specpilot.compiler.weights import dedupe, packed_parameters
+from specpilot.compiler.weights import dedupe, file_digest, packed_parameters
 from specpilot.passes.base import PassContext
 from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
 from specpilot.errors import SpecPilotError
 
 MANIFEST_VERSION = 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _versions() -> dict:
@@ -200,7 +192,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     say("exporting")
     lib_path = out_dir / "model.so"
     executable.export_library(str(lib_path))
-    hashes = {"model.so": _sha256(lib_path)}
+    hashes = {"model.so": file_digest(lib_path)}
     aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
     if params == "file":
         for p in pipeline:
@@ -210,7 +202,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
         save_file(stored, str(params_path), metadata={"format": "pt"})
-        hashes["params/params.safetensors"] = _sha256(params_path)
+        hashes["params/params.safetensors"] = file_digest(params_path)
     tokenizer = None
     if tgt.tokenizer_path is not None:
         src = tgt.tokenizer_path / "tokenizer.json" if tgt.tokenizer_path.is_dir() else tgt.tokenizer_path
