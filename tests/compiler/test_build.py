@@ -125,11 +125,15 @@ def test_unknown_pass_is_refused_before_building(tmp_path):
 
 def test_cli_compile_run_verify(run_cli, tmp_path):
     out = tmp_path / "b"
-    code, stdout, _ = run_cli("compile", ROOT / "examples" / "tiny-llama.yaml", "--target", "llvm", "-o", out,
-                              "--dump-ir", tmp_path / "ir", "--json")
-    assert code == 0 and json.loads(stdout)["target"] == "llvm"
-    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["01-lower.py", "02-relax-pipeline.py"]
+    code, stdout, stderr = run_cli("compile", ROOT / "examples" / "tiny-llama.yaml", "--target", "llvm", "-o", out,
+                                   "--passes", "w12-layout", "--dump-ir", tmp_path / "ir",
+                                   "--print-ir-after", "w12-layout", "--json")
+    summary = json.loads(stdout)
+    assert code == 0 and summary["target"] == "llvm" and summary["pipeline"] == "w12-layout"
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["01-lower.py", "02-w12-layout.py",
+                                                                   "03-relax-pipeline.py"]
     assert "def target_verify" in (tmp_path / "ir" / "01-lower.py").read_text()
+    assert "# IR after w12-layout" in stderr and "w12_gemm" in stderr and "# IR after lower" not in stderr
     code, stdout, _ = run_cli("run", out, "--prompt", "hi", "--max-new-tokens", 12, "--json")
     assert code == 0 and len(json.loads(stdout)["tokens"]) == 12
     code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--inject-fault-after", 5)
