@@ -175,20 +175,25 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
     return kernel
 
 
-def w12_gemm(n_out: int, k_in: int, n_escapes: int, x_dtype: str):
+def w12_gemm(n_out: int, k_in: int, n_escapes: int, x_dtype: str, hi_only: bool = False):
     """y[m, n] = sum_k x[m, k] * W[n, k] (float32), W decoded in registers from its W12 planes.
 
     Row n's escapes are merged in column order as k advances, so every weight enters the sum
     with its exact bf16 value and in the same order as a plain GEMM over the decoded matrix.
     CPU form: rows in parallel.  (The CUDA schedule is issue 4's kernel work.)
+
+    ``hi_only``: the nested 8-bit view -- the lo plane is not read, the low mantissa bits are
+    taken at their midpoint (0b1000); escapes stay exact.
     """
     lo_len = (n_out * k_in + 1) // 2
     e = max(n_escapes, 1)
+    x_dtype = str(x_dtype)   # a Relax DataType or a string: the attribute records the string
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(x_h: T.handle, hi_h: T.handle, lo_h: T.handle, base_h: T.handle, ptr_h: T.handle,
                col_h: T.handle, bits_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": False})
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": False,
+                     "w12.n": n_out, "w12.k": k_in, "w12.escapes": n_escapes, "w12.x_dtype": x_dtype})
         m = T.int64()
         x = T.match_buffer(x_h, (m, k_in), x_dtype)
         hi = T.match_buffer(hi_h, (n_out, k_in), "uint8")
@@ -217,6 +222,7 @@ def w12_gemm(n_out: int, k_in: int, n_escapes: int, x_dtype: str):
                                     T.shift_left(T.Cast("uint32", base[n]) + T.bitwise_and(
                                         T.shift_right(T.Cast("uint32", hi[n, k]), T.uint32(3)), T.uint32(15)), T.uint32(7))),
                                     T.bitwise_or(T.shift_left(T.bitwise_and(T.Cast("uint32", hi[n, k]), T.uint32(7)), T.uint32(4)),
+                                                 T.uint32(8) if hi_only else
                                                  T.bitwise_and(T.shift_right(T.Cast("uint32", lo[(n * k_in + k) // 2]),
                                                                              T.Cast("uint32", ((n * k_in + k) % 2) * 4)),
                                                                T.uint32(15)))),

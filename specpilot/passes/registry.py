@@ -7,8 +7,9 @@ A new pass is one file in this folder defining one `Pass` subclass, plus one lin
 from __future__ import annotations
 
 from specpilot.passes.base import Pass
+from specpilot.passes.nested_int8_view import NestedInt8View
 from specpilot.passes.w12_layout import W12Layout
 
-PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout,)
+PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout, NestedInt8View)
 
 REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASS_CLASSES}

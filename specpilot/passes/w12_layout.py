@@ -12,7 +12,8 @@ now only for ``llvm`` targets: the CUDA schedule of the fused GEMM is the rest o
 A weight that is not bf16-representable, not 2-D, smaller than ``min_size`` or not the
 target's is left as it is (the pass does not fire on it).
 
-Where it sits: before any pass that reads the matmul patterns it replaces (none yet).
+Where it sits: before any pass that reads the matmul patterns it replaces, and before
+nested-int8-view, which reads the GEMMs it creates.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def _weights(exact: bool = True):
     return {"target.a.weight": w, "target.a.bias": torch.randn(6, generator=g), "target.emb.weight": table}
 
 
-def _expected(layout: w12.W12Kernel):
+def _expected(layout: w12.W12Kernel, hi_only: bool = False):
     bb = relax.BlockBuilder()
     n = tvm.tirx.Var("n", "int64")
     x = relax.Var("x", relax.TensorType((n, 8), "float32"))
@@ -64,7 +64,7 @@ def _expected(layout: w12.W12Kernel):
              [relax.TensorType(list(t.shape), str(t.dtype).split(".")[-1]) for t in planes[1:]]
     packed = relax.Var("packed_params", relax.TupleType(fields))
     with bb.function("main", [x, tokens, packed], attrs={"num_input": 2}):
-        gemm = bb.add_func(kernels.w12_gemm(6, 8, int(layout.esc_ptr[-1]), "float32"), "w12_gemm")
+        gemm = bb.add_func(kernels.w12_gemm(6, 8, int(layout.esc_ptr[-1]), "float32", hi_only), "w12_gemm")
         with bb.dataflow():
             y = bb.emit(relax.call_tir(gemm, [x] + [relax.TupleGetItem(packed, j) for j in (0, 3, 4, 5, 6, 7)],
                                        relax.TensorType((n, 6), "float32")))
@@ -143,3 +143,63 @@ def test_seeded_build_refuses_w12(tmp_path):
     with pytest.raises(SpecPilotError, match="w12-layout: needs the weights at build time"):
         build(load_spec(ROOT / "examples" / "tiny-llama.yaml"), parse_target("llvm"), tmp_path / "b",
               passes="w12-layout", params="seeded")
+
+
+def test_nested_int8_view_before_expected():
+    weights = _weights()
+    context = _context(weights)
+    stages = {}
+    out, records = run_pipeline(parse("w12-layout,nested-int8-view{function=main}"), Before, context,
+                                after=lambda name, mod: stages.setdefault(name, mod))
+    after_w12 = stages["w12-layout"]
+    layout = context.scratch["w12-layout"]["target.a.weight"]
+    # expected: the exact module plus main_view, whose GEMM reads the hi plane only
+    view_module = _expected(layout, hi_only=True)
+    expected = tvm.ir.IRModule(dict(after_w12.functions))
+    bb = relax.BlockBuilder(expected)
+    gv = view_module.get_global_var("w12_gemm")
+    twin = bb.add_func(view_module[gv], "w12_gemm_view")
+    main = view_module["main"]
+    body = main.body
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    bindings = [relax.VarBinding(b.var, relax.call_tir(twin, b.value.args[1], b.value.ty))
+                if isinstance(b.value, relax.Call) and b.value.op.same_as(call_tir) else b
+                for b in body.blocks[0].bindings]
+    new_body = relax.SeqExpr([relax.DataflowBlock(bindings)], body.body)
+    view = relax.Function(main.params, new_body, main.ret_ty, main.is_pure, main.attrs)
+    bb.add_func(view.with_attr("global_symbol", "main_view"), "main_view")
+    tvm.ir.assert_structural_equal(out, relax.transform.Normalize()(bb.get()))
+    assert records[1].statistics == {"functions_added": 1, "gemms_viewed": 1}
+
+
+def test_nested_int8_view_needs_w12_layout():
+    with pytest.raises(SpecPilotError, match="nested-int8-view requires w12-layout, which is not in the pipeline"):
+        run_pipeline(parse("nested-int8-view{function=main}"), Before, _context(_weights()))
+    with pytest.raises(SpecPilotError, match="nested-int8-view requires w12-layout earlier"):
+        run_pipeline(parse("nested-int8-view{function=main},w12-layout"), Before, _context(_weights()))
+
+
+def test_view_function_in_a_build_is_close_not_exact(tmp_path):
+    import numpy as np
+
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    from specpilot.runtime.engine import CompiledModule
+    manifest = build(load_spec(ROOT / "examples" / "tiny-hybrid.yaml"), parse_target("llvm"), tmp_path / "b",
+                     passes="w12-layout,nested-int8-view")
+    assert "target_verify_view" in manifest["functions"]
+    module = CompiledModule(tmp_path / "b")
+    model = module.model("target")
+    state = model.new_state(1024)
+    model.forward(list(range(30, 56)), state)
+    start, toks = state.length, np.array([56, 57, 58, 59], "int32")
+    slots = np.arange(start, start + 4, dtype="int32")
+    mask = np.arange(start + 4)[None, :] <= (start + np.arange(4))[:, None]
+    args = [module.tensor(toks), module.tensor(slots), module.tensor(slots), module.tensor(mask),
+            state.kv, state.conv, state.rec]
+    exact = module.functions["target_verify"](*args, module.params)[0].numpy()
+    view = module.functions["target_verify_view"](*args, module.params)[0].numpy()
+    rel = np.abs(exact - view).max() / np.abs(exact).max()
+    assert 0 < rel < 0.5
+    assert state.length == start   # calling the functions changed no engine state
