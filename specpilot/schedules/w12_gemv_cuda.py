@@ -1,0 +1,112 @@
+"""CUDA kernels for skinny GEMMs y[M, N] = x[M, K] . W[N, K]^T at decode batch sizes: one
+reading W in the W12 layout (decoded in registers), one reading plain bf16 W, same schedule.
+
+Schedule: a warp per output row, ROWS rows per block.  Each lane takes 8 consecutive weights
+per step -- two 32-bit words of the hi plane and one 32-bit word of the lo plane (8 nibbles),
+so a warp reads 256 hi bytes and 128 lo bytes per step, contiguous -- decodes them with a few
+integer ops and accumulates M rows of x in float32 registers.  Escapes are applied after
+the main loop as exact corrections (their plane entries decode to a known placeholder).
+Lanes reduce through shared memory.  M is a compile-time constant (one kernel per M).
+
+Layout the W12 kernel reads (see `w12_cuda_layout`): hi as uint32 (N, K/4), lo as uint32
+(N, K/8) with weight j of a word in nibble j, base as int32 (N,), escapes as CSR
+(`specpilot.compiler.w12.cuda_word_layout`).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from specpilot.compiler.w12 import STEP  # noqa: F401  (the word layout's granule)
+
+ROWS = 4        # warps (rows) per block
+
+
+def w12_gemv(m_rows: int, n_out: int, k_in: int):
+    steps = k_in // STEP
+
+    @T.prim_func
+    def kernel(x_h: T.handle, hi_h: T.handle, lo_h: T.handle, base_h: T.handle, ptr_h: T.handle,
+               col_h: T.handle, bits_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        e = T.int64()   # escape count: known only with the weights
+        x = T.match_buffer(x_h, (m_rows, k_in), "bfloat16")
+        hi = T.match_buffer(hi_h, (n_out, k_in // 4), "int32")
+        lo = T.match_buffer(lo_h, (n_out, k_in // 8), "int32")
+        base = T.match_buffer(base_h, (n_out,), "int32")
+        ptr = T.match_buffer(ptr_h, (n_out + 1,), "int32")
+        col = T.match_buffer(col_h, (e,), "int32")
+        bits = T.match_buffer(bits_h, (e,), "int32")
+        y = T.match_buffer(y_h, (m_rows, n_out), "float32")
+        for bx in T.thread_binding(n_out // ROWS, thread="blockIdx.x"):
+            for ty in T.thread_binding(ROWS, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    acc = T.alloc_buffer((m_rows,), "float32", scope="local")
+                    red = T.alloc_buffer((ROWS, 32, m_rows), "float32", scope="shared")
+                    for m in range(m_rows):
+                        acc[m] = T.float32(0)
+                    for s in range(steps):
+                        for j in T.unroll(8):
+                            acc_w = T.reinterpret("float32", T.shift_left(T.Cast("uint32", T.bitwise_or(T.bitwise_or(
+                                T.shift_left(T.bitwise_and(T.shift_right(
+                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8 + 7), 1), 15),
+                                T.shift_left(base[bx * ROWS + ty] + T.bitwise_and(T.shift_right(
+                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8 + 3), 15), 7)),
+                                T.bitwise_or(T.shift_left(T.bitwise_and(T.shift_right(
+                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8), 7), 4),
+                                    T.bitwise_and(T.shift_right(lo[bx * ROWS + ty, (s * STEP + tx * 8) // 8], j * 4), 15)))),
+                                T.uint32(16)))
+                            for m in range(m_rows):
+                                acc[m] = acc[m] + T.Cast("float32", x[m, s * STEP + tx * 8 + j]) * acc_w
+                    # escapes: their planes decode to 2**(base-127); swap that for the exact value
+                    for p in range((ptr[bx * ROWS + ty + 1] - ptr[bx * ROWS + ty] + 31 - tx) // 32):
+                        for m in range(m_rows):
+                            acc[m] = acc[m] + T.Cast("float32", x[m, col[ptr[bx * ROWS + ty] + tx + p * 32]]) * (
+                                T.reinterpret("float32", T.shift_left(T.Cast("uint32", bits[ptr[bx * ROWS + ty] + tx + p * 32]),
+                                                                      T.uint32(16)))
+                                - T.reinterpret("float32", T.shift_left(T.Cast("uint32", base[bx * ROWS + ty]),
+                                                                        T.uint32(23))))
+                    for m in range(m_rows):
+                        red[ty, tx, m] = acc[m]
+                    T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        for m in range(m_rows):
+                            acc[m] = T.float32(0)
+                            for lane in range(32):
+                                acc[m] = acc[m] + red[ty, lane, m]
+                            y[m, bx * ROWS + ty] = acc[m]
+    return kernel
+
+
+def bf16_gemv(m_rows: int, n_out: int, k_in: int):
+    """The same schedule over plain bf16 weights (16 bytes per lane per step)."""
+    steps = k_in // STEP
+
+    @T.prim_func
+    def kernel(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        x = T.match_buffer(x_h, (m_rows, k_in), "bfloat16")
+        w = T.match_buffer(w_h, (n_out, k_in), "bfloat16")
+        y = T.match_buffer(y_h, (m_rows, n_out), "float32")
+        for bx in T.thread_binding(n_out // ROWS, thread="blockIdx.x"):
+            for ty in T.thread_binding(ROWS, thread="threadIdx.y"):
+                for tx in T.thread_binding(32, thread="threadIdx.x"):
+                    acc = T.alloc_buffer((m_rows,), "float32", scope="local")
+                    red = T.alloc_buffer((ROWS, 32, m_rows), "float32", scope="shared")
+                    for m in range(m_rows):
+                        acc[m] = T.float32(0)
+                    for s in range(steps):
+                        for j in T.unroll(8):
+                            for m in range(m_rows):
+                                acc[m] = acc[m] + T.Cast("float32", x[m, s * STEP + tx * 8 + j]) * \
+                                    T.Cast("float32", w[bx * ROWS + ty, s * STEP + tx * 8 + j])
+                    for m in range(m_rows):
+                        red[ty, tx, m] = acc[m]
+                    T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        for m in range(m_rows):
+                            acc[m] = T.float32(0)
+                            for lane in range(32):
+                                acc[m] = acc[m] + red[ty, lane, m]
+                            y[m, bx * ROWS + ty] = acc[m]
+    return kernel
