@@ -238,7 +238,7 @@ def gemm_reference(x: torch.Tensor, k: W12Kernel) -> torch.Tensor:
     return x.float() @ decode_kernel_layout(k).float().T
 
 
-STEP = 256   # weights a warp reads per step in the CUDA GEMV: 32 lanes x 8
+STEP = 512   # weights a warp reads per step in the CUDA GEMV: 32 lanes x 16
 
 
 def cuda_word_layout(weight_bf16: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """CUDA kernels for skinny GEMMs y[M, N] = x[M, K] . W[N, K]^T at decode batch sizes: one
 reading W in the W12 layout (decoded in registers), one reading plain bf16 W, same schedule.
 
-Schedule: a warp per output row, ROWS rows per block.  Each lane takes 8 consecutive weights
-per step -- two 32-bit words of the hi plane and one 32-bit word of the lo plane (8 nibbles),
-so a warp reads 256 hi bytes and 128 lo bytes per step, contiguous -- decodes them with a few
+Schedule: a warp per output row, 8 (or 4) rows per block.  Each lane takes LANE weights
+per step as four 32-bit hi words, each the word after the previous lane's (so every load
+instruction of the warp is one contiguous 128-byte line), plus the lo word holding their
+nibbles (shared by lane pairs); a warp reads 512 hi bytes and 256 lo bytes per step -- decodes them with a few
 integer ops and accumulates M rows of x in float32 registers.  Escapes are applied after
 the main loop as exact corrections (their plane entries decode to a known placeholder).
 Lanes reduce through shared memory.  M is a compile-time constant (one kernel per M).
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from specpilot.compiler.w12 import STEP  # noqa: F401  (the word layout's granule)
+from specpilot.compiler.w12 import STEP  # 32 lanes x LANE weights
 
-ROWS = 4        # warps (rows) per block
+def _rows(m_rows: int) -> int:
+    """Warps (rows) per block: 8, or 4 when the lane-reduction buffer would pass 48 KB of shared memory."""
+    return 8 if 8 * 32 * m_rows * 4 <= 48 * 1024 else 4
+LANE = 16       # consecutive weights per lane per step: 4 words of hi, 2 of lo in flight
 
 
 def w12_gemv(m_rows: int, n_out: int, k_in: int):
-    steps = k_in // STEP
+    steps, ROWS = k_in // STEP, _rows(m_rows)
 
     @T.prim_func
     def kernel(x_h: T.handle, hi_h: T.handle, lo_h: T.handle, base_h: T.handle, ptr_h: T.handle,
@@ -43,21 +47,23 @@ def w12_gemv(m_rows: int, n_out: int, k_in: int):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
                     acc = T.alloc_buffer((m_rows,), "float32", scope="local")
                     red = T.alloc_buffer((ROWS, 32, m_rows), "float32", scope="shared")
-                    for m in range(m_rows):
+                    for m in T.unroll(m_rows):
                         acc[m] = T.float32(0)
                     for s in range(steps):
-                        for j in T.unroll(8):
-                            acc_w = T.reinterpret("float32", T.shift_left(T.Cast("uint32", T.bitwise_or(T.bitwise_or(
-                                T.shift_left(T.bitwise_and(T.shift_right(
-                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8 + 7), 1), 15),
-                                T.shift_left(base[bx * ROWS + ty] + T.bitwise_and(T.shift_right(
-                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8 + 3), 15), 7)),
-                                T.bitwise_or(T.shift_left(T.bitwise_and(T.shift_right(
-                                    hi[bx * ROWS + ty, (s * STEP + tx * 8) // 4 + j // 4], (j % 4) * 8), 7), 4),
-                                    T.bitwise_and(T.shift_right(lo[bx * ROWS + ty, (s * STEP + tx * 8) // 8], j * 4), 15)))),
-                                T.uint32(16)))
-                            for m in range(m_rows):
-                                acc[m] = acc[m] + T.Cast("float32", x[m, s * STEP + tx * 8 + j]) * acc_w
+                        for q in T.unroll(4):   # word h = s*128 + q*32 + tx: consecutive lanes, consecutive words
+                            for b in T.unroll(4):
+                                acc_w = T.reinterpret("float32", T.shift_left(T.Cast("uint32", T.bitwise_or(T.bitwise_or(
+                                    T.shift_left(T.bitwise_and(T.shift_right(
+                                        hi[bx * ROWS + ty, s * 128 + q * 32 + tx], b * 8 + 7), 1), 15),
+                                    T.shift_left(base[bx * ROWS + ty] + T.bitwise_and(T.shift_right(
+                                        hi[bx * ROWS + ty, s * 128 + q * 32 + tx], b * 8 + 3), 15), 7)),
+                                    T.bitwise_or(T.shift_left(T.bitwise_and(T.shift_right(
+                                        hi[bx * ROWS + ty, s * 128 + q * 32 + tx], b * 8), 7), 4),
+                                        T.bitwise_and(T.shift_right(lo[bx * ROWS + ty, (s * 128 + q * 32 + tx) // 2],
+                                                                    (((s * 128 + q * 32 + tx) % 2) * 4 + b) * 4), 15)))),
+                                    T.uint32(16)))
+                                for m in T.unroll(m_rows):
+                                    acc[m] = acc[m] + T.Cast("float32", x[m, (s * 128 + q * 32 + tx) * 4 + b]) * acc_w
                     # escapes: their planes decode to 2**(base-127); swap that for the exact value
                     for p in range((ptr[bx * ROWS + ty + 1] - ptr[bx * ROWS + ty] + 31 - tx) // 32):
                         for m in range(m_rows):
@@ -79,8 +85,8 @@ def w12_gemv(m_rows: int, n_out: int, k_in: int):
 
 
 def bf16_gemv(m_rows: int, n_out: int, k_in: int):
-    """The same schedule over plain bf16 weights (16 bytes per lane per step)."""
-    steps = k_in // STEP
+    """The same schedule over plain bf16 weights (32 bytes per lane per step)."""
+    steps, ROWS = k_in // STEP, _rows(m_rows)
 
     @T.prim_func
     def kernel(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -93,13 +99,14 @@ def bf16_gemv(m_rows: int, n_out: int, k_in: int):
                 for tx in T.thread_binding(32, thread="threadIdx.x"):
                     acc = T.alloc_buffer((m_rows,), "float32", scope="local")
                     red = T.alloc_buffer((ROWS, 32, m_rows), "float32", scope="shared")
-                    for m in range(m_rows):
+                    for m in T.unroll(m_rows):
                         acc[m] = T.float32(0)
                     for s in range(steps):
-                        for j in T.unroll(8):
-                            for m in range(m_rows):
-                                acc[m] = acc[m] + T.Cast("float32", x[m, s * STEP + tx * 8 + j]) * \
-                                    T.Cast("float32", w[bx * ROWS + ty, s * STEP + tx * 8 + j])
+                        for q in T.unroll(4):   # 4 weights (8 bytes) per lane per q, consecutive lanes adjacent
+                            for b in T.unroll(4):
+                                for m in T.unroll(m_rows):
+                                    acc[m] = acc[m] + T.Cast("float32", x[m, (s * 128 + q * 32 + tx) * 4 + b]) * \
+                                        T.Cast("float32", w[bx * ROWS + ty, (s * 128 + q * 32 + tx) * 4 + b])
                     for m in range(m_rows):
                         red[ty, tx, m] = acc[m]
                     T.tvm_storage_sync("shared")
