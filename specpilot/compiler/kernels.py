@@ -61,46 +61,34 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     all float32.  Outputs o (T, H, dv) and either the final state (H, dk, dv) or, with
     ``keep_states``, the state after every token (T, H, dk, dv).
     """
-    if gpu:
-        @T.prim_func(private=True, s_tir=True)
-        def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-                   s0_h: T.handle, o_h: T.handle, st_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-            n = T.int64()
-            q = T.match_buffer(q_h, (n, n_heads, dk), "float32")
-            k = T.match_buffer(k_h, (n, n_heads, dk), "float32")
-            v = T.match_buffer(v_h, (n, n_heads, dv), "float32")
-            g = T.match_buffer(g_h, (n, n_heads), "float32")
-            beta = T.match_buffer(b_h, (n, n_heads), "float32")
-            s0 = T.match_buffer(s0_h, (n_heads, dk, dv), "float32")
-            o = T.match_buffer(o_h, (n, n_heads, dv), "float32")
-            st = T.match_buffer(st_h, (n, n_heads, dk, dv) if keep_states else (n_heads, dk, dv), "float32")
-            with T.sblock("root"):
-                for h in T.thread_binding(n_heads, thread="blockIdx.x"):
-                    for j in T.thread_binding(dv, thread="threadIdx.x"):
-                        s = T.alloc_buffer((dk,), "float32", scope="local")
-                        acc = T.alloc_buffer((1,), "float32", scope="local")
-                        for i in range(dk):
-                            s[i] = s0[h, i, j]
-                        for t in range(n):
-                            acc[0] = T.float32(0)
-                            for i in range(dk):
-                                s[i] = s[i] * T.exp(g[t, h])
-                                acc[0] = acc[0] + k[t, h, i] * s[i]
-                            acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
-                            for i in range(dk):
-                                s[i] = s[i] + k[t, h, i] * acc[0]
-                            acc[0] = T.float32(0)
-                            for i in range(dk):
-                                acc[0] = acc[0] + q[t, h, i] * s[i]
-                            o[t, h, j] = acc[0]
-                            if keep_states:
-                                for i in range(dk):
-                                    st[t, h, i, j] = s[i]
-                        if not keep_states:
-                            for i in range(dk):
-                                st[h, i, j] = s[i]
-        return kernel
+
+    @T.macro
+    def column(q, k, v, g, beta, s0, o, st, n, h, j):
+        """Head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
+        s = T.alloc_buffer((dk,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        for i in range(dk):
+            s[i] = s0[h, i, j]
+        for t in range(n):
+            acc[0] = T.float32(0)
+            for i in range(dk):
+                s[i] = s[i] * T.exp(g[t, h])
+                acc[0] = acc[0] + k[t, h, i] * s[i]
+            acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
+            for i in range(dk):
+                s[i] = s[i] + k[t, h, i] * acc[0]
+            acc[0] = T.float32(0)
+            for i in range(dk):
+                acc[0] = acc[0] + q[t, h, i] * s[i]
+            o[t, h, j] = acc[0]
+            if keep_states:
+                for i in range(dk):
+                    st[t, h, i, j] = s[i]
+        if not keep_states:
+            for i in range(dk):
+                st[h, i, j] = s[i]
+
+    state_shape = (dk, dv)
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
@@ -114,32 +102,16 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         beta = T.match_buffer(b_h, (n, n_heads), "float32")
         s0 = T.match_buffer(s0_h, (n_heads, dk, dv), "float32")
         o = T.match_buffer(o_h, (n, n_heads, dv), "float32")
-        st = T.match_buffer(st_h, (n, n_heads, dk, dv) if keep_states else (n_heads, dk, dv), "float32")
+        st = T.match_buffer(st_h, (n, n_heads, *state_shape) if keep_states else (n_heads, *state_shape), "float32")
         with T.sblock("root"):
-            for h in T.parallel(n_heads):
-                for j in range(dv):
-                    s = T.alloc_buffer((dk,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
-                    for i in range(dk):
-                        s[i] = s0[h, i, j]
-                    for t in range(n):
-                        acc[0] = T.float32(0)
-                        for i in range(dk):
-                            s[i] = s[i] * T.exp(g[t, h])
-                            acc[0] = acc[0] + k[t, h, i] * s[i]
-                        acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
-                        for i in range(dk):
-                            s[i] = s[i] + k[t, h, i] * acc[0]
-                        acc[0] = T.float32(0)
-                        for i in range(dk):
-                            acc[0] = acc[0] + q[t, h, i] * s[i]
-                        o[t, h, j] = acc[0]
-                        if keep_states:
-                            for i in range(dk):
-                                st[t, h, i, j] = s[i]
-                    if not keep_states:
-                        for i in range(dk):
-                            st[h, i, j] = s[i]
+            if gpu:
+                for h in T.thread_binding(n_heads, thread="blockIdx.x"):
+                    for j in T.thread_binding(dv, thread="threadIdx.x"):
+                        column(q, k, v, g, beta, s0, o, st, n, h, j)
+            else:
+                for h in T.parallel(n_heads):
+                    for j in range(dv):
+                        column(q, k, v, g, beta, s0, o, st, n, h, j)
     return kernel
 
 
