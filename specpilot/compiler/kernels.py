@@ -16,27 +16,6 @@ def kv_write(n_layers: int, layer: int, n_kv: int, capacity: int, head_dim: int,
     width = n_kv * head_dim
     threads = min(256, width)
     rounds = (width + threads - 1) // threads
-    if gpu:
-        @T.prim_func(private=True, s_tir=True)
-        def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-            n = T.int64()
-            kv = T.match_buffer(kv_h, (n_layers, 2, n_kv, capacity, head_dim), dtype)
-            k = T.match_buffer(k_h, (n, n_kv, head_dim), dtype)
-            v = T.match_buffer(v_h, (n, n_kv, head_dim), dtype)
-            slots = T.match_buffer(slots_h, (n,), "int32")
-            with T.sblock("root"):
-                for t in T.thread_binding(n, thread="blockIdx.x"):
-                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        for r in range(rounds):
-                            if r * threads + tx < width:
-                                kv[layer, 0, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
-                                   (r * threads + tx) % head_dim] = k[t, (r * threads + tx) // head_dim,
-                                                                      (r * threads + tx) % head_dim]
-                                kv[layer, 1, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
-                                   (r * threads + tx) % head_dim] = v[t, (r * threads + tx) // head_dim,
-                                                                      (r * threads + tx) % head_dim]
-        return kernel
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle):
@@ -47,9 +26,21 @@ def kv_write(n_layers: int, layer: int, n_kv: int, capacity: int, head_dim: int,
         v = T.match_buffer(v_h, (n, n_kv, head_dim), dtype)
         slots = T.match_buffer(slots_h, (n,), "int32")
         with T.sblock("root"):
-            for t, h, x in T.grid(n, n_kv, head_dim):
-                kv[layer, 0, h, T.Cast("int64", slots[t]), x] = k[t, h, x]
-                kv[layer, 1, h, T.Cast("int64", slots[t]), x] = v[t, h, x]
+            if gpu:   # a block per token, its n_kv * head_dim values spread over the threads
+                for t in T.thread_binding(n, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for r in range(rounds):
+                            if r * threads + tx < width:
+                                kv[layer, 0, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
+                                   (r * threads + tx) % head_dim] = k[t, (r * threads + tx) // head_dim,
+                                                                      (r * threads + tx) % head_dim]
+                                kv[layer, 1, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
+                                   (r * threads + tx) % head_dim] = v[t, (r * threads + tx) // head_dim,
+                                                                      (r * threads + tx) % head_dim]
+            else:
+                for t, h, x in T.grid(n, n_kv, head_dim):
+                    kv[layer, 0, h, T.Cast("int64", slots[t]), x] = k[t, h, x]
+                    kv[layer, 1, h, T.Cast("int64", slots[t]), x] = v[t, h, x]
     return kernel
 
 
@@ -120,20 +111,6 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
-    if gpu:
-        @T.prim_func(private=True, s_tir=True)
-        def kernel(w_h: T.handle, out_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-            n = T.int64()
-            window = T.match_buffer(w_h, (channels, n + keep), dtype)
-            out = T.match_buffer(out_h, (n, channels, keep), dtype)
-            with T.sblock("root"):
-                for t in T.thread_binding(n, thread="blockIdx.x"):
-                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        for r, j in T.grid(rounds, keep):
-                            if r * threads + tx < channels:
-                                out[t, r * threads + tx, j] = window[r * threads + tx, t + 1 + j]
-        return kernel
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(w_h: T.handle, out_h: T.handle):
@@ -142,8 +119,15 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
         window = T.match_buffer(w_h, (channels, n + keep), dtype)
         out = T.match_buffer(out_h, (n, channels, keep), dtype)
         with T.sblock("root"):
-            for t, c, j in T.grid(n, channels, keep):
-                out[t, c, j] = window[c, t + 1 + j]
+            if gpu:
+                for t in T.thread_binding(n, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for r, j in T.grid(rounds, keep):
+                            if r * threads + tx < channels:
+                                out[t, r * threads + tx, j] = window[r * threads + tx, t + 1 + j]
+            else:
+                for t, c, j in T.grid(n, channels, keep):
+                    out[t, c, j] = window[c, t + 1 + j]
     return kernel
 
 

@@ -26,8 +26,27 @@ def _rows(m_rows: int) -> int:
 LANE = 16       # consecutive weights per lane per step: 4 words of hi, 2 of lo in flight
 
 
+def _reduce_lanes(m_rows: int):
+    """Sum the 32 lanes' accumulators through shared memory; lane 0 writes row ``row`` of y."""
+
+    @T.macro
+    def reduce_lanes(acc, red, y, row, ty, tx):
+        for m in range(m_rows):
+            red[ty, tx, m] = acc[m]
+        T.tvm_storage_sync("shared")
+        if tx == 0:
+            for m in range(m_rows):
+                acc[m] = T.float32(0)
+                for lane in range(32):
+                    acc[m] = acc[m] + red[ty, lane, m]
+                y[m, row] = acc[m]
+
+    return reduce_lanes
+
+
 def w12_gemv(m_rows: int, n_out: int, k_in: int):
     steps, ROWS = k_in // STEP, _rows(m_rows)
+    reduce_lanes = _reduce_lanes(m_rows)
 
     @T.prim_func
     def kernel(x_h: T.handle, hi_h: T.handle, lo_h: T.handle, base_h: T.handle, ptr_h: T.handle,
@@ -72,21 +91,14 @@ def w12_gemv(m_rows: int, n_out: int, k_in: int):
                                                                       T.uint32(16)))
                                 - T.reinterpret("float32", T.shift_left(T.Cast("uint32", base[bx * ROWS + ty]),
                                                                         T.uint32(23))))
-                    for m in range(m_rows):
-                        red[ty, tx, m] = acc[m]
-                    T.tvm_storage_sync("shared")
-                    if tx == 0:
-                        for m in range(m_rows):
-                            acc[m] = T.float32(0)
-                            for lane in range(32):
-                                acc[m] = acc[m] + red[ty, lane, m]
-                            y[m, bx * ROWS + ty] = acc[m]
+                    reduce_lanes(acc, red, y, bx * ROWS + ty, ty, tx)
     return kernel
 
 
 def bf16_gemv(m_rows: int, n_out: int, k_in: int):
     """The same schedule over plain bf16 weights (32 bytes per lane per step)."""
     steps, ROWS = k_in // STEP, _rows(m_rows)
+    reduce_lanes = _reduce_lanes(m_rows)
 
     @T.prim_func
     def kernel(x_h: T.handle, w_h: T.handle, y_h: T.handle):
@@ -107,13 +119,5 @@ def bf16_gemv(m_rows: int, n_out: int, k_in: int):
                                 for m in T.unroll(m_rows):
                                     acc[m] = acc[m] + T.Cast("float32", x[m, (s * 128 + q * 32 + tx) * 4 + b]) * \
                                         T.Cast("float32", w[bx * ROWS + ty, (s * 128 + q * 32 + tx) * 4 + b])
-                    for m in range(m_rows):
-                        red[ty, tx, m] = acc[m]
-                    T.tvm_storage_sync("shared")
-                    if tx == 0:
-                        for m in range(m_rows):
-                            acc[m] = T.float32(0)
-                            for lane in range(32):
-                                acc[m] = acc[m] + red[ty, lane, m]
-                            y[m, bx * ROWS + ty] = acc[m]
+                    reduce_lanes(acc, red, y, bx * ROWS + ty, ty, tx)
     return kernel
