@@ -130,9 +130,12 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
 @click.option("--inject-fault-after", type=click.IntRange(0), default=None,
               help="from this generated position on, bias the system under test's runner-up token")
 @click.option("--fault-bias", type=float, default=100.0, show_default=True)
+@click.option("--batch", is_flag=True,
+              help="run the system's requests as one continuous batch (autoregressive engines; at most "
+                   "deployment.max_batch at once)")
 @click.option("--json", "as_json", is_flag=True)
 def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, inject_fault_after, fault_bias,
-           as_json):
+           batch, as_json):
     """Token forcing: check the system under test against stock greedy decoding."""
     from specpilot.runtime.forcing import force_requests, runner_up_fault
 
@@ -141,11 +144,14 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     if tie_tolerance is None:
         tie_tolerance = 0.0 if system.dtype == "float32" else 0.1
     hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
-    stock_runs, system_runs = [], []
-    for ids, limit in _read_requests(requests, system, max_new_tokens):
-        stock = system.generate("stock", ids, limit)
-        stock_runs.append(stock)
-        system_runs.append(system.generate(engine, ids, limit, force=stock.tokens, logits_hook=hook))
+    reqs = _read_requests(requests, system, max_new_tokens)
+    stock_runs = [system.generate("stock", ids, limit) for ids, limit in reqs]
+    if batch:
+        system_runs = system.generate_batch(engine, [ids for ids, _ in reqs], [limit for _, limit in reqs],
+                                            forces=[s.tokens for s in stock_runs], logits_hook=hook)
+    else:
+        system_runs = [system.generate(engine, ids, limit, force=stock.tokens, logits_hook=hook)
+                       for (ids, limit), stock in zip(reqs, stock_runs)]
     report = force_requests(stock_runs, system_runs, tie_tolerance)
     summary = report.to_dict()
     summary.update(engine=engine, fault_injected_after=inject_fault_after,

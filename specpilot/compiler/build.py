@@ -37,7 +37,7 @@ from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
 from specpilot.errors import SpecPilotError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 def _versions() -> dict:
@@ -151,7 +151,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     capacity = spec.deployment.max_seq_len
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, capacity, target.is_gpu,
-                                  drafter_shares_target=spec.drafter.kind == "early-exit")
+                                  drafter_shares_target=spec.drafter.kind == "early-exit",
+                                  n_rows=spec.deployment.max_batch)
     stages: list[tuple[str, object]] = [("lower", mod)]
     full = packed_parameters(names, tgt, drf, dtype) if params == "file" else {}
     context.params = full
@@ -216,7 +217,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "spec": spec.model_dump(mode="json", exclude={"path"}),
         "spec_path": str(spec.path) if spec.path else None,
         "pipeline": str(pipeline), "passes": [vars(r) for r in records], "target": target.text(), "target_kind": target.kind, "arch": target.arch,
-        "dtype": dtype_name, "capacity": capacity, "schedule": schedule,
+        "dtype": dtype_name, "capacity": capacity, "max_batch": spec.deployment.max_batch,
+        "schedule": schedule,
         "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},

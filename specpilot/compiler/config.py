@@ -241,13 +241,15 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     )
 
 
-def cache_shapes(cfg: ModelConfig, capacity: int, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Name -> (shape, dtype) of the cache tensors a model's step functions take."""
+def cache_shapes(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of a model's caches: ``kv`` is the pool of ``n_rows`` sequences the
+    step functions write in place; ``conv`` / ``rec`` are one sequence's recurrent states (the
+    step functions take a batch of them)."""
     shapes = {}
     n_attn = cfg.layer_types.count("full_attention")
     n_gdn = cfg.layer_types.count("linear_attention")
     if n_attn:
-        shapes["kv"] = ((n_attn, 2, cfg.num_key_value_heads, capacity, cfg.head_dim), dtype)
+        shapes["kv"] = ((n_attn, 2, n_rows, cfg.num_key_value_heads, capacity, cfg.head_dim), dtype)
     if n_gdn:
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim \
             + cfg.linear_num_value_heads * cfg.linear_value_head_dim

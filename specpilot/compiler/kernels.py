@@ -11,123 +11,179 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 
-def kv_write(n_layers: int, layer: int, n_kv: int, capacity: int, head_dim: int, dtype: str, gpu: bool):
-    """kv[layer, 0|1, h, slots[t], :] = k|v[t, h, :] for the T new tokens (in place)."""
+def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str,
+             gpu: bool):
+    """kv[layer, 0|1, rows[b], h, slots[b, t], :] = k|v[b, t, h, :] for the new tokens (in place).
+
+    The cache is a pool of ``rows`` sequences; batch entry b writes its own row.  A token with
+    slot < 0 is padding (a shorter request in a padded batch) and writes nothing.
+    """
     width = n_kv * head_dim
     threads = min(256, width)
     rounds = (width + threads - 1) // threads
 
+    @T.macro
+    def put(kv, k, v, slots, row, b, t, h, x):
+        if slots[b, t] >= 0:
+            kv[layer, 0, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = k[b, t, h, x]
+            kv[layer, 1, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = v[b, t, h, x]
+
     @T.prim_func(private=True, s_tir=True)
-    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle):
+    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, rows_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        n = T.int64()
-        kv = T.match_buffer(kv_h, (n_layers, 2, n_kv, capacity, head_dim), dtype)
-        k = T.match_buffer(k_h, (n, n_kv, head_dim), dtype)
-        v = T.match_buffer(v_h, (n, n_kv, head_dim), dtype)
-        slots = T.match_buffer(slots_h, (n,), "int32")
+        batch, n = T.int64(), T.int64()
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+        k = T.match_buffer(k_h, (batch, n, n_kv, head_dim), dtype)
+        v = T.match_buffer(v_h, (batch, n, n_kv, head_dim), dtype)
+        slots = T.match_buffer(slots_h, (batch, n), "int32")
+        row = T.match_buffer(rows_h, (batch,), "int32")
         with T.sblock("root"):
             if gpu:   # a block per token, its n_kv * head_dim values spread over the threads
-                for t in T.thread_binding(n, thread="blockIdx.x"):
+                for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for tx in T.thread_binding(threads, thread="threadIdx.x"):
                         for r in range(rounds):
                             if r * threads + tx < width:
-                                kv[layer, 0, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
-                                   (r * threads + tx) % head_dim] = k[t, (r * threads + tx) // head_dim,
-                                                                      (r * threads + tx) % head_dim]
-                                kv[layer, 1, (r * threads + tx) // head_dim, T.Cast("int64", slots[t]),
-                                   (r * threads + tx) % head_dim] = v[t, (r * threads + tx) // head_dim,
-                                                                      (r * threads + tx) % head_dim]
+                                put(kv, k, v, slots, row, bt // n, bt % n,
+                                    (r * threads + tx) // head_dim, (r * threads + tx) % head_dim)
             else:
-                for t, h, x in T.grid(n, n_kv, head_dim):
-                    kv[layer, 0, h, T.Cast("int64", slots[t]), x] = k[t, h, x]
-                    kv[layer, 1, h, T.Cast("int64", slots[t]), x] = v[t, h, x]
+                for b, t, h, x in T.grid(batch, n, n_kv, head_dim):
+                    put(kv, k, v, slots, row, b, t, h, x)
     return kernel
 
 
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
-    (head, value column): S[:, j] lives in registers while the tokens stream by.
+    (sequence, head, value column): S[:, j] lives in registers while the tokens stream by.
 
-    Inputs q, k (T, H, dk) normalized (q scaled), v (T, H, dv), g, beta (T, H), s0 (H, dk, dv),
-    all float32.  Outputs o (T, H, dv) and either the final state (H, dk, dv) or, with
-    ``keep_states``, the state after every token (T, H, dk, dv).
+    Inputs q, k (B, T, H, dk) normalized (q scaled), v (B, T, H, dv), g, beta (B, T, H),
+    s0 (B, H, dk, dv), all float32, and slots (B, T): a token with slot < 0 is padding and
+    leaves the state as it is (its output is 0).  Outputs o (B, T, H, dv) and either the final
+    state (B, H, dk, dv) or, with ``keep_states``, the state after every token (B, T, H, dk, dv).
     """
 
     @T.macro
-    def column(q, k, v, g, beta, s0, o, st, n, h, j):
-        """Head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
+    def column(q, k, v, g, beta, s0, slots, o, st, n, b, h, j):
+        """Sequence b, head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
         s = T.alloc_buffer((dk,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
         for i in range(dk):
-            s[i] = s0[h, i, j]
+            s[i] = s0[b, h, i, j]
         for t in range(n):
             acc[0] = T.float32(0)
-            for i in range(dk):
-                s[i] = s[i] * T.exp(g[t, h])
-                acc[0] = acc[0] + k[t, h, i] * s[i]
-            acc[0] = (v[t, h, j] - acc[0]) * beta[t, h]
-            for i in range(dk):
-                s[i] = s[i] + k[t, h, i] * acc[0]
-            acc[0] = T.float32(0)
-            for i in range(dk):
-                acc[0] = acc[0] + q[t, h, i] * s[i]
-            o[t, h, j] = acc[0]
+            if slots[b, t] >= 0:
+                for i in range(dk):
+                    s[i] = s[i] * T.exp(g[b, t, h])
+                    acc[0] = acc[0] + k[b, t, h, i] * s[i]
+                acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
+                for i in range(dk):
+                    s[i] = s[i] + k[b, t, h, i] * acc[0]
+                acc[0] = T.float32(0)
+                for i in range(dk):
+                    acc[0] = acc[0] + q[b, t, h, i] * s[i]
+            o[b, t, h, j] = acc[0]
             if keep_states:
                 for i in range(dk):
-                    st[t, h, i, j] = s[i]
+                    st[b, t, h, i, j] = s[i]
         if not keep_states:
             for i in range(dk):
-                st[h, i, j] = s[i]
-
-    state_shape = (dk, dv)
+                st[b, h, i, j] = s[i]
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-               s0_h: T.handle, o_h: T.handle, st_h: T.handle):
+               s0_h: T.handle, slots_h: T.handle, o_h: T.handle, st_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        n = T.int64()
-        q = T.match_buffer(q_h, (n, n_heads, dk), "float32")
-        k = T.match_buffer(k_h, (n, n_heads, dk), "float32")
-        v = T.match_buffer(v_h, (n, n_heads, dv), "float32")
-        g = T.match_buffer(g_h, (n, n_heads), "float32")
-        beta = T.match_buffer(b_h, (n, n_heads), "float32")
-        s0 = T.match_buffer(s0_h, (n_heads, dk, dv), "float32")
-        o = T.match_buffer(o_h, (n, n_heads, dv), "float32")
-        st = T.match_buffer(st_h, (n, n_heads, *state_shape) if keep_states else (n_heads, *state_shape), "float32")
+        batch, n = T.int64(), T.int64()
+        q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
+        k = T.match_buffer(k_h, (batch, n, n_heads, dk), "float32")
+        v = T.match_buffer(v_h, (batch, n, n_heads, dv), "float32")
+        g = T.match_buffer(g_h, (batch, n, n_heads), "float32")
+        beta = T.match_buffer(b_h, (batch, n, n_heads), "float32")
+        s0 = T.match_buffer(s0_h, (batch, n_heads, dk, dv), "float32")
+        slots = T.match_buffer(slots_h, (batch, n), "int32")
+        o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
+        st = T.match_buffer(st_h, (batch, n, n_heads, dk, dv) if keep_states else (batch, n_heads, dk, dv),
+                            "float32")
         with T.sblock("root"):
             if gpu:
-                for h in T.thread_binding(n_heads, thread="blockIdx.x"):
+                for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
                     for j in T.thread_binding(dv, thread="threadIdx.x"):
-                        column(q, k, v, g, beta, s0, o, st, n, h, j)
+                        column(q, k, v, g, beta, s0, slots, o, st, n, bh // n_heads, bh % n_heads, j)
             else:
-                for h in T.parallel(n_heads):
+                for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
-                        column(q, k, v, g, beta, s0, o, st, n, h, j)
+                        column(q, k, v, g, beta, s0, slots, o, st, n, bh // n_heads, bh % n_heads, j)
     return kernel
 
 
-def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
-    """out[t, c, :] = the K-1 conv inputs ending at token t: window[c, t+1 : t+K]."""
+def conv_window_states(channels: int, kernel_size: int, dtype: str, per_token: bool, gpu: bool):
+    """The K-1 conv inputs a Gated DeltaNet layer keeps, from its window (B, C, K-1+T).
+
+    ``per_token``: out[b, t, c, :] = window[b, c, t+1 : t+K] (the state after every token, for
+    verify).  Otherwise out[b, c, :] = the window after the last *real* token of sequence b
+    (tokens with slot < 0 are padding at the end of a shorter request).
+    """
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
 
+    @T.macro
+    def copy(window, slots, out, n, b, t, c):
+        if per_token:
+            for j in range(keep):
+                out[b, t, c, j] = window[b, c, t + 1 + j]
+        else:
+            length = T.alloc_buffer((1,), "int64", scope="local")
+            length[0] = T.int64(0)
+            for i in range(n):
+                if slots[b, i] >= 0:
+                    length[0] = i + 1
+            for j in range(keep):
+                out[b, c, j] = window[b, c, length[0] + j]
+
     @T.prim_func(private=True, s_tir=True)
-    def kernel(w_h: T.handle, out_h: T.handle):
+    def kernel(w_h: T.handle, slots_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        n = T.int64()
-        window = T.match_buffer(w_h, (channels, n + keep), dtype)
-        out = T.match_buffer(out_h, (n, channels, keep), dtype)
+        batch, n = T.int64(), T.int64()
+        window = T.match_buffer(w_h, (batch, channels, n + keep), dtype)
+        slots = T.match_buffer(slots_h, (batch, n), "int32")
+        out = T.match_buffer(out_h, (batch, n, channels, keep) if per_token else (batch, channels, keep), dtype)
         with T.sblock("root"):
             if gpu:
-                for t in T.thread_binding(n, thread="blockIdx.x"):
+                for bt in T.thread_binding(batch * (n if per_token else 1), thread="blockIdx.x"):
                     for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        for r, j in T.grid(rounds, keep):
+                        for r in range(rounds):
                             if r * threads + tx < channels:
-                                out[t, r * threads + tx, j] = window[r * threads + tx, t + 1 + j]
+                                copy(window, slots, out, n, bt // (n if per_token else 1),
+                                     bt % (n if per_token else 1), r * threads + tx)
             else:
-                for t, c, j in T.grid(n, channels, keep):
-                    out[t, c, j] = window[c, t + 1 + j]
+                for b, t, c in T.grid(batch, n if per_token else 1, channels):
+                    copy(window, slots, out, n, b, t, c)
+    return kernel
+
+
+def select_token(tokens_axis_width: int, dtype: str, gpu: bool):
+    """out[b, :] = states[b, index[b], :] -- commit: keep the state after the accepted token."""
+    width = tokens_axis_width
+    threads = min(256, width)
+    rounds = (width + threads - 1) // threads
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(s_h: T.handle, i_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, n = T.int64(), T.int64()
+        states = T.match_buffer(s_h, (batch, n, width), dtype)
+        index = T.match_buffer(i_h, (batch,), "int32")
+        out = T.match_buffer(out_h, (batch, width), dtype)
+        with T.sblock("root"):
+            if gpu:
+                for bx in T.thread_binding(batch * rounds, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        if bx % rounds * threads + tx < width:
+                            out[bx // rounds, bx % rounds * threads + tx] = states[
+                                bx // rounds, T.Cast("int64", index[bx // rounds]), bx % rounds * threads + tx]
+            else:
+                for b, x in T.grid(batch, width):
+                    out[b, x] = states[b, T.Cast("int64", index[b]), x]
     return kernel
 
 

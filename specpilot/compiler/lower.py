@@ -1,20 +1,26 @@
 """Lowering: every step of speculative decoding as Relax functions in one IRModule.
 
-For the target and the drafter (prefix ``target_`` / ``drafter_``):
+For the target and the drafter (prefix ``target_`` / ``drafter_``), over a batch of B
+sequences with T new tokens each (shorter requests padded):
 
-    prefill(tokens[T], positions[T], slots[T], mask[T, L], caches...)  -> logits[T, V], new states
-    decode (tokens[1], ...)                                              same, one token
-    verify (tokens[T], ...)  -> logits[T, V], the Gated DeltaNet conv / recurrent state after
-                                *every* token (so any accepted prefix can be kept)
-    commit (conv_states[T, ...], rec_states[T, ...], index[1])  -> the states after token index
+    prefill(tokens[B, T], positions[B, T], slots[B, T], mask[B, T, L], rows[B], caches...)
+                                -> logits[B, T, V], new recurrent states
+    decode (tokens[B, 1], ...)  same, one token per sequence
+    verify (tokens[B, T], ...)  -> logits[B, T, V], the Gated DeltaNet conv / recurrent state
+                                after *every* token (so any accepted prefix can be kept)
+    commit (conv_states[B, T, ...], rec_states[B, T, ...], index[B])  -> the states after
+                                token index[b] of each sequence
 
-``positions`` are rotary positions, ``slots`` the KV-cache rows the new tokens are written to,
-and ``mask[t, j]`` says whether token t may attend cache row j < L: a chain is causal, a tree
-is ancestor-only, with the same functions.  The KV cache ``kv[A, 2, n_kv, S, d]`` (A attention
-layers) is written in place; recurrent states are values: ``conv[G, C, K-1]`` and
-``rec[G, H, dk, dv]`` (float32) for the G Gated DeltaNet layers.  Weights are function
-parameters (packed), named ``target.<Hugging Face name>``, so passes can transform them ahead
-of time.  The math follows `runtime.reference.model` line for line.
+``positions`` are rotary positions, ``slots`` the cache positions the new tokens are written to
+(slot < 0: padding, written nowhere), ``mask[b, t, j]`` says whether token t may attend cache
+position j < L of its sequence: a chain is causal, a tree is ancestor-only, with the same
+functions.  The KV cache is a pool ``kv[A, 2, R, n_kv, S, d]`` of R = deployment.max_batch
+sequence rows (A attention layers), written in place; ``rows[b]`` is batch entry b's row, so
+requests join and leave a running batch without moving their cache.  Recurrent states are
+values per batch entry: ``conv[B, G, C, K-1]`` and ``rec[B, G, H, dk, dv]`` (float32) for the
+G Gated DeltaNet layers.  Weights are function parameters (packed), named
+``target.<Hugging Face name>``, so passes can transform them ahead of time.  Linear layers see
+the batch flattened to (B*T, hidden).  The math follows `runtime.reference.model` line for line.
 """
 
 from __future__ import annotations
@@ -93,17 +99,20 @@ class MLP(nn.Module):
 
 @dataclass
 class StepInputs:
-    positions: Tensor
-    slots: Tensor
-    mask: Tensor
-    cos: Tensor
+    batch: object       # B (symbolic)
+    tokens: object      # T per sequence (symbolic or 1)
+    slots: Tensor       # (B, T)
+    mask: Tensor        # (B, T, L)
+    rows: Tensor        # (B,)
+    cos: Tensor         # (B, T, rot)
     sin: Tensor
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_attn: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int, n_attn: int):
         H, d = cfg.hidden_size, cfg.head_dim
         self.cfg, self.dtype, self.gpu, self.capacity, self.n_attn = cfg, dtype, gpu, capacity, n_attn
+        self.n_rows = n_rows
         q_out = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)
         self.q_proj = Linear(H, q_out, cfg.qkv_bias, dtype)
         self.k_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
@@ -115,41 +124,44 @@ class Attention(nn.Module):
 
     def _rope(self, x: Tensor, s: StepInputs) -> Tensor:
         rot, d = self.cfg.rotary_dim, self.cfg.head_dim
-        cos, sin = op.unsqueeze(s.cos, 1), op.unsqueeze(s.sin, 1)       # (T, 1, rot)
-        xr = _slice(x, 2, 0, rot, "rot") if rot < d else x
-        x1, x2 = _slice(xr, 2, 0, rot // 2, "x1"), _slice(xr, 2, rot // 2, rot, "x2")
-        rotated = op.concat([op.negative(x2), x1], dim=2)
+        cos, sin = op.unsqueeze(s.cos, 2), op.unsqueeze(s.sin, 2)       # (B, T, 1, rot)
+        xr = _slice(x, 3, 0, rot, "rot") if rot < d else x
+        x1, x2 = _slice(xr, 3, 0, rot // 2, "x1"), _slice(xr, 3, rot // 2, rot, "x2")
+        rotated = op.concat([op.negative(x2), x1], dim=3)
         out = xr * cos + rotated * sin
-        return op.concat([out, _slice(x, 2, rot, d, "pass")], dim=2) if rot < d else out
+        return op.concat([out, _slice(x, 3, rot, d, "pass")], dim=3) if rot < d else out
 
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
+        """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
         cfg = self.cfg
-        T_, d, nh, nkv = x.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         q = self.q_proj(x)
         gate = None
         if cfg.attn_output_gate:
-            qg = op.reshape(q, (T_, nh, 2 * d))
-            q, gate = _slice(qg, 2, 0, d, "q"), op.reshape(_slice(qg, 2, d, 2 * d, "gate"), (T_, nh * d))
-        q = op.reshape(q, (T_, nh, d))
-        k = op.reshape(self.k_proj(x), (T_, nkv, d))
-        v = op.reshape(self.v_proj(x), (T_, nkv, d))
+            qg = op.reshape(q, (B, T_, nh, 2 * d))
+            q, gate = _slice(qg, 3, 0, d, "q"), op.reshape(_slice(qg, 3, d, 2 * d, "gate"), (B * T_, nh * d))
+        q = op.reshape(q, (B, T_, nh, d))
+        k = op.reshape(self.k_proj(x), (B, T_, nkv, d))
+        v = op.reshape(self.v_proj(x), (B, T_, nkv, d))
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, s), self._rope(k, s)
-        kernel = kernels.kv_write(self.n_attn, layer, nkv, self.capacity, d, self.dtype, self.gpu)
-        kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots], [0],
+        kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu)
+        kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
                                      Tensor.placeholder(kv.shape, self.dtype))
-        L = s.mask.shape[1]
-        own = _slice(_slice(kv, 0, layer, layer + 1, "layer_kv"), 3, 0, L, "live_kv")  # (1, 2, nkv, L, d)
-        keys = op.reshape(_slice(own, 1, 0, 1, "keys"), (nkv, L, d))
-        values = op.reshape(_slice(own, 1, 1, 2, "values"), (nkv, L, d))
+        L = s.mask.shape[2]
+        own = op.reshape(_slice(_slice(kv, 0, layer, layer + 1, "layer_kv"), 4, 0, L, "live_kv"),
+                         (2, self.n_rows, nkv, L, d))
+        own = wrap_nested(rx.op.take(own._expr, s.rows._expr, axis=1, mode="clip"), "rows_kv")  # (2, B, nkv, L, d)
+        keys = op.reshape(_slice(own, 0, 0, 1, "keys"), (B, nkv, L, d))
+        values = op.reshape(_slice(own, 0, 1, 2, "values"), (B, nkv, L, d))
         if nh != nkv:
-            keys, values = op.repeat(keys, nh // nkv, axis=0), op.repeat(values, nh // nkv, axis=0)
-        scores = _matmul(op.permute_dims(q, [1, 0, 2]), op.permute_dims(keys, [0, 2, 1])) * (d ** -0.5)
+            keys, values = op.repeat(keys, nh // nkv, axis=1), op.repeat(values, nh // nkv, axis=1)
+        scores = _matmul(op.permute_dims(q, [0, 2, 1, 3]), op.permute_dims(keys, [0, 1, 3, 2])) * (d ** -0.5)
         neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
-        scores = op.where(op.broadcast_to(op.unsqueeze(s.mask, 0), scores.shape), scores, neg)
+        scores = op.where(op.broadcast_to(op.unsqueeze(s.mask, 1), scores.shape), scores, neg)  # (B, nh, T, L)
         probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
-        out = op.reshape(op.permute_dims(_matmul(probs, values), [1, 0, 2]), (T_, nh * d))
+        out = op.reshape(op.permute_dims(_matmul(probs, values), [0, 2, 1, 3]), (B * T_, nh * d))
         if gate is not None:
             out = out * op.sigmoid(gate)
         return self.o_proj(out), kv
@@ -198,60 +210,62 @@ class GatedDeltaNet(nn.Module):
         return (self.in_proj_qkv(x), op.reshape(self.in_proj_z(x), (T_, nv, dv)),
                 self.in_proj_b(x), self.in_proj_a(x))
 
-    def forward(self, x: Tensor, conv_state: Tensor, rec_state: Tensor, keep_states: bool):
-        """conv_state (C, K-1), rec_state (H, dk, dv) -> out, and the new states (final, or per token)."""
+    def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool):
+        """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
+        and the new states: final (B, ...) or, with ``keep_states``, after every token (B, T, ...)."""
         cfg = self.cfg
-        T_, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         C = self.conv_dim
         mixed, z, b, a = self._projections(x)
-        window = op.concat([conv_state, op.permute_dims(mixed)], dim=1)                 # (C, K-1+T)
-        conv = wrap_nested(rx.op.nn.conv1d(op.unsqueeze(window, 0)._expr, self.conv1d.weight._expr, groups=C,
-                                           out_dtype="float32"), "conv1d")                 # (1, C, T)
+        mixed = op.permute_dims(op.reshape(mixed, (B, T_, C)), [0, 2, 1])
+        window = op.concat([conv_state, mixed], dim=2)                                   # (B, C, K-1+T)
+        conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
+                                           out_dtype="float32"), "conv1d")                 # (B, C, T)
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
-        mixed = op.permute_dims(op.silu(op.squeeze(conv, 0)))                             # (T, C)
-        q = op.astype(op.reshape(_slice(mixed, 1, 0, nk * dk, "q"), (T_, nk, dk)), "float32")
-        k = op.astype(op.reshape(_slice(mixed, 1, nk * dk, 2 * nk * dk, "k"), (T_, nk, dk)), "float32")
-        v = op.astype(op.reshape(_slice(mixed, 1, 2 * nk * dk, C, "v"), (T_, nv, dv)), "float32")
+        mixed = op.permute_dims(op.silu(conv), [0, 2, 1])                                 # (B, T, C)
+        q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
+        k = op.astype(op.reshape(_slice(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
+        v = op.astype(op.reshape(_slice(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
         if nv != nk:
-            q, k = op.repeat(q, nv // nk, axis=1), op.repeat(k, nv // nk, axis=1)
+            q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
         q = q / op.sqrt(op.sum(q * q, axis=-1, keepdims=True) + 1e-6) * (dk ** -0.5)
         k = k / op.sqrt(op.sum(k * k, axis=-1, keepdims=True) + 1e-6)
-        beta = op.sigmoid(op.astype(b, "float32"))
+        beta = op.reshape(op.sigmoid(op.astype(b, "float32")), (B, T_, nv))
         g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
             op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
+        g = op.reshape(g, (B, T_, nv))
         kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu)
-        state_shape = (T_, nv, dk, dv) if keep_states else (nv, dk, dv)
-        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", [q, k, v, g, beta, rec_state],
-                                     [Tensor.placeholder((T_, nv, dv), "float32"),
+        state_shape = (B, T_, nv, dk, dv) if keep_states else (B, nv, dk, dv)
+        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", [q, k, v, g, beta, rec_state, s.slots],
+                                     [Tensor.placeholder((B, T_, nv, dv), "float32"),
                                       Tensor.placeholder(state_shape, "float32")])
-        if keep_states:
-            new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu), "conv_window_states",
-                                       [window], Tensor.placeholder((T_, C, K - 1), self.dtype))
-        else:
-            new_conv = _slice(window, 1, T_, T_ + K - 1, "conv_tail")
-        o = self.norm(op.astype(o, self.dtype))
+        conv_shape = (B, T_, C, K - 1) if keep_states else (B, C, K - 1)
+        new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, keep_states, self.gpu),
+                                   "conv_window_states", [window, s.slots], Tensor.placeholder(conv_shape, self.dtype))
+        o = self.norm(op.astype(op.reshape(o, (B * T_, nv, dv)), self.dtype))
         o = op.astype(op.astype(o, "float32") * op.silu(op.astype(z, "float32")), self.dtype)
-        return self.out_proj(op.reshape(o, (T_, nv * dv))), new_conv, new_rec
+        return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_attn: int):
+    def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_rows: int,
+                 n_attn: int):
         eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
         if kind == "full_attention":
-            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_attn)
+            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_rows, n_attn)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, gpu)
         self.mlp = MLP(cfg, dtype)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int):
         n_attn = cfg.layer_types.count("full_attention")
         self.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_attn)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_rows, n_attn)
                                      for kind in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
 
@@ -259,9 +273,9 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """One model's step functions; parameter names are its Hugging Face names."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int):
-        self.cfg, self.dtype, self.capacity = cfg, dtype, capacity
-        self.model = Backbone(cfg, dtype, gpu, capacity)
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int):
+        self.cfg, self.dtype, self.capacity, self.gpu = cfg, dtype, capacity, gpu
+        self.model = Backbone(cfg, dtype, gpu, capacity, n_rows)
         self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype) if not cfg.tie_word_embeddings else None
         self.rope_inv_freq = nn.Parameter((len(range(0, int(cfg.head_dim * cfg.partial_rotary_factor), 2)),),
                                           "float32")
@@ -274,12 +288,16 @@ class CausalLM(nn.Module):
     def n_gdn(self) -> int:
         return self.cfg.layer_types.count("linear_attention")
 
-    def step(self, tokens, positions, slots, mask, kv, conv, rec, keep_states: bool):
+    def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool):
         cfg = self.cfg
-        freqs = op.matmul(op.unsqueeze(op.astype(positions, "float32"), 1), op.unsqueeze(self.rope_inv_freq, 0))
-        emb = op.concat([freqs, freqs], dim=1)
-        s = StepInputs(positions, slots, mask, op.astype(_apply(rx.op.cos, emb), self.dtype), op.astype(_apply(rx.op.sin, emb), self.dtype))
-        h = op.take(self.model.embed_tokens.weight, tokens, axis=0)
+        B, T_ = tokens.shape
+        freqs = op.matmul(op.unsqueeze(op.astype(positions, "float32"), 2),
+                          op.reshape(self.rope_inv_freq, (1, 1, -1)))                     # (B, T, rot/2)
+        emb = op.concat([freqs, freqs], dim=2)
+        s = StepInputs(B, T_, slots, mask, rows, op.astype(_apply(rx.op.cos, emb), self.dtype),
+                       op.astype(_apply(rx.op.sin, emb), self.dtype))
+        h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,
+                                   axis=0, mode="clip"), "embed")                          # (B*T, hidden)
         convs, recs, a, g = [], [], 0, 0
         for layer, kind in zip(self.model.layers, cfg.layer_types):
             x = layer.input_layernorm(h)
@@ -287,9 +305,9 @@ class CausalLM(nn.Module):
                 x, kv = layer.self_attn(x, s, kv, a)
                 a += 1
             else:
-                conv_g = op.squeeze(_slice(conv, 0, g, g + 1, "conv_state"), 0)
-                rec_g = op.squeeze(_slice(rec, 0, g, g + 1, "rec_state"), 0)
-                x, c_new, r_new = layer.linear_attn(x, conv_g, rec_g, keep_states)
+                conv_g = op.squeeze(_slice(conv, 1, g, g + 1, "conv_state"), 1)
+                rec_g = op.squeeze(_slice(rec, 1, g, g + 1, "rec_state"), 1)
+                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states)
                 convs.append(c_new)
                 recs.append(r_new)
                 g += 1
@@ -297,24 +315,34 @@ class CausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
         head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
-        logits = op.astype(_matmul(h, op.permute_dims(head)), "float32")
+        logits = op.reshape(op.astype(_matmul(h, op.permute_dims(head)), "float32"), (B, T_, cfg.vocab_size))
         outputs = [logits]
         if self.n_gdn:
-            axis = 1 if keep_states else 0   # per-token states: (T, G, ...), final: (G, ...)
+            axis = 2 if keep_states else 1   # per-token states: (B, T, G, ...), final: (B, G, ...)
             outputs += [op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
                         op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
         return tuple(outputs) if len(outputs) > 1 else logits
 
     def commit(self, conv_states, rec_states, index):
-        """The recurrent states after token ``index`` of a verify pass."""
-        return (op.squeeze(op.take(conv_states, index, axis=0), 0), op.squeeze(op.take(rec_states, index, axis=0), 0))
+        """The recurrent states after token ``index[b]`` of each sequence's verify pass."""
+        out = []
+        for states in (conv_states, rec_states):
+            B, T_, *rest = states.shape
+            width = 1
+            for r in rest:
+                width *= int(r)
+            kernel = kernels.select_token(width, states.dtype, self.gpu)
+            flat = op.tensor_ir_op(kernel, "select_token", [op.reshape(states, (B, T_, width)), index],
+                                   Tensor.placeholder((B, width), states.dtype))
+            out.append(op.reshape(flat, (B, *rest)))
+        return tuple(out)
 
     # the exported entry points; the cache arguments exist only where the model has such layers
-    def prefill(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.step(tokens, positions, slots, mask, kv, conv, rec, keep_states=False)
+    def prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=False)
 
-    def verify(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.step(tokens, positions, slots, mask, kv, conv, rec, keep_states=True)
+    def verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=True)
 
 
 class Deployment(nn.Module):
@@ -325,26 +353,26 @@ class Deployment(nn.Module):
         # function, from the slot named last -- the target's, where target passes rewrite it
         self.drafter, self.target = drafter, target
 
-    def target_prefill(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.target.prefill(tokens, positions, slots, mask, kv, conv, rec)
+    def target_prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.target.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def target_decode(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.target.prefill(tokens, positions, slots, mask, kv, conv, rec)
+    def target_decode(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.target.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def target_verify(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.target.verify(tokens, positions, slots, mask, kv, conv, rec)
+    def target_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.target.verify(tokens, positions, slots, mask, rows, kv, conv, rec)
 
     def target_commit(self, conv_states, rec_states, index):
         return self.target.commit(conv_states, rec_states, index)
 
-    def drafter_prefill(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.drafter.prefill(tokens, positions, slots, mask, kv, conv, rec)
+    def drafter_prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def drafter_decode(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.drafter.prefill(tokens, positions, slots, mask, kv, conv, rec)
+    def drafter_decode(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def drafter_verify(self, tokens, positions, slots, mask, kv, conv, rec):
-        return self.drafter.verify(tokens, positions, slots, mask, kv, conv, rec)
+    def drafter_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.drafter.verify(tokens, positions, slots, mask, rows, kv, conv, rec)
 
     def drafter_commit(self, conv_states, rec_states, index):
         return self.drafter.commit(conv_states, rec_states, index)
@@ -361,48 +389,51 @@ def _share_parameters(drafter: CausalLM, target: CausalLM) -> None:
         setattr(owner, leaf, target_params[name])
 
 
-def _step_spec(cfg: ModelConfig, capacity: int, dtype: str, tokens) -> dict:
-    caches = cache_shapes(cfg, capacity, dtype)
+def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens) -> dict:
+    caches = cache_shapes(cfg, capacity, n_rows, dtype)
     absent = nn.spec.Tensor([1], "float32")   # a model without such layers takes a placeholder
+    per_sequence = lambda name: nn.spec.Tensor(["batch", *caches[name][0]], caches[name][1])  # noqa: E731
     return {
-        "tokens": nn.spec.Tensor([tokens], "int32"),
-        "positions": nn.spec.Tensor([tokens], "int32"),
-        "slots": nn.spec.Tensor([tokens], "int32"),
-        "mask": nn.spec.Tensor([tokens, "kv_len"], "bool"),
+        "tokens": nn.spec.Tensor(["batch", tokens], "int32"),
+        "positions": nn.spec.Tensor(["batch", tokens], "int32"),
+        "slots": nn.spec.Tensor(["batch", tokens], "int32"),
+        "mask": nn.spec.Tensor(["batch", tokens, "kv_len"], "bool"),
+        "rows": nn.spec.Tensor(["batch"], "int32"),
         "kv": nn.spec.Tensor(*caches["kv"]) if "kv" in caches else absent,
-        "conv": nn.spec.Tensor(*caches["conv"]) if "conv" in caches else absent,
-        "rec": nn.spec.Tensor(*caches["rec"]) if "rec" in caches else absent,
+        "conv": per_sequence("conv") if "conv" in caches else absent,
+        "rec": per_sequence("rec") if "rec" in caches else absent,
         "$": {"param_mode": "packed", "effect_mode": "none"},
     }
 
 
-def _commit_spec(cfg: ModelConfig, capacity: int, dtype: str) -> dict:
-    caches = cache_shapes(cfg, capacity, dtype)
+def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> dict:
+    caches = cache_shapes(cfg, capacity, n_rows, dtype)
     (conv_shape, conv_dtype), (rec_shape, _) = caches["conv"], caches["rec"]
     return {
-        "conv_states": nn.spec.Tensor(["n", *conv_shape], conv_dtype),
-        "rec_states": nn.spec.Tensor(["n", *rec_shape], "float32"),
-        "index": nn.spec.Tensor([1], "int32"),
+        "conv_states": nn.spec.Tensor(["batch", "n", *conv_shape], conv_dtype),
+        "rec_states": nn.spec.Tensor(["batch", "n", *rec_shape], "float32"),
+        "index": nn.spec.Tensor(["batch"], "int32"),
         "$": {"param_mode": "none", "effect_mode": "none"},
     }
 
 
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
-                     gpu: bool, drafter_shares_target: bool = False):
+                     gpu: bool, drafter_shares_target: bool = False, n_rows: int = 1):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
-    ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once."""
-    target = CausalLM(target_cfg, dtype, gpu, capacity)
-    drafter = CausalLM(drafter_cfg, dtype, gpu, capacity) if drafter_cfg is not None else None
+    ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
+    ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch)."""
+    target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows)
+    drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_shares_target:
         _share_parameters(drafter, target)
     spec = {}
     for prefix, model, cfg in (("target", target, target_cfg), ("drafter", drafter, drafter_cfg)):
         if model is None:
             continue
-        spec[f"{prefix}_prefill"] = _step_spec(cfg, capacity, dtype, "n")
-        spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, dtype, 1)
-        spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, dtype, "n")
+        spec[f"{prefix}_prefill"] = _step_spec(cfg, capacity, n_rows, dtype, "n")
+        spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, n_rows, dtype, 1)
+        spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n")
         if model.n_gdn:
-            spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, dtype)
+            spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
     mod, params = Deployment(target, drafter).export_tvm(spec=spec)
     return mod, [name for name, _ in params]

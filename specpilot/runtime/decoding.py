@@ -73,6 +73,39 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
     return out.gen
 
 
+def batched_autoregressive(model, prompts: list[list[int]], max_new: list[int], capacity: int, max_batch: int,
+                           forces=None, logits_hook=None, stop_ids=()) -> list[Generation]:
+    """Stock decoding of many requests as one continuous batch: at most ``max_batch`` run at
+    once; a finished request leaves and a waiting one joins at the next step, its prompt
+    prefilled in the same step function call as the others' next tokens.  ``model`` needs
+    ``forward_batch`` (compiled models run it as one call; the reference loops).
+    Each request's result equals `autoregressive` on it alone."""
+    forces = forces or [None] * len(prompts)
+    waiting = list(range(len(prompts)))
+    running: dict[int, tuple[object, _Emitter, list[int], float]] = {}   # request -> state, emitter, feed, t0
+    done: dict[int, Generation] = {}
+    while waiting or running:
+        while waiting and len(running) < max_batch:
+            i = waiting.pop(0)
+            running[i] = (model.new_state(capacity), _Emitter(max_new[i], forces[i], logits_hook, stop_ids),
+                          list(prompts[i]), time.perf_counter())
+        order = list(running)
+        rows = model.forward_batch([(running[i][2], running[i][0]) for i in order])
+        for i, logits in zip(order, rows):
+            state, out, _, t0 = running[i]
+            token = out.target_token(logits[-1])
+            out.gen.accepted.append(1)
+            if out.stopped:
+                out.gen.seconds = time.perf_counter() - t0
+                done[i] = out.gen
+                del running[i]
+                if hasattr(state, "close"):
+                    state.close()
+            else:
+                running[i] = (state, out, [token], t0)
+    return [done[i] for i in range(len(prompts))]
+
+
 def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int, capacity: int,
                 force=None, logits_hook=None, stop_ids=()) -> Generation:
     """Stock speculative decoding: draft a chain, verify it in one target pass, keep the

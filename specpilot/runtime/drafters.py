@@ -31,6 +31,7 @@ class ModelDrafter:
         self.reset()
 
     def reset(self) -> None:
+        self.state = None   # a compiled model's old state gives its cache row back first
         self.state = self.model.new_state(self.capacity)
         self.consumed: list[int] = []   # the tokens whose KV / recurrent state is in self.state
 

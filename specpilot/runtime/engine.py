@@ -2,16 +2,19 @@
 compiler) and drives its step functions with the same interface as the reference model, so
 the decoding loops in `runtime.decoding` run unchanged on either.
 
-Device state per sequence: the KV cache (written in place by the step functions), and for
-Gated DeltaNet layers the conv / recurrent states (values: each call returns new ones).  A
-verify pass returns the states after every token; ``truncate`` keeps the accepted prefix by
-calling the build's ``commit`` function.
+Device state: one KV-cache pool per model with deployment.max_batch sequence rows (written in
+place by the step functions); each sequence holds a row while it lives.  For Gated DeltaNet
+layers each sequence also has its conv / recurrent states (values: each call returns new ones).
+A verify pass returns the states after every token; ``truncate`` keeps the accepted prefix by
+calling the build's ``commit`` function.  ``forward_batch`` runs several sequences, each at its
+own length, in one call of the step functions (padded to the longest; padding writes nothing).
 """
 
 from __future__ import annotations
 
+import gc
 import json
-import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from specpilot.compiler.config import ModelConfig, cache_shapes
 from specpilot.errors import SpecPilotError
 
 BUILD_FORMAT = "specpilot-build"
+BUILD_VERSION = 2   # compiler.build.MANIFEST_VERSION (not imported: the engine runs without the compiler)
 
 
 def _import_tvm_runtime(gpu: bool):
@@ -50,6 +54,9 @@ def read_manifest(build_dir: Path) -> dict:
         raise SpecPilotError(f"{path}: not valid JSON ({e.msg})") from None
     if manifest.get("format") != BUILD_FORMAT:
         raise SpecPilotError(f"{path}: not a SpecPilot build manifest")
+    if manifest.get("version") != BUILD_VERSION:
+        raise SpecPilotError(f"{path}: build format version {manifest.get('version')}, this SpecPilot reads "
+                             f"version {BUILD_VERSION}; rebuild with `specpilot compile`")
     return manifest
 
 
@@ -76,6 +83,7 @@ class CompiledModule:
         self._stored, self._aliases = self._read_params()
         self.params = self._load_params()
         self.functions = {name: self.vm[name] for name in self.manifest["functions"]}
+        self._models: dict[str, CompiledModel] = {}
 
     def _check_hashes(self) -> None:
         from specpilot.compiler.weights import file_digest
@@ -129,9 +137,12 @@ class CompiledModule:
         return self.tvm.runtime.tensor(array, self.device)
 
     def model(self, which: str) -> "CompiledModel":
+        """The model's engine (one per build and model: it owns the model's KV-cache pool)."""
         if which not in self.manifest["models"]:
             raise SpecPilotError(f"{self.dir}: the build has no {which} model")
-        return CompiledModel(self, which)
+        if which not in self._models:
+            self._models[which] = CompiledModel(self, which)
+        return self._models[which]
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference."""
@@ -158,21 +169,27 @@ class CompiledModule:
 class _Pass:
     start: int
     length: int
-    conv_states: object       # (T, G, C, K-1) on the device
-    rec_states: object        # (T, G, H, dk, dv)
+    conv_states: object       # (1, T, G, C, K-1) on the device
+    rec_states: object        # (1, T, G, H, dk, dv)
     conv_before: object
     rec_before: object
 
 
 class CompiledState:
-    def __init__(self, model: "CompiledModel", module: CompiledModule, cfg: ModelConfig, capacity: int, dtype: str):
-        self.model, self.capacity, self.length = model, capacity, 0
+    """One sequence: its row of the model's KV pool and its recurrent states (1, G, ...)."""
+
+    def __init__(self, model: "CompiledModel", row: int, capacity: int):
+        self.model, self.row, self.capacity, self.length = model, row, capacity, 0
+        module, shapes = model.module, model.shapes
         placeholder = module.zeros((1,), "float32")
-        shapes = cache_shapes(cfg, capacity, dtype)
-        self.kv = module.zeros(*shapes["kv"]) if "kv" in shapes else placeholder
-        self.conv = module.zeros(*shapes["conv"]) if "conv" in shapes else placeholder
-        self.rec = module.zeros(*shapes["rec"]) if "rec" in shapes else placeholder
+        self.conv = module.zeros((1, *shapes["conv"][0]), shapes["conv"][1]) if "conv" in shapes else placeholder
+        self.rec = module.zeros((1, *shapes["rec"][0]), "float32") if "rec" in shapes else placeholder
         self.history: list[_Pass] = []
+        self._release = weakref.finalize(self, model.free_rows.append, row)
+
+    def close(self) -> None:
+        """Give the cache row back now (otherwise when the state is garbage)."""
+        self._release()
 
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:
@@ -201,10 +218,14 @@ class CompiledModel:
         self.cfg = ModelConfig.from_dict(module.manifest["models"][which])
         self.dtype = module.manifest["dtype"]
         self.capacity = module.manifest["capacity"]
+        self.max_batch = module.manifest["max_batch"]
         self.has_gdn = self.cfg.is_hybrid
         fns = module.functions
         self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
         self._commit = fns.get(f"{which}_commit")
+        self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
+        self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
+        self.free_rows = list(range(self.max_batch))[::-1]
 
     @property
     def vocab_size(self) -> int:
@@ -213,32 +234,75 @@ class CompiledModel:
     def new_state(self, capacity: int) -> CompiledState:
         if capacity > self.capacity:
             raise SpecPilotError(f"capacity {capacity} exceeds the build's max_seq_len {self.capacity}")
-        return CompiledState(self, self.module, self.cfg, self.capacity, self.dtype)
+        if not self.free_rows:
+            gc.collect()   # states dropped inside reference cycles give their rows back here
+        if not self.free_rows:
+            raise SpecPilotError(f"all {self.max_batch} KV-cache rows of the {self.which} are in use; raise "
+                                 "deployment.max_batch in the spec or close finished sequences")
+        return CompiledState(self, self.free_rows.pop(), self.capacity)
 
     def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False):
-        tokens = np.asarray(tokens, dtype="int32").reshape(-1)
-        T, start = tokens.shape[0], state.length
-        state.check_room(T)
-        slots = np.arange(start, start + T, dtype="int32")
-        positions = slots if positions is None else np.asarray(positions, dtype="int32")
-        if attn_mask is None:
-            mask = np.arange(start + T)[None, :] <= (start + np.arange(T))[:, None]
-        else:
-            mask = np.asarray(attn_mask, dtype=bool)
+        """One sequence's step (see `forward_batch`): logits (T, vocab)."""
+        return self.forward_batch([(tokens, state, positions, attn_mask)], record)[0]
+
+    def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
+        """items: (tokens, state[, positions[, attn_mask]]) per sequence, each sequence at its own
+        length and with its own number of new tokens; one call of the step function for all.
+        Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
+        items = [tuple(it) + (None,) * (4 - len(it)) for it in items]
+        if len({id(it[1]) for it in items}) != len(items):
+            raise SpecPilotError("a sequence appears twice in one batch")
+        toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items]
+        B, T = len(items), max(len(t) for t in toks)
+        L = max(st.length + len(t) for t, (_, st, _, _) in zip(toks, items))
+        tokens = np.zeros((B, T), "int32")
+        positions = np.zeros((B, T), "int32")
+        slots = np.full((B, T), -1, "int32")
+        mask = np.zeros((B, T, L), bool)
+        mask[:, :, 0] = True              # padding rows attend somewhere (their outputs are dropped)
+        for b, (t, (_, st, pos, attn)) in enumerate(zip(toks, items)):
+            n, start = len(t), st.length
+            st.check_room(n)
+            tokens[b, :n] = t
+            slots[b, :n] = np.arange(start, start + n)
+            positions[b, :n] = slots[b, :n] if pos is None else np.asarray(pos, dtype="int32")
+            mask[b, :n, :start + n] = (np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]
+                                       if attn is None else np.asarray(attn, dtype=bool))
+        states = [it[1] for it in items]
         m = self.module
-        args = [m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), state.kv, state.conv, state.rec]
-        fn = self._verify if record else (self._decode if T == 1 else self._prefill)
-        out = fn(*args, m.params)
-        logits = out[0] if self.has_gdn else out
+        rows = np.array([st.row for st in states], "int32")
         if self.has_gdn:
-            if record:
-                conv_states, rec_states = out[1], out[2]
-                state.history.append(_Pass(start, T, conv_states, rec_states, state.conv, state.rec))
-                state.conv, state.rec = self._commit(conv_states, rec_states, m.tensor(np.array([T - 1], "int32")))
-            else:
-                state.conv, state.rec = out[1], out[2]
-        state.length = start + T
-        return torch.from_numpy(logits.numpy())
+            conv, rec = (self._stack([getattr(st, k) for st in states]) for k in ("conv", "rec"))
+        else:   # the placeholder arguments of a model without recurrent layers
+            conv, rec = states[0].conv, states[0].rec
+        fn = self._verify if record else (self._decode if T == 1 else self._prefill)
+        out = fn(m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows),
+                 self.kv, conv, rec, m.params)
+        logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
+        for b, (t, st) in enumerate(zip(toks, states)):
+            n, start = len(t), st.length
+            if self.has_gdn:
+                if record:
+                    conv_states, rec_states = (self._row(out[i], b, n) for i in (1, 2))
+                    st.history.append(_Pass(start, n, conv_states, rec_states, st.conv, st.rec))
+                    st.conv, st.rec = self._commit(conv_states, rec_states, m.tensor(np.array([n - 1], "int32")))
+                else:
+                    st.conv, st.rec = self._row(out[1], b), self._row(out[2], b)
+            st.length = start + n
+        return [logits[b, :len(t)] for b, t in enumerate(toks)]
+
+    def _stack(self, arrays):
+        """(1, ...) arrays of the sequences -> one (B, ...) array on the device."""
+        if len(arrays) == 1:
+            return arrays[0]
+        return self.module.tvm.runtime.from_dlpack(torch.cat([torch.from_dlpack(a) for a in arrays]))
+
+    def _row(self, array, b: int, n: int | None = None):
+        """Batch entry b of a (B, ...) result (its first n tokens for per-token results), as (1, ...)."""
+        if array.shape[0] == 1 and (n is None or array.shape[1] == n):
+            return array
+        view = torch.from_dlpack(array)[b:b + 1]
+        return self.module.tvm.runtime.from_dlpack((view if n is None else view[:, :n]).clone())
 
     def truncate(self, state: CompiledState, length: int) -> None:
         if length == state.length:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from specpilot.errors import SpecPilotError
-from specpilot.runtime.decoding import Generation, autoregressive, speculative
+from specpilot.runtime.decoding import Generation, autoregressive, batched_autoregressive, speculative
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
 from specpilot.runtime.reference.model import ReferenceModel
@@ -47,6 +47,24 @@ class System:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise SpecPilotError(f"prompt token {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
+                       logits_hook=None, max_batch: int | None = None) -> list[Generation]:
+        """Autoregressive engines only: the requests as one continuous batch (at most
+        ``max_batch`` at once; default: the build's deployment.max_batch)."""
+        if engine not in self.engines:
+            raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
+        e = self.engines[engine]
+        if e.drafter is not None:
+            raise SpecPilotError(f"engine {engine!r} decodes speculatively; batched runs take an autoregressive "
+                                 "engine (stock, compiled) for now")
+        for prompt, n in zip(prompts, max_new):
+            self.check_prompt(prompt)
+            if len(prompt) + n > self.capacity:
+                raise SpecPilotError(f"prompt ({len(prompt)}) + max new tokens ({n}) exceeds "
+                                     f"deployment.max_seq_len={self.capacity}")
+        limit = max_batch or getattr(e.model, "max_batch", len(prompts))
+        return batched_autoregressive(e.model, prompts, max_new, self.capacity, limit, forces, logits_hook)
 
     def generate(self, engine: str, prompt: list[int], max_new: int, force=None, logits_hook=None,
                  stop_at_eos: bool = False, record_lattices: Path | None = None,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from specpilot.compiler.build import build
@@ -38,7 +39,7 @@ PROMPTS = [[(11 * i + 3 * r) % 301 for i in range(9 + 4 * r)] for r in range(3)]
 def _spec(tmp_path, arch):
     data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
             "drafter": {**DRAFTERS[arch], "draft_len": 4, "top_k": 3},
-            "deployment": {"dtype": "float32", "max_seq_len": 400}}
+            "deployment": {"dtype": "float32", "max_seq_len": 400, "max_batch": 3}}
     path = tmp_path / "model.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_spec(path)
@@ -79,6 +80,45 @@ def test_compiled_token_forcing_256_exact(built, engine):
     assert report.positions == 3 * 256 and not report.excused
     if engine == "compiled-spec":   # and unforced it generates stock's tokens
         assert system.generate(engine, PROMPTS[0], 96).tokens == stock_runs[0].tokens[:96]
+
+
+def test_continuous_batch_forcing_exact(built):
+    """Five requests of different prompt lengths and lengths through a 3-row cache pool: requests
+    join (prefilled in the same call as the others' decode steps) and leave; every request's
+    tokens are stock's, exactly."""
+    out, _ = built
+    system = from_build(out)
+    prompts = [[(5 * i + 17 * r) % 301 for i in range(3 + 7 * r)] for r in range(5)]
+    limits = [41, 17, 64, 9, 30]
+    stock_runs = [system.generate("stock", p, n) for p, n in zip(prompts, limits)]
+    runs = system.generate_batch("compiled", prompts, limits, forces=[s.tokens for s in stock_runs])
+    report = force_requests(stock_runs, runs, tie_tolerance=0.0)
+    assert report.passed, report.first_divergence
+    assert report.positions == sum(limits) and not report.excused
+    unforced = system.generate_batch("compiled", [prompts[r] for r in (0, 2, 4)], [20, 20, 20])
+    assert [g.tokens for g in unforced] == [stock_runs[r].tokens[:20] for r in (0, 2, 4)]
+
+
+def test_batched_step_equals_single_steps(built):
+    """One padded call over sequences at different lengths (one of them verifying a chunk with
+    per-token states) gives each sequence the logits of its own call."""
+    out, _ = built
+    model = from_build(out).engines["compiled"].model
+    a, b = model.new_state(400), model.new_state(400)
+    model.forward(list(range(40, 53)), a)
+    model.forward([7, 8], b)
+    batched = model.forward_batch([([60, 61, 62, 63], a), ([9], b)], record=True)
+    a.truncate(13)      # roll both back through the recorded per-token states
+    b.truncate(2)
+    again = [model.forward([60, 61, 62, 63], a, record=True), model.forward([9], b, record=True)]
+    for x, y in zip(batched, again):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    c = model.new_state(400)
+    with pytest.raises(SpecPilotError, match="all 3 KV-cache rows"):
+        model.new_state(400)
+    a.close()
+    model.new_state(400)   # a closed sequence's row is free again
+    c.close()
 
 
 def test_runtime_only_load(built):
@@ -138,3 +178,7 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
     assert code == 0 and len(json.loads(stdout)["tokens"]) == 12
     code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--inject-fault-after", 5)
     assert code == 1 and "position 5" in stdout
+    code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled", "--batch", "--json")
+    assert code == 0 and json.loads(stdout)["passed"] is True
+    code, _, stderr = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled-spec", "--batch")
+    assert code == 2 and "autoregressive engine" in stderr

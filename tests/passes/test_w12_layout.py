@@ -193,11 +193,11 @@ def test_view_function_in_a_build_is_close_not_exact(tmp_path):
     model = module.model("target")
     state = model.new_state(1024)
     model.forward(list(range(30, 56)), state)
-    start, toks = state.length, np.array([56, 57, 58, 59], "int32")
-    slots = np.arange(start, start + 4, dtype="int32")
-    mask = np.arange(start + 4)[None, :] <= (start + np.arange(4))[:, None]
+    start, toks = state.length, np.array([[56, 57, 58, 59]], "int32")
+    slots = np.arange(start, start + 4, dtype="int32")[None]
+    mask = (np.arange(start + 4)[None, :] <= (start + np.arange(4))[:, None])[None]
     args = [module.tensor(toks), module.tensor(slots), module.tensor(slots), module.tensor(mask),
-            state.kv, state.conv, state.rec]
+            module.tensor(np.array([state.row], "int32")), model.kv, state.conv, state.rec]
     exact = module.functions["target_verify"](*args, module.params)[0].numpy()
     view = module.functions["target_verify_view"](*args, module.params)[0].numpy()
     rel = np.abs(exact - view).max() / np.abs(exact).max()

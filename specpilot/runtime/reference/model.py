@@ -52,6 +52,11 @@ class ReferenceModel:
     def new_state(self, capacity: int) -> ModelState:
         return ModelState(self.cfg, capacity, self.dtype, self.device)
 
+    def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
+        """`forward` for several sequences, one after the other (the compiled engine's batched
+        interface; the reference keeps one sequence per call)."""
+        return [self.forward(*item, record=record) for item in items]
+
     # -- one step ------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, tokens, state: ModelState, positions=None, attn_mask=None, record: bool = False):
