@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import pytest
-import torch
+# CI has no GPU: Triton kernels run under Triton's interpreter (must be set before triton is imported)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from specpilot.compiler.config import config_from_hf
-from specpilot.compiler.weights import random_weights
-from specpilot.runtime.reference.model import ReferenceModel
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from specpilot.compiler.config import config_from_hf  # noqa: E402
+from specpilot.compiler.weights import random_weights  # noqa: E402
+from specpilot.runtime.reference.model import ReferenceModel  # noqa: E402
 
 TINY_CONFIGS = {
     "LlamaForCausalLM": dict(vocab_size=301, hidden_size=48, intermediate_size=91, num_hidden_layers=3,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.compiler.config import ModelConfig
+from specpilot.errors import SpecPilotError
 from specpilot.runtime.reference.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from specpilot.runtime.reference.state import KVCache, ModelState, RecurrentState
 
@@ -32,14 +33,32 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
-    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+    weight, bias = w[name + ".weight"], w.get(name + ".bias")
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    y = weight.linear(x)    # a W12 matrix (weight_format="w12")
+    return y + bias if bias is not None else y
 
 
 class ReferenceModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", weight_format: str = "dense"):
+        """weight_format: ``dense`` (weights in ``dtype``) or ``w12``: the decoder layers' linear
+        weights held in the W12 layout and multiplied by the Triton W12 kernel on GPUs
+        (`schedules.w12_triton`); they must be bf16 values (random models: ``round_to: bfloat16``)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
+        if weight_format not in ("dense", "w12"):
+            raise SpecPilotError(f"unknown weight format {weight_format!r}; expected dense or w12")
+        if weight_format == "w12":
+            from specpilot.compiler.w12 import to_bf16
+            from specpilot.schedules.w12_triton import W12Matrix
+            for name, t in weights.items():
+                if name.startswith("model.layers.") and t.dim() == 2:
+                    bf, exact = to_bf16(t)
+                    if not exact:
+                        raise SpecPilotError(f"{name}: not bf16-representable; the W12 layout holds bf16 weights")
+                    self.w[name] = W12Matrix(bf, self.device)
         if cfg.tie_word_embeddings:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
