@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 # CI has no GPU: Triton kernels run under Triton's interpreter (must be set before triton is imported)
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# converted W12 packs go to a throw-away cache, not the user's
+os.environ.setdefault("SPECPILOT_CACHE_DIR", tempfile.mkdtemp(prefix="specpilot-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def _sha256(bits16: torch.Tensor) -> str:
 
 
 def encode(weight: torch.Tensor) -> W12Pack:
-    """Pack a bf16 tensor (any shape; rows along dim 0)."""
+    """Pack a bf16 tensor (any shape; rows along dim 0).  `encode_cached` keeps the result."""
     n, k = _rows(weight)
     bits = _bits(weight).reshape(n, k)
     sign, exponent, mantissa = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
@@ -161,6 +162,40 @@ def load_pack(path: Path, verify: bool = True) -> dict[str, W12Pack]:
                 raise CheckpointError(f"{path}: tensor {name} does not decode to its source (checksum mismatch); "
                                       "the pack is corrupt or from other weights")
     return packs
+
+
+def cache_dir() -> Path | None:
+    """Where converted packs are kept: $SPECPILOT_CACHE_DIR (``off`` disables), else
+    $XDG_CACHE_HOME/specpilot or ~/.cache/specpilot."""
+    env = os.environ.get("SPECPILOT_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in ("", "off", "0", "none") else Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specpilot"
+
+
+def encode_cached(weight: torch.Tensor, cache: Path | None = None) -> W12Pack:
+    """`encode`, converted once: packs are cached by the SHA-256 of the bf16 bits.  A cached
+    pack that fails its checksum (corrupt, truncated) is reported on stderr and rebuilt."""
+    import sys
+    cache = cache_dir() if cache is None else cache
+    if cache is None:
+        return encode(weight)
+    digest = _sha256(_bits(weight).to(torch.int16))
+    path = cache / "w12" / f"{digest}.safetensors"
+    if path.is_file():
+        try:
+            pack = load_pack(path)["w"]
+            if pack.source_sha256 == digest and pack.shape == tuple(weight.shape):
+                return pack
+            print(f"warning: {path}: cached W12 pack is for other weights; rebuilding it", file=sys.stderr)
+        except CheckpointError as e:
+            print(f"warning: {e}; rebuilding it", file=sys.stderr)
+    pack = encode(weight)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_pack({"w": pack}, tmp)
+    tmp.replace(path)        # atomic: concurrent builds never see half a file
+    return pack
 
 
 def to_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:

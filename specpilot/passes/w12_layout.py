@@ -147,7 +147,7 @@ class W12Layout(Pass):
         plan = context.scratch.get(self.name)
         if plan is None:
             readable = _matmul_only_slots(mod)
-            plan = {name: w12.kernel_layout(w12.encode(value.to(torch.bfloat16)))
+            plan = {name: w12.kernel_layout(w12.encode_cached(value.to(torch.bfloat16)))
                     for i, (name, value) in enumerate(context.params.items())
                     if i in readable and _eligible(name, value, self["min_size"])}
             context.scratch[self.name] = plan

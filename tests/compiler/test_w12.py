@@ -108,3 +108,32 @@ def test_stats_cli_json(run_cli):
     assert all(t["bit_exact"] for t in result["tensors"])
     names = {t["name"] for t in result["tensors"]}
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "model.norm.weight" not in names
+
+
+def test_packs_are_converted_once_and_cached_by_content(tmp_path, capsys):
+    w = (torch.randn(33, 70, generator=torch.Generator().manual_seed(8)) * 0.1).to(torch.bfloat16)
+    first = w12.encode_cached(w, cache=tmp_path)
+    files = list((tmp_path / "w12").iterdir())
+    assert len(files) == 1 and files[0].name == f"{first.source_sha256}.safetensors"
+    stamp = files[0].stat().st_mtime_ns
+    again = w12.encode_cached(w, cache=tmp_path)
+    assert files[0].stat().st_mtime_ns == stamp          # read back, not rebuilt
+    assert torch.equal(w12.decode(again).view(torch.int16), w.view(torch.int16))
+    other = w.clone()
+    other[0, 0] = 1.0
+    w12.encode_cached(other, cache=tmp_path)             # other bits: another entry
+    assert len(list((tmp_path / "w12").iterdir())) == 2
+    data = bytearray(files[0].read_bytes())              # a corrupt entry is noticed and rebuilt
+    data[-3] ^= 0x55
+    files[0].write_bytes(bytes(data))
+    rebuilt = w12.encode_cached(w, cache=tmp_path)
+    assert "rebuilding" in capsys.readouterr().err
+    assert torch.equal(w12.decode(rebuilt).view(torch.int16), w.view(torch.int16))
+    assert w12.encode_cached(w, cache=tmp_path).source_sha256 == first.source_sha256
+
+
+def test_cache_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", "off")
+    assert w12.cache_dir() is None
+    w = torch.ones(4, 4, dtype=torch.bfloat16)
+    assert torch.equal(w12.decode(w12.encode_cached(w)).view(torch.int16), w.view(torch.int16))
