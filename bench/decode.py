@@ -1,8 +1,10 @@
 """Autoregressive decode speed, side by side in one run: the compiled module vs the PyTorch
-reference eager vs the reference under torch.compile, at batch 1, plus achieved weight bytes/s
-against the copy bandwidth measured in the same run.
+reference eager vs the reference under torch.compile vs the reference with its linear weights
+in the W12 layout (Triton kernel), at batch 1, plus achieved weight bytes/s against the copy
+bandwidth measured in the same run; then the compiled module at larger batches (one step
+function call for B sequences, tokens/s summed over the batch).
 
-    python bench/decode.py BUILD_DIR [BUILD_DIR ...] [--context 512] [--steps 48] [--out DIR]
+    python bench/decode.py BUILD_DIR [BUILD_DIR ...] [--context 512] [--steps 48] [--batches 4,8] [--out DIR]
 
 Every engine decodes greedily from the same prompt; the tokens of each are compared with the
 eager reference's (in bf16 near-ties may legitimately flip; the match count is reported).
@@ -67,6 +69,42 @@ def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: in
     return tokens, times
 
 
+def batched_decode_steps(model, prompts: list[list[int]], steps: int, capacity: int, warmup: int = 3):
+    """B sequences decoding together (`CompiledModel.forward_batch`): per-step seconds, and each
+    sequence's tokens."""
+    states = [model.new_state(capacity) for _ in prompts]
+    rows = model.forward_batch(list(zip(prompts, states)))
+    tokens, times = [[] for _ in prompts], []
+    for i in range(steps + warmup):
+        nxt = [int(r[-1].argmax()) for r in rows]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rows = model.forward_batch([([t], st) for t, st in zip(nxt, states)])
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        for seq, t in zip(tokens, nxt):
+            seq.append(t)
+    for st in states:
+        st.close()
+    return tokens, times
+
+
+def w12_weight_bytes(model) -> int:
+    from specpilot.schedules.w12_triton import W12Matrix
+    return sum(t.nbytes if isinstance(t, W12Matrix) else 0 for t in model.w.values()) + \
+        weight_bytes_per_step(_Dense(model))
+
+
+class _Dense:
+    """The model's tensors other than W12 matrices, for `weight_bytes_per_step`."""
+
+    def __init__(self, model):
+        from specpilot.schedules.w12_triton import W12Matrix
+        self.cfg = model.cfg
+        self.w = {k: v for k, v in model.w.items() if not isinstance(v, W12Matrix)}
+
+
 class Compiled:
     """The reference's forward under torch.compile (dynamic shapes: the cache grows each step)."""
 
@@ -88,6 +126,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--no-torch-compile", action="store_true")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",") if x], default=[4, 8],
+                    help="batch sizes for the compiled module after batch 1 (up to the build's max_batch)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     bandwidth = copy_bandwidth()
@@ -105,6 +145,13 @@ def main() -> None:
         engines = {"compiled (TVM)": system.engines["compiled"].model, "torch eager": eager}
         if not args.no_torch_compile:
             engines["torch.compile"] = Compiled(eager)
+        t = time.perf_counter()
+        from specpilot.runtime.reference.model import ReferenceModel
+        w12_model = ReferenceModel(eager.cfg, {k: v for k, v in eager.w.items()
+                                               if not (eager.cfg.tie_word_embeddings and k == "lm_head.weight")},
+                                   eager.dtype, "cuda", weight_format="w12")
+        print(f"  W12 planes built in {time.perf_counter() - t:.1f} s", flush=True)
+        engines["torch eager, W12 (Triton)"] = w12_model
         reference_tokens = None
         for name, model in engines.items():
             try:
@@ -117,10 +164,23 @@ def main() -> None:
                 reference_tokens = tokens
             med = statistics.median(times)
             q = statistics.quantiles(times, n=10)
-            rows.append({"build": build.name, "engine": name, "median_ms": med * 1e3, "p10_ms": q[0] * 1e3,
-                         "p90_ms": q[-1] * 1e3, "tokens_per_s": 1 / med, "weight_bytes": nbytes,
-                         "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth,
+            moved = w12_weight_bytes(model) if "W12" in name else nbytes
+            rows.append({"build": build.name, "engine": name, "batch": 1, "median_ms": med * 1e3,
+                         "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "tokens_per_s": 1 / med, "weight_bytes": moved,
+                         "bytes_per_s": moved / med, "fraction_of_copy_bw": moved / med / bandwidth,
                          "tokens": tokens})
+        del w12_model, engines["torch eager, W12 (Triton)"]
+        compiled = system.engines["compiled"].model
+        for b in [x for x in args.batches if x <= compiled.max_batch]:
+            prompts = [torch.randint(0, system.vocab_size, (args.context,), generator=gen).tolist()
+                       for _ in range(b - 1)] + [prompt]
+            tokens, times = batched_decode_steps(compiled, prompts, args.steps, capacity)
+            med = statistics.median(times)
+            q = statistics.quantiles(times, n=10)
+            rows.append({"build": build.name, "engine": "compiled (TVM)", "batch": b, "median_ms": med * 1e3,
+                         "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "tokens_per_s": b / med,
+                         "weight_bytes": nbytes, "bytes_per_s": nbytes / med,
+                         "fraction_of_copy_bw": nbytes / med / bandwidth, "tokens": tokens[-1]})
         for row in rows:
             if row["build"] == build.name and "tokens" in row and reference_tokens is not None:
                 row["tokens_matching_eager"] = sum(a == b for a, b in zip(row.pop("tokens"), reference_tokens))
@@ -128,12 +188,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     path = write("decode", {"context": args.context, "steps": args.steps, "copy_bandwidth": bandwidth,
                             "results": rows}, args.out)
-    print(f"\n{'build':24s} {'engine':16s} {'ms/step':>8s} {'p10-p90':>15s} {'tok/s':>7s} {'TB/s':>6s} {'%copy':>6s} match")
+    print(f"\n{'build':16s} {'engine':26s} {'B':>2s} {'ms/step':>8s} {'p10-p90':>15s} {'tok/s':>7s} {'TB/s':>6s} "
+          f"{'%copy':>6s} match")
     for r in rows:
         if "error" in r:
-            print(f"{r['build']:24s} {r['engine']:16s} error: {r['error'][:60]}")
+            print(f"{r['build']:16s} {r['engine']:26s} error: {r['error'][:60]}")
             continue
-        print(f"{r['build']:24s} {r['engine']:16s} {r['median_ms']:8.2f} {r['p10_ms']:7.2f}-{r['p90_ms']:<7.2f} "
+        print(f"{r['build']:16s} {r['engine']:26s} {r.get('batch', 1):2d} {r['median_ms']:8.2f} "
+              f"{r['p10_ms']:7.2f}-{r['p90_ms']:<7.2f} "
               f"{r['tokens_per_s']:7.1f} {r['bytes_per_s'] / 1e12:6.2f} {100 * r['fraction_of_copy_bw']:5.1f}% "
               f"{r.get('tokens_matching_eager', '-')}/{args.steps + 3}")
     print(f"wrote {path}")

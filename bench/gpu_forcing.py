@@ -26,7 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("builds", nargs="+", type=Path)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--tie-tolerance", type=float, default=0.1)
+    ap.add_argument("--tie-tolerance", default="auto",
+                    help="a number, or auto: stock's own bf16-vs-fp32 margin error on these requests")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows = []
@@ -40,7 +41,9 @@ def main() -> None:
                 stock = system.generate("stock", prompt, args.max_new_tokens)
                 stock_runs.append(stock)
                 runs.append(system.generate(engine, prompt, args.max_new_tokens, force=stock.tokens))
-            report = force_requests(stock_runs, runs, args.tie_tolerance)
+            tolerance = (system.derived_tie_tolerance(prompts, stock_runs) if args.tie_tolerance == "auto"
+                         else float(args.tie_tolerance))
+            report = force_requests(stock_runs, runs, tolerance)
             rows.append({"build": build.name, "engine": engine, "dtype": system.dtype, **report.to_dict(),
                          "mean_accepted": sum(r.mean_accepted for r in runs) / len(runs),
                          "seconds": round(time.perf_counter() - started, 1)})

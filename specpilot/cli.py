@@ -124,9 +124,9 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
 @click.option("--engine", type=click.Choice(ENGINES), default=None,
               help="the system under test (default: compiled-spec for a build directory, stock-spec for a "
                    "spec); stock is always the reference's greedy autoregressive decoding")
-@click.option("--tie-tolerance", type=click.FloatRange(0), default=None,
-              help="excuse mismatches where stock's top-2 logit margin is below this "
-                   "(default 0 in float32, 0.1 in bfloat16/float16)")
+@click.option("--tie-tolerance", default=None,
+              help="a number, or 'auto' (the default in bf16/fp16): the largest error of stock's own top-2 "
+                   "margin against the same model in float32 on these requests; 0 in fp32")
 @click.option("--inject-fault-after", type=click.IntRange(0), default=None,
               help="from this generated position on, bias the system under test's runner-up token")
 @click.option("--fault-bias", type=float, default=100.0, show_default=True)
@@ -141,11 +141,18 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 
     engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
-    if tie_tolerance is None:
-        tie_tolerance = 0.0 if system.dtype == "float32" else 0.1
-    hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
     reqs = _read_requests(requests, system, max_new_tokens)
     stock_runs = [system.generate("stock", ids, limit) for ids, limit in reqs]
+    if tie_tolerance is None or tie_tolerance == "auto":
+        tie_tolerance = system.derived_tie_tolerance([ids for ids, _ in reqs], stock_runs)
+    else:
+        try:
+            tie_tolerance = float(tie_tolerance)
+        except ValueError:
+            raise SpecPilotError(f"--tie-tolerance: expected a number or 'auto', got {tie_tolerance!r}") from None
+        if not tie_tolerance >= 0:
+            raise SpecPilotError("--tie-tolerance must be >= 0")
+    hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
     if batch:
         system_runs = system.generate_batch(engine, [ids for ids, _ in reqs], [limit for _, limit in reqs],
                                             forces=[s.tokens for s in stock_runs], logits_hook=hook)
@@ -161,7 +168,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     else:
         verdict = "PASS" if report.passed else "FAIL"
         click.echo(f"{verdict}: {engine} vs stock over {report.requests} requests, {report.positions} positions, "
-                   f"tie tolerance {tie_tolerance}; excused near-ties: {len(report.excused)}")
+                   f"tie tolerance {tie_tolerance:.4g}; excused near-ties: {len(report.excused)}")
         for e in report.excused:
             click.echo(f"  excused: request {e.request} position {e.position}: stock {e.stock_token}, "
                        f"system {e.system_token}, margin {e.stock_margin:.4g}")

@@ -48,6 +48,28 @@ class System:
         if bad:
             raise SpecPilotError(f"prompt token {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
 
+    def derived_tie_tolerance(self, prompts: list[list[int]], stock_runs: list[Generation]) -> float:
+        """The tie tolerance stock's own arithmetic justifies: the largest error of stock's top-2
+        margin against the same model in float32 (forced onto stock's tokens), over these
+        requests.  Where stock's margin is below it, stock's own choice is not resolved by its
+        precision, so a system choosing the runner-up there is excused (and listed).  0 in fp32."""
+        if self.dtype == "float32":
+            return 0.0
+        exact = self.engines["stock-fp32"].model
+        stock = self.engines["stock"].model
+        worst = 0.0
+        for prompt, run in zip(prompts, stock_runs):
+            rows = {}
+            for which, model in (("low", stock), ("exact", exact)):
+                seen = rows.setdefault(which, [])
+                autoregressive(model, prompt, len(run.tokens), self.capacity, force=run.tokens,
+                               logits_hook=lambda pos, logits, seen=seen: seen.append(logits.float().cpu()) or logits)
+            for low, high in zip(rows["low"], rows["exact"]):
+                top2 = low.topk(2).indices
+                err = abs(float(low[top2[0]] - low[top2[1]]) - float(high[top2[0]] - high[top2[1]]))
+                worst = max(worst, err)
+        return worst
+
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
                        logits_hook=None, max_batch: int | None = None) -> list[Generation]:
         """Autoregressive engines only: the requests as one continuous batch (at most
@@ -108,6 +130,8 @@ def from_spec(spec) -> System:
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
     make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram)
     engines = {"stock": Engine(reference), "stock-spec": Engine(reference, make)}
+    if dtype != torch.float32:
+        engines["stock-fp32"] = Engine(ReferenceModel(target.cfg, target.weights, torch.float32))
     return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
                   d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype)
 
@@ -128,6 +152,9 @@ def from_build(build_dir: Path) -> System:
                                 d["min_ngram"])
     engines = {"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
                "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)}
+    if dtype != torch.float32:
+        engines["stock-fp32"] = Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
+                                                      torch.float32, device))
     tok = Path(build_dir) / m["tokenizer"] if m.get("tokenizer") else None
     cfg = refs["target"].cfg
     return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, d["draft_len"],

@@ -73,3 +73,28 @@ def test_bfloat16_excuses_only_near_ties_and_reports_them():
     if loose.excused:
         assert not strict.passed
         assert all(e.stock_margin <= tolerance for e in loose.excused)
+
+
+def test_bf16_tie_tolerance_is_derived_from_stocks_own_noise(run_cli, tmp_path):
+    """In bf16 the default tolerance is measured: stock's top-2 margin error against the same
+    weights in float32.  It is positive, small, reported, and a real fault still fails."""
+    import json
+
+    import yaml
+
+    from tests.conftest import TINY_CONFIGS
+    spec = tmp_path / "bf16.yaml"
+    spec.write_text(yaml.safe_dump({
+        "target": {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"], "init": {"seed": 1}},
+        "drafter": {"kind": "ngram", "draft_len": 4}, "deployment": {"dtype": "bfloat16", "max_seq_len": 300}}))
+    code, out, _ = run_cli("verify", spec, "--max-new-tokens", 48, "--json")
+    report = json.loads(out)
+    assert code == 0 and 0 < report["tie_tolerance"] < 0.5
+    code, out, _ = run_cli("verify", spec, "--max-new-tokens", 48, "--json", "--inject-fault-after", 7)
+    assert code == 1 and json.loads(out)["first_divergence"]["position"] == 7
+    code, _, err = run_cli("verify", spec, "--max-new-tokens", 8, "--tie-tolerance", "-1")
+    assert code == 2 and ">= 0" in err
+    fp32 = tmp_path / "fp32.yaml"
+    fp32.write_text(spec.read_text().replace("bfloat16", "float32"))
+    code, out, _ = run_cli("verify", fp32, "--max-new-tokens", 8, "--json")
+    assert code == 0 and json.loads(out)["tie_tolerance"] == 0.0
