@@ -5,7 +5,10 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
 - ``tvm-default``: TVM's own default pipeline for the target (dlight's default GPU rules).
 - ``nt-gemv`` (GPU): first fuse ``matmul(x, permute_dims(W))`` into one transposed-weight
   matmul, so decode GEMVs read W row-major and dlight's GEMV / low-batch GEMV rules apply,
-  instead of the fallback schedule they get through a separate transpose.
+  instead of the fallback schedule they get through a separate transpose.  The step
+  functions take a symbolic batch, so a decode projection is x[batch, K] . W^T: dlight's
+  tiled Matmul rule would claim it (and run batch 1 ~10x slower than a GEMV); kernels whose
+  only symbolic extent is ``batch`` (decode steps) go to the low-batch GEMV rule first.
 """
 
 from __future__ import annotations
@@ -14,6 +17,30 @@ import tvm
 from tvm import relax
 
 SCHEDULES = ("tvm-default", "nt-gemv")
+
+
+def _decode_only(rule):
+    """``rule``, for kernels whose only symbolic extent is the decode batch."""
+    from tvm import s_tir, tirx
+    from tvm.s_tir import dlight as dl
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+    def decode_extent(dom) -> bool:
+        return isinstance(dom, (int, tirx.IntImm)) or (isinstance(dom, tirx.Var) and dom.name == "batch")
+
+    class DecodeOnly(dl.ScheduleRule):
+        def apply(self, func, target, tunable):
+            if not isinstance(func, tirx.PrimFunc):
+                return None
+            infos = normalize_prim_func(s_tir.Schedule(func))
+            if infos is None or not all(decode_extent(it.dom) for info in infos for it in info.iters):
+                return None
+            return rule.apply(func, target, tunable)
+
+    return DecodeOnly()
+
+
+_DecodeOnly = _decode_only
 
 
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
@@ -31,8 +58,9 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(),
-                                dl.gpu.GeneralReduction(), dl.gpu.Fallback()),
+        dl.ApplyDefaultSchedule(_DecodeOnly(dl.gpu.LowBatchGEMV()), dl.gpu.Matmul(), dl.gpu.GEMV(),
+                                dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                                dl.gpu.Fallback()),
     ]
 
     @tvm.transform.module_pass(opt_level=0, name="specpilot.nt_gemv_pipeline")
