@@ -5,7 +5,8 @@ sequences with T new tokens each (shorter requests padded):
 
     prefill(tokens[B, T], positions[B, T], slots[B, T], mask[B, T, L], rows[B], caches...)
                                 -> logits[B, T, V], new recurrent states
-    decode (tokens[B, 1], ...)  same, one token per sequence
+    decode (tokens[B, 1], ...)  same, one token per sequence (GPU builds: B = 1 static, so the
+                                projections get GEMV schedules; decode_batch takes any B)
     verify (tokens[B, T], ...)  -> logits[B, T, V], the Gated DeltaNet conv / recurrent state
                                 after *every* token (so any accepted prefix can be kept)
     commit (conv_states[B, T, ...], rec_states[B, T, ...], index[B])  -> the states after
@@ -359,6 +360,9 @@ class Deployment(nn.Module):
     def target_decode(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.target.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
+    def target_decode_batch(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.target.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
+
     def target_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.target.verify(tokens, positions, slots, mask, rows, kv, conv, rec)
 
@@ -369,6 +373,9 @@ class Deployment(nn.Module):
         return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
     def drafter_decode(self, tokens, positions, slots, mask, rows, kv, conv, rec):
+        return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
+
+    def drafter_decode_batch(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
     def drafter_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
@@ -389,16 +396,16 @@ def _share_parameters(drafter: CausalLM, target: CausalLM) -> None:
         setattr(owner, leaf, target_params[name])
 
 
-def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens) -> dict:
+def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens, batch="batch") -> dict:
     caches = cache_shapes(cfg, capacity, n_rows, dtype)
     absent = nn.spec.Tensor([1], "float32")   # a model without such layers takes a placeholder
-    per_sequence = lambda name: nn.spec.Tensor(["batch", *caches[name][0]], caches[name][1])  # noqa: E731
+    per_sequence = lambda name: nn.spec.Tensor([batch, *caches[name][0]], caches[name][1])  # noqa: E731
     return {
-        "tokens": nn.spec.Tensor(["batch", tokens], "int32"),
-        "positions": nn.spec.Tensor(["batch", tokens], "int32"),
-        "slots": nn.spec.Tensor(["batch", tokens], "int32"),
-        "mask": nn.spec.Tensor(["batch", tokens, "kv_len"], "bool"),
-        "rows": nn.spec.Tensor(["batch"], "int32"),
+        "tokens": nn.spec.Tensor([batch, tokens], "int32"),
+        "positions": nn.spec.Tensor([batch, tokens], "int32"),
+        "slots": nn.spec.Tensor([batch, tokens], "int32"),
+        "mask": nn.spec.Tensor([batch, tokens, "kv_len"], "bool"),
+        "rows": nn.spec.Tensor([batch], "int32"),
         "kv": nn.spec.Tensor(*caches["kv"]) if "kv" in caches else absent,
         "conv": per_sequence("conv") if "conv" in caches else absent,
         "rec": per_sequence("rec") if "rec" in caches else absent,
@@ -431,7 +438,9 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         if model is None:
             continue
         spec[f"{prefix}_prefill"] = _step_spec(cfg, capacity, n_rows, dtype, "n")
-        spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, n_rows, dtype, 1)
+        spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, n_rows, dtype, 1, batch=1 if gpu else "batch")
+        if gpu:   # batch 1 static: its projections get the GEMV schedule; larger batches use decode_batch
+            spec[f"{prefix}_decode_batch"] = _step_spec(cfg, capacity, n_rows, dtype, 1)
         spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n")
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)

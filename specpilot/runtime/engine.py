@@ -222,6 +222,7 @@ class CompiledModel:
         self.has_gdn = self.cfg.is_hybrid
         fns = module.functions
         self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
+        self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
@@ -275,7 +276,7 @@ class CompiledModel:
             conv, rec = (self._stack([getattr(st, k) for st in states]) for k in ("conv", "rec"))
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        fn = self._verify if record else (self._decode if T == 1 else self._prefill)
+        fn = self._verify if record else (self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch)
         out = fn(m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows),
                  self.kv, conv, rec, m.params)
         logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())

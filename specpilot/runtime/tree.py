@@ -1,0 +1,131 @@
+"""Best-first draft trees under a node budget, and their verification bookkeeping.
+
+A tree hangs below the root -- the last accepted token, already emitted and not yet fed to
+the target.  Node i has a token, a parent (-1: the root), a depth (1 for the root's
+children) and a score: its parent's score plus its own log-probability conditioned on its
+parent's path.  ``best_first`` keeps the ``budget`` nodes of highest score: it pops the best
+candidate, adds it, then asks the drafter for that node's top-k children.  Ties break
+deterministically on (depth, parent index, the drafter's rank), and nodes come out parents
+first, so index order is a topological order.
+
+For verification the target reads ``[root] + nodes`` in one pass: rotary positions
+``start + depth``, attention over the cache plus each node's ancestors (``ancestor_mask``).
+Acceptance walks down from the root: at each step the target's greedy token either matches
+a child (accept it, go on) or ends the walk (the target's token is the bonus).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+Expand = Callable[[list[int]], list[tuple[int, float]]]   # path below the root -> [(token, logprob)], best first
+
+
+@dataclass
+class Tree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def path(self, i: int) -> list[int]:
+        """Node indices from the root's child down to node i."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.parents[i]
+        return out[::-1]
+
+    def path_tokens(self, i: int) -> list[int]:
+        return [self.tokens[j] for j in self.path(i)]
+
+    def children(self, i: int) -> list[int]:
+        """Children of node i (-1: the root), in index order."""
+        return [j for j, p in enumerate(self.parents) if p == i]
+
+    def ancestor_mask(self) -> np.ndarray:
+        """(N+1, N+1) bool over [root] + nodes: entry (a, b) is True iff b is a or an ancestor of a."""
+        n = len(self)
+        mask = np.zeros((n + 1, n + 1), dtype=bool)
+        mask[:, 0] = True
+        for i in range(n):
+            mask[i + 1, 1:] = mask[self.parents[i] + 1, 1:]
+            mask[i + 1, i + 1] = True
+        return mask
+
+    @staticmethod
+    def chain(tokens: list[int]) -> "Tree":
+        return Tree(list(tokens), list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)),
+                    [0.0] * len(tokens))
+
+
+def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
+    """The ``budget`` highest-scoring nodes (cumulative log-probability), at most ``max_depth`` deep."""
+    tree = Tree()
+    heap: list[tuple] = []
+
+    def push_children(parent: int, depth: int, score: float, path: list[int]) -> None:
+        if depth > max_depth:
+            return
+        for rank, (token, logprob) in enumerate(expand(path)):
+            if logprob == float("-inf"):
+                continue
+            heapq.heappush(heap, (-(score + logprob), depth, parent, rank, token))
+
+    push_children(-1, 1, 0.0, [])
+    while heap and len(tree) < budget:
+        neg, depth, parent, _, token = heapq.heappop(heap)
+        tree.tokens.append(token)
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        tree.scores.append(-neg)
+        if len(tree) < budget:
+            i = len(tree) - 1
+            push_children(i, depth + 1, -neg, tree.path_tokens(i))
+    return tree
+
+
+def accept(tree: Tree, choose: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """Walk down from the root.  ``choose(row)`` returns the token emitted after row ``row`` of
+    the verification (0: the root, i+1: node i) -- the target's greedy choice, or stock's
+    token when forced -- and may stop the walk by raising StopIteration.  Returns (accepted
+    node indices, emitted tokens): every accepted node's token plus the bonus token."""
+    nodes, emitted, row = [], [], 0
+    while True:
+        try:
+            token = choose(row)
+        except StopIteration:
+            return nodes, emitted
+        emitted.append(token)
+        match = next((c for c in tree.children(row - 1) if tree.tokens[c] == token), None)
+        if match is None:
+            return nodes, emitted
+        nodes.append(match)
+        row = match + 1
+
+
+def replay_acceptance(expand_at: Callable[[int], Expand], reference: list[int], budget: int, max_depth: int) -> list[int]:
+    """Accepted tokens per verification when decoding ``reference`` (stock's greedy tokens: a
+    lossless system emits exactly these) with best-first trees, without running the target:
+    ``expand_at(p)`` is the drafter's expansion for the context ending at reference[p - 1]."""
+    out, p = [], 1     # reference[0] is the first token, emitted by prefill
+    while p < len(reference):
+        tree = best_first(expand_at(p), budget, min(max_depth, len(reference) - p))
+        nodes, _ = accept(tree, lambda row, p=p, tree=tree: _reference_choice(tree, reference, p, row))
+        out.append(len(nodes) + 1)
+        p += len(nodes) + 1
+    return out
+
+
+def _reference_choice(tree: Tree, reference: list[int], p: int, row: int) -> int:
+    depth = 0 if row == 0 else tree.depths[row - 1]
+    if p + depth >= len(reference):
+        raise StopIteration
+    return reference[p + depth]
