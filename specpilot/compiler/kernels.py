@@ -51,6 +51,43 @@ def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, hea
     return kernel
 
 
+def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str, gpu: bool):
+    """After a tree verification: kv[:, :, rows[b], :, dst[b, i]] = kv[:, :, rows[b], :, src[b, i]]
+    for i in order (in place; src >= dst along an accepted path, so no copy reads a moved entry).
+    Entries with src < 0 are padding."""
+    width = n_layers * 2 * n_kv * head_dim
+    threads = min(256, width)
+    rounds = (width + threads - 1) // threads
+
+    @T.macro
+    def move(kv, row, src, dst, n, b, e):
+        for i in range(n):
+            if src[b, i] >= 0:
+                kv[e // (2 * n_kv * head_dim), e // (n_kv * head_dim) % 2, T.Cast("int64", row[b]),
+                   e // head_dim % n_kv, T.Cast("int64", dst[b, i]), e % head_dim] = kv[
+                    e // (2 * n_kv * head_dim), e // (n_kv * head_dim) % 2, T.Cast("int64", row[b]),
+                    e // head_dim % n_kv, T.Cast("int64", src[b, i]), e % head_dim]
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(kv_h: T.handle, rows_h: T.handle, src_h: T.handle, dst_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, n = T.int64(), T.int64()
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+        row = T.match_buffer(rows_h, (batch,), "int32")
+        src = T.match_buffer(src_h, (batch, n), "int32")
+        dst = T.match_buffer(dst_h, (batch, n), "int32")
+        with T.sblock("root"):
+            if gpu:
+                for bx in T.thread_binding(batch * rounds, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        if bx % rounds * threads + tx < width:
+                            move(kv, row, src, dst, n, bx // rounds, bx % rounds * threads + tx)
+            else:
+                for b, e in T.grid(batch, width):
+                    move(kv, row, src, dst, n, b, e)
+    return kernel
+
+
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
     (sequence, head, value column): S[:, j] lives in registers while the tokens stream by.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from specpilot.passes.base import Pass
 from specpilot.passes.nested_int8_view import NestedInt8View
+from specpilot.passes.tree_verify import TreeVerify
 from specpilot.passes.w12_layout import W12Layout
 
-PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout, NestedInt8View)
+PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout, NestedInt8View, TreeVerify)
 
 REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASS_CLASSES}

@@ -11,7 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from specpilot.runtime.tree import Tree, accept, best_first
 
 
 @dataclass
@@ -20,6 +23,7 @@ class Generation:
     choices: list[int]                # the system's own greedy choice at each position
     margins: list[float]              # top-1 minus top-2 logit of the system's logits there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
+    off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
     seconds: float = 0.0
 
     @property
@@ -132,5 +136,50 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int,
         state.truncate(base + committed)       # keep [last fed] + accepted drafts; drop the rest
         state.drop_history()
         out.gen.accepted.append(committed)
+    out.gen.seconds = time.perf_counter() - start
+    return out.gen
+
+
+def speculative_tree(model, drafter, prompt: list[int], max_new: int, budget: int, capacity: int,
+                     force=None, logits_hook=None, stop_ids=()) -> Generation:
+    """Tree speculative decoding: the drafter's best-first tree of up to ``budget`` nodes is
+    verified in one target pass (ancestor-only attention, depth positions); the longest root
+    path the target agrees with is kept, plus the target's own next token."""
+    start = time.perf_counter()
+    state = model.new_state(capacity)
+    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    if hasattr(drafter, "reset"):
+        drafter.reset()
+    logits = model.forward(prompt, state)[-1]
+    last = out.target_token(logits)            # emitted, not yet fed to the target
+    out.gen.accepted.append(1)
+    while not out.stopped:
+        room = min(budget, capacity - state.length - 1)
+        depth = out.max_new - len(out.gen.tokens)
+        tree = best_first(drafter.expander(prompt + out.gen.tokens), room, depth) if room > 0 else None
+        base, n = state.length, len(tree) if tree else 0
+        mask = np.zeros((n + 1, base + n + 1), dtype=bool)
+        mask[:, :base] = True
+        if tree:
+            mask[:, base:] = tree.ancestor_mask()
+            positions = [base] + [base + d for d in tree.depths]
+            parents = [-1] + [p + 1 for p in tree.parents]
+        else:
+            mask[:, base:] = True
+            positions, parents = [base], [-1]
+        rows = model.forward([last] + (tree.tokens if tree else []), state, positions=positions, attn_mask=mask,
+                             record=True, parents=parents)
+
+        def choose(row: int) -> int:
+            if out.stopped:
+                raise StopIteration
+            return out.target_token(rows[row])
+
+        nodes, emitted = accept(tree or Tree(), choose)
+        if any(tree.children(tree.parents[i])[0] != i for i in nodes):
+            out.gen.off_first_rank += 1
+        model.accept_path(state, base, [0] + [i + 1 for i in nodes])
+        out.gen.accepted.append(len(emitted))
+        last = emitted[-1]
     out.gen.seconds = time.perf_counter() - start
     return out.gen

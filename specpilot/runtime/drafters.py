@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 
 import torch
@@ -35,14 +36,17 @@ class ModelDrafter:
         self.state = self.model.new_state(self.capacity)
         self.consumed: list[int] = []   # the tokens whose KV / recurrent state is in self.state
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Bring the state to ``context`` and return the logits after its last token."""
+    def _sync(self, context: list[int], keep_history: bool = False) -> torch.Tensor:
+        """Bring the state to ``context`` and return the logits after its last token.
+        ``keep_history``: keep the recorded recurrent states of earlier passes, so a later call
+        can roll back to any prefix of the contexts synced since (tree expansion)."""
         keep = _common_prefix(self.consumed, context)
         if keep == len(context):        # nothing new: recompute the last position
             keep -= 1
         if keep < self.state.length:
             self.state.truncate(keep)
-        self.state.drop_history()
+        if not keep_history:
+            self.state.drop_history()
         self.consumed = list(context[:keep])
         new = context[keep:]
         if keep == 0 and len(new) > 1:  # first call: prefill without per-token states
@@ -51,6 +55,19 @@ class ModelDrafter:
         logits = self.model.forward(new, self.state, record=True)[-1]
         self.consumed = list(context)
         return logits
+
+    def expander(self, context: list[int]):
+        """For tree drafting: path below the context -> the drafter's top-k next tokens with
+        their log-probabilities, conditioned on context + path."""
+        root = torch.log_softmax(self._sync(context), dim=-1)
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            if len(context) + len(path) >= self.capacity:
+                return []
+            logp = root if not path else torch.log_softmax(self._sync(context + path, keep_history=True), dim=-1)
+            top = logp.topk(self.top_k)
+            return list(zip(top.indices.tolist(), top.values.tolist()))
+        return expand
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))
@@ -106,6 +123,14 @@ class NGramDrafter:
                 ranked = sorted(counts, key=lambda t: (-counts[t], -seen[t], t))
                 return [(t, counts[t] / total) for t in ranked[:self.top_k]]
         return []
+
+    def expander(self, context: list[int]):
+        """For tree drafting: the continuations of the longest matching suffix of context + path."""
+        self._index(context)
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            return [(t, math.log(p)) for t, p in self._candidates(list(context) + list(path))]
+        return expand
 
     def propose(self, context: list[int], n: int) -> Lattice:
         self._index(context)

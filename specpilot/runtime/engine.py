@@ -224,6 +224,7 @@ class CompiledModel:
         self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
+        self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
@@ -242,9 +243,33 @@ class CompiledModel:
                                  "deployment.max_batch in the spec or close finished sequences")
         return CompiledState(self, self.free_rows.pop(), self.capacity)
 
-    def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False):
-        """One sequence's step (see `forward_batch`): logits (T, vocab)."""
+    def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False,
+                parents=None):
+        """One sequence's step (see `forward_batch`): logits (T, vocab).  ``parents`` (tree
+        verification) matter only to Gated DeltaNet layers, which need gdn-path-recompute."""
+        if parents is not None and self.has_gdn and any(p != i - 1 for i, p in enumerate(parents)):
+            raise SpecPilotError("tree verification of a hybrid (Gated DeltaNet) target needs the "
+                                 "gdn-path-recompute pass, which is not available yet")
         return self.forward_batch([(tokens, state, positions, attn_mask)], record)[0]
+
+    def accept_path(self, state: CompiledState, base: int, rows: list[int]) -> None:
+        """After a tree verification from ``base``: keep new tokens ``rows`` (an ascending root
+        path) at base, base+1, ... by moving their keys/values inside the pool (target_compact_kv)."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or base + rows[-1] >= state.length)):
+            raise SpecPilotError(f"accept_path: rows {rows} are not an ascending path inside the last pass")
+        moves = [(base + r, base + i) for i, r in enumerate(rows) if r != i]
+        if moves and self.cfg.layer_types.count("full_attention"):
+            if self._compact_kv is None:
+                raise SpecPilotError(f"{self.module.dir}: this build cannot keep a tree path (no {self.which}_compact_kv); "
+                                     "build it with the tree-verify pass")
+            m = self.module
+            src = np.array([[s for s, _ in moves]], "int32")
+            dst = np.array([[d for _, d in moves]], "int32")
+            self._compact_kv(self.kv, m.tensor(np.array([state.row], "int32")), m.tensor(src), m.tensor(dst))
+        if self.has_gdn and rows:
+            self.truncate(state, base + len(rows))   # a chain: the recorded states hold every prefix
+        state.length = base + len(rows)
+        state.history.clear()
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """items: (tokens, state[, positions[, attn_mask]]) per sequence, each sequence at its own

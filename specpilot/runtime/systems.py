@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 
 from specpilot.errors import SpecPilotError
-from specpilot.runtime.decoding import Generation, autoregressive, batched_autoregressive, speculative
+from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
+                                        speculative_tree)
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
 from specpilot.runtime.reference.model import ReferenceModel
@@ -28,6 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Engine:
     model: object                                # ReferenceModel or CompiledModel
     drafter: Callable[[], object] | None = None  # builds a fresh drafter; None: autoregressive
+    tree_budget: int = 0                         # > 0: best-first tree verification with this many nodes
 
 
 class System:
@@ -107,6 +109,11 @@ class System:
         if record_lattices:
             drafter = LatticeRecorder(drafter, record_lattices, prompt)
         try:
+            if e.tree_budget:
+                if record_lattices or replay_lattices:
+                    raise SpecPilotError("lattice recording/replay covers chain drafting; use a -spec engine")
+                return speculative_tree(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
+                                        force, logits_hook, stop_ids)
             return speculative(e.model, drafter, prompt, max_new, self.draft_len, self.capacity,
                                force, logits_hook, stop_ids)
         finally:
@@ -120,6 +127,12 @@ def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int
     return lambda: ModelDrafter(model, top_k, capacity, name=kind)
 
 
+def tree_budget(pipeline_text: str) -> int:
+    """The tree-verify budget of a pipeline (0 without tree-verify)."""
+    from specpilot.passes.pipeline import parse
+    return next((p["budget"] for p in parse(pipeline_text).passes if p.name == "tree-verify"), 0)
+
+
 def from_spec(spec) -> System:
     from specpilot.compiler.loader import load_models
 
@@ -130,6 +143,9 @@ def from_spec(spec) -> System:
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
     make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram)
     engines = {"stock": Engine(reference), "stock-spec": Engine(reference, make)}
+    budget = tree_budget(spec.passes)
+    if budget:
+        engines["stock-tree"] = Engine(reference, make, budget)
     if dtype != torch.float32:
         engines["stock-fp32"] = Engine(ReferenceModel(target.cfg, target.weights, torch.float32))
     return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
@@ -152,6 +168,10 @@ def from_build(build_dir: Path) -> System:
                                 d["min_ngram"])
     engines = {"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
                "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)}
+    budget = tree_budget(m["pipeline"])
+    if budget:
+        engines["stock-tree"] = Engine(refs["target"], ref_make, budget)
+        engines["compiled-tree"] = Engine(compiled["target"], cmp_make, budget)
     if dtype != torch.float32:
         engines["stock-fp32"] = Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
                                                       torch.float32, device))

@@ -118,9 +118,9 @@ def replay_acceptance(expand_at: Callable[[int], Expand], reference: list[int], 
     out, p = [], 1     # reference[0] is the first token, emitted by prefill
     while p < len(reference):
         tree = best_first(expand_at(p), budget, min(max_depth, len(reference) - p))
-        nodes, _ = accept(tree, lambda row, p=p, tree=tree: _reference_choice(tree, reference, p, row))
-        out.append(len(nodes) + 1)
-        p += len(nodes) + 1
+        _, emitted = accept(tree, lambda row, p=p, tree=tree: _reference_choice(tree, reference, p, row))
+        out.append(len(emitted))
+        p += len(emitted)
     return out
 
 

@@ -71,6 +71,11 @@ class ReferenceModel:
     def new_state(self, capacity: int) -> ModelState:
         return ModelState(self.cfg, capacity, self.dtype, self.device)
 
+    def accept_path(self, state: ModelState, base: int, rows: list[int]) -> None:
+        """After a tree verification starting at ``base``: keep the new tokens ``rows`` (a root
+        path, ascending) at base, base+1, ...; drop the rest."""
+        state.accept_path(base, rows)
+
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """`forward` for several sequences, one after the other (the compiled engine's batched
         interface; the reference keeps one sequence per call)."""
@@ -78,12 +83,16 @@ class ReferenceModel:
 
     # -- one step ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, tokens, state: ModelState, positions=None, attn_mask=None, record: bool = False):
+    def forward(self, tokens, state: ModelState, positions=None, attn_mask=None, record: bool = False,
+                parents=None):
         """Run ``tokens`` (T,) after the ``state.length`` tokens already in ``state``.
 
         positions: (T,) rotary positions, default state.length + arange(T).
         attn_mask: (T, state.length + T) bool, True where a query may attend; default causal.
         record: keep each Gated DeltaNet layer's state after every token, for ``state.truncate``.
+        parents: (T,) for tree verification: token t's parent among the new tokens (-1: the last
+            token before the pass); Gated DeltaNet layers then follow each token's root path, and
+            `accept_path` keeps one of them.
         Returns float32 logits (T, vocab) and advances ``state.length`` by T.
         """
         cfg, w = self.cfg, self.w
@@ -106,7 +115,7 @@ class ReferenceModel:
             if isinstance(layer_state, KVCache):
                 x = self._attention(x, p + "self_attn.", layer_state, start, cos, sin, attn_mask)
             else:
-                x = self._gated_delta_net(x, p + "linear_attn.", layer_state, start, record)
+                x = self._gated_delta_net(x, p + "linear_attn.", layer_state, start, record, parents)
             h = h + x
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
             gate = F.silu(linear(x, w, p + "mlp.gate_proj"))
@@ -163,11 +172,59 @@ class ReferenceModel:
         z = linear(x, w, p + "in_proj_z").view(T, nv, dv)
         return mixed, z, linear(x, w, p + "in_proj_b"), linear(x, w, p + "in_proj_a")
 
-    def _gated_delta_net(self, x, p, st: RecurrentState, start, record):
+    def _gdn_qkv(self, mixed, b, a, p):
+        cfg, w = self.cfg, self.w
+        T, nk, nv = mixed.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
+        q, k = q.reshape(T, nk, dk).float(), k.reshape(T, nk, dk).float()
+        v = v.reshape(T, nv, dv).float()
+        if nv != nk:
+            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(b.float())
+        g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
+        return q, k, v, g, beta
+
+    def _gdn_out(self, out, z, x, p):
+        cfg, w = self.cfg, self.w
+        o = rms_norm(out.to(x.dtype), w[p + "norm.weight"], cfg.rms_norm_eps, zero_centered=False)
+        o = (o.float() * F.silu(z.float())).to(x.dtype)
+        return linear(o.reshape(x.shape[0], -1), w, p + "out_proj")
+
+    def _gated_delta_net_tree(self, x, p, st: RecurrentState, mixed, z, b, a, parents):
+        """Tree verification: every token continues its parent's conv window and recurrent
+        state (parent -1: the state before the pass), walking each root path as a chain would.
+        The state after every token is kept in ``st.tree_rows`` for `ModelState.accept_path`."""
+        inputs = mixed.transpose(0, 1).to(st.conv.dtype)                              # (C, T)
+        weight = self.w[p + "conv1d.weight"]
+        windows, conv = [], []
+        for t, parent in enumerate(parents):
+            before = st.conv if parent < 0 else windows[parent]
+            window = torch.cat((before, inputs[:, t:t + 1]), dim=-1)                  # (C, K)
+            conv.append(F.conv1d(window[None], weight, groups=window.shape[0])[0])    # (C, 1)
+            windows.append(window[:, 1:].clone())
+        mixed = F.silu(torch.cat(conv, dim=-1)).transpose(0, 1)
+        q, k, v, g, beta = self._gdn_qkv(mixed, b, a, p)
+        out = torch.empty_like(v)
+        states = []
+        for t, parent in enumerate(parents):
+            before = st.recurrent if parent < 0 else states[parent]
+            o, after, _ = recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                                     before)
+            out[t] = o[0]
+            states.append(after)
+        st.tree_rows = list(zip(windows, states))
+        return self._gdn_out(out, z, x, p)
+
+    def _gated_delta_net(self, x, p, st: RecurrentState, start, record, parents=None):
         cfg, w = self.cfg, self.w
         T, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         mixed, z, b, a = self._gdn_projections(x, p)
+        if parents is not None:
+            return self._gated_delta_net_tree(x, p, st, mixed, z, b, a, parents)
         # causal depthwise conv over [previous K-1 inputs | new inputs], then SiLU
         window = torch.cat((st.conv, mixed.transpose(0, 1).to(st.conv.dtype)), dim=-1)  # (C, K-1+T)
         conv = F.conv1d(window[None], w[p + "conv1d.weight"], groups=window.shape[0])[0]

@@ -39,6 +39,7 @@ class RecurrentState:
         self.recurrent = torch.zeros(n_heads, dk, dv, dtype=torch.float32, device=device)
         # states recorded since the last drop_history(): length -> (conv, recurrent)
         self.history: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tree_rows: list[tuple[torch.Tensor, torch.Tensor]] = []   # after each token of a tree pass
 
 
 @dataclass
@@ -100,6 +101,25 @@ class ModelState:
             for stale in [n for n in layer.history if n > length]:
                 del layer.history[stale]
         self.length = length
+
+    def accept_path(self, base: int, rows: list[int]) -> None:
+        """Keep tree-verification tokens ``rows`` (ascending offsets from ``base``, a root path)
+        as positions base, base+1, ...: their keys/values move down; recurrent layers take the
+        state after the path's last token."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and rows[0] < 0) or \
+                (rows and base + rows[-1] >= self.length):
+            raise SpecPilotError(f"accept_path: rows {rows} are not an ascending path inside the last pass")
+        for layer in self.layers:
+            if isinstance(layer, KVCache):
+                for i, r in enumerate(rows):
+                    if r != i:
+                        layer.k[:, base + i] = layer.k[:, base + r]
+                        layer.v[:, base + i] = layer.v[:, base + r]
+            elif rows:
+                layer.conv, layer.recurrent = layer.tree_rows[rows[-1]]
+                layer.tree_rows = []
+                layer.history.clear()
+        self.length = base + len(rows)
 
     def drop_history(self) -> None:
         for layer in self.recurrent_layers():

@@ -1,0 +1,63 @@
+"""tree-verify: verify a best-first tree of draft tokens in one target pass.
+
+What it changes: the step functions already take rotary positions, cache slots and an
+attention mask per token, so ``target_verify`` verifies a tree as it is given one: nodes at
+positions ``start + depth``, each attending the cache and its own ancestors.  The pass adds
+``target_compact_kv(kv, rows, src, dst)``: after acceptance, the accepted root path's keys
+and values move (in place, inside the KV pool) from the slots the tree gave them to the
+consecutive slots after the prefix.  The budget is the number of tree nodes the engine
+drafts per verification; a build records it in its pipeline text.
+
+When it is legal: dense targets (attention layers only).  A hybrid target's Gated DeltaNet
+state depends on each node's root path; that is ``gdn-path-recompute``'s job, not built
+yet, so the pass refuses hybrids (the PyTorch reference engine already verifies trees on
+them, walking each root path).
+
+Where it sits: after the weight-layout passes (it reads nothing they write).
+"""
+
+from __future__ import annotations
+
+from tvm import relax, tirx
+
+from specpilot.compiler import kernels
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import Option, Pass, PassContext
+
+
+class TreeVerify(Pass):
+    name = "tree-verify"
+    doc = "verify a best-first draft tree of up to `budget` nodes per target pass; adds target_compact_kv"
+    options = (Option("budget", int, 64, "tree nodes drafted per verification (1..1024)"),)
+    after = ("w12-layout", "nested-int8-view")
+    statistics = ("functions_added", "budget")
+
+    def legal(self, context: PassContext) -> tuple[bool, str]:
+        if not 1 <= self["budget"] <= 1024:
+            return False, f"budget must be in 1..1024, got {self['budget']}"
+        if context.hybrid:
+            return False, ("a hybrid target's Gated DeltaNet state follows each node's root path; "
+                           "that needs gdn-path-recompute, which is not available yet")
+        return True, ""
+
+    def apply(self, mod, context: PassContext):
+        names = [gv.name_hint for gv in mod.get_global_vars()]
+        if "target_verify" not in names:
+            raise SpecPilotError("tree-verify: the module has no target_verify function")
+        verify = mod["target_verify"]
+        kv_info = next(p.ty for p in verify.params if p.name == "kv")
+        n_layers, _, n_rows, n_kv, capacity, head_dim = (int(d) for d in kv_info.shape)
+        gpu = context.target_kind == "cuda"
+        bb = relax.BlockBuilder(mod)
+        batch, n = tirx.Var("batch", "int64"), tirx.Var("n", "int64")
+        kv = relax.Var("kv", kv_info)
+        rows = relax.Var("rows", relax.TensorType([batch], "int32"))
+        src = relax.Var("src", relax.TensorType([batch, n], "int32"))
+        dst = relax.Var("dst", relax.TensorType([batch, n], "int32"))
+        kernel = kernels.compact_kv(n_layers, n_rows, n_kv, capacity, head_dim, kv_info.dtype, gpu)
+        with bb.function("target_compact_kv", [kv, rows, src, dst]):
+            gv = bb.add_func(kernel, "compact_kv")
+            out = bb.emit(relax.call_tir_inplace(gv, [kv, rows, src, dst], inplace_indices=[0], out_ty=kv_info))
+            bb.emit_func_output(out)
+        context.statistics[self.name].update(functions_added=1, budget=self["budget"])
+        return bb.get()

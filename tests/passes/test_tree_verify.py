@@ -1,0 +1,110 @@
+"""tree-verify: what it adds to a module, where it is refused, and compiled tree decoding on
+the CPU that emits stock's tokens exactly for budgets 8 / 32 / 64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+import yaml
+
+from specpilot.compiler.build import build
+from specpilot.compiler.config import ModelConfig
+from specpilot.compiler.lower import lower_deployment
+from specpilot.compiler.spec import load_spec
+from specpilot.compiler.target import parse_target
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import PassContext
+from specpilot.passes.pipeline import parse
+from specpilot.passes.runner import run_pipeline
+from specpilot.runtime.decoding import speculative_tree
+from specpilot.runtime.systems import from_build
+from tests.conftest import DENSE, TINY_CONFIGS, tiny_config
+
+
+def _module(arch=DENSE):
+    cfg = tiny_config(arch)
+    mod, _ = lower_deployment(cfg, None, "float32", 64, gpu=False, n_rows=2)
+    return cfg, mod
+
+
+def test_adds_compact_kv_and_changes_nothing_else():
+    _, before = _module()
+    after, records = run_pipeline(parse("tree-verify{budget=32}"), before, PassContext(target_kind="llvm"))
+    added = {gv.name_hint for gv in after.get_global_vars()} - {gv.name_hint for gv in before.get_global_vars()}
+    assert added == {"target_compact_kv", "compact_kv"}
+    for gv in before.get_global_vars():
+        tvm.ir.assert_structural_equal(after[gv.name_hint], before[gv])
+    text = after["target_compact_kv"].script()
+    assert "call_tir_inplace" in text and "compact_kv" in text
+    assert records[0].statistics == {"functions_added": 1, "budget": 32}
+
+
+@pytest.mark.parametrize("text,context,reason", [
+    ("tree-verify", PassContext(hybrid=True), "needs gdn-path-recompute"),
+    ("tree-verify{budget=0}", PassContext(), "budget must be in 1..1024"),
+])
+def test_illegal_uses_are_refused_with_the_reason(text, context, reason):
+    with pytest.raises(SpecPilotError, match=reason):
+        run_pipeline(parse(text), _module()[1], context)
+
+
+def test_compact_kv_kernel_moves_entries_within_a_row():
+    """Reference semantics on random data: entries move in order inside the given pool row only."""
+    from specpilot.compiler import kernels
+    A, R, H, S, d = 2, 3, 2, 11, 5
+    kernel = kernels.compact_kv(A, R, H, S, d, "float32", gpu=False)
+    lib = tvm.compile(kernel.with_attr("global_symbol", "compact_kv"), target="llvm")
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal((A, 2, R, H, S, d)).astype("float32")
+    want = kv.copy()
+    src, dst = np.array([[5, 7, 9]], "int32"), np.array([[4, 5, 6]], "int32")
+    for s, t in zip(src[0], dst[0]):
+        want[:, :, 2, :, t] = want[:, :, 2, :, s]
+    arr = tvm.runtime.tensor(kv)
+    lib["compact_kv"](arr, tvm.runtime.tensor(np.array([2], "int32")), tvm.runtime.tensor(src),
+                      tvm.runtime.tensor(dst))
+    np.testing.assert_array_equal(arr.numpy(), want)
+
+
+@pytest.fixture(scope="module")
+def tree_build(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tree")
+    data = {"target": {"architecture": "LlamaForCausalLM", "config": TINY_CONFIGS["LlamaForCausalLM"],
+                       "init": {"seed": 1}},
+            "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3},
+            "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
+            "passes": "tree-verify{budget=16}"}
+    (tmp / "model.yaml").write_text(yaml.safe_dump(data))
+    build(load_spec(tmp / "model.yaml"), parse_target("llvm"), tmp / "b")
+    return tmp / "b"
+
+
+def test_compiled_tree_decoding_is_exact(tree_build):
+    system = from_build(tree_build)
+    assert {"stock-tree", "compiled-tree"} <= set(system.engines)
+    compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
+    prompts = [[(11 * i + 3 * r) % 301 for i in range(9 + 5 * r)] for r in range(3)]
+    off_rank = 0
+    for prompt in prompts:
+        stock = system.generate("stock", prompt, 48)
+        for budget in (8, 32, 64):
+            gen = speculative_tree(compiled, make(), prompt, 48, budget, 300, force=stock.tokens)
+            assert gen.choices == stock.tokens, (prompt, budget)
+            off_rank += gen.off_first_rank
+        assert system.generate("compiled-tree", prompt, 48).tokens == stock.tokens
+        assert system.generate("stock-tree", prompt, 48).tokens == stock.tokens
+    assert off_rank > 0
+
+
+def test_a_build_without_tree_verify_cannot_keep_a_tree_path(tmp_path):
+    data = {"target": {"architecture": DENSE, "config": TINY_CONFIGS[DENSE], "init": {"seed": 1}},
+            "drafter": {"kind": "ngram"}, "deployment": {"dtype": "float32", "max_seq_len": 64}}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
+    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b")
+    model = from_build(tmp_path / "b").engines["compiled"].model
+    st = model.new_state(64)
+    model.forward([1, 2, 3, 4], st)
+    with pytest.raises(SpecPilotError, match="build it with the tree-verify pass"):
+        model.accept_path(st, 1, [0, 2])
+    assert isinstance(model.cfg, ModelConfig)

@@ -1,0 +1,142 @@
+"""Best-first trees and tree verification on the reference engine: the tree is exactly the
+budget's best nodes, acceptance replays from recorded expansions without the models, and
+tree speculative decoding emits stock's tokens exactly (dense and hybrid targets, model and
+n-gram drafters, budgets 8 / 32 / 64), including steps whose accepted path is not the
+first-ranked one."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.tree import Tree, accept, best_first, replay_acceptance
+from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
+
+
+def _synthetic(k: int, seed: int):
+    """A deterministic drafter over paths: top-k (token, logprob) from a hash of the path."""
+    def expand(path):
+        g = torch.Generator().manual_seed(hash((seed, *path)) % (2 ** 31))
+        logp = torch.log_softmax(torch.randn(50, generator=g) * 2, dim=0)
+        top = logp.topk(k)
+        return list(zip(top.indices.tolist(), top.values.tolist()))
+    return expand
+
+
+@pytest.mark.parametrize("budget,depth,k", [(1, 5, 3), (7, 3, 2), (33, 6, 3), (64, 16, 4)])
+def test_best_first_keeps_exactly_the_best_nodes(budget, depth, k):
+    expand = _synthetic(k, budget)
+    tree = best_first(expand, budget, depth)
+    # brute force: every node up to `depth` with its cumulative score
+    every = []
+    frontier = [((), 0.0)]
+    for d in range(1, depth + 1):
+        nxt = []
+        for path, score in frontier:
+            for token, lp in expand(list(path)):
+                nxt.append((path + (token,), score + lp))
+        every += nxt
+        frontier = nxt
+        if len(every) > 20000:
+            break
+    best = sorted(every, key=lambda e: (-e[1], len(e[0])))[:budget]
+    got = sorted((tuple(tree.path_tokens(i)), tree.scores[i]) for i in range(len(tree)))
+    assert len(tree) == min(budget, len(every))
+    assert [p for p, _ in got] == sorted(p for p, _ in best)
+    for i, (p, d) in enumerate(zip(tree.parents, tree.depths)):
+        assert p < i and d == (1 if p < 0 else tree.depths[p] + 1) and d <= depth
+        assert math.isclose(tree.scores[i], (0.0 if p < 0 else tree.scores[p]) + dict(expand(tree.path_tokens(p) if p >= 0 else []))[tree.tokens[i]], rel_tol=0, abs_tol=1e-12)
+    assert tree.scores == sorted(tree.scores, reverse=True)   # popped best first
+    assert best_first(expand, budget, depth) == tree             # deterministic
+
+
+def test_ties_break_deterministically_by_depth_then_parent_then_rank():
+    flat = lambda path: [(10 + len(path), -1.0), (20 + len(path), -1.0)]   # noqa: E731
+    tree = best_first(flat, 6, 3)
+    assert tree.tokens == [10, 20, 11, 21, 11, 21] and tree.parents == [-1, -1, 0, 0, 1, 1]
+
+
+def test_ancestor_mask_and_acceptance_walk():
+    tree = Tree(tokens=[5, 6, 7, 8, 9], parents=[-1, -1, 0, 2, 1], depths=[1, 1, 2, 3, 2], scores=[0] * 5)
+    mask = tree.ancestor_mask()
+    for a in range(6):
+        anc = {0} | ({j + 1 for j in tree.path(a - 1)} if a else set())
+        assert {b for b in range(6) if mask[a, b]} == anc
+    # target says 6 (node 1), then 9 (node 4), then 3 (no child): path [1, 4], bonus 3
+    choices = {0: 6, 2: 9, 5: 3}
+    nodes, emitted = accept(tree, lambda row: choices[row])
+    assert nodes == [1, 4] and emitted == [6, 9, 3]
+    assert accept(Tree(), lambda row: 42) == ([], [42])
+
+
+def _check_forcing(target, make_drafter, prompt, n, budget):
+    stock = autoregressive(target, prompt, n, 300)
+    forced = speculative_tree(target, make_drafter(), prompt, n, budget, 300, force=stock.tokens)
+    assert forced.choices == stock.tokens
+    free = speculative_tree(target, make_drafter(), prompt, n, budget, 300)
+    assert free.tokens == stock.tokens and free.accepted == forced.accepted
+    return free, stock
+
+
+@pytest.mark.parametrize("arch,budgets,n", [(DENSE, (8, 32, 64), 40), (HYBRID, (8, 64), 28)])
+def test_tree_decoding_is_exact_with_a_model_drafter(arch, budgets, n):
+    target = tiny_model(arch, seed=0)
+    draft = noisy_copy(target, 0.3)
+    prompt = [(7 * i + 3) % 301 for i in range(13)]
+    off_rank = 0
+    for budget in budgets:
+        gen, stock = _check_forcing(target, lambda: ModelDrafter(draft, 3, 300), prompt, n, budget)
+        off_rank += gen.off_first_rank
+        assert gen.mean_accepted > 1.0
+    assert off_rank > 0   # some accepted paths went through a runner-up branch
+    chain = speculative(target, ModelDrafter(draft, 3, 300), prompt, n, 6, 300)
+    assert chain.tokens == stock.tokens
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_tree_decoding_is_exact_with_the_ngram_drafter(arch):
+    target = tiny_model(arch, seed=2)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 6, 1, 2, 7] * 3
+    for budget in (8, 32, 64):
+        gen, stock = _check_forcing(target, lambda: NGramDrafter(4, 1, 4), prompt, 48, budget)
+
+
+def test_acceptance_replays_from_expansions_without_the_target():
+    """Accepted tokens per verification, recomputed from stock's tokens and the drafter's
+    expansions alone, equal what the live tree decoding accepted."""
+    target = tiny_model(DENSE, seed=2)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 6, 1, 2, 7] * 3
+    live = speculative_tree(target, NGramDrafter(4, 1, 4), prompt, 48, 16, 300)
+    drafter = NGramDrafter(4, 1, 4)
+    replayed = replay_acceptance(lambda p: drafter.expander(prompt + live.tokens[:p]), live.tokens, 16, 48)
+    assert replayed == live.accepted[1:]
+
+
+def test_reference_accept_path_moves_kv_and_keeps_the_paths_state():
+    """After a tree pass, keeping a root path leaves the state exactly as if only that path
+    had been fed: the next logits agree with a plain chain."""
+    for arch in (DENSE, HYBRID):
+        model = tiny_model(arch, seed=1)
+        ctx = [(3 * i + 1) % 301 for i in range(9)]
+        tree = Tree(tokens=[11, 12, 13, 14], parents=[-1, -1, 1, 2], depths=[1, 1, 2, 3], scores=[0] * 4)
+        st = model.new_state(64)
+        model.forward(ctx, st)
+        base = st.length
+        mask = np.concatenate([np.ones((5, base), bool), tree.ancestor_mask()], axis=1)
+        rows = model.forward([99] + tree.tokens, st, positions=[base] + [base + d for d in tree.depths],
+                             attn_mask=mask, record=True, parents=[-1] + [p + 1 for p in tree.parents])
+        chain_state = model.new_state(64)
+        model.forward(ctx, chain_state)
+        chain = model.forward([99, 12, 13, 14], chain_state, record=True)
+        torch.testing.assert_close(rows[[0, 2, 3, 4]], chain, rtol=1e-5, atol=1e-5)
+        model.accept_path(st, base, [0, 2, 3])      # root, node 1, node 2
+        chain_state.truncate(base + 3)
+        torch.testing.assert_close(model.forward([7], st), model.forward([7], chain_state), rtol=1e-5, atol=1e-5)
+        with pytest.raises(Exception, match="ascending path"):
+            model.accept_path(st, base, [2, 1])
