@@ -88,7 +88,7 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
     return kernel
 
 
-def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool):
+def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
     (sequence, head, value column): S[:, j] lives in registers while the tokens stream by.
 
@@ -96,10 +96,16 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     s0 (B, H, dk, dv), all float32, and slots (B, T): a token with slot < 0 is padding and
     leaves the state as it is (its output is 0).  Outputs o (B, T, H, dv) and either the final
     state (B, H, dk, dv) or, with ``keep_states``, the state after every token (B, T, H, dk, dv).
+
+    With ``keep_states`` the kernel also takes parents (B, T): with ``tree`` each token starts
+    from its parent's state (parent -1: s0) -- the gdn-path-recompute form, every root path of
+    a draft tree walked as a chain would walk it; without, tokens follow each other and
+    parents is not read.  Parents come before their children, so one pass in token order
+    sees every parent's state written.
     """
 
     @T.macro
-    def column(q, k, v, g, beta, s0, slots, o, st, n, b, h, j):
+    def column(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, j):
         """Sequence b, head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
         s = T.alloc_buffer((dk,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
@@ -107,6 +113,13 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             s[i] = s0[b, h, i, j]
         for t in range(n):
             acc[0] = T.float32(0)
+            if tree:
+                if parents[b, t] < 0:
+                    for i in range(dk):
+                        s[i] = s0[b, h, i, j]
+                else:
+                    for i in range(dk):
+                        s[i] = st[b, T.Cast("int64", parents[b, t]), h, i, j]
             if slots[b, t] >= 0:
                 for i in range(dk):
                     s[i] = s[i] * T.exp(g[b, t, h])
@@ -127,8 +140,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-               s0_h: T.handle, slots_h: T.handle, o_h: T.handle, st_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
+                     "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]})
         batch, n = T.int64(), T.int64()
         q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
         k = T.match_buffer(k_h, (batch, n, n_heads, dk), "float32")
@@ -137,6 +151,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         beta = T.match_buffer(b_h, (batch, n, n_heads), "float32")
         s0 = T.match_buffer(s0_h, (batch, n_heads, dk, dv), "float32")
         slots = T.match_buffer(slots_h, (batch, n), "int32")
+        parents = T.match_buffer(parents_h, (batch, n), "int32")
         o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
         st = T.match_buffer(st_h, (batch, n, n_heads, dk, dv) if keep_states else (batch, n_heads, dk, dv),
                             "float32")
@@ -144,38 +159,96 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             if gpu:
                 for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
                     for j in T.thread_binding(dv, thread="threadIdx.x"):
-                        column(q, k, v, g, beta, s0, slots, o, st, n, bh // n_heads, bh % n_heads, j)
+                        column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
             else:
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
-                        column(q, k, v, g, beta, s0, slots, o, st, n, bh // n_heads, bh % n_heads, j)
+                        column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
     return kernel
 
 
-def conv_window_states(channels: int, kernel_size: int, dtype: str, per_token: bool, gpu: bool):
-    """The K-1 conv inputs a Gated DeltaNet layer keeps, from its window (B, C, K-1+T).
+def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False):
+    """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
+    every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, C, T), the
+    weight (C, 1, K), parents (B, T).  Outputs: conv (B, C, T) float32 (before SiLU) and the K-1
+    inputs kept after every token (B, T, C, K-1).
 
-    ``per_token``: out[b, t, c, :] = window[b, c, t+1 : t+K] (the state after every token, for
-    verify).  Otherwise out[b, c, :] = the window after the last *real* token of sequence b
-    (tokens with slot < 0 are padding at the end of a shorter request).
+    Token t's window is its K-1 predecessors then itself: the previous tokens (chain) or, with
+    ``tree``, its ancestors along parents (gdn-path-recompute), continued into the state
+    before the pass when the path is shorter.  Taps are summed in float32 in tap order.
     """
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
 
     @T.macro
-    def copy(window, slots, out, n, b, t, c):
-        if per_token:
-            for j in range(keep):
-                out[b, t, c, j] = window[b, c, t + 1 + j]
-        else:
-            length = T.alloc_buffer((1,), "int64", scope="local")
-            length[0] = T.int64(0)
-            for i in range(n):
-                if slots[b, i] >= 0:
-                    length[0] = i + 1
-            for j in range(keep):
-                out[b, c, j] = window[b, c, length[0] + j]
+    def one(state, x, weight, parents, out, states, b, c, t):
+        window = T.alloc_buffer((kernel_size,), dtype, scope="local")
+        cur = T.alloc_buffer((1,), "int64", scope="local")
+        cs = T.alloc_buffer((1,), "int64", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        window[keep] = x[b, c, t]
+        cur[0] = t
+        cs[0] = T.int64(keep - 1)
+        for kk in range(keep):
+            if cur[0] >= 0:
+                if tree:
+                    cur[0] = T.Cast("int64", parents[b, cur[0]])
+                else:
+                    cur[0] = cur[0] - 1
+            if cur[0] >= 0:
+                window[keep - 1 - kk] = x[b, c, cur[0]]
+            else:
+                window[keep - 1 - kk] = state[b, c, cs[0]]
+                cs[0] = cs[0] - 1
+        acc[0] = T.float32(0)
+        for k in range(kernel_size):
+            acc[0] = acc[0] + T.Cast("float32", window[k]) * T.Cast("float32", weight[c, 0, k])
+        out[b, c, t] = acc[0]
+        for k in range(keep):
+            states[b, t, c, k] = window[k + 1]
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, out_h: T.handle, st_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "conv",
+                     "gdn.tree": tree, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype})
+        batch, n = T.int64(), T.int64()
+        state = T.match_buffer(s_h, (batch, channels, keep), dtype)
+        x = T.match_buffer(x_h, (batch, channels, n), dtype)
+        weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
+        parents = T.match_buffer(p_h, (batch, n), "int32")
+        out = T.match_buffer(out_h, (batch, channels, n), "float32")
+        states = T.match_buffer(st_h, (batch, n, channels, keep), dtype)
+        with T.sblock("root"):
+            if gpu:
+                for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for r in range(rounds):
+                            if r * threads + tx < channels:
+                                one(state, x, weight, parents, out, states, bt // n, r * threads + tx, bt % n)
+            else:
+                for b, c, t in T.grid(batch, channels, n):
+                    one(state, x, weight, parents, out, states, b, c, t)
+    return kernel
+
+
+def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
+    """The K-1 conv inputs a Gated DeltaNet layer keeps after a prefill / decode step, from its
+    window (B, C, K-1+T): out[b, c, :] = the window after the last *real* token of sequence b
+    (tokens with slot < 0 are padding at the end of a shorter request)."""
+    keep = kernel_size - 1
+    threads = min(256, channels)
+    rounds = (channels + threads - 1) // threads
+
+    @T.macro
+    def copy(window, slots, out, n, b, c):
+        length = T.alloc_buffer((1,), "int64", scope="local")
+        length[0] = T.int64(0)
+        for i in range(n):
+            if slots[b, i] >= 0:
+                length[0] = i + 1
+        for j in range(keep):
+            out[b, c, j] = window[b, c, length[0] + j]
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(w_h: T.handle, slots_h: T.handle, out_h: T.handle):
@@ -183,18 +256,17 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, per_token: b
         batch, n = T.int64(), T.int64()
         window = T.match_buffer(w_h, (batch, channels, n + keep), dtype)
         slots = T.match_buffer(slots_h, (batch, n), "int32")
-        out = T.match_buffer(out_h, (batch, n, channels, keep) if per_token else (batch, channels, keep), dtype)
+        out = T.match_buffer(out_h, (batch, channels, keep), dtype)
         with T.sblock("root"):
             if gpu:
-                for bt in T.thread_binding(batch * (n if per_token else 1), thread="blockIdx.x"):
+                for b in T.thread_binding(batch, thread="blockIdx.x"):
                     for tx in T.thread_binding(threads, thread="threadIdx.x"):
                         for r in range(rounds):
                             if r * threads + tx < channels:
-                                copy(window, slots, out, n, bt // (n if per_token else 1),
-                                     bt % (n if per_token else 1), r * threads + tx)
+                                copy(window, slots, out, n, b, r * threads + tx)
             else:
-                for b, t, c in T.grid(batch, n if per_token else 1, channels):
-                    copy(window, slots, out, n, b, t, c)
+                for b, c in T.grid(batch, channels):
+                    copy(window, slots, out, n, b, c)
     return kernel
 
 

@@ -7,8 +7,12 @@ sequences with T new tokens each (shorter requests padded):
                                 -> logits[B, T, V], new recurrent states
     decode (tokens[B, 1], ...)  same, one token per sequence (GPU builds: B = 1 static, so the
                                 projections get GEMV schedules; decode_batch takes any B)
-    verify (tokens[B, T], ...)  -> logits[B, T, V], the Gated DeltaNet conv / recurrent state
-                                after *every* token (so any accepted prefix can be kept)
+    verify (tokens[B, T], ..., rows[B], parents[B, T], caches...)  -> logits[B, T, V], the Gated
+                                DeltaNet conv / recurrent state after *every* token (so any
+                                accepted prefix can be kept); parents[b, t] is token t's parent
+                                among the new tokens (-1: the cache); attention follows the mask,
+                                Gated DeltaNet layers follow the previous token unless the
+                                gdn-path-recompute pass makes them follow parents
     commit (conv_states[B, T, ...], rec_states[B, T, ...], index[B])  -> the states after
                                 token index[b] of each sequence
 
@@ -107,6 +111,7 @@ class StepInputs:
     rows: Tensor        # (B,)
     cos: Tensor         # (B, T, rot)
     sin: Tensor
+    parents: Tensor | None = None   # (B, T), verify only: token t's parent among the new tokens
 
 
 class Attention(nn.Module):
@@ -219,10 +224,16 @@ class GatedDeltaNet(nn.Module):
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         C = self.conv_dim
         mixed, z, b, a = self._projections(x)
-        mixed = op.permute_dims(op.reshape(mixed, (B, T_, C)), [0, 2, 1])
-        window = op.concat([conv_state, mixed], dim=2)                                   # (B, C, K-1+T)
-        conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
-                                           out_dtype="float32"), "conv1d")                 # (B, C, T)
+        mixed = op.permute_dims(op.reshape(mixed, (B, T_, C)), [0, 2, 1])                # (B, C, T)
+        if keep_states:   # verify: the window of every token follows its parents (a chain unless rewritten)
+            conv, new_conv = op.tensor_ir_op(kernels.gdn_conv_verify(C, K, self.dtype, self.gpu), "gdn_conv_verify",
+                                             [conv_state, mixed, self.conv1d.weight, s.parents],
+                                             [Tensor.placeholder((B, C, T_), "float32"),
+                                              Tensor.placeholder((B, T_, C, K - 1), self.dtype)])
+        else:
+            window = op.concat([conv_state, mixed], dim=2)                               # (B, C, K-1+T)
+            conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
+                                               out_dtype="float32"), "conv1d")             # (B, C, T)
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
         mixed = op.permute_dims(op.silu(conv), [0, 2, 1])                                 # (B, T, C)
         q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
@@ -238,12 +249,15 @@ class GatedDeltaNet(nn.Module):
         g = op.reshape(g, (B, T_, nv))
         kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu)
         state_shape = (B, T_, nv, dk, dv) if keep_states else (B, nv, dk, dv)
-        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", [q, k, v, g, beta, rec_state, s.slots],
+        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule",
+                                     # prefill / decode follow the previous token: parents is not read there
+                                     [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots],
                                      [Tensor.placeholder((B, T_, nv, dv), "float32"),
                                       Tensor.placeholder(state_shape, "float32")])
-        conv_shape = (B, T_, C, K - 1) if keep_states else (B, C, K - 1)
-        new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, keep_states, self.gpu),
-                                   "conv_window_states", [window, s.slots], Tensor.placeholder(conv_shape, self.dtype))
+        if not keep_states:
+            new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
+                                       "conv_window_states", [window, s.slots],
+                                       Tensor.placeholder((B, C, K - 1), self.dtype))
         o = self.norm(op.astype(op.reshape(o, (B * T_, nv, dv)), self.dtype))
         o = op.astype(op.astype(o, "float32") * op.silu(op.astype(z, "float32")), self.dtype)
         return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
@@ -289,14 +303,14 @@ class CausalLM(nn.Module):
     def n_gdn(self) -> int:
         return self.cfg.layer_types.count("linear_attention")
 
-    def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool):
+    def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool, parents=None):
         cfg = self.cfg
         B, T_ = tokens.shape
         freqs = op.matmul(op.unsqueeze(op.astype(positions, "float32"), 2),
                           op.reshape(self.rope_inv_freq, (1, 1, -1)))                     # (B, T, rot/2)
         emb = op.concat([freqs, freqs], dim=2)
         s = StepInputs(B, T_, slots, mask, rows, op.astype(_apply(rx.op.cos, emb), self.dtype),
-                       op.astype(_apply(rx.op.sin, emb), self.dtype))
+                       op.astype(_apply(rx.op.sin, emb), self.dtype), parents)
         h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,
                                    axis=0, mode="clip"), "embed")                          # (B*T, hidden)
         convs, recs, a, g = [], [], 0, 0
@@ -342,8 +356,8 @@ class CausalLM(nn.Module):
     def prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=False)
 
-    def verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
-        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=True)
+    def verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
+        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=True, parents=parents)
 
 
 class Deployment(nn.Module):
@@ -363,8 +377,8 @@ class Deployment(nn.Module):
     def target_decode_batch(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.target.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def target_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
-        return self.target.verify(tokens, positions, slots, mask, rows, kv, conv, rec)
+    def target_verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
+        return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
 
     def target_commit(self, conv_states, rec_states, index):
         return self.target.commit(conv_states, rec_states, index)
@@ -378,8 +392,8 @@ class Deployment(nn.Module):
     def drafter_decode_batch(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
 
-    def drafter_verify(self, tokens, positions, slots, mask, rows, kv, conv, rec):
-        return self.drafter.verify(tokens, positions, slots, mask, rows, kv, conv, rec)
+    def drafter_verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
+        return self.drafter.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
 
     def drafter_commit(self, conv_states, rec_states, index):
         return self.drafter.commit(conv_states, rec_states, index)
@@ -396,7 +410,8 @@ def _share_parameters(drafter: CausalLM, target: CausalLM) -> None:
         setattr(owner, leaf, target_params[name])
 
 
-def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens, batch="batch") -> dict:
+def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens, batch="batch",
+               parents: bool = False) -> dict:
     caches = cache_shapes(cfg, capacity, n_rows, dtype)
     absent = nn.spec.Tensor([1], "float32")   # a model without such layers takes a placeholder
     per_sequence = lambda name: nn.spec.Tensor([batch, *caches[name][0]], caches[name][1])  # noqa: E731
@@ -406,6 +421,7 @@ def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens,
         "slots": nn.spec.Tensor([batch, tokens], "int32"),
         "mask": nn.spec.Tensor([batch, tokens, "kv_len"], "bool"),
         "rows": nn.spec.Tensor([batch], "int32"),
+        **({"parents": nn.spec.Tensor([batch, tokens], "int32")} if parents else {}),
         "kv": nn.spec.Tensor(*caches["kv"]) if "kv" in caches else absent,
         "conv": per_sequence("conv") if "conv" in caches else absent,
         "rec": per_sequence("rec") if "rec" in caches else absent,
@@ -441,7 +457,7 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         spec[f"{prefix}_decode"] = _step_spec(cfg, capacity, n_rows, dtype, 1, batch=1 if gpu else "batch")
         if gpu:   # batch 1 static: its projections get the GEMV schedule; larger batches use decode_batch
             spec[f"{prefix}_decode_batch"] = _step_spec(cfg, capacity, n_rows, dtype, 1)
-        spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n")
+        spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n", parents=True)
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
     mod, params = Deployment(target, drafter).export_tvm(spec=spec)

@@ -7,6 +7,7 @@ A pass subclass declares, as class attributes:
     name         the pipeline-text name, e.g. "tree-verify"
     options      typed `Option`s with defaults, in canonical order
     requires     passes that must also be in the pipeline, earlier
+    needs_when   (context flag, pass): that pass must also be present (anywhere) when the flag holds
     conflicts    passes that must not be in the pipeline
     after        passes that, when present, must come earlier (ordering only)
     targets      target kinds it may run for ("llvm", "cuda")
@@ -71,6 +72,7 @@ class Pass:
     doc: ClassVar[str] = ""
     options: ClassVar[tuple[Option, ...]] = ()
     requires: ClassVar[tuple[str, ...]] = ()
+    needs_when: ClassVar[tuple[tuple[str, str], ...]] = ()   # (context flag, pass): present too when the flag holds
     conflicts: ClassVar[tuple[str, ...]] = ()
     after: ClassVar[tuple[str, ...]] = ()
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")

@@ -32,6 +32,13 @@ def _rules(passes: list[Pass], context: PassContext, present: dict, pos: dict) -
                               z3.Implies(present[p.name], z3.And(present[q], pos[q] < pos[p.name]))))
             else:
                 rules.append((f"{p.name} requires {q}, which is not in the pipeline", z3.Not(present[p.name])))
+        for flag, q in p.needs_when:
+            if getattr(context, flag):
+                if q in names:
+                    rules.append((f"{p.name} needs {q} here ({flag} target)", z3.Implies(present[p.name], present[q])))
+                else:
+                    rules.append((f"{p.name} needs {q} on a {flag} target, and it is not in the pipeline",
+                                  z3.Not(present[p.name])))
         for q in p.conflicts:
             if q in names:
                 rules.append((f"{p.name} conflicts with {q}", z3.Not(z3.And(present[p.name], present[q]))))

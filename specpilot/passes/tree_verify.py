@@ -8,10 +8,8 @@ and values move (in place, inside the KV pool) from the slots the tree gave them
 consecutive slots after the prefix.  The budget is the number of tree nodes the engine
 drafts per verification; a build records it in its pipeline text.
 
-When it is legal: dense targets (attention layers only).  A hybrid target's Gated DeltaNet
-state depends on each node's root path; that is ``gdn-path-recompute``'s job, not built
-yet, so the pass refuses hybrids (the PyTorch reference engine already verifies trees on
-them, walking each root path).
+When it is legal: any target; on a hybrid target (Gated DeltaNet layers) only together with
+``gdn-path-recompute``, since each node's recurrent state depends on its root path.
 
 Where it sits: after the weight-layout passes (it reads nothing they write).
 """
@@ -30,14 +28,12 @@ class TreeVerify(Pass):
     doc = "verify a best-first draft tree of up to `budget` nodes per target pass; adds target_compact_kv"
     options = (Option("budget", int, 64, "tree nodes drafted per verification (1..1024)"),)
     after = ("w12-layout", "nested-int8-view")
+    needs_when = (("hybrid", "gdn-path-recompute"),)   # each node's Gated DeltaNet state follows its root path
     statistics = ("functions_added", "budget")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 1 <= self["budget"] <= 1024:
             return False, f"budget must be in 1..1024, got {self['budget']}"
-        if context.hybrid:
-            return False, ("a hybrid target's Gated DeltaNet state follows each node's root path; "
-                           "that needs gdn-path-recompute, which is not available yet")
         return True, ""
 
     def apply(self, mod, context: PassContext):

@@ -225,6 +225,7 @@ class CompiledModel:
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
         self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
+        self.path_recompute = which == "target" and "gdn-path-recompute" in module.manifest["pipeline"]
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
@@ -247,10 +248,11 @@ class CompiledModel:
                 parents=None):
         """One sequence's step (see `forward_batch`): logits (T, vocab).  ``parents`` (tree
         verification) matter only to Gated DeltaNet layers, which need gdn-path-recompute."""
-        if parents is not None and self.has_gdn and any(p != i - 1 for i, p in enumerate(parents)):
-            raise SpecPilotError("tree verification of a hybrid (Gated DeltaNet) target needs the "
-                                 "gdn-path-recompute pass, which is not available yet")
-        return self.forward_batch([(tokens, state, positions, attn_mask)], record)[0]
+        if parents is not None and self.has_gdn and not self.path_recompute and \
+                any(p != i - 1 for i, p in enumerate(parents)):
+            raise SpecPilotError(f"{self.module.dir}: tree verification of a hybrid (Gated DeltaNet) target needs "
+                                 "a build with the gdn-path-recompute pass")
+        return self.forward_batch([(tokens, state, positions, attn_mask, parents)], record)[0]
 
     def accept_path(self, state: CompiledState, base: int, rows: list[int]) -> None:
         """After a tree verification from ``base``: keep new tokens ``rows`` (an ascending root
@@ -266,8 +268,12 @@ class CompiledModel:
             src = np.array([[s for s, _ in moves]], "int32")
             dst = np.array([[d for _, d in moves]], "int32")
             self._compact_kv(self.kv, m.tensor(np.array([state.row], "int32")), m.tensor(src), m.tensor(dst))
-        if self.has_gdn and rows:
-            self.truncate(state, base + len(rows))   # a chain: the recorded states hold every prefix
+        if self.has_gdn and rows:   # the recorded per-token states of the tree pass: keep the path's last
+            p = state.history[-1] if state.history else None
+            if p is None or p.start != base:
+                raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")
+            index = self.module.tensor(np.array([rows[-1]], "int32"))
+            state.conv, state.rec = self._commit(p.conv_states, p.rec_states, index)
         state.length = base + len(rows)
         state.history.clear()
 
@@ -275,18 +281,19 @@ class CompiledModel:
         """items: (tokens, state[, positions[, attn_mask]]) per sequence, each sequence at its own
         length and with its own number of new tokens; one call of the step function for all.
         Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
-        items = [tuple(it) + (None,) * (4 - len(it)) for it in items]
+        items = [tuple(it) + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items]
         B, T = len(items), max(len(t) for t in toks)
-        L = max(st.length + len(t) for t, (_, st, _, _) in zip(toks, items))
+        L = max(st.length + len(t) for t, (_, st, *_) in zip(toks, items))
         tokens = np.zeros((B, T), "int32")
         positions = np.zeros((B, T), "int32")
         slots = np.full((B, T), -1, "int32")
         mask = np.zeros((B, T, L), bool)
         mask[:, :, 0] = True              # padding rows attend somewhere (their outputs are dropped)
-        for b, (t, (_, st, pos, attn)) in enumerate(zip(toks, items)):
+        parents = np.tile(np.arange(-1, T - 1, dtype="int32"), (B, 1))   # a chain unless a tree is given
+        for b, (t, (_, st, pos, attn, par)) in enumerate(zip(toks, items)):
             n, start = len(t), st.length
             st.check_room(n)
             tokens[b, :n] = t
@@ -294,6 +301,8 @@ class CompiledModel:
             positions[b, :n] = slots[b, :n] if pos is None else np.asarray(pos, dtype="int32")
             mask[b, :n, :start + n] = (np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]
                                        if attn is None else np.asarray(attn, dtype=bool))
+            if par is not None:
+                parents[b, :n] = np.asarray(par, dtype="int32")
         states = [it[1] for it in items]
         m = self.module
         rows = np.array([st.row for st in states], "int32")
@@ -301,9 +310,12 @@ class CompiledModel:
             conv, rec = (self._stack([getattr(st, k) for st in states]) for k in ("conv", "rec"))
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        fn = self._verify if record else (self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch)
-        out = fn(m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows),
-                 self.kv, conv, rec, m.params)
+        head = [m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows)]
+        if record:
+            out = self._verify(*head, m.tensor(parents), self.kv, conv, rec, m.params)
+        else:
+            fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
+            out = fn(*head, self.kv, conv, rec, m.params)
         logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length

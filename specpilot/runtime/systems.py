@@ -37,7 +37,6 @@ class System:
                  eos_ids: tuple[int, ...], dtype: str):
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
-        self._drafters: dict[str, object] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -103,9 +102,8 @@ class System:
         e = self.engines[engine]
         if e.drafter is None:
             return autoregressive(e.model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
-        if engine not in self._drafters:
-            self._drafters[engine] = e.drafter()
-        drafter = ReplayDrafter(replay_lattices) if replay_lattices else self._drafters[engine]
+        own = e.drafter()   # per generation: a compiled drafter holds a KV-cache row only while it runs
+        drafter = ReplayDrafter(replay_lattices) if replay_lattices else own
         if record_lattices:
             drafter = LatticeRecorder(drafter, record_lattices, prompt)
         try:
@@ -119,6 +117,8 @@ class System:
         finally:
             if record_lattices:
                 drafter.close()
+            if hasattr(own, "state"):
+                own.state = None
 
 
 def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int, min_ngram: int):

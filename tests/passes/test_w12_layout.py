@@ -197,7 +197,8 @@ def test_view_function_in_a_build_is_close_not_exact(tmp_path):
     slots = np.arange(start, start + 4, dtype="int32")[None]
     mask = (np.arange(start + 4)[None, :] <= (start + np.arange(4))[:, None])[None]
     args = [module.tensor(toks), module.tensor(slots), module.tensor(slots), module.tensor(mask),
-            module.tensor(np.array([state.row], "int32")), model.kv, state.conv, state.rec]
+            module.tensor(np.array([state.row], "int32")), module.tensor(np.arange(-1, 3, dtype="int32")[None]),
+            model.kv, state.conv, state.rec]
     exact = module.functions["target_verify"](*args, module.params)[0].numpy()
     view = module.functions["target_verify_view"](*args, module.params)[0].numpy()
     rel = np.abs(exact - view).max() / np.abs(exact).max()

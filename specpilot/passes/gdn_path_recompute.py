@@ -1,0 +1,59 @@
+"""gdn-path-recompute: Gated DeltaNet layers of a verification follow each token's root path.
+
+What it rewrites: in a tree, a node's recurrent and conv state is the state after its own
+root path, not after the token before it in the batch.  The lowering gives every verify a
+``parents`` input; its Gated DeltaNet kernels (``gdn.kernel`` = recurrence with per-token
+states, and conv) are the chain forms, which do not read it.  This pass swaps each for its
+tree form (same signature): every node starts from its parent's state (parent -1: the state
+before the pass) and its conv window is its ancestors' inputs, continued into the conv state
+when the path is shorter.  Nodes come parents-first, so one pass in node order recomputes
+every path, sharing each common prefix once.  ``commit`` then keeps the accepted node's state.
+
+When it is legal: targets with Gated DeltaNet layers, with tree-verify in the pipeline.
+Where it sits: after tree-verify.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+
+from specpilot.compiler import kernels
+from specpilot.passes.base import Pass, PassContext
+
+
+def _tree_form(func: tirx.PrimFunc):
+    attrs = func.attrs
+    gpu = bool(attrs["tirx.is_scheduled"])
+    shape = [int(x) for x in attrs["gdn.shape"]]
+    if str(attrs["gdn.kernel"]) == "recurrence":
+        if not bool(attrs["gdn.keep_states"]):
+            return None            # prefill / decode: one sequence of tokens, nothing to follow
+        return kernels.gated_delta_rule(*shape, keep_states=True, gpu=gpu, tree=True)
+    return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True)
+
+
+class GdnPathRecompute(Pass):
+    name = "gdn-path-recompute"
+    doc = "Gated DeltaNet state of every tree node recomputed along its root path (verify kernels follow parents)"
+    requires = ("tree-verify",)
+    statistics = ("kernels_rewritten",)
+
+    def legal(self, context: PassContext) -> tuple[bool, str]:
+        if not context.hybrid:
+            return False, "only for targets with Gated DeltaNet layers"
+        return True, ""
+
+    def apply(self, mod, context: PassContext):
+        out = mod.clone() if hasattr(mod, "clone") else mod
+        rewritten = 0
+        for gv, func in list(mod.functions.items()):
+            if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "gdn.kernel" not in func.attrs \
+                    or bool(func.attrs["gdn.tree"]):
+                continue
+            tree = _tree_form(func)
+            if tree is None:
+                continue
+            out[gv] = tree
+            rewritten += 1
+        context.statistics[self.name].update(kernels_rewritten=rewritten)
+        return out
