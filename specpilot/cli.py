@@ -30,7 +30,7 @@ def _default_engine(spec_or_build: str, engine: str | None) -> str:
     return "compiled-spec" if Path(spec_or_build).is_dir() else "stock-spec"
 
 
-ENGINES = ["stock", "stock-spec", "stock-tree", "compiled", "compiled-spec", "compiled-tree"]
+ENGINES = ["stock", "stock-spec", "stock-tree", "compiled", "compiled-spec", "compiled-tree", "compiled-two-level"]
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -140,46 +140,88 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int,
     return out.gen
 
 
+def _tree_inputs(last: int, tree: Tree, base: int):
+    """[root] + nodes for one verification pass: tokens, rotary positions, mask, parents."""
+    n = len(tree)
+    mask = np.zeros((n + 1, base + n + 1), dtype=bool)
+    mask[:, :base] = True
+    mask[:, base:] = tree.ancestor_mask()
+    return ([last] + tree.tokens, [base] + [base + d for d in tree.depths], mask,
+            [-1] + [p + 1 for p in tree.parents])
+
+
+def _verify_tree(model, state, out: "_Emitter", last: int, tree: Tree) -> int:
+    """One exact verification of ``tree`` below ``last``: emit the accepted path and the bonus
+    token, keep the path in ``state``; returns the new last token."""
+    base = state.length
+    tokens, positions, mask, parents = _tree_inputs(last, tree, base)
+    rows = model.forward(tokens, state, positions=positions, attn_mask=mask, record=True, parents=parents)
+
+    def choose(row: int) -> int:
+        if out.stopped:
+            raise StopIteration
+        return out.target_token(rows[row])
+
+    nodes, emitted = accept(tree, choose)
+    if any(tree.children(tree.parents[i])[0] != i for i in nodes):
+        out.gen.off_first_rank += 1
+    model.accept_path(state, base, [0] + [i + 1 for i in nodes])
+    out.gen.accepted.append(len(emitted))
+    return emitted[-1]
+
+
+def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids):
+    state = model.new_state(capacity)
+    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    if hasattr(drafter, "reset"):
+        drafter.reset()
+    last = out.target_token(model.forward(prompt, state)[-1])   # emitted, not yet fed to the target
+    out.gen.accepted.append(1)
+    return state, out, last
+
+
 def speculative_tree(model, drafter, prompt: list[int], max_new: int, budget: int, capacity: int,
                      force=None, logits_hook=None, stop_ids=()) -> Generation:
     """Tree speculative decoding: the drafter's best-first tree of up to ``budget`` nodes is
     verified in one target pass (ancestor-only attention, depth positions); the longest root
     path the target agrees with is kept, plus the target's own next token."""
     start = time.perf_counter()
-    state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids)
-    if hasattr(drafter, "reset"):
-        drafter.reset()
-    logits = model.forward(prompt, state)[-1]
-    last = out.target_token(logits)            # emitted, not yet fed to the target
-    out.gen.accepted.append(1)
+    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids)
     while not out.stopped:
         room = min(budget, capacity - state.length - 1)
         depth = out.max_new - len(out.gen.tokens)
-        tree = best_first(drafter.expander(prompt + out.gen.tokens), room, depth) if room > 0 else None
-        base, n = state.length, len(tree) if tree else 0
-        mask = np.zeros((n + 1, base + n + 1), dtype=bool)
-        mask[:, :base] = True
-        if tree:
-            mask[:, base:] = tree.ancestor_mask()
-            positions = [base] + [base + d for d in tree.depths]
-            parents = [-1] + [p + 1 for p in tree.parents]
-        else:
-            mask[:, base:] = True
-            positions, parents = [base], [-1]
-        rows = model.forward([last] + (tree.tokens if tree else []), state, positions=positions, attn_mask=mask,
-                             record=True, parents=parents)
+        tree = best_first(drafter.expander(prompt + out.gen.tokens), room, depth) if room > 0 else Tree()
+        last = _verify_tree(model, state, out, last, tree)
+    out.gen.seconds = time.perf_counter() - start
+    return out.gen
 
-        def choose(row: int) -> int:
-            if out.stopped:
-                raise StopIteration
-            return out.target_token(rows[row])
 
-        nodes, emitted = accept(tree or Tree(), choose)
-        if any(tree.children(tree.parents[i])[0] != i for i in nodes):
-            out.gen.off_first_rank += 1
-        model.accept_path(state, base, [0] + [i + 1 for i in nodes])
-        out.gen.accepted.append(len(emitted))
-        last = emitted[-1]
+def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budget: int, capacity: int,
+                          force=None, logits_hook=None, stop_ids=()) -> Generation:
+    """Two-level verification: the drafter's tree is verified first through the nested 8-bit
+    view (``model.forward_view``: no tokens accepted, no state moved); the path it agrees
+    with plus its own next token is a proposed chain, the drafter continues from the chain's
+    end, and one exact verification of chain + new drafts (at most ``budget`` nodes) accepts."""
+    start = time.perf_counter()
+    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids)
+    while not out.stopped:
+        room = min(budget, capacity - state.length - 1)
+        depth = out.max_new - len(out.gen.tokens)
+        context = prompt + out.gen.tokens
+        first = best_first(drafter.expander(context), room, depth) if room > 0 else Tree()
+        chain: list[int] = []
+        if len(first):
+            tokens, positions, mask, parents = _tree_inputs(last, first, state.length)
+            view = model.forward_view(tokens, state, positions, mask, parents)
+            nodes, emitted = accept(first, lambda row: int(view[row].argmax()))
+            chain = ([first.tokens[i] for i in nodes] + emitted[-1:])[:min(room, depth)]
+        k = len(chain)
+        second = best_first(drafter.expander(context + chain), room - k, depth - k) \
+            if room > k and depth > k else Tree()
+        combined = Tree(chain + second.tokens,
+                        list(range(-1, k - 1)) + [k - 1 if p < 0 else k + p for p in second.parents],
+                        list(range(1, k + 1)) + [k + d for d in second.depths],
+                        [0.0] * k + second.scores)
+        last = _verify_tree(model, state, out, last, combined)
     out.gen.seconds = time.perf_counter() - start
     return out.gen

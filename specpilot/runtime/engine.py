@@ -254,6 +254,24 @@ class CompiledModel:
                                  "a build with the gdn-path-recompute pass")
         return self.forward_batch([(tokens, state, positions, attn_mask, parents)], record)[0]
 
+    def forward_view(self, tokens, state: CompiledState, positions, attn_mask, parents):
+        """The nested 8-bit view's verification (``<which>_verify_view``) of new tokens after
+        ``state``: logits only.  The state does not move (keys/values written past its length
+        are dead and rewritten by the next exact pass)."""
+        fn = self.module.functions.get(f"{self.which}_verify_view")
+        if fn is None:
+            raise SpecPilotError(f"{self.module.dir}: no {self.which}_verify_view; build with nested-int8-view")
+        tokens = np.asarray(tokens, dtype="int32").reshape(1, -1)
+        n, start = tokens.shape[1], state.length
+        state.check_room(n)
+        m = self.module
+        mask = np.asarray(attn_mask, dtype=bool)[None]
+        out = fn(m.tensor(tokens), m.tensor(np.asarray(positions, "int32")[None]),
+                 m.tensor(np.arange(start, start + n, dtype="int32")[None]), m.tensor(mask),
+                 m.tensor(np.array([state.row], "int32")), m.tensor(np.asarray(parents, "int32")[None]),
+                 self.kv, state.conv, state.rec, m.params)
+        return torch.from_numpy((out[0] if self.has_gdn else out).numpy())[0]
+
     def accept_path(self, state: CompiledState, base: int, rows: list[int]) -> None:
         """After a tree verification from ``base``: keep new tokens ``rows`` (an ascending root
         path) at base, base+1, ... by moving their keys/values inside the pool (target_compact_kv)."""

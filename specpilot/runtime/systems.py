@@ -16,7 +16,7 @@ import torch
 
 from specpilot.errors import SpecPilotError
 from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
-                                        speculative_tree)
+                                        speculative_tree, speculative_two_level)
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
 from specpilot.runtime.reference.model import ReferenceModel
@@ -30,6 +30,7 @@ class Engine:
     model: object                                # ReferenceModel or CompiledModel
     drafter: Callable[[], object] | None = None  # builds a fresh drafter; None: autoregressive
     tree_budget: int = 0                         # > 0: best-first tree verification with this many nodes
+    two_level: bool = False                      # tree drafts checked first through the nested 8-bit view
 
 
 class System:
@@ -110,6 +111,9 @@ class System:
             if e.tree_budget:
                 if record_lattices or replay_lattices:
                     raise SpecPilotError("lattice recording/replay covers chain drafting; use a -spec engine")
+                if e.two_level:
+                    return speculative_two_level(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
+                                                 force, logits_hook, stop_ids)
                 return speculative_tree(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
                                         force, logits_hook, stop_ids)
             return speculative(e.model, drafter, prompt, max_new, self.draft_len, self.capacity,
@@ -172,6 +176,8 @@ def from_build(build_dir: Path) -> System:
     if budget:
         engines["stock-tree"] = Engine(refs["target"], ref_make, budget)
         engines["compiled-tree"] = Engine(compiled["target"], cmp_make, budget)
+        if "two-level-verify" in m["pipeline"]:
+            engines["compiled-two-level"] = Engine(compiled["target"], cmp_make, budget, two_level=True)
     if dtype != torch.float32:
         engines["stock-fp32"] = Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
                                                       torch.float32, device))
