@@ -188,6 +188,7 @@ class ReferenceModel:
         return q, k, v, g, beta
 
     def _gdn_out(self, out, z, x, p):
+        """Gated RMSNorm per value head, norm(o) * w * silu(z), then the output projection."""
         cfg, w = self.cfg, self.w
         o = rms_norm(out.to(x.dtype), w[p + "norm.weight"], cfg.rms_norm_eps, zero_centered=False)
         o = (o.float() * F.silu(z.float())).to(x.dtype)
@@ -219,25 +220,14 @@ class ReferenceModel:
         return self._gdn_out(out, z, x, p)
 
     def _gated_delta_net(self, x, p, st: RecurrentState, start, record, parents=None):
-        cfg, w = self.cfg, self.w
-        T, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        T, K = x.shape[0], self.cfg.linear_conv_kernel_dim
         mixed, z, b, a = self._gdn_projections(x, p)
         if parents is not None:
             return self._gated_delta_net_tree(x, p, st, mixed, z, b, a, parents)
         # causal depthwise conv over [previous K-1 inputs | new inputs], then SiLU
         window = torch.cat((st.conv, mixed.transpose(0, 1).to(st.conv.dtype)), dim=-1)  # (C, K-1+T)
-        conv = F.conv1d(window[None], w[p + "conv1d.weight"], groups=window.shape[0])[0]
-        mixed = F.silu(conv).transpose(0, 1)
-        q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
-        q, k = q.reshape(T, nk, dk).float(), k.reshape(T, nk, dk).float()
-        v = v.reshape(T, nv, dv).float()
-        if nv != nk:
-            q, k = q.repeat_interleave(nv // nk, dim=1), k.repeat_interleave(nv // nk, dim=1)
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        beta = torch.sigmoid(b.float())
-        g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"].float())
+        conv = F.conv1d(window[None], self.w[p + "conv1d.weight"], groups=window.shape[0])[0]
+        q, k, v, g, beta = self._gdn_qkv(F.silu(conv).transpose(0, 1), b, a, p)
         if record:
             st.history.setdefault(start, (st.conv.clone(), st.recurrent.clone()))
         if record or T == 1:
@@ -248,8 +238,4 @@ class ReferenceModel:
             for t in range(T):
                 st.history[start + t + 1] = (window[:, t + 1:t + K].clone(), states[t])
         st.conv = window[:, -(K - 1):].clone() if K > 1 else window[:, :0].clone()
-        # gated RMSNorm per value head: norm(o) * w * silu(z)
-        o = out.to(x.dtype)
-        o = rms_norm(o, w[p + "norm.weight"], cfg.rms_norm_eps, zero_centered=False)
-        o = (o.float() * F.silu(z.float())).to(x.dtype)
-        return linear(o.reshape(T, nv * dv), w, p + "out_proj")
+        return self._gdn_out(out, z, x, p)
