@@ -295,7 +295,7 @@ def passes_list(as_json):
              "options": [{"name": o.name, "type": o.type.__name__, "default": o.default, "doc": o.doc}
                          for o in cls.options],
              "requires": list(cls.requires), "conflicts": list(cls.conflicts), "after": list(cls.after),
-             "targets": list(cls.targets)} for cls in sorted(REGISTRY.values(), key=lambda c: c.name)]
+             "targets": list(cls.targets), "proposable": cls.proposable} for cls in sorted(REGISTRY.values(), key=lambda c: c.name)]
     if as_json:
         click.echo(json.dumps(rows))
         return

@@ -118,6 +118,60 @@ def load_cuda_runtime() -> bool:
         return False
 
 
+def ir_hash(mod) -> str:
+    """The structural hash of a Relax IRModule (functions, shapes, attributes; not the weights,
+    which are parameters): what the memory compares to decide an entry reproduces a system."""
+    import tvm_ffi
+    return f"{tvm_ffi.structural_hash(mod) & (2**64 - 1):016x}"
+
+
+def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, params: str = "file",
+                    say=None, instrument=None, after_pass=None):
+    """Lower the deployment and run the pipeline (no TVM compile).  Returns
+    (module, pass records, context, pipeline, lowered parameter names, models)."""
+    from specpilot.passes.legality import require_legal
+    from specpilot.passes.pipeline import parse
+    from specpilot.passes.runner import run_pipeline
+
+    say = say or (lambda message: None)
+    pipeline = parse(spec.passes if passes is None else passes)
+    dtype_name = spec.deployment.dtype
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    say("loading weights")
+    tgt, drf = load_models(spec, weights=params == "file")
+    context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
+                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params == "file")
+    require_legal(pipeline, context)   # before the long steps
+    say("lowering to Relax")
+    mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
+                                  target.is_gpu, drafter_shares_target=spec.drafter.kind == "early-exit",
+                                  n_rows=spec.deployment.max_batch)
+    context.params = packed_parameters(names, tgt, drf, dtype) if params == "file" else {}
+    if instrument:
+        instrument("lower", mod)
+    records = []
+    if len(pipeline):
+        say(f"running passes {pipeline}")
+        mod, records = run_pipeline(pipeline, mod, context, after=after_pass)
+    return mod, records, context, pipeline, names, (tgt, drf)
+
+
+def system_hash(spec: Spec, target: TargetSpec, passes: str) -> str:
+    """ir_hash of stock lowered for this spec and target with ``passes`` applied: what a build
+    of that pipeline records as its ``ir_hash``."""
+    mod, *_ = lower_and_apply(spec, target, passes)
+    return ir_hash(mod)
+
+
+def serving_schedule(mod, spec: Spec) -> dict:
+    """The serving-schedule knobs schedule passes left on the module (draft-length)."""
+    attrs = mod.attrs or {}
+    length = int(attrs["specpilot.draft_len"]) if "specpilot.draft_len" in attrs else 0
+    return {"draft_len": length or spec.drafter.draft_len,
+            "draft_dynamic": bool(int(attrs["specpilot.draft_dynamic"])) if "specpilot.draft_dynamic" in attrs else False,
+            "draft_min": int(attrs["specpilot.draft_min"]) if "specpilot.draft_min" in attrs else 1}
+
+
 def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
           print_ir_after: str | None = None, dump_ir: Path | None = None, progress=None,
           params: str = "file", schedule: str | None = None) -> dict:
@@ -129,13 +183,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     import tvm
 
     say = progress or (lambda message: None)
-    from specpilot.passes.legality import require_legal
-    from specpilot.passes.pipeline import parse
-    from specpilot.passes.runner import run_pipeline
-
-    pipeline = parse(passes or spec.passes)
     dtype_name = spec.deployment.dtype
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     started = time.perf_counter()
     seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
              "drafter": spec.drafter.init.model_dump() if spec.drafter.kind == "model" and spec.drafter.init else None}
@@ -143,38 +191,22 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         raise SpecPilotError(f"params must be 'file' or 'seeded', not {params!r}")
     if params == "seeded" and (seeds["target"] is None or (spec.drafter.kind == "model" and seeds["drafter"] is None)):
         raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
-    say("loading weights")
-    tgt, drf = load_models(spec, weights=params == "file")
-    context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
-                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params == "file")
-    require_legal(pipeline, context)   # before the long steps
     capacity = spec.deployment.max_seq_len
-    say("lowering to Relax")
-    mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, capacity, target.is_gpu,
-                                  drafter_shares_target=spec.drafter.kind == "early-exit",
-                                  n_rows=spec.deployment.max_batch)
-    stages: list[tuple[str, object]] = [("lower", mod)]
-    full = packed_parameters(names, tgt, drf, dtype) if params == "file" else {}
-    context.params = full
+    stages: list[tuple[str, object]] = []
 
     def instrument(stage: str, module) -> None:
+        stages.append((stage, module))
         if print_ir_after in (stage, "all"):
             print(f"# IR after {stage}\n{module.script(show_meta=False)}", file=sys.stderr)
         if dump_ir is not None:
             dump_ir.mkdir(parents=True, exist_ok=True)
-            (dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
+            (dump_ir / f"{len(stages) - 1:02d}-{stage}.py").write_text(module.script(show_meta=False))
 
-    instrument("lower", mod)
-    if len(pipeline):
-        say(f"running passes {pipeline}")
-
-        def after_pass(name: str, module) -> None:
-            stages.append((name, module))
-            instrument(name, module)
-
-        mod, records = run_pipeline(pipeline, mod, context, after=after_pass)
-    else:
-        records = []
+    mod, records, context, pipeline, names, (tgt, drf) = lower_and_apply(
+        spec, target, passes or spec.passes, params, say, instrument, after_pass=instrument)
+    full = context.params
+    system_ir_hash = ir_hash(mod)
+    serving = serving_schedule(mod, spec)
     from specpilot.schedules.relax_pipeline import SCHEDULES, pipeline as relax_pipeline
     schedule = schedule or ("nt-gemv" if target.is_gpu else "tvm-default")
     if schedule not in SCHEDULES:
@@ -186,10 +218,11 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     say(f"compiling for {target.text()}")
     with tvm_target:
         mod = relax_pipeline(tvm_target, schedule)(mod)
-        stages.append(("relax-pipeline", mod))
         instrument("relax-pipeline", mod)
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None)
     out_dir.mkdir(parents=True, exist_ok=True)
+    kernels = tvm.IRModule({gv: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)})
+    (out_dir / "kernels.json").write_text(tvm.ir.save_json(kernels))   # the cost model reads FLOPs/bytes here
     say("exporting")
     lib_path = out_dir / "model.so"
     executable.export_library(str(lib_path))
@@ -218,7 +251,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "spec_path": str(spec.path) if spec.path else None,
         "pipeline": str(pipeline), "passes": [vars(r) for r in records], "target": target.text(), "target_kind": target.kind, "arch": target.arch,
         "dtype": dtype_name, "capacity": capacity, "max_batch": spec.deployment.max_batch,
-        "schedule": schedule,
+        "schedule": schedule, "ir_hash": system_ir_hash, "serving": serving,
         "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},

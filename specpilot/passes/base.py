@@ -77,6 +77,7 @@ class Pass:
     after: ClassVar[tuple[str, ...]] = ()
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
     statistics: ClassVar[tuple[str, ...]] = ()
+    proposable: ClassVar[bool] = True     # False: a test instrument the search never proposes
 
     def __init__(self, **values: Any):
         known = {o.name: o for o in self.options}

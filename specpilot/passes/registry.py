@@ -7,13 +7,15 @@ A new pass is one file in this folder defining one `Pass` subclass, plus one lin
 from __future__ import annotations
 
 from specpilot.passes.base import Pass
+from specpilot.passes.draft_length import DraftLength
 from specpilot.passes.gdn_path_recompute import GdnPathRecompute
+from specpilot.passes.logit_bias_fault import LogitBiasFault
 from specpilot.passes.nested_int8_view import NestedInt8View
 from specpilot.passes.tree_verify import TreeVerify
 from specpilot.passes.two_level_verify import TwoLevelVerify
 from specpilot.passes.w12_layout import W12Layout
 
 PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout, NestedInt8View, TreeVerify, GdnPathRecompute,
-                                         TwoLevelVerify)
+                                         TwoLevelVerify, DraftLength, LogitBiasFault)
 
 REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASS_CLASSES}

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specpilot.schedules.serving import DraftSchedule
+
 from specpilot.runtime.tree import Tree, accept, best_first
 
 
@@ -110,10 +112,12 @@ def batched_autoregressive(model, prompts: list[list[int]], max_new: list[int], 
     return [done[i] for i in range(len(prompts))]
 
 
-def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int, capacity: int,
+def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capacity: int,
                 force=None, logits_hook=None, stop_ids=()) -> Generation:
     """Stock speculative decoding: draft a chain, verify it in one target pass, keep the
-    longest prefix the target agrees with plus the target's own next token."""
+    longest prefix the target agrees with plus the target's own next token.  ``draft_len``:
+    an int (fixed) or a `schedules.serving.DraftSchedule` (its length per step)."""
+    schedule = draft_len if isinstance(draft_len, DraftSchedule) else DraftSchedule(draft_len)
     start = time.perf_counter()
     state = model.new_state(capacity)
     out = _Emitter(max_new, force, logits_hook, stop_ids)
@@ -123,7 +127,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int,
     last = out.target_token(logits)            # emitted, not yet fed to the target
     out.gen.accepted.append(1)
     while not out.stopped:
-        room = min(draft_len, out.max_new - len(out.gen.tokens), capacity - state.length - 1)
+        room = min(schedule.next(), out.max_new - len(out.gen.tokens), capacity - state.length - 1)
         draft = drafter.propose(prompt + out.gen.tokens, room).chain()[:room]
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
@@ -136,6 +140,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len: int,
         state.truncate(base + committed)       # keep [last fed] + accepted drafts; drop the rest
         state.drop_history()
         out.gen.accepted.append(committed)
+        schedule.update(committed - 1)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 

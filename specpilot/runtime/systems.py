@@ -21,6 +21,7 @@ from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.tokenizer import load_tokenizer
+from specpilot.schedules.serving import DraftSchedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,9 +36,10 @@ class Engine:
 
 class System:
     def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
-                 eos_ids: tuple[int, ...], dtype: str):
+                 eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False):
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
+        self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +118,8 @@ class System:
                                                  force, logits_hook, stop_ids)
                 return speculative_tree(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
                                         force, logits_hook, stop_ids)
-            return speculative(e.model, drafter, prompt, max_new, self.draft_len, self.capacity,
+            schedule = DraftSchedule(self.draft_len, self.draft_min, self.draft_dynamic)   # per request
+            return speculative(e.model, drafter, prompt, max_new, schedule, self.capacity,
                                force, logits_hook, stop_ids)
         finally:
             if record_lattices:
@@ -183,8 +186,9 @@ def from_build(build_dir: Path) -> System:
                                                       torch.float32, device))
     tok = Path(build_dir) / m["tokenizer"] if m.get("tokenizer") else None
     cfg = refs["target"].cfg
-    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, d["draft_len"],
-                  tuple(cfg.eos_token_ids), m["dtype"])
+    serving = m.get("serving") or {"draft_len": d["draft_len"]}
+    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, serving["draft_len"],
+                  tuple(cfg.eos_token_ids), m["dtype"], serving.get("draft_min", 1), serving.get("draft_dynamic", False))
 
 
 def load_system(spec_or_build: str | Path) -> System:

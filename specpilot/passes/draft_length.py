@@ -1,0 +1,42 @@
+"""draft-length: a serving-schedule pass -- how many tokens the drafter proposes per verification.
+
+What it changes: no kernel.  It records the draft-length policy on the module
+(``specpilot.draft_len``, ``specpilot.draft_dynamic``, ``specpilot.draft_min``); the build
+copies it into the manifest's ``serving`` section and the engine drafts accordingly.  With
+``dynamic=true`` each request picks its own length every step from its recent acceptance
+(an exponential average of accepted drafts, plus one, clamped to [min, length]): requests
+whose drafts keep failing stop paying for long drafts.  Any draft length is lossless --
+verification still accepts only the target's own greedy tokens.
+
+Defaults reproduce stock: ``length=0`` means the spec's ``drafter.draft_len``, fixed.
+"""
+
+from __future__ import annotations
+
+from specpilot.passes.base import Option, Pass, PassContext
+
+
+class DraftLength(Pass):
+    name = "draft-length"
+    doc = "draft-length policy per verification: fixed length or per-request dynamic (serving schedule)"
+    options = (Option("length", int, 0, "tokens drafted per verification (0: the spec's draft_len); the maximum "
+                      "when dynamic"),
+               Option("dynamic", bool, False, "choose each request's length from its recent acceptance"),
+               Option("min", int, 1, "shortest dynamic draft"))
+    conflicts = ("tree-verify",)   # trees are sized by their node budget, not a chain length
+    statistics = ("draft_len", "dynamic")
+
+    def legal(self, context: PassContext) -> tuple[bool, str]:
+        if not 0 <= self["length"] <= 64:
+            return False, f"length must be in 0..64 (0: the spec's draft_len), got {self['length']}"
+        if not 1 <= self["min"] <= 64:
+            return False, f"min must be in 1..64, got {self['min']}"
+        if self["length"] and self["min"] > self["length"]:
+            return False, f"min ({self['min']}) exceeds length ({self['length']})"
+        return True, ""
+
+    def apply(self, mod, context: PassContext):
+        context.statistics[self.name].update(draft_len=self["length"], dynamic=self["dynamic"])
+        return (mod.with_attr("specpilot.draft_len", self["length"])
+                .with_attr("specpilot.draft_dynamic", int(self["dynamic"]))
+                .with_attr("specpilot.draft_min", self["min"]))
