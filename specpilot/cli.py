@@ -341,6 +341,106 @@ def passes_check(pipeline_text, spec_path, target_text, as_json):
     sys.exit(1 if reasons else 0)
 
 
+_memory_option = click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                              help="memory database (default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory.sqlite)")
+
+
+@cli.group()
+def memory():
+    """The memory of verified pass sequences (SQLite)."""
+
+
+def _summary(e) -> dict:
+    return {"id": e.id, "pipeline": e.pipeline, "applicability": e.applicability.model_dump(mode="json"),
+            "results": e.results, "dependencies": e.dependencies, "updated": e.updated}
+
+
+@memory.command("ls")
+@_memory_option
+@click.option("--json", "as_json", is_flag=True)
+def memory_ls(memory_path, as_json):
+    """List the entries."""
+    from specpilot.memory.store import Memory
+    with Memory(memory_path) as mem:
+        rows = [_summary(e) for e in mem.entries()]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no entries")
+    for r in rows:
+        a, res = r["applicability"], r["results"]
+        gain = f"{res['speedup']:.3f}x (95% lcb {res['lcb']:+.1%})" if "speedup" in res else "-"
+        click.echo(f"{r['id']}  {r['pipeline'] or '(stock)':48s} {a['family']}/{a['target_kind']}/{a['dtype']}  {gain}")
+
+
+@memory.command("show")
+@click.argument("entry_id")
+@_memory_option
+@click.option("--json", "as_json", is_flag=True)
+def memory_show(entry_id, memory_path, as_json):
+    """One entry, in full."""
+    from specpilot.memory.store import Memory
+    with Memory(memory_path) as mem:
+        entry = mem.get(entry_id)
+    body = json.loads(entry.model_dump_json())
+    click.echo(json.dumps(body) if as_json else json.dumps({k: v for k, v in body.items() if k != "spec"}, indent=2))
+
+
+@memory.command("verify")
+@click.argument("entry_id")
+@_memory_option
+@click.option("--json", "as_json", is_flag=True)
+def memory_verify(entry_id, memory_path, as_json):
+    """Re-apply the entry's pipeline to stock and compare structural hashes (exit 0: reproduces)."""
+    from specpilot.memory.store import Memory
+    with Memory(memory_path) as mem:
+        entry = mem.get(entry_id)
+        problems = mem.verify(entry.id)
+    if as_json:
+        click.echo(json.dumps({"id": entry.id, "pipeline": entry.pipeline, "reproduces": not problems,
+                               "problems": problems}))
+    elif problems:
+        click.echo(f"FAIL {entry.id} {entry.pipeline}")
+        for p in problems:
+            click.echo(f"  - {p}")
+    else:
+        click.echo(f"ok {entry.id} {entry.pipeline}: stock + pipeline reproduces IRModule {entry.source_hash}")
+    sys.exit(1 if problems else 0)
+
+
+@memory.command("export")
+@_memory_option
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write here (default: stdout)")
+def memory_export(memory_path, output):
+    """All entries as one JSON file."""
+    from specpilot.memory.store import Memory
+    with Memory(memory_path) as mem:
+        text = json.dumps(mem.export(), indent=2)
+    if output:
+        output.write_text(text)
+    else:
+        click.echo(text)
+
+
+@memory.command("import")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@_memory_option
+def memory_import(file, memory_path):
+    """Validate an export file and store its entries (each must reproduce)."""
+    from specpilot.memory.store import Memory
+    if not file.is_file():
+        raise SpecPilotError(f"{file}: not found")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecPilotError(f"{file}: not valid JSON ({e})") from None
+    with Memory(memory_path) as mem:
+        stored = mem.import_(data)
+    click.echo(f"imported {len(stored)} entries into {mem.path}")
+
+
 def _join_target_flags(argv: list[str]) -> list[str]:
     """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
     out: list[str] = []

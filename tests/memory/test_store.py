@@ -1,0 +1,127 @@
+"""The memory: reproduce-checked entries in SQLite (WAL), concurrent writers, export/import."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specpilot.compiler.build import system_hash
+from specpilot.compiler.spec import load_spec
+from specpilot.compiler.target import parse_target
+from specpilot.errors import SpecPilotError
+from specpilot.memory.store import Applicability, Entry, Memory
+
+SPEC = Path(__file__).parents[2] / "examples" / "tiny-llama.yaml"
+SCOPE = Applicability(family="LlamaForCausalLM", hybrid=False, target_kind="llvm", dtype="float32",
+                      drafter_kind="model")
+
+
+def _entry(pipeline: str, source_hash: str, **kw) -> Entry:
+    spec = load_spec(SPEC)
+    return Entry(pipeline=pipeline, source_hash=source_hash, applicability=SCOPE, target="llvm",
+                 spec=spec.model_dump(mode="json"), spec_path=str(SPEC),
+                 results={"speedup": 1.5, "lcb": 0.4}, **kw)
+
+
+@pytest.fixture(scope="module")
+def hashes():
+    spec, target = load_spec(SPEC), parse_target("llvm")
+    return {p: system_hash(spec, target, p) for p in ("draft-length{length=2}", "draft-length{dynamic=true,length=2}")}
+
+
+def test_entry_stored_only_if_it_reproduces(tmp_path, hashes):
+    mem = Memory(tmp_path / "m.sqlite")
+    assert mem.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    good = mem.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    assert good.id == good.key() and good.options == {"draft-length": {"length": 2, "dynamic": False, "min": 1}}
+    assert mem.verify(good.id) == []
+    # a source hash from another system: not stored, and the message says what differed
+    with pytest.raises(SpecPilotError, match=r"gives IRModule [0-9a-f]{16}, not the source system's 00000000"):
+        mem.add(_entry("draft-length{length=3}", "0" * 16))
+    # non-canonical text is canonicalized before the check (defaults dropped, options ordered)
+    dyn = mem.add(_entry("draft-length{dynamic=true,length=2,min=1}", hashes["draft-length{dynamic=true,length=2}"],
+                         dependencies=[good.id]))
+    assert dyn.pipeline == "draft-length{length=2,dynamic=true}" and mem.verify(dyn.id) == []
+    # a dependency whose passes the entry lacks, or one that is not stored
+    bad = _entry("draft-length{length=2}", hashes["draft-length{length=2}"], dependencies=["feedbeef0000"])
+    with pytest.raises(SpecPilotError, match="dependency feedbeef0000 is not in the memory"):
+        mem.add(bad)
+    assert [e.id for e in mem.entries()] == [good.id, dyn.id]
+    # tampering with a stored entry: verify reports it
+    body = json.loads(mem.db.execute("SELECT body FROM entries WHERE id = ?", (good.id,)).fetchone()[0])
+    body["source_hash"] = "1" * 16
+    mem.db.execute("UPDATE entries SET body = ? WHERE id = ?", (json.dumps(body), good.id))
+    assert any("not the source system's 1111111111111111" in p for p in mem.verify(good.id))
+
+
+def test_export_import_round_trip_and_garbage(tmp_path, hashes):
+    src = Memory(tmp_path / "a.sqlite")
+    first = src.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    src.add(_entry("draft-length{length=2,dynamic=true}", hashes["draft-length{dynamic=true,length=2}"],
+                   dependencies=[first.id]))
+    data = src.export()
+    data["entries"].reverse()             # dependencies after dependents: import orders them
+    dst = Memory(tmp_path / "b.sqlite")
+    assert len(dst.import_(json.loads(json.dumps(data)))) == 2
+    assert [e.pipeline for e in dst.entries()] == [e.pipeline for e in src.entries()]
+    with pytest.raises(SpecPilotError, match="not a SpecPilot memory export"):
+        dst.import_({"entries": []})
+    with pytest.raises(SpecPilotError, match="entry field entries|entry field applicability"):
+        dst.import_({"format": "specpilot-memory", "version": 1, "entries": [{"pipeline": "x"}]})
+    forged = json.loads(json.dumps(data))
+    forged["entries"][0]["pipeline"] = "w12-layout"   # id no longer matches the content
+    with pytest.raises(SpecPilotError, match="does not match its pipeline and scope"):
+        Memory(tmp_path / "c.sqlite").import_(forged)
+    evil = json.loads(json.dumps(data))
+    evil["entries"] = [evil["entries"][1]]
+    evil["entries"][0].update(pipeline="__import__('os').system('true')", id="")
+    with pytest.raises(SpecPilotError, match="pipeline does not parse"):
+        Memory(tmp_path / "d.sqlite").import_(evil)
+    (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
+    with pytest.raises(SpecPilotError, match="not a usable SpecPilot memory"):
+        Memory(tmp_path / "junk.sqlite")
+
+
+def test_concurrent_writers(tmp_path):
+    """Four processes add 15 entries each at once (WAL + busy timeout): none is lost."""
+    path = tmp_path / "shared.sqlite"
+    script = textwrap.dedent(f"""
+        import sys
+        from specpilot.memory.store import Applicability, Entry, Memory
+        scope = Applicability(family="F", hybrid=False, target_kind="llvm", dtype="float32", drafter_kind="ngram")
+        mem = Memory({str(path)!r})
+        for i in range(15):
+            e = Entry(pipeline=f"draft-length{{{{length={{int(sys.argv[1]) * 15 + i + 1}}}}}}", source_hash="h",
+                      applicability=scope, target="llvm", spec={{}})
+            mem.add(e, reproduce=lambda entry: "h")
+    """)
+    Memory(path).close()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(w)]) for w in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 60
+    lengths = sorted(int(e.pipeline.split("=")[1][:-1]) for e in Memory(path).entries())
+    assert lengths == list(range(1, 61))
+
+
+def test_cli_ls_show_verify(tmp_path, run_cli, hashes):
+    path = tmp_path / "m.sqlite"
+    e = Memory(path).add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    code, out, _ = run_cli("memory", "ls", "--json", "--memory", path)
+    rows = json.loads(out)
+    assert code == 0 and rows[0]["id"] == e.id and rows[0]["pipeline"] == "draft-length{length=2}"
+    assert rows[0]["applicability"]["family"] == "LlamaForCausalLM" and rows[0]["results"]["speedup"] == 1.5
+    assert run_cli("memory", "verify", e.id[:6], "--memory", path)[0] == 0
+    code, out, _ = run_cli("memory", "show", e.id, "--json", "--memory", path)
+    assert json.loads(out)["source_hash"] == hashes["draft-length{length=2}"]
+    code, _, err = run_cli("memory", "show", "zzzz", "--memory", path)
+    assert code == 2 and "no entry 'zzzz'" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    code, _, err = run_cli("memory", "import", tmp_path / "bad.json", "--memory", path)
+    assert code == 2 and "not valid JSON" in err
