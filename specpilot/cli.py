@@ -341,6 +341,29 @@ def passes_check(pipeline_text, spec_path, target_text, as_json):
     sys.exit(1 if reasons else 0)
 
 
+@cli.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--requests", type=click.Path(dir_okay=False, path_type=Path), help="JSONL requests (default: built-in prompts)")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--engine", type=click.Choice([e for e in ENGINES if e.startswith("compiled")]), default=None,
+              help="default: the engine the build's pipeline is for")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="write a roofline + factors PNG")
+@click.option("--json", "as_json", is_flag=True)
+def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
+    """Cost model: acceptance, kernel and overhead factors, per-kernel time vs bound, the bottleneck."""
+    from specpilot.agent.cost_model import explain as run_explain, plot, render
+    from specpilot.runtime.systems import from_build
+
+    prompts = [p for p, _ in _read_requests(requests, from_build(build_dir), max_new_tokens)]
+    report = run_explain(build_dir, prompts, max_new_tokens, engine)
+    if plot_path:
+        plot(report, plot_path)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in report.items() if k != "lattices"}))
+    else:
+        click.echo(render(report))
+
+
 _memory_option = click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
                               help="memory database (default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory.sqlite)")
 

@@ -208,7 +208,9 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     system_ir_hash = ir_hash(mod)
     serving = serving_schedule(mod, spec)
     from specpilot.schedules.relax_pipeline import SCHEDULES, pipeline as relax_pipeline
-    schedule = schedule or ("nt-gemv" if target.is_gpu else "tvm-default")
+    from specpilot.schedules.relax_pipeline import DEFAULT
+    schedule = schedule or (str(mod.attrs["specpilot.schedule"]) if mod.attrs and "specpilot.schedule" in mod.attrs
+                            else DEFAULT[target.kind])
     if schedule not in SCHEDULES:
         raise SpecPilotError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     tvm_target = target.tvm_target()

@@ -9,6 +9,11 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   functions take a symbolic batch, so a decode projection is x[batch, K] . W^T: dlight's
   tiled Matmul rule would claim it (and run batch 1 ~10x slower than a GEMV); kernels whose
   only symbolic extent is ``batch`` (decode steps) go to the low-batch GEMV rule first.
+- ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
+  no step transposes a weight matrix at run time.
+
+Builds take the set from ``--schedule``, else from the ``kernel-schedule`` pass, else the
+target's default.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-SCHEDULES = ("tvm-default", "nt-gemv")
+SCHEDULES = ("tvm-default", "nt-gemv", "cpu-nt")
+DEFAULT = {"llvm": "tvm-default", "cuda": "nt-gemv"}
 
 
 def _decode_only(rule):
@@ -46,7 +52,10 @@ _DecodeOnly = _decode_only
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
-    if schedule == "tvm-default" or target.kind.name != "cuda":
+    if schedule == "cpu-nt" and target.kind.name != "cuda":
+        # x @ W^T as one kernel reading W in its stored layout: no per-call weight transpose
+        return tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), relax.get_default_pipeline(target)])
+    if schedule != "nt-gemv" or target.kind.name != "cuda":
         return relax.get_default_pipeline(target)
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.s_tir import dlight as dl

@@ -1,0 +1,34 @@
+"""kernel-schedule: which schedule set turns the graph into kernels (a tuning knob).
+
+What it changes: no function.  It records the set on the module (``specpilot.schedule``);
+the build's Relax-to-TIR pipeline uses it (`schedules.relax_pipeline`).  Every set computes
+exactly what the graph says, so the choice is lossless; only speed differs, which is why the
+search's kernel-tuning phase turns it.
+
+Defaults reproduce stock: ``set=default`` is the target's default set.
+"""
+
+from __future__ import annotations
+
+from specpilot.passes.base import Option, Pass, PassContext
+
+_FOR_TARGET = {"llvm": ("tvm-default", "cpu-nt"), "cuda": ("tvm-default", "nt-gemv")}
+
+
+class KernelSchedule(Pass):
+    name = "kernel-schedule"
+    doc = "choose the schedule set the build lowers kernels with (tvm-default, nt-gemv on GPUs, cpu-nt on CPUs)"
+    options = (Option("set", str, "default", "schedule set", choices=("default", "tvm-default", "nt-gemv", "cpu-nt")),)
+    statistics = ("schedule",)
+
+    def legal(self, context: PassContext) -> tuple[bool, str]:
+        allowed = _FOR_TARGET[context.target_kind]
+        if self["set"] != "default" and self["set"] not in allowed:
+            return False, f"set={self['set']} is not a {context.target_kind} schedule set ({', '.join(allowed)})"
+        return True, ""
+
+    def apply(self, mod, context: PassContext):
+        from specpilot.schedules.relax_pipeline import DEFAULT
+        chosen = DEFAULT[context.target_kind] if self["set"] == "default" else self["set"]
+        context.statistics[self.name].update(schedule=chosen)
+        return mod.with_attr("specpilot.schedule", chosen)
