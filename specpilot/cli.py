@@ -364,6 +364,46 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
         click.echo(render(report))
 
 
+@cli.command()
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--target", "target_text", default="llvm", show_default=True)
+@click.option("--rounds", type=click.IntRange(1, 20), default=2, show_default=True)
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("search"), show_default=True)
+@click.option("--proposer", type=click.Choice(["builtin", "llm"]), default="builtin", show_default=True)
+@click.option("--llm-model", default=None, help="model name at OPENAI_BASE_URL (proposer llm)")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True)
+@click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--dev-requests", type=click.IntRange(2, 64), default=3, show_default=True)
+@click.option("--dev-tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
+              help="token forcing length on development requests (every candidate)")
+@click.option("--time-tokens", type=click.IntRange(4, 4096), default=48, show_default=True,
+              help="tokens per timed request (cost model, paired measurement)")
+@click.option("--sealed-tokens", type=click.IntRange(4, 8192), default=4096, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True)
+@click.option("--inject-fault", type=click.IntRange(0), default=None,
+              help="TEST: every candidate gets logit-bias-fault{after=N} (sealed validation must reject it)")
+@click.option("--json", "as_json", is_flag=True)
+def search(spec, target_text, rounds, output, proposer, llm_model, workers, backend, memory_path, dev_requests,
+           dev_tokens, time_tokens, sealed_tokens, repeats, inject_fault, as_json):
+    """The optimization loop: cost model, proposals, parallel builds, paired adjudication, sealed validation."""
+    from specpilot.agent.cycle import Search
+
+    chosen = None
+    if proposer == "llm":
+        from specpilot.agent.llm import LLMProposer
+        chosen = LLMProposer(model=llm_model)
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    result = Search(spec, target_text, output, rounds, workers, chosen, memory_path, dev_requests, dev_tokens,
+                    sealed_tokens=sealed_tokens, repeats=repeats, inject_fault=inject_fault, backend=backend,
+                    say=say, time_tokens=time_tokens).run()
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo((output / "report.md").read_text())
+    sys.exit(0 if result["sealed"].get("passed") else 1)
+
+
 _memory_option = click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
                               help="memory database (default: $SPECPILOT_MEMORY or ~/.local/share/specpilot/memory.sqlite)")
 

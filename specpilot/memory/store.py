@@ -49,11 +49,11 @@ class Applicability(BaseModel):
     batch: tuple[int, int] = (1, 1)
     drafter_kind: str
 
-    def matches(self, other: "Applicability", exact_family: bool = False) -> bool:
-        """Could an entry scoped ``self`` apply to a deployment described by ``other``?"""
-        return (self.hybrid == other.hybrid and self.target_kind == other.target_kind
-                and self.dtype == other.dtype and self.drafter_kind == other.drafter_kind
-                and (not exact_family or self.family == other.family))
+    def matches(self, other: "Applicability") -> bool:
+        """Could an entry scoped ``self`` be tried on a deployment described by ``other``?  Same
+        target kind and dtype; other families and drafters are untested scopes the search
+        re-measures (and the pipeline must still be legal there)."""
+        return self.target_kind == other.target_kind and self.dtype == other.dtype
 
 
 class Entry(BaseModel):

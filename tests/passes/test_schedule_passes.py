@@ -1,0 +1,82 @@
+"""draft-length, kernel-schedule and the logit-bias-fault test instrument."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specpilot.compiler.build import build, lower_and_apply
+from specpilot.compiler.spec import load_spec
+from specpilot.compiler.target import parse_target
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import PassContext
+from specpilot.passes.legality import check
+from specpilot.passes.pipeline import parse
+from specpilot.runtime.forcing import force_requests
+from specpilot.runtime.systems import from_build
+from specpilot.schedules.serving import DraftSchedule
+
+LLAMA = Path(__file__).parents[2] / "examples" / "tiny-llama.yaml"
+
+
+def test_draft_schedule_dynamic_follows_acceptance():
+    fixed = DraftSchedule(5)
+    fixed.update(0)
+    assert fixed.next() == 5
+    s = DraftSchedule(8, minimum=2, dynamic=True)
+    assert s.next() == 8                      # optimistic start
+    for _ in range(6):
+        s.update(0)
+    assert s.next() == 2                      # drafts keep failing: the minimum
+    for _ in range(8):
+        s.update(7)
+    assert s.next() == 8                      # drafts keep landing: back to the maximum
+    with pytest.raises(ValueError):
+        DraftSchedule(0)
+
+
+def test_legality_of_schedule_passes():
+    assert check(parse("draft-length{length=3,dynamic=true},kernel-schedule{set=cpu-nt}"), PassContext()) == []
+    assert check(parse("draft-length{length=2,min=3}"), PassContext()) == [
+        "draft-length: min (3) exceeds length (2)"]
+    assert check(parse("kernel-schedule{set=nt-gemv}"), PassContext()) == [
+        "kernel-schedule: set=nt-gemv is not a llvm schedule set (tvm-default, cpu-nt)"]
+    assert "draft-length conflicts with tree-verify" in check(
+        parse("tree-verify{budget=8},draft-length{length=2}"), PassContext())
+
+
+def test_schedule_passes_only_annotate():
+    spec, target = load_spec(LLAMA), parse_target("llvm")
+    stock, *_ = lower_and_apply(spec, target, "")
+    mod, records, *_ = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true},kernel-schedule{set=cpu-nt}")
+    assert {k: str(v) for k, v in mod.attrs.items()} == {
+        "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1",
+        "specpilot.schedule": "cpu-nt"}
+    import tvm
+    from specpilot.compiler.build import ir_hash
+    assert ir_hash(tvm.IRModule(mod.functions)) == ir_hash(stock) != ir_hash(mod)   # functions unchanged
+    assert records[1].statistics == {"schedule": "cpu-nt"}
+
+
+def test_fault_passes_short_forcing_and_fails_long(tmp_path):
+    """The paper's fault-injection experiment, scaled down: a logit bias from absolute position
+    40 on is invisible to forcing that stops before it and caught by forcing past it."""
+    spec = load_spec(LLAMA)
+    d = tmp_path / "b"
+    manifest = build(spec, parse_target("llvm"), d, passes="draft-length{length=2},logit-bias-fault{after=40,token=5}")
+    assert manifest["serving"]["draft_len"] == 2 and manifest["passes"][1]["statistics"] == {"functions_faulted": 3}
+    system = from_build(d)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]                         # 8 tokens: new token i sits at position 8 + i - 1
+    for engine in ("compiled", "compiled-spec"):
+        stock = system.generate("stock", prompt, 64)
+        short = force_requests([_cut(stock, 32)], [system.generate(engine, prompt, 32, force=stock.tokens[:32])])
+        assert short.passed
+        long = force_requests([stock], [system.generate(engine, prompt, 64, force=stock.tokens)])
+        first = long.first_divergence
+        assert not long.passed and first.system_token == 5 and first.position >= 33
+
+
+def _cut(g, n):
+    from dataclasses import replace
+    return replace(g, tokens=g.tokens[:n], margins=g.margins[:n])
