@@ -36,6 +36,9 @@ from specpilot.errors import SpecPilotError
 from specpilot.passes.pipeline import Pipeline, parse
 
 
+MEMORY_PICKS = 2    # a new deployment starts from stock plus the best verified entries legal for it
+
+
 class RunLog:
     def __init__(self, path: Path):
         self.path = path
@@ -187,7 +190,7 @@ class Search:
         first_round = state["round"] + 1 if state else 1
         reused = []
         if not state:
-            mem = from_memory(self.memory.applicable(self.scope), parse(current), self.context, set())
+            mem = from_memory(self.memory.applicable(self.scope), parse(current), self.context, set())[:MEMORY_PICKS]
             if mem:
                 say(f"memory: {len(mem)} verified entr{'y' if len(mem) == 1 else 'ies'} legal here: "
                     + ", ".join(c.pipeline for c in mem))
