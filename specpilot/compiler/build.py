@@ -200,7 +200,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
             print(f"# IR after {stage}\n{module.script(show_meta=False)}", file=sys.stderr)
         if dump_ir is not None:
             dump_ir.mkdir(parents=True, exist_ok=True)
-            (dump_ir / f"{len(stages) - 1:02d}-{stage}.py").write_text(module.script(show_meta=False))
+            (dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
 
     mod, records, context, pipeline, names, (tgt, drf) = lower_and_apply(
         spec, target, passes or spec.passes, params, say, instrument, after_pass=instrument)
