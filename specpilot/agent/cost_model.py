@@ -82,13 +82,14 @@ def tree_acceptance(system, prompts: list[list[int]], references: list[list[int]
 
 
 def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str | None = None,
-            budgets=BUDGETS, context: int | None = None) -> dict:
+            budgets=BUDGETS, context: int | None = None, system=None) -> dict:
+    """``system``: the build already loaded (`runtime.systems.from_build`), to avoid loading it again."""
     from specpilot.compiler.costs import KernelTable, device_peaks
     from specpilot.runtime.profile import profiling
     from specpilot.runtime.systems import from_build
 
     build_dir = Path(build_dir)
-    system = from_build(build_dir)
+    system = system or from_build(build_dir)
     m = json.loads((build_dir / "manifest.json").read_text())
     has_drafter = "compiled-spec" in system.engines
     engine = engine or engine_for(m["pipeline"], has_drafter)

@@ -200,7 +200,7 @@ class Search:
         for rnd in range(first_round, self.rounds + 1):
             round_start = current
             say(f"round {rnd}: phase 0 (cost model of {current or 'stock'})")
-            report = explain(self._dir(current), self.dev, self.time_tokens)
+            report = explain(self._dir(current), self.dev, self.time_tokens, system=self.system(current))
             self.log.add("cost_model", round=rnd, pipeline=current, factors=report["factors"],
                          bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"])
             say("  factors: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["factors"].items())
