@@ -90,6 +90,31 @@ def batched_decode_steps(model, prompts: list[list[int]], steps: int, capacity: 
     return tokens, times
 
 
+def kernel_profile(model, prompt: list[int], steps: int, capacity: int, top: int = 14) -> list[dict]:
+    """The compiled module's decode step per kernel (TVM's VM instrument, a device sync around
+    each kernel): time per step and the bytes its arguments span, heaviest first."""
+    from specpilot.runtime.profile import AnyKernel, profiling
+    state = model.new_state(capacity)
+    logits = model.forward(prompt, state)
+    with profiling(model.module, AnyKernel()) as prof:
+        for _ in range(steps):
+            logits = model.forward([int(logits[-1].argmax())], state)
+    state.close()
+    rows = []
+    for name, calls in prof.by_kernel().items():
+        seconds = sum(c.seconds for c in calls) / steps
+        nbytes = sum(c.arg_bytes for c in calls) / steps
+        rows.append({"kernel": name, "calls_per_step": len(calls) / steps, "us_per_step": seconds * 1e6,
+                     "arg_bytes_per_step": nbytes, "arg_bytes_per_s": nbytes / seconds if seconds else 0.0})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"  per-kernel (instrumented; {total / 1e3:.2f} ms of kernels per step, {len(rows)} kernels):")
+    for r in rows[:top]:
+        print(f"    {r['kernel'][:48]:48s} x{r['calls_per_step']:4.1f} {r['us_per_step']:8.1f} us "
+              f"{r['arg_bytes_per_s'] / 1e12:5.2f} TB/s (args)")
+    return rows
+
+
 def w12_weight_bytes(model) -> int:
     from specpilot.schedules.w12_triton import W12Matrix
     return sum(t.nbytes if isinstance(t, W12Matrix) else 0 for t in model.w.values()) + \
@@ -128,8 +153,14 @@ def main() -> None:
     ap.add_argument("--no-torch-compile", action="store_true")
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",") if x], default=[4, 8],
                     help="batch sizes for the compiled module after batch 1 (up to the build's max_batch)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also time the compiled module's batch-1 step kernel by kernel over STEPS steps")
+    ap.add_argument("--no-w12", action="store_true", help="skip the eager W12 (Triton) engine")
+    ap.add_argument("--compiled-only", action="store_true",
+                    help="only the compiled module (e.g. a second build of a model already compared)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    profiles = {}
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -142,17 +173,20 @@ def main() -> None:
         capacity = system.capacity
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, system.vocab_size, (args.context,), generator=gen).tolist()
-        engines = {"compiled (TVM)": system.engines["compiled"].model, "torch eager": eager}
-        if not args.no_torch_compile:
+        engines = {"compiled (TVM)": system.engines["compiled"].model}
+        if not args.compiled_only:
+            engines["torch eager"] = eager
+        if not args.no_torch_compile and not args.compiled_only:
             engines["torch.compile"] = Compiled(eager)
-        t = time.perf_counter()
-        from specpilot.runtime.reference.model import ReferenceModel
-        w12_model = ReferenceModel(eager.cfg, {k: v for k, v in eager.w.items()
-                                               if not (eager.cfg.tie_word_embeddings and k == "lm_head.weight")},
-                                   eager.dtype, "cuda", weight_format="w12")
-        print(f"  W12 planes built in {time.perf_counter() - t:.1f} s", flush=True)
-        engines["torch eager, W12 (Triton)"] = w12_model
-        reference_tokens = None
+        if not args.no_w12 and not args.compiled_only:
+            t = time.perf_counter()
+            from specpilot.runtime.reference.model import ReferenceModel
+            engines["torch eager, W12 (Triton)"] = ReferenceModel(
+                eager.cfg, {k: v for k, v in eager.w.items()
+                            if not (eager.cfg.tie_word_embeddings and k == "lm_head.weight")},
+                eager.dtype, "cuda", weight_format="w12")
+            print(f"  W12 planes built in {time.perf_counter() - t:.1f} s", flush=True)
+        reference_tokens = compiled_tokens = None
         for name, model in engines.items():
             try:
                 tokens, times = decode_steps(model, prompt, args.steps, capacity)
@@ -162,6 +196,8 @@ def main() -> None:
                 continue
             if name == "torch eager":
                 reference_tokens = tokens
+            if name == "compiled (TVM)":
+                compiled_tokens = tokens     # kept: builds of one model with other schedules compare on these
             med = statistics.median(times)
             q = statistics.quantiles(times, n=10)
             moved = w12_weight_bytes(model) if "W12" in name else nbytes
@@ -169,8 +205,11 @@ def main() -> None:
                          "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "tokens_per_s": 1 / med, "weight_bytes": moved,
                          "bytes_per_s": moved / med, "fraction_of_copy_bw": moved / med / bandwidth,
                          "tokens": tokens})
-        del w12_model, engines["torch eager, W12 (Triton)"]
+        engines.pop("torch eager, W12 (Triton)", None)
         compiled = system.engines["compiled"].model
+        print(f"  cuda graphs: {compiled.module.manifest.get('cuda_graph', False)}", flush=True)
+        if args.profile:
+            profiles[build.name] = kernel_profile(compiled, prompt, args.profile, capacity)
         for b in [x for x in args.batches if x <= compiled.max_batch]:
             prompts = [torch.randint(0, system.vocab_size, (args.context,), generator=gen).tolist()
                        for _ in range(b - 1)] + [prompt]
@@ -184,10 +223,12 @@ def main() -> None:
         for row in rows:
             if row["build"] == build.name and "tokens" in row and reference_tokens is not None:
                 row["tokens_matching_eager"] = sum(a == b for a, b in zip(row.pop("tokens"), reference_tokens))
+            if row["build"] == build.name and row.get("engine") == "compiled (TVM)" and row.get("batch") == 1:
+                row["tokens"] = compiled_tokens
         del system, engines, eager
         torch.cuda.empty_cache()
     path = write("decode", {"context": args.context, "steps": args.steps, "copy_bandwidth": bandwidth,
-                            "results": rows}, args.out)
+                            "results": rows, "kernel_profiles": profiles}, args.out)
     print(f"\n{'build':16s} {'engine':26s} {'B':>2s} {'ms/step':>8s} {'p10-p90':>15s} {'tok/s':>7s} {'TB/s':>6s} "
           f"{'%copy':>6s} match")
     for r in rows:

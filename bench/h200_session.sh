@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# One device call on the H200: runtime-only TVM, then decode, W12 GEMM and bf16 forcing benches,
-# each under its own time limit, results into $OUT (and printed).  Needs, carried along:
-# .gpu/rt (bench/make_gpu_runtime.sh), .gpu/builds and .gpu/w12 (bench/make_gpu_builds.sh).
+# Device calls on the H200 under a runtime-only TVM, results into $OUT (and printed).  Needs,
+# carried along: .gpu/rt (bench/make_gpu_runtime.sh), .gpu/builds and .gpu/w12
+# (bench/make_gpu_builds.sh).  One part per call (each under the per-call limit):
+#   bash bench/h200_session.sh decode    decode: compiled vs eager vs torch.compile, per-kernel
+#                                        profile; the same builds with CUDA graphs
+#   bash bench/h200_session.sh tree      tree verification vs an AR step at 4k; GDN kernels;
+#                                        bf16 token forcing of the tiny builds (with/without graphs)
+#   bash bench/h200_session.sh gemm      the W12 GEMM kernels
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
 export PYTHONPATH=/tmp/rt/site:$PWD PYTHONUNBUFFERED=1 TVM_USE_RUNTIME_LIB=1
 out=${OUT:-bench/results}
+b=.gpu/builds
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-timeout "${DECODE_S:-330}" python3 bench/decode.py .gpu/builds/qwen3-8b-8l .gpu/builds/qwen35-27b-4l \
-  --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -40
-timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75
-timeout "${FORCING_S:-90}" python3 bench/gpu_forcing.py .gpu/builds/tiny-llama-bf16 .gpu/builds/tiny-hybrid-bf16 \
-  --max-new-tokens 128 --out "$out" 2>&1 | tail -8
+case "${1:-decode}" in
+decode)
+  timeout "${DECODE_S:-380}" python3 bench/decode.py $b/qwen3-8b-8l $b/qwen35-27b-4l --no-w12 --profile 8 \
+    --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -60
+  timeout "${GRAPH_S:-150}" python3 bench/decode.py $b/qwen3-8b-8l-graph $b/qwen35-27b-4l-graph --compiled-only \
+    --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -12 ;;
+tree)
+  timeout "${TREE_S:-300}" python3 bench/tree_verify.py run --lib .gpu/w12/gdn.so --build $b/qwen35-27b-4l-tree \
+    --context 4096 --out "$out" 2>&1 | grep -v Warning | tail -30
+  timeout "${FORCING_S:-200}" python3 bench/gpu_forcing.py $b/tiny-llama-bf16 $b/tiny-hybrid-bf16 \
+    $b/tiny-llama-bf16-graph $b/tiny-hybrid-bf16-graph --max-new-tokens 128 --out "$out" 2>&1 | tail -12 ;;
+gemm)
+  timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75 ;;
+esac

@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # The sm_90 builds the H200 runs use, cross-compiled here (no GPU needed), into .gpu/builds/:
 # realistic shapes with --params seeded (weights redrawn on the GPU from the manifest's seeds),
-# tiny bf16 models with their weights.  Then bench/w12_gemm.py's kernel library.
+# each also with CUDA graphs (kernel-schedule{graph=true}); tiny bf16 models with their weights;
+# the 27B-style hybrid with tree verification at a 4k context.  Then the kernel libraries of
+# bench/w12_gemm.py and bench/tree_verify.py.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 sp=.venv/bin/specpilot
 out=.gpu/builds
 mkdir -p "$out" .gpu/w12
-$sp compile bench/specs/qwen3-8b-shape-8l.yaml --target "cuda -arch=sm_90" --params seeded -o "$out/qwen3-8b-8l"
-$sp compile bench/specs/qwen35-27b-shape-4l.yaml --target "cuda -arch=sm_90" --params seeded -o "$out/qwen35-27b-4l"
-$sp compile bench/specs/tiny-llama-bf16.yaml --target "cuda -arch=sm_90" -o "$out/tiny-llama-bf16"
-$sp compile bench/specs/tiny-hybrid-bf16.yaml --target "cuda -arch=sm_90" -o "$out/tiny-hybrid-bf16"
-[ -f .gpu/w12/gemm.so ] || .venv/bin/python -c "
+cuda="cuda -arch=sm_90"
+graph="kernel-schedule{graph=true}"
+$sp compile bench/specs/qwen3-8b-shape-8l.yaml --target "$cuda" --params seeded -o "$out/qwen3-8b-8l"
+$sp compile bench/specs/qwen3-8b-shape-8l.yaml --target "$cuda" --params seeded --passes "$graph" -o "$out/qwen3-8b-8l-graph"
+$sp compile bench/specs/qwen35-27b-shape-4l.yaml --target "$cuda" --params seeded -o "$out/qwen35-27b-4l"
+$sp compile bench/specs/qwen35-27b-shape-4l.yaml --target "$cuda" --params seeded --passes "$graph" -o "$out/qwen35-27b-4l-graph"
+$sp compile bench/specs/qwen35-27b-shape-4l-tree.yaml --target "$cuda" --params seeded -o "$out/qwen35-27b-4l-tree"
+for m in tiny-llama-bf16 tiny-hybrid-bf16; do
+  $sp compile "bench/specs/$m.yaml" --target "$cuda" -o "$out/$m"
+  $sp compile "bench/specs/$m.yaml" --target "$cuda" --passes "$graph" -o "$out/$m-graph"
+done
+stub() { .venv/bin/python -c "
 import os, subprocess, sys
 from specpilot.compiler.build import cuda_stub_env
-sys.exit(subprocess.call([sys.executable, 'bench/w12_gemm.py', 'build', '.gpu/w12/gemm.so'], env={**os.environ, **cuda_stub_env()}))"
-du -sh "$out"/* .gpu/w12/gemm.so
+sys.exit(subprocess.call([sys.executable] + sys.argv[1:], env={**os.environ, **cuda_stub_env()}))" "$@"; }
+[ -f .gpu/w12/gemm.so ] || stub bench/w12_gemm.py build .gpu/w12/gemm.so
+stub bench/tree_verify.py build .gpu/w12/gdn.so
+du -sh "$out"/* .gpu/w12/*.so

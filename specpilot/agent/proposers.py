@@ -140,6 +140,15 @@ class BuiltinProposer:
             add("kernel", [REGISTRY["kernel-schedule"](set=s)], gain,
                 f"{transposes * 1e3:.1f} ms of {report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time weight "
                 f"transposes, which {s} fuses away" if removed else f"{s}: no cheap evidence of a gain")
+        if context.target_kind == "cuda":
+            # CUDA graphs replay the static-shape kernel runs: the host's launch work goes away
+            now = next((p for p in current.passes if p.name == "kernel-schedule"), None)
+            if now is None or not now["graph"]:
+                host = max(wall - kernel_s, 0.0)
+                gain = wall / max(wall - 0.5 * host, 1e-9) - 1
+                add("overhead", [REGISTRY["kernel-schedule"](set=now["set"] if now else "default", graph=True)], gain,
+                    f"{host * 1e3:.1f} ms of {wall * 1e3:.1f} ms is outside kernels (launches, host work); "
+                    "CUDA graphs replay the static kernel runs")
         if "w12-layout" not in names and context.weights_known:
             matmul = [k for k in report["kernels"] if "matmul" in k["name"]]
             near = [k for k in matmul if k["ratio"] < 2.0]

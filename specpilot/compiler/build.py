@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -217,8 +218,11 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     if target.is_gpu and not load_cuda_runtime():
         raise SpecPilotError("a CUDA build needs TVM's CUDA runtime library to load (to embed sm_XX code); "
                              "run through `specpilot compile`, which provides a stub driver when none is installed")
-    say(f"compiling for {target.text()}")
-    with tvm_target:
+    cuda_graph = bool(mod.attrs and "specpilot.cuda_graph" in mod.attrs and target.is_gpu)
+    say(f"compiling for {target.text()}" + (" (CUDA graphs)" if cuda_graph else ""))
+    # builds without graphs compile exactly as before, under TVM's default pass context
+    graphs = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}) if cuda_graph else nullcontext()
+    with tvm_target, graphs:
         mod = relax_pipeline(tvm_target, schedule)(mod)
         instrument("relax-pipeline", mod)
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None)
@@ -253,7 +257,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "spec_path": str(spec.path) if spec.path else None,
         "pipeline": str(pipeline), "passes": [vars(r) for r in records], "target": target.text(), "target_kind": target.kind, "arch": target.arch,
         "dtype": dtype_name, "capacity": capacity, "max_batch": spec.deployment.max_batch,
-        "schedule": schedule, "ir_hash": system_ir_hash, "serving": serving,
+        "schedule": schedule, "cuda_graph": cuda_graph, "ir_hash": system_ir_hash, "serving": serving,
         "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},

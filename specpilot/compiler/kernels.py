@@ -8,9 +8,27 @@ the reference comparisons in the tests hold for either.  ``gpu`` picks the form.
 
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 
+def memo(factory):
+    """Kernels are immutable IR: make each (factory, arguments) once per process.  Parsing
+    TVMScript costs ~0.15 s a kernel, and a lowering asks for the same kernels per layer."""
+    cache: dict = {}
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        key = tuple((type(a).__name__, a if isinstance(a, (bool, int, float, str)) else str(a))
+                    for a in (*args, *sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = factory(*args, **kwargs)
+        return cache[key]
+    return make
+
+
+@memo
 def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str,
              gpu: bool):
     """kv[layer, 0|1, rows[b], h, slots[b, t], :] = k|v[b, t, h, :] for the new tokens (in place).
@@ -51,6 +69,7 @@ def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, hea
     return kernel
 
 
+@memo
 def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str, gpu: bool):
     """After a tree verification: kv[:, :, rows[b], :, dst[b, i]] = kv[:, :, rows[b], :, src[b, i]]
     for i in order (in place; src >= dst along an accepted path, so no copy reads a moved entry).
@@ -88,6 +107,7 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
     return kernel
 
 
+@memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
     (sequence, head, value column): S[:, j] lives in registers while the tokens stream by.
@@ -167,6 +187,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     return kernel
 
 
+@memo
 def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False):
     """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
     every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, C, T), the
@@ -232,6 +253,7 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     return kernel
 
 
+@memo
 def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
     """The K-1 conv inputs a Gated DeltaNet layer keeps after a prefill / decode step, from its
     window (B, C, K-1+T): out[b, c, :] = the window after the last *real* token of sequence b
@@ -270,6 +292,7 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
     return kernel
 
 
+@memo
 def select_token(tokens_axis_width: int, dtype: str, gpu: bool):
     """out[b, :] = states[b, index[b], :] -- commit: keep the state after the accepted token."""
     width = tokens_axis_width
@@ -296,6 +319,7 @@ def select_token(tokens_axis_width: int, dtype: str, gpu: bool):
     return kernel
 
 
+@memo
 def w12_gemm(n_out: int, k_in: int, n_escapes: int, x_dtype: str, hi_only: bool = False):
     """y[m, n] = sum_k x[m, k] * W[n, k] (float32), W decoded in registers from its W12 planes.
 

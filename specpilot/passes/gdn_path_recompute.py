@@ -8,6 +8,8 @@ tree form (same signature): every node starts from its parent's state (parent -1
 before the pass) and its conv window is its ancestors' inputs, continued into the conv state
 when the path is shorter.  Nodes come parents-first, so one pass in node order recomputes
 every path, sharing each common prefix once.  ``commit`` then keeps the accepted node's state.
+Every verify's kernels are swapped, the drafter's too: a hybrid drafter then scores a whole
+level of a draft tree in one pass (`runtime.drafters.ModelDrafter` batched expansion).
 
 When it is legal: targets with Gated DeltaNet layers, with tree-verify in the pipeline.
 Where it sits: after tree-verify.

@@ -5,7 +5,11 @@ the build's Relax-to-TIR pipeline uses it (`schedules.relax_pipeline`).  Every s
 exactly what the graph says, so the choice is lossless; only speed differs, which is why the
 search's kernel-tuning phase turns it.
 
-Defaults reproduce stock: ``set=default`` is the target's default set.
+``graph=true`` (cuda) also has the build capture the step functions' runs of static-shape
+kernels (weights and activations, between the kernels that read the dynamic KV length) as
+CUDA graphs, replayed instead of launched kernel by kernel: the same kernels, fewer launches.
+
+Defaults reproduce stock: ``set=default`` is the target's default set, no graphs.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ _FOR_TARGET = {"llvm": ("tvm-default", "cpu-nt"), "cuda": ("tvm-default", "nt-ge
 class KernelSchedule(Pass):
     name = "kernel-schedule"
     doc = "choose the schedule set the build lowers kernels with (tvm-default, nt-gemv on GPUs, cpu-nt on CPUs)"
-    options = (Option("set", str, "default", "schedule set", choices=("default", "tvm-default", "nt-gemv", "cpu-nt")),)
-    statistics = ("schedule",)
+    options = (Option("set", str, "default", "schedule set", choices=("default", "tvm-default", "nt-gemv", "cpu-nt")),
+               Option("graph", bool, False, "replay the step functions' static-shape kernel runs as CUDA graphs "
+                      "(TVM's RewriteCUDAGraph; cuda only)"))
+    statistics = ("schedule", "cuda_graph")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         allowed = _FOR_TARGET[context.target_kind]
         if self["set"] != "default" and self["set"] not in allowed:
             return False, f"set={self['set']} is not a {context.target_kind} schedule set ({', '.join(allowed)})"
+        if self["graph"] and context.target_kind != "cuda":
+            return False, f"graph=true needs a cuda target (CUDA graphs), not {context.target_kind}"
         return True, ""
 
     def apply(self, mod, context: PassContext):
         from specpilot.schedules.relax_pipeline import DEFAULT
         chosen = DEFAULT[context.target_kind] if self["set"] == "default" else self["set"]
-        context.statistics[self.name].update(schedule=chosen)
-        return mod.with_attr("specpilot.schedule", chosen)
+        context.statistics[self.name].update(schedule=chosen, cuda_graph=int(self["graph"]))
+        mod = mod.with_attr("specpilot.schedule", chosen)
+        return mod.with_attr("specpilot.cuda_graph", True) if self["graph"] else mod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
+import numpy as np
 import torch
 
 from specpilot.runtime.lattice import Lattice
@@ -65,9 +66,51 @@ class ModelDrafter:
             if len(context) + len(path) >= self.capacity:
                 return []
             logp = root if not path else torch.log_softmax(self._sync(context + path, keep_history=True), dim=-1)
-            top = logp.topk(self.top_k)
-            return list(zip(top.indices.tolist(), top.values.tolist()))
+            return self._top(logp)
+
+        if self._tree_capable():
+            expand.batch = lambda paths: self._expand_batch(context, paths, expand)
         return expand
+
+    def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
+        top = logp.topk(self.top_k)
+        return list(zip(top.indices.tolist(), top.values.tolist()))
+
+    def _tree_capable(self) -> bool:
+        """One drafter pass can score a whole tree (ancestor mask, depth positions); a compiled
+        hybrid drafter needs gdn-path-recompute for that."""
+        return not getattr(self.model, "has_gdn", False) or getattr(self.model, "path_recompute", True)
+
+    def _expand_batch(self, context: list[int], paths: list[list[int]], expand) -> list[list[tuple[int, float]]]:
+        """The expansions of many paths below ``context`` from one tree-shaped drafter pass over
+        the union of their nodes; the drafter's state is put back afterwards."""
+        nodes: dict[tuple, int] = {}                 # path prefix -> index in the pass
+        tokens, parents, depths = [], [], []
+        for path in paths:
+            for d in range(1, len(path) + 1):
+                key = tuple(path[:d])
+                if key not in nodes:
+                    nodes[key] = len(tokens)
+                    tokens.append(path[d - 1])
+                    parents.append(nodes[key[:-1]] if d > 1 else -1)
+                    depths.append(d)
+        base = len(context)
+        if self.consumed != list(context) or self.state.length != base or base + len(tokens) > self.capacity:
+            return [expand(path) for path in paths]  # no room for the whole pass: node by node
+        mask = np.zeros((len(tokens), base + len(tokens)), dtype=bool)
+        mask[:, :base] = True
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                mask[i, base:] = mask[parent, base:]
+            mask[i, base + i] = True
+        snap = self.state.snapshot()
+        try:
+            logits = self.model.forward(tokens, self.state, positions=[base + d - 1 for d in depths],
+                                        attn_mask=mask, record=True, parents=parents)
+        finally:
+            self.state.restore(snap, keep_history=True)
+        logp = torch.log_softmax(logits, dim=-1)
+        return [[] if base + len(path) >= self.capacity else self._top(logp[nodes[tuple(path)]]) for path in paths]
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))

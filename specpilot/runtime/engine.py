@@ -199,9 +199,10 @@ class CompiledState:
     def snapshot(self):
         return (self.length, self.conv, self.rec)
 
-    def restore(self, snap) -> None:
+    def restore(self, snap, keep_history: bool = False) -> None:
+        """Back to ``snap``; ``keep_history``: keep the passes recorded before it (see the reference state)."""
         self.length, self.conv, self.rec = snap
-        self.history.clear()
+        self.history = [p for p in self.history if keep_history and p.start + p.length <= self.length]
 
     def drop_history(self) -> None:
         self.history.clear()
@@ -225,7 +226,7 @@ class CompiledModel:
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
         self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
-        self.path_recompute = which == "target" and "gdn-path-recompute" in module.manifest["pipeline"]
+        self.path_recompute = "gdn-path-recompute" in module.manifest["pipeline"]   # every GDN verify kernel, drafter too
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
@@ -295,10 +296,10 @@ class CompiledModel:
         state.length = base + len(rows)
         state.history.clear()
 
-    def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
-        """items: (tokens, state[, positions[, attn_mask]]) per sequence, each sequence at its own
-        length and with its own number of new tokens; one call of the step function for all.
-        Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
+    def step_call(self, items, record: bool = False):
+        """The step function and its arguments for `forward_batch`'s items, without calling it
+        or moving any state: (function, arguments, tokens per item, states).  Calling it again
+        with the same arguments recomputes the same step (benchmarks time it this way)."""
         items = [tuple(it) + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
@@ -330,10 +331,17 @@ class CompiledModel:
             conv, rec = states[0].conv, states[0].rec
         head = [m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows)]
         if record:
-            out = self._verify(*head, m.tensor(parents), self.kv, conv, rec, m.params)
-        else:
-            fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
-            out = fn(*head, self.kv, conv, rec, m.params)
+            return self._verify, [*head, m.tensor(parents), self.kv, conv, rec, m.params], toks, states
+        fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
+        return fn, [*head, self.kv, conv, rec, m.params], toks, states
+
+    def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
+        """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence
+        at its own length and with its own number of new tokens; one call of the step function
+        for all.  Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
+        fn, args, toks, states = self.step_call(items, record)
+        out = fn(*args)
+        m = self.module
         logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length

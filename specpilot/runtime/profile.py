@@ -8,6 +8,8 @@ kernels.  The wall time of the same work without the hook comes from the caller.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ class KernelCall:
     name: str
     shapes: tuple[tuple[int, ...], ...]
     seconds: float
+    arg_bytes: int = 0        # the sizes of its arguments (an upper bound on what it reads and writes)
 
 
 @dataclass
@@ -35,6 +38,22 @@ class Profile:
         for c in self.calls:
             out[c.name].append(c)
         return dict(out)
+
+
+def _itemsize(dtype) -> int:
+    text = str(dtype)
+    if text == "bool":
+        return 1
+    bits = re.search(r"(\d+)(x\d+)?$", text)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
+
+
+class AnyKernel:
+    """``kernel_names`` for `profiling` where the kernels' names are not at hand (a runtime-only
+    TVM cannot read a build's kernels.json): every call that is not a VM built-in."""
+
+    def __contains__(self, symbol) -> bool:
+        return not str(symbol).startswith(("vm.", "relax.", "runtime."))
 
 
 @contextmanager
@@ -57,8 +76,10 @@ def profiling(module, kernel_names):
             return 0
         sync()
         seconds = time.perf_counter() - started.pop()
-        shapes = tuple(tuple(int(d) for d in a.shape) for a in args if hasattr(a, "shape"))
-        profile.calls.append(KernelCall(str(symbol), shapes, seconds))
+        arrays = [a for a in args if hasattr(a, "shape")]
+        shapes = tuple(tuple(int(d) for d in a.shape) for a in arrays)
+        profile.calls.append(KernelCall(str(symbol), shapes, seconds,
+                                        sum(math.prod(s) * _itemsize(a.dtype) for s, a in zip(shapes, arrays))))
         return 0
 
     set_instrument = module.vm["set_instrument"]

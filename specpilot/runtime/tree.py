@@ -23,6 +23,8 @@ from typing import Callable
 import numpy as np
 
 Expand = Callable[[list[int]], list[tuple[int, float]]]   # path below the root -> [(token, logprob)], best first
+# An Expand may carry ``expand.batch(paths) -> [expansion per path]``: one drafter call for many
+# nodes (a tree-shaped drafter pass).  `best_first` then fetches the expansions level by level.
 
 
 @dataclass
@@ -67,7 +69,11 @@ class Tree:
 
 
 def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
-    """The ``budget`` highest-scoring nodes (cumulative log-probability), at most ``max_depth`` deep."""
+    """The ``budget`` highest-scoring nodes (cumulative log-probability), at most ``max_depth`` deep.
+    With ``expand.batch``, the expansions it needs are fetched first, one batched call per tree
+    level (`prefetch_levels`); the tree is the same node for node."""
+    if getattr(expand, "batch", None) is not None and budget > 1:
+        expand = prefetch_levels(expand, budget, max_depth)
     tree = Tree()
     heap: list[tuple] = []
 
@@ -90,6 +96,35 @@ def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
             i = len(tree) - 1
             push_children(i, depth + 1, -neg, tree.path_tokens(i))
     return tree
+
+
+def prefetch_levels(expand: Expand, budget: int, max_depth: int) -> Expand:
+    """Expansions for `best_first`, fetched one tree level per ``expand.batch`` call instead of
+    one node per call.  Scores only fall along a path (log-probabilities <= 0), so a node of the
+    best ``budget`` scores at least the ``budget``-th best score among the nodes known so far;
+    each level expands exactly the known nodes above that bound (ties kept).  Every node
+    best_first pops is one of them; a node it asks for that was not fetched (it cannot happen,
+    but the answer must not depend on it) is expanded on its own.  Returns a lookup Expand."""
+    cache: dict[tuple, list[tuple[int, float]]] = {(): expand([])}
+    known: list[float] = []                      # scores of every enumerated node, for the bound
+    frontier: list[tuple[tuple, float]] = [((), 0.0)]
+    for depth in range(1, max_depth):            # nodes at max_depth are never expanded
+        level = [(path + (token,), score + logprob) for path, score in frontier
+                 for token, logprob in cache[path] if logprob != float("-inf")]
+        known.extend(score for _, score in level)
+        bound = heapq.nlargest(budget, known)[-1] if len(known) >= budget else float("-inf")
+        frontier = [(path, score) for path, score in level if score >= bound]
+        if not frontier:
+            break
+        for (path, _), children in zip(frontier, expand.batch([list(p) for p, _ in frontier])):
+            cache[path] = children
+
+    def lookup(path: list[int]) -> list[tuple[int, float]]:
+        key = tuple(path)
+        if key not in cache:
+            cache[key] = expand(path)
+        return cache[key]
+    return lookup
 
 
 def accept(tree: Tree, choose: Callable[[int], int]) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from specpilot.compiler.kernels import memo
 from specpilot.compiler.w12 import STEP  # 32 lanes x LANE weights
 
 def _rows(m_rows: int) -> int:
@@ -44,6 +45,7 @@ def _reduce_lanes(m_rows: int):
     return reduce_lanes
 
 
+@memo
 def w12_gemv(m_rows: int, n_out: int, k_in: int):
     steps, ROWS = k_in // STEP, _rows(m_rows)
     reduce_lanes = _reduce_lanes(m_rows)
@@ -95,6 +97,7 @@ def w12_gemv(m_rows: int, n_out: int, k_in: int):
     return kernel
 
 
+@memo
 def bf16_gemv(m_rows: int, n_out: int, k_in: int):
     """The same schedule over plain bf16 weights (32 bytes per lane per step)."""
     steps, ROWS = k_in // STEP, _rows(m_rows)

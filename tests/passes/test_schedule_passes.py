@@ -56,7 +56,15 @@ def test_schedule_passes_only_annotate():
     import tvm
     from specpilot.compiler.build import ir_hash
     assert ir_hash(tvm.IRModule(mod.functions)) == ir_hash(stock) != ir_hash(mod)   # functions unchanged
-    assert records[1].statistics == {"schedule": "cpu-nt"}
+    assert records[1].statistics == {"schedule": "cpu-nt", "cuda_graph": 0}
+
+
+def test_cuda_graph_knob_is_legal_only_for_cuda_and_round_trips():
+    assert str(parse("kernel-schedule{set=nt-gemv,graph=true}")) == "kernel-schedule{set=nt-gemv,graph=true}"
+    assert str(parse("kernel-schedule{graph=false}")) == "kernel-schedule"
+    assert check(parse("kernel-schedule{graph=true}"), PassContext()) == [
+        "kernel-schedule: graph=true needs a cuda target (CUDA graphs), not llvm"]
+    assert check(parse("kernel-schedule{graph=true}"), PassContext(target_kind="cuda", arch="sm_90")) == []
 
 
 def test_fault_passes_short_forcing_and_fails_long(tmp_path):

@@ -140,3 +140,56 @@ def test_reference_accept_path_moves_kv_and_keeps_the_paths_state():
         torch.testing.assert_close(model.forward([7], st), model.forward([7], chain_state), rtol=1e-5, atol=1e-5)
         with pytest.raises(Exception, match="ascending path"):
             model.accept_path(st, base, [2, 1])
+
+
+def _with_batch(expand):
+    """The same synthetic drafter, also answering many paths per call (counted)."""
+    calls = []
+
+    def one(path):
+        calls.append(1)
+        return expand(path)
+    one.batch = lambda paths: (calls.append(len(paths)), [expand(p) for p in paths])[1]
+    return one, calls
+
+
+@pytest.mark.parametrize("budget,depth,k,seed", [(2, 4, 2, 0), (9, 5, 3, 1), (33, 6, 3, 2), (64, 16, 4, 3),
+                                                 (64, 40, 2, 4), (17, 3, 5, 5)])
+def test_level_wise_prefetch_builds_the_same_tree_in_one_call_per_level(budget, depth, k, seed):
+    expand = _synthetic(k, seed)
+    batched, calls = _with_batch(expand)
+    tree = best_first(batched, budget, depth)
+    assert tree == best_first(expand, budget, depth)
+    # one call for the root, then one batched call per level below it -- never one per node
+    assert calls[0] == 1 and len(calls) - 1 <= max(tree.depths) and sum(calls) >= len(tree)
+    assert all(n <= budget for n in calls[1:])
+
+
+def test_level_wise_prefetch_keeps_ties_at_the_bound():
+    flat = lambda path: [(10 + len(path), -1.0), (20 + len(path), -1.0)]   # noqa: E731
+    batched, _ = _with_batch(flat)
+    assert best_first(batched, 6, 3) == best_first(flat, 6, 3)
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_batched_drafter_expansion_matches_node_by_node(arch):
+    """One tree-shaped drafter pass scores many paths as separate per-path passes would, and
+    leaves the drafter's state where it was."""
+    draft = noisy_copy(tiny_model(arch, seed=3), 0.3)
+    context = [(5 * i + 2) % 301 for i in range(11)]
+    gen = torch.Generator().manual_seed(7)
+    paths = [[int(t) for t in torch.randint(0, 301, (d,), generator=gen)] for d in (1, 3, 2, 5)]
+    paths.append(paths[1][:2])                       # a prefix of another path
+    batch_drafter = ModelDrafter(draft, 4, 300)
+    batched = batch_drafter.expander(context).batch(paths)
+    assert batch_drafter.state.length == len(context) and batch_drafter.consumed == context
+    node_drafter = ModelDrafter(draft, 4, 300)
+    expand = node_drafter.expander(context)
+    for path, got in zip(paths, batched):
+        want = expand(path)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], rtol=1e-4, atol=1e-5)
+    # the state is still usable: a later step continues exactly like a fresh drafter
+    nxt = context + paths[3][:2]
+    fresh = ModelDrafter(draft, 4, 300)
+    assert batch_drafter.propose(nxt, 4).chain() == fresh.propose(nxt, 4).chain()

@@ -3,6 +3,7 @@ kernel's own indexing on the CPU, and the kernels compiled to real sm_90 code he
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,8 +75,13 @@ def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
     exe = Path(sys.executable).with_name("specpilot")
     env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_CUDA_STUB"}
+    # with CUDA graphs: the same build, plus the static decode's kernel runs lifted into capture functions
     proc = subprocess.run([str(exe), "compile", str(spec), "--target", "cuda", "-arch=sm_90", "-o",
-                           str(tmp_path / "b"), "--json"], capture_output=True, text=True, timeout=900, env=env)
+                           str(tmp_path / "b"), "--passes", "kernel-schedule{graph=true}", "--json"],
+                          capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = (tmp_path / "b" / "model.so").read_bytes()
     assert data.count(b"\x50\xed\x55\xba") >= 1 and b"__global__" not in data
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["cuda_graph"] is True and manifest["pipeline"] == "kernel-schedule{graph=true}"
+    assert "target_decode_cuda_graph_capture" in manifest["functions"]

@@ -79,12 +79,16 @@ class ModelState:
             (layer.conv.clone(), layer.recurrent.clone()) if isinstance(layer, RecurrentState) else None
             for layer in self.layers])
 
-    def restore(self, snap: StateSnapshot) -> None:
+    def restore(self, snap: StateSnapshot, keep_history: bool = False) -> None:
+        """Back to ``snap``.  ``keep_history``: keep the recorded states up to the snapshot's
+        length (valid when nothing below it changed since, e.g. a look-ahead pass was undone)."""
         self.length = snap.length
         for layer, saved in zip(self.layers, snap.recurrent):
             if saved is not None:
                 layer.conv, layer.recurrent = saved[0].clone(), saved[1].clone()
-                layer.history.clear()
+                layer.tree_rows = []
+                for n in [n for n in layer.history if not keep_history or n > snap.length]:
+                    del layer.history[n]
 
     def truncate(self, length: int) -> None:
         """Roll back to ``length`` tokens: free for attention; recurrent layers need a recorded state."""
