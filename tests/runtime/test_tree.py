@@ -193,3 +193,38 @@ def test_batched_drafter_expansion_matches_node_by_node(arch):
     nxt = context + paths[3][:2]
     fresh = ModelDrafter(draft, 4, 300)
     assert batch_drafter.propose(nxt, 4).chain() == fresh.propose(nxt, 4).chain()
+
+
+def _bf16_valued(model):
+    from specpilot.runtime.reference.model import ReferenceModel
+    tied = model.cfg.tie_word_embeddings
+    return ReferenceModel(model.cfg, {k: v.to(torch.bfloat16).float() for k, v in model.w.items()
+                                      if not (tied and k == "lm_head.weight")}, torch.float32)
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_reference_two_level_decoding_is_exact_and_the_view_only_proposes(arch):
+    from specpilot.runtime.decoding import speculative_two_level
+    from specpilot.runtime.reference.view import ViewedModel
+    target = ViewedModel(_bf16_valued(tiny_model(arch, seed=4)))
+    draft = noisy_copy(target, 0.3)
+    prompt = [(11 * i + 5) % 301 for i in range(12)]
+    stock = autoregressive(target, prompt, 32, 300)
+    for budget in (8, 32):
+        forced = speculative_two_level(target, ModelDrafter(draft, 3, 300), prompt, 32, budget, 300, force=stock.tokens)
+        assert forced.choices == stock.tokens, budget
+        assert speculative_two_level(target, ModelDrafter(draft, 3, 300), prompt, 32, budget, 300).tokens == stock.tokens
+    # the view: close to the exact logits, not equal, and the state does not move
+    state = target.new_state(64)
+    target.forward(prompt, state, record=True)
+    n = state.length
+    mask = np.ones((3, n + 3), bool)
+    mask[:, n:] = np.tril(np.ones((3, 3), bool))
+    view = target.forward_view([5, 6, 7], state, [n, n + 1, n + 2], mask, [-1, 0, 1])
+    assert state.length == n
+    exact = target.forward([5, 6, 7], state, record=True)
+    rel = float((view - exact).abs().max() / exact.abs().max())
+    assert 0 < rel < 0.5
+    fresh = target.new_state(64)
+    target.forward(prompt + [5, 6, 7], fresh)
+    torch.testing.assert_close(target.forward([9], state), target.forward([9], fresh), rtol=1e-5, atol=1e-5)
