@@ -35,7 +35,8 @@ def main() -> None:
         started = time.perf_counter()
         system = from_build(build)
         prompts = [[(37 * i + 11 * r) % system.vocab_size for i in range(16 + 8 * r)] for r in range(4)]
-        for engine in ("compiled", "compiled-spec"):
+        for engine in [e for e in ("compiled", "compiled-spec", "compiled-tree", "compiled-two-level")
+                       if e in system.engines]:
             stock_runs, runs = [], []
             for prompt in prompts:
                 stock = system.generate("stock", prompt, args.max_new_tokens)

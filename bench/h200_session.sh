@@ -4,8 +4,9 @@
 # (bench/make_gpu_builds.sh).  One part per call (each under the per-call limit):
 #   bash bench/h200_session.sh decode    decode: compiled vs eager vs torch.compile, per-kernel
 #                                        profile; the same builds with CUDA graphs
-#   bash bench/h200_session.sh tree      tree verification vs an AR step at 4k; GDN kernels;
-#                                        bf16 token forcing of the tiny builds (with/without graphs)
+#   bash bench/h200_session.sh tree      bf16 matmuls on tensor cores; GDN kernels; tree verification
+#                                        vs an AR step at 4k; bf16 token forcing of the tiny builds
+#                                        (chain, tree, with/without graphs; the graph builds only if carried)
 #   bash bench/h200_session.sh gemm      the W12 GEMM kernels
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
@@ -20,10 +21,11 @@ decode)
   timeout "${GRAPH_S:-150}" python3 bench/decode.py $b/qwen3-8b-8l-graph $b/qwen35-27b-4l-graph --compiled-only \
     --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -12 ;;
 tree)
-  timeout "${TREE_S:-300}" python3 bench/tree_verify.py run --lib .gpu/w12/gdn.so --build $b/qwen35-27b-4l-tree \
+  timeout "${TREE_S:-330}" python3 bench/tree_verify.py run --lib .gpu/w12/gdn.so --build $b/qwen35-27b-4l-tree \
     --context 4096 --out "$out" 2>&1 | grep -v Warning | tail -30
   timeout "${FORCING_S:-200}" python3 bench/gpu_forcing.py $b/tiny-llama-bf16 $b/tiny-hybrid-bf16 \
-    $b/tiny-llama-bf16-graph $b/tiny-hybrid-bf16-graph --max-new-tokens 128 --out "$out" 2>&1 | tail -12 ;;
+    $b/tiny-hybrid-bf16-tree $(ls -d $b/tiny-*-graph 2>/dev/null) --max-new-tokens 128 --out "$out" 2>&1 \
+    | tail -12 ;;
 gemm)
   timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75 ;;
 esac

@@ -21,6 +21,8 @@ for m in tiny-llama-bf16 tiny-hybrid-bf16; do
   $sp compile "bench/specs/$m.yaml" --target "$cuda" -o "$out/$m"
   $sp compile "bench/specs/$m.yaml" --target "$cuda" --passes "$graph" -o "$out/$m-graph"
 done
+$sp compile bench/specs/tiny-hybrid-bf16.yaml --target "$cuda" --passes "tree-verify{budget=16},gdn-path-recompute" \
+  -o "$out/tiny-hybrid-bf16-tree"
 stub() { .venv/bin/python -c "
 import os, subprocess, sys
 from specpilot.compiler.build import cuda_stub_env

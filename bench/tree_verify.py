@@ -3,6 +3,8 @@
     python bench/tree_verify.py build LIB.so            # on the CPU machine, with the stub driver
     python bench/tree_verify.py run --lib LIB.so --build BUILD_DIR [--context 4096] [--out DIR]
 
+0. bf16 matmuls x[m, k] . W^T at verification/prefill row counts: the tensor-core schedule
+   (`schedules.tensor_core`) vs dlight's CUDA-core Matmul schedule vs torch (cuBLAS).
 1. Step functions of a build with ``tree-verify{budget=64},gdn-path-recompute`` (a
    Qwen3.5-27B-style hybrid cut to a few layers, seeded bf16 weights) after a context of
    ``--context`` tokens: one autoregressive step (`decode`, 1 token) vs one verification of a
@@ -43,6 +45,64 @@ def make_tree(budget: int = 64, max_depth: int = 16, seed: int = 0):
     return best_first(expand, budget, max_depth)
 
 
+MATMULS = [(5120, 17408), (17408, 5120), (5120, 248320)]
+MS = [7, 65, 256]
+
+
+def _nt_matmul(k_in: int, n_out: int):
+    from tvm.script import tirx as T
+
+    n_out, k_in = T.int64(n_out), T.int64(k_in)
+
+    @T.prim_func(private=True, s_tir=True)
+    def mm(x_h: T.handle, w: T.Buffer((n_out, k_in), "bfloat16"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, k_in), "bfloat16")
+        y = T.match_buffer(y_h, (m, n_out), "float32")
+        for i, j, k in T.grid(m, n_out, k_in):
+            with T.sblock("NT_matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    y[vi, vj] = T.float32(0)
+                y[vi, vj] = y[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", w[vj, vk])
+    return mm
+
+
+def bench_matmuls(lib_path: Path) -> list[dict]:
+    """bf16 x[m, k] . W^T on tensor cores (ours) vs dlight's CUDA-core schedule vs torch (cuBLAS),
+    checked against the float32 product."""
+    import torch
+    import tvm
+    lib = tvm.runtime.load_module(str(lib_path))
+    to_tvm = tvm.runtime.from_dlpack
+    rows = []
+    for k, n in MATMULS:
+        gen = torch.Generator().manual_seed(k + n)
+        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+        for m in MS:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            want = x.float() @ w.float().T
+            y = torch.empty(m, n, device="cuda")
+            row = {"case": f"matmul {m}x{k} . {n}x{k}^T", "m": m, "k": k, "n": n}
+            for label in ("tc", "cc"):
+                fn = lib[f"mm_{label}_{k}_{n}"]
+                args = (to_tvm(x), to_tvm(w), to_tvm(y))
+                y.zero_()
+                fn(*args)
+                torch.cuda.synchronize()
+                row[f"{label}_rel_err"] = float((y - want).abs().max() / want.abs().max())
+                row[f"{label}_us"] = statistics.median(_timed(lambda fn=fn, args=args: fn(*args), iters=5, rounds=5))
+            row["cublas_us"] = statistics.median(_timed(lambda: torch.nn.functional.linear(x, w), iters=5, rounds=5))
+            row["median_us"] = row["tc_us"]
+            row["tc_vs_cublas"] = row["cublas_us"] / row["tc_us"]
+            row["tc_vs_cuda_cores"] = row["cc_us"] / row["tc_us"]
+            rows.append(row)
+            print(f"  {row['case']:34s} tc {row['tc_us']:8.1f} us (err {row['tc_rel_err']:.1e})  "
+                  f"cuda-core {row['cc_us']:9.1f} us  cublas {row['cublas_us']:8.1f} us", flush=True)
+    return rows
+
+
 def build(out: Path) -> None:
     import tvm
 
@@ -52,8 +112,16 @@ def build(out: Path) -> None:
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {"gdn_tree": gated_delta_rule(HEADS, DK, DV, keep_states=True, gpu=True, tree=True),
              "gdn_step": gated_delta_rule(HEADS, DK, DV, keep_states=False, gpu=True)}
-    funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    from tvm.s_tir import dlight as dl
+
+    from specpilot.schedules.tensor_core import BF16Matmul
+    with target:
+        for k, n in MATMULS:    # x[m, k] . W[n, k]^T, bf16 -> float32: tensor cores vs dlight's CUDA-core tiling
+            for label, rule in (("tc", BF16Matmul()), ("cc", dl.gpu.Matmul())):
+                sch = rule.apply(_nt_matmul(k, n), target, False)
+                funcs[f"mm_{label}_{k}_{n}"] = sch.mod["main"]
+    funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     with target:
         lib = tvm.compile(tvm.IRModule(funcs), target=target)
     lib.export_library(str(out))
@@ -114,6 +182,19 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
         samples = _timed(lambda fn=fn, args=args: fn(*args))
         rows.append(_row(name, samples, context=context, tokens=len(item[0])))
         print(f"  {name:34s} {rows[-1]['median_us'] / 1e3:8.3f} ms", flush=True)
+    from specpilot.runtime.profile import AnyKernel, profiling
+    for name in ("AR step (1 token)", f"tree verify ({n} nodes + root)"):
+        item, record = items[name]
+        fn, args, _, _ = model.step_call([item], record)
+        with profiling(module, AnyKernel()) as prof:
+            fn(*args)
+        kernels = sorted(((k, sum(c.seconds for c in calls), len(calls)) for k, calls in prof.by_kernel().items()),
+                         key=lambda x: -x[1])
+        row = next(r for r in rows if r["case"] == name)
+        row["kernels"] = [{"kernel": k, "us": s * 1e6, "calls": c} for k, s, c in kernels]
+        print(f"  {name}: per kernel (instrumented, {prof.kernel_seconds * 1e3:.2f} ms)")
+        for k, s, c in kernels[:12]:
+            print(f"    {k[:56]:56s} x{c:<3d} {s * 1e6:9.1f} us")
     ar = rows[0]["median_us"]
     for r in rows:
         r["vs_ar_step"] = r["median_us"] / ar
@@ -221,13 +302,14 @@ def main() -> None:
     _import_tvm_runtime(gpu=True)
     tree = make_tree()
     print(f"tree: {len(tree)} nodes, depth {max(tree.depths)}, root children {len(tree.children(-1))}", flush=True)
-    rows = bench_gdn(args.lib, tree)
+    rows = bench_matmuls(args.lib)
+    rows += bench_gdn(args.lib, tree)
     rows += bench_steps(args.build, args.context, tree)
     path = write("tree-verify", {"tree": {"nodes": len(tree), "depth": max(tree.depths), "parents": tree.parents},
                                  "results": rows}, args.out)
     print(f"\n{'case':52s} {'median':>10s} {'ratio':>7s}")
     for row in rows:
-        ratio = row.get("vs_ar_step", row.get("vs_path_recompute"))
+        ratio = row.get("vs_ar_step", row.get("vs_path_recompute", row.get("tc_vs_cublas")))
         print(f"{row['case']:52s} {row['median_us']:8.1f}us {ratio:7.2f}")
     print(f"wrote {path}")
 

@@ -124,38 +124,41 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     sees every parent's state written.
     """
 
+    # GPU: the dk loops unrolled, so the column S[:, j] stays in registers (not local memory)
+    loop = T.unroll if gpu else T.serial
+
     @T.macro
     def column(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, j):
         """Sequence b, head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
         s = T.alloc_buffer((dk,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
-        for i in range(dk):
+        for i in loop(dk):
             s[i] = s0[b, h, i, j]
         for t in range(n):
             acc[0] = T.float32(0)
             if tree:
                 if parents[b, t] < 0:
-                    for i in range(dk):
+                    for i in loop(dk):
                         s[i] = s0[b, h, i, j]
                 else:
-                    for i in range(dk):
+                    for i in loop(dk):
                         s[i] = st[b, T.Cast("int64", parents[b, t]), h, i, j]
             if slots[b, t] >= 0:
-                for i in range(dk):
+                for i in loop(dk):
                     s[i] = s[i] * T.exp(g[b, t, h])
                     acc[0] = acc[0] + k[b, t, h, i] * s[i]
                 acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
-                for i in range(dk):
+                for i in loop(dk):
                     s[i] = s[i] + k[b, t, h, i] * acc[0]
                 acc[0] = T.float32(0)
-                for i in range(dk):
+                for i in loop(dk):
                     acc[0] = acc[0] + q[b, t, h, i] * s[i]
             o[b, t, h, j] = acc[0]
             if keep_states:
-                for i in range(dk):
+                for i in loop(dk):
                     st[b, t, h, i, j] = s[i]
         if not keep_states:
-            for i in range(dk):
+            for i in loop(dk):
                 st[b, h, i, j] = s[i]
 
     @T.prim_func(private=True, s_tir=True)

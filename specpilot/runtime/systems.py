@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -135,9 +136,16 @@ def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int
 
 
 def tree_budget(pipeline_text: str) -> int:
-    """The tree-verify budget of a pipeline (0 without tree-verify)."""
-    from specpilot.passes.pipeline import parse
-    return next((p["budget"] for p in parse(pipeline_text).passes if p.name == "tree-verify"), 0)
+    """The tree-verify budget of a canonical pipeline text (0 without tree-verify).  Read from
+    the text alone: the runtime must not import the pass toolkit (TVMScript kernels), which a
+    runtime-only TVM cannot load."""
+    for item in re.finditer(r"(^|,)tree-verify(\{([^}]*)\})?(?=,|$)", pipeline_text.strip()):
+        options = dict(kv.split("=", 1) for kv in (item.group(3) or "").split(",") if kv)
+        return int(options.get("budget", TREE_BUDGET_DEFAULT))
+    return 0
+
+
+TREE_BUDGET_DEFAULT = 64    # passes.tree_verify's default (tests check they agree)
 
 
 def from_spec(spec) -> System:

@@ -9,6 +9,9 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   functions take a symbolic batch, so a decode projection is x[batch, K] . W^T: dlight's
   tiled Matmul rule would claim it (and run batch 1 ~10x slower than a GEMV); kernels whose
   only symbolic extent is ``batch`` (decode steps) go to the low-batch GEMV rule first.
+  bf16 matmuls with many rows (prefill, verification) run on tensor cores
+  (`schedules.tensor_core`: dlight's WMMA schedule with bf16 intrinsics; dlight's own
+  Matmul rule tensorizes float16 only).
 - ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
   no step transposes a weight matrix at run time.
 
@@ -60,6 +63,8 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.s_tir import dlight as dl
 
+    from specpilot.schedules.tensor_core import BF16Matmul
+
     legalize = [
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
@@ -67,7 +72,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-        dl.ApplyDefaultSchedule(_DecodeOnly(dl.gpu.LowBatchGEMV()), dl.gpu.Matmul(), dl.gpu.GEMV(),
+        dl.ApplyDefaultSchedule(_DecodeOnly(dl.gpu.LowBatchGEMV()), BF16Matmul(), dl.gpu.Matmul(), dl.gpu.GEMV(),
                                 dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
                                 dl.gpu.Fallback()),
     ]

@@ -108,3 +108,12 @@ def test_a_build_without_tree_verify_cannot_keep_a_tree_path(tmp_path):
     with pytest.raises(SpecPilotError, match="build it with the tree-verify pass"):
         model.accept_path(st, 1, [0, 2])
     assert isinstance(model.cfg, ModelConfig)
+
+
+@pytest.mark.parametrize("text", ["tree-verify", "tree-verify{budget=8}", "w12-layout,tree-verify{budget=32},gdn-path-recompute",
+                                  "draft-length{length=2}", ""])
+def test_runtime_reads_the_budget_from_pipeline_text_like_the_parser(text):
+    from specpilot.passes.pipeline import parse
+    from specpilot.runtime.systems import tree_budget
+    want = next((p["budget"] for p in parse(text).passes if p.name == "tree-verify"), 0)
+    assert tree_budget(text) == want

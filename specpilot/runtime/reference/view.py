@@ -5,7 +5,8 @@ linear weight (and an untied lm_head) replaced by its W12 hi plane alone (`compi
 offset, top three mantissa bits, the rest at its midpoint; escapes exact) -- what a build's
 ``target_verify_view`` computes.  The view reads the exact model's cache and leaves the state
 where it was: keys/values it writes past the state's length are dead, recurrent states are
-put back.  Weights the view cannot hold (not bf16 values) stay exact, as the pass leaves them.
+put back.  Weights that are not bf16 values are rounded to bf16 first: the view is an
+approximation either way, and only exact verification accepts tokens.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ def view_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in weights.items():
         if (name.startswith("model.layers.") or name == "lm_head.weight") and t.dim() == 2:
-            bf, exact = to_bf16(t.float().cpu())
-            if exact:
-                out[name] = decode_hi(encode(bf)).to(t.dtype)
-                continue
-        out[name] = t
+            bf, _ = to_bf16(t.float().cpu())
+            out[name] = decode_hi(encode(bf)).to(t.dtype)
+        else:
+            out[name] = t
     return out
 
 
