@@ -1,0 +1,59 @@
+"""The built-in proposer on hand-made cost reports: each direction proposes what its evidence
+supports, with estimates computed from the report, and nothing without evidence."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpilot.agent.proposers import MIN_ESTIMATED_GAIN, BuiltinProposer, replay_chain
+from specpilot.passes.base import PassContext
+from specpilot.passes.pipeline import parse
+
+
+def _report(kernels, wall, kernel_seconds, factors, **extra):
+    return {"accepted_per_verification": 1.3, "wall_seconds": wall, "verifications": 10,
+            "engine": "compiled-spec", "kernels": kernels, "kernel_seconds": kernel_seconds,
+            "factors": factors, "tree_acceptance": {}, **extra}
+
+
+def test_cpu_transposes_make_cpu_nt_the_kernel_candidate():
+    kernels = [{"name": "transpose3", "seconds": 0.6, "ratio": 40.0}, {"name": "matmul2", "seconds": 0.2, "ratio": 3.0}]
+    report = _report(kernels, wall=1.0, kernel_seconds=0.8, factors={"kernel": 13.0, "overhead": 1.2, "acceptance": 1.1})
+    cands = BuiltinProposer().propose(report, parse(""), PassContext(), 5, [], set())
+    by = {c.pipeline: c for c in cands}
+    assert "kernel-schedule{set=cpu-nt}" in by
+    # 0.6 s of transposes, scaled to wall time (1.0 / 0.8): removing 0.75 s of 1.0 s is a 4x step
+    assert by["kernel-schedule{set=cpu-nt}"].estimated_gain == pytest.approx(1.0 / (1.0 - 0.75) - 1)
+    assert not any("graph=true" in c.pipeline for c in cands)          # no CUDA graphs on a CPU
+
+
+def test_host_overhead_on_cuda_proposes_cuda_graphs_and_keeps_the_schedule_set():
+    report = _report([{"name": "fused_NT_matmul", "seconds": 0.004, "ratio": 1.5}], wall=0.010,
+                     kernel_seconds=0.004, factors={"overhead": 2.5, "kernel": 1.5, "acceptance": 1.0})
+    cuda = PassContext(target_kind="cuda", arch="sm_90")
+    cands = BuiltinProposer().propose(report, parse("kernel-schedule{set=nt-gemv}"), cuda, 5, [], set())
+    graph = [c for c in cands if "graph=true" in c.pipeline]
+    assert len(graph) == 1 and graph[0].pipeline == "kernel-schedule{set=nt-gemv,graph=true}"
+    assert graph[0].direction == "overhead"
+    assert graph[0].estimated_gain == pytest.approx(0.010 / (0.010 - 0.5 * 0.006) - 1)
+    # already on graphs: not proposed again
+    again = BuiltinProposer().propose(report, parse("kernel-schedule{set=nt-gemv,graph=true}"), cuda, 5, [], set())
+    assert not any("graph=true" in c.pipeline for c in again)
+
+
+def test_no_evidence_no_candidate():
+    report = _report([{"name": "fused_NT_matmul", "seconds": 0.009, "ratio": 5.0}], wall=0.010,
+                     kernel_seconds=0.0099, factors={"kernel": 5.0, "overhead": 1.01, "acceptance": 1.0})
+    cands = BuiltinProposer().propose(report, parse(""), PassContext(), 5, [], set())
+    assert all(c.estimated_gain >= MIN_ESTIMATED_GAIN for c in cands)
+    assert not any("kernel-schedule" in c.pipeline for c in cands)    # no transposes to remove
+
+
+def test_chain_replay_counts_accepted_and_drafted_tokens():
+    reference = [5, 1, 2, 3, 9, 4]
+    # at position 1 the drafter's greedy chain is 1, 2, 7 (two right); at 4 (after the bonus 3) it says 9, 4
+    expansions = {1: {(): [(1, -0.1)], (1,): [(2, -0.1)], (1, 2): [(7, -0.1)]},
+                  4: {(): [(9, -0.1)], (9,): [(4, -0.1)]}}
+    acc, drafted = replay_chain(expansions, reference, lambda step, last: 3)
+    # step 1: accept 1, 2 + bonus 3 -> 3 tokens; step 2: 9, 4 reach the end -> 2 tokens
+    assert acc == pytest.approx(2.5) and drafted == pytest.approx(2.5)
