@@ -49,26 +49,6 @@ MATMULS = [(5120, 17408), (17408, 5120), (5120, 248320)]
 MS = [7, 65, 256]
 
 
-def _nt_matmul(k_in: int, n_out: int):
-    from tvm.script import tirx as T
-
-    n_out, k_in = T.int64(n_out), T.int64(k_in)
-
-    @T.prim_func(private=True, s_tir=True)
-    def mm(x_h: T.handle, w: T.Buffer((n_out, k_in), "bfloat16"), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, k_in), "bfloat16")
-        y = T.match_buffer(y_h, (m, n_out), "float32")
-        for i, j, k in T.grid(m, n_out, k_in):
-            with T.sblock("NT_matmul"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                with T.init():
-                    y[vi, vj] = T.float32(0)
-                y[vi, vj] = y[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", w[vj, vk])
-    return mm
-
-
 def bench_matmuls(lib_path: Path) -> list[dict]:
     """bf16 x[m, k] . W^T on tensor cores (ours) vs dlight's CUDA-core schedule vs torch (cuBLAS),
     checked against the float32 product."""
@@ -115,11 +95,11 @@ def build(out: Path) -> None:
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
     from tvm.s_tir import dlight as dl
 
-    from specpilot.schedules.tensor_core import BF16Matmul
+    from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
     with target:
         for k, n in MATMULS:    # x[m, k] . W[n, k]^T, bf16 -> float32: tensor cores vs dlight's CUDA-core tiling
             for label, rule in (("tc", BF16Matmul()), ("cc", dl.gpu.Matmul())):
-                sch = rule.apply(_nt_matmul(k, n), target, False)
+                sch = rule.apply(nt_matmul(n, k), target, False)
                 funcs[f"mm_{label}_{k}_{n}"] = sch.mod["main"]
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     with target:
@@ -202,6 +182,15 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
     return rows
 
 
+def _root_path(parents: list[int], t: int) -> list[int]:
+    """Rows from the root down to row t."""
+    path = []
+    while t >= 0:
+        path.append(t)
+        t = parents[t]
+    return path[::-1]
+
+
 def bench_gdn(lib_path: Path, tree) -> list[dict]:
     import torch
     import tvm
@@ -239,11 +228,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     # (b) each row's root path walked from the root (its last token's output and final state)
     path_args, o_path, st_path = [], torch.zeros(1, n, HEADS, DV, device=dev), torch.zeros(n, 1, HEADS, DK, DV, device=dev)
     for t in range(n):
-        path, i = [], t
-        while i >= 0:
-            path.append(i)
-            i = parents[i]
-        idx = torch.tensor(path[::-1], device=dev)
+        idx = torch.tensor(_root_path(parents, t), device=dev)
         gathered = [x[:, idx].contiguous() for x in (q, k, v, g, beta)]
         o_buf = torch.zeros(1, len(idx), HEADS, DV, device=dev)
         path_args.append(([to_tvm(x) for x in gathered] + [to_tvm(s0), to_tvm(slots[:, :len(idx)].contiguous()),
@@ -266,7 +251,15 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     for t, (_, o_buf) in enumerate(path_args):
         o_path[:, t] = o_buf[:, -1]
     scale = float(st_tree.abs().max())
-    errors = {"node_by_node_state": float((st_node[:, 0] - st_tree[0]).abs().max()) / scale,
+    # the reference: every row's root path walked by the PyTorch recurrence, float32 on the GPU
+    from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
+    ref_o, ref_st = torch.zeros_like(o_tree), torch.zeros_like(st_tree)
+    for t in range(n):
+        idx = torch.tensor(_root_path(parents, t), device=dev)
+        out, after, _ = recurrent_gated_delta_rule(q[0, idx], k[0, idx], v[0, idx], g[0, idx], beta[0, idx], s0[0])
+        ref_o[0, t], ref_st[0, t] = out[-1], after
+    errors = {"vs_reference_out": float((o_tree - ref_o).abs().max() / ref_o.abs().max()),
+              "vs_reference_state": float((st_tree - ref_st).abs().max() / ref_st.abs().max()),"node_by_node_state": float((st_node[:, 0] - st_tree[0]).abs().max()) / scale,
               "node_by_node_out": float((o_node - o_tree).abs().max() / o_tree.abs().max()),
               "path_walk_state": float((st_path[:, 0] - st_tree[0]).abs().max()) / scale,
               "path_walk_out": float((o_path - o_tree).abs().max() / o_tree.abs().max())}

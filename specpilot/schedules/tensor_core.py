@@ -91,3 +91,27 @@ class BF16Matmul(dl.ScheduleRule):
                 return dl_matmul.MatmulTensorization().apply(func, target, tunable)
             except Exception:   # a shape the schedule cannot tile: leave it to the next rule
                 return None
+
+
+def nt_matmul(n_out: int, k_in: int, dtype: str = "bfloat16", rows: int = 0):
+    """A plain x[m, k] . W[n, k]^T PrimFunc with float32 products and sums, as Relax legalizes
+    the models' projections (m symbolic, or ``rows``): what the rule is tested and timed on."""
+    from tvm import tirx as tir
+    from tvm.script import tirx as T
+    n_out, k_in = T.int64(n_out), T.int64(k_in)
+
+    @T.prim_func(private=True, s_tir=True)
+    def mm(x_h: T.handle, w: T.Buffer((n_out, k_in), dtype), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, k_in), dtype)
+        y = T.match_buffer(y_h, (m, n_out), "float32")
+        for i, j, k in T.grid(m, n_out, k_in):
+            with T.sblock("NT_matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    y[vi, vj] = T.float32(0)
+                y[vi, vj] = y[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", w[vj, vk])
+    if rows:
+        return mm.specialize({mm.params[0]: tir.decl_buffer((T.int64(rows), k_in), dtype)})
+    return mm

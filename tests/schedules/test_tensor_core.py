@@ -10,30 +10,8 @@ import sys
 
 import pytest
 import tvm
-from tvm.script import tirx as T
 
-from specpilot.schedules.tensor_core import BF16Matmul
-
-
-def _matmul(n_out: int, k_in: int, dtype: str = "bfloat16", rows: int = 0):
-    """x[m, k] . W[n, k]^T in float32; m symbolic, or ``rows`` when given."""
-    n_out, k_in = T.int64(n_out), T.int64(k_in)
-
-    @T.prim_func(private=True, s_tir=True)
-    def mm(x_h: T.handle, w: T.Buffer((n_out, k_in), dtype), y_h: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        m = T.int64()
-        x = T.match_buffer(x_h, (m, k_in), dtype)
-        y = T.match_buffer(y_h, (m, n_out), "float32")
-        for i, j, k in T.grid(m, n_out, k_in):
-            with T.sblock("NT_matmul"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                with T.init():
-                    y[vi, vj] = T.float32(0)
-                y[vi, vj] = y[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", w[vj, vk])
-    if rows:
-        return mm.specialize({mm.params[0]: tvm.tirx.decl_buffer((T.int64(rows), k_in), dtype)})
-    return mm
+from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
 
 
 def _target(arch: str = "sm_90"):
@@ -43,7 +21,7 @@ def _target(arch: str = "sm_90"):
 def test_bf16_matmul_with_many_rows_goes_to_tensor_cores():
     t = _target()
     with t:
-        sch = BF16Matmul().apply(_matmul(384, 256), t, False)
+        sch = BF16Matmul().apply(nt_matmul(384, 256), t, False)
     assert sch is not None
     text = sch.mod.script()
     assert "wmma.matrix_a" in text and "wmma.matrix_b" in text and "wmma.accumulator" in text
@@ -52,8 +30,8 @@ def test_bf16_matmul_with_many_rows_goes_to_tensor_cores():
 
 @pytest.mark.parametrize("case", ["fp16", "one row", "old gpu", "small k"])
 def test_other_matmuls_are_left_to_the_next_rule(case):
-    func = {"fp16": _matmul(384, 256, "float16"), "one row": _matmul(384, 256, rows=1),
-            "old gpu": _matmul(384, 256), "small k": _matmul(384, 48)}[case]
+    func = {"fp16": nt_matmul(384, 256, "float16"), "one row": nt_matmul(384, 256, rows=1),
+            "old gpu": nt_matmul(384, 256), "small k": nt_matmul(384, 48)}[case]
     t = _target("sm_75" if case == "old gpu" else "sm_90")
     with t:
         assert BF16Matmul().apply(func, t, False) is None
@@ -66,12 +44,12 @@ def test_compiles_to_sm90_code_without_a_gpu(tmp_path):
         "import sys, tvm\n"
         "sys.path.insert(0, 'tests/schedules')\n"
         "from specpilot.compiler.build import load_cuda_runtime\n"
-        "from specpilot.schedules.tensor_core import BF16Matmul\n"
-        "from test_tensor_core import _matmul, _target\n"
+        "from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul\n"
+        "from test_tensor_core import _target\n"
         "assert load_cuda_runtime()\n"
         "t = _target()\n"
         "with t:\n"
-        "    f = BF16Matmul().apply(_matmul(384, 256), t, False).mod['main'].with_attr('global_symbol', 'mm')\n"
+        "    f = BF16Matmul().apply(nt_matmul(384, 256), t, False).mod['main'].with_attr('global_symbol', 'mm')\n"
         "    tvm.compile(tvm.IRModule({'mm': f}), target=t).export_library(sys.argv[1])\n"
     )
     from pathlib import Path
