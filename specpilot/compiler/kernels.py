@@ -112,8 +112,9 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
 
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False):
-    """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`, one thread per
-    (sequence, head, value column): S[:, j] lives in registers while the tokens stream by.
+    """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
+    thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
+    form: d_k split over threads too (see ``blocked``).
 
     Inputs q, k (B, T, H, dk) normalized (q scaled), v (B, T, H, dv), g, beta (B, T, H),
     s0 (B, H, dk, dv), all float32, and slots (B, T): a token with slot < 0 is padding and
@@ -127,45 +128,93 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     sees every parent's state written.
     """
 
-    # GPU: the dk loops unrolled, so the column S[:, j] stays in registers (not local memory)
-    loop = T.unroll if gpu else T.serial
-
     @T.macro
     def column(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, j):
-        """Sequence b, head h, value column j: the whole token loop (shared by the CPU and GPU forms)."""
+        """CPU form.  Sequence b, head h, value column j: the whole token loop."""
         s = T.alloc_buffer((dk,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
-        for i in loop(dk):
+        for i in range(dk):
             s[i] = s0[b, h, i, j]
         for t in range(n):
             acc[0] = T.float32(0)
             if tree:
                 if parents[b, t] < 0:
-                    for i in loop(dk):
+                    for i in range(dk):
                         s[i] = s0[b, h, i, j]
                 else:
-                    for i in loop(dk):
+                    for i in range(dk):
                         s[i] = st[b, T.Cast("int64", parents[b, t]), h, i, j]
             if slots[b, t] >= 0:
-                for i in loop(dk):
+                for i in range(dk):
                     s[i] = s[i] * T.exp(g[b, t, h])
                     acc[0] = acc[0] + k[b, t, h, i] * s[i]
                 acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
-                for i in loop(dk):
+                for i in range(dk):
                     s[i] = s[i] + k[b, t, h, i] * acc[0]
                 acc[0] = T.float32(0)
-                for i in loop(dk):
+                for i in range(dk):
                     acc[0] = acc[0] + q[b, t, h, i] * s[i]
             o[b, t, h, j] = acc[0]
             if keep_states:
-                for i in loop(dk):
+                for i in range(dk):
                     st[b, t, h, i, j] = s[i]
         if not keep_states:
-            for i in loop(dk):
+            for i in range(dk):
                 st[b, h, i, j] = s[i]
 
-    if gpu:
-        return _gated_delta_rule_gpu(n_heads, dk, dv, keep_states, tree)
+    # GPU form: a block per (sequence, head), dv x parts threads; thread (j, p) keeps rows
+    # p*R .. p*R+R-1 of column j of the state in registers (R = dk / parts), the two dot
+    # products over d_k per token are summed through shared memory, and in the tree form a row
+    # whose parent is the row before keeps the state in registers.  Sums over d_k come as
+    # ``parts`` partial sums: float32 rounding apart, the CPU form's arithmetic.
+    parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
+    rows = dk // parts
+
+    @T.macro
+    def blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, j):
+        """Sequence b, head h, value column j, rows p*R..p*R+R-1 of d_k: the whole token loop."""
+        s = T.alloc_buffer((rows,), "float32", scope="local")
+        acc = T.alloc_buffer((2,), "float32", scope="local")
+        red = T.alloc_buffer((2, parts, dv), "float32", scope="shared")
+        for i in T.unroll(rows):
+            s[i] = s0[b, h, p * rows + i, j]
+        for t in range(n):
+            if tree:   # the parent's state (still in registers when it is the previous row)
+                if parents[b, t] < 0:
+                    for i in T.unroll(rows):
+                        s[i] = s0[b, h, p * rows + i, j]
+                elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
+                    for i in T.unroll(rows):
+                        s[i] = st[b, T.Cast("int64", parents[b, t]), h, p * rows + i, j]
+            acc[0] = T.float32(0)
+            if slots[b, t] >= 0:
+                for i in T.unroll(rows):
+                    s[i] = s[i] * T.exp(g[b, t, h])
+                    acc[0] = acc[0] + k[b, t, h, p * rows + i] * s[i]
+            red[0, p, j] = acc[0]
+            T.tvm_storage_sync("shared")
+            acc[0] = T.float32(0)
+            for r in range(parts):
+                acc[0] = acc[0] + red[0, r, j]
+            acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
+            acc[1] = T.float32(0)
+            if slots[b, t] >= 0:
+                for i in T.unroll(rows):
+                    s[i] = s[i] + k[b, t, h, p * rows + i] * acc[0]
+                    acc[1] = acc[1] + q[b, t, h, p * rows + i] * s[i]
+            red[1, p, j] = acc[1]
+            T.tvm_storage_sync("shared")
+            if p == 0:
+                acc[1] = T.float32(0)
+                for r in range(parts):
+                    acc[1] = acc[1] + red[1, r, j]
+                o[b, t, h, j] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
+            if keep_states:
+                for i in T.unroll(rows):
+                    st[b, t, h, p * rows + i, j] = s[i]
+        if not keep_states:
+            for i in T.unroll(rows):
+                st[b, h, p * rows + i, j] = s[i]
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
@@ -187,90 +236,14 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         with T.sblock("root"):
             if gpu:
                 for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
-                    for j in T.thread_binding(dv, thread="threadIdx.x"):
-                        column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
+                    for p in T.thread_binding(parts, thread="threadIdx.y"):
+                        for j in T.thread_binding(dv, thread="threadIdx.x"):
+                            b, h = bh // n_heads, bh % n_heads
+                            blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, j)
             else:
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
                         column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
-    return kernel
-
-
-def _gated_delta_rule_gpu(n_heads: int, dk: int, dv: int, keep_states: bool, tree: bool):
-    """GPU form of `gated_delta_rule` (same signature and attributes): a block per (sequence,
-    head), ``dv`` x ``parts`` threads; thread (j, p) keeps rows p*R .. p*R+R-1 of column j of
-    the state in registers (R = dk / parts), and the two dot products over d_k per token are
-    summed through shared memory.  Per token the block does R-long register loops instead of a
-    dk-long one per thread, with ``parts`` times the threads.  Sums over d_k are taken as
-    ``parts`` partial sums, so results differ from the CPU form by float32 rounding only.  In
-    the tree form a row whose parent is the row before keeps the state in registers."""
-    parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
-    rows = dk // parts
-
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True, "gdn.kernel": "recurrence",
-                     "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]})
-        batch, n = T.int64(), T.int64()
-        q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
-        k = T.match_buffer(k_h, (batch, n, n_heads, dk), "float32")
-        v = T.match_buffer(v_h, (batch, n, n_heads, dv), "float32")
-        g = T.match_buffer(g_h, (batch, n, n_heads), "float32")
-        beta = T.match_buffer(b_h, (batch, n, n_heads), "float32")
-        s0 = T.match_buffer(s0_h, (batch, n_heads, dk, dv), "float32")
-        slots = T.match_buffer(slots_h, (batch, n), "int32")
-        parents = T.match_buffer(parents_h, (batch, n), "int32")
-        o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
-        st = T.match_buffer(st_h, (batch, n, n_heads, dk, dv) if keep_states else (batch, n_heads, dk, dv),
-                            "float32")
-        with T.sblock("root"):
-            for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
-                for p in T.thread_binding(parts, thread="threadIdx.y"):
-                    for j in T.thread_binding(dv, thread="threadIdx.x"):
-                        b, h = bh // n_heads, bh % n_heads
-                        s = T.alloc_buffer((rows,), "float32", scope="local")
-                        acc = T.alloc_buffer((2,), "float32", scope="local")
-                        red = T.alloc_buffer((2, parts, dv), "float32", scope="shared")
-                        for i in T.unroll(rows):
-                            s[i] = s0[b, h, p * rows + i, j]
-                        for t in range(n):
-                            if tree:   # the parent's state (still in registers when it is the previous row)
-                                if parents[b, t] < 0:
-                                    for i in T.unroll(rows):
-                                        s[i] = s0[b, h, p * rows + i, j]
-                                elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
-                                    for i in T.unroll(rows):
-                                        s[i] = st[b, T.Cast("int64", parents[b, t]), h, p * rows + i, j]
-                            acc[0] = T.float32(0)
-                            if slots[b, t] >= 0:
-                                for i in T.unroll(rows):
-                                    s[i] = s[i] * T.exp(g[b, t, h])
-                                    acc[0] = acc[0] + k[b, t, h, p * rows + i] * s[i]
-                            red[0, p, j] = acc[0]
-                            T.tvm_storage_sync("shared")
-                            acc[0] = T.float32(0)
-                            for r in range(parts):
-                                acc[0] = acc[0] + red[0, r, j]
-                            acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
-                            acc[1] = T.float32(0)
-                            if slots[b, t] >= 0:
-                                for i in T.unroll(rows):
-                                    s[i] = s[i] + k[b, t, h, p * rows + i] * acc[0]
-                                    acc[1] = acc[1] + q[b, t, h, p * rows + i] * s[i]
-                            red[1, p, j] = acc[1]
-                            T.tvm_storage_sync("shared")
-                            if p == 0:
-                                acc[1] = T.float32(0)
-                                for r in range(parts):
-                                    acc[1] = acc[1] + red[1, r, j]
-                                o[b, t, h, j] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
-                            if keep_states:
-                                for i in T.unroll(rows):
-                                    st[b, t, h, p * rows + i, j] = s[i]
-                        if not keep_states:
-                            for i in T.unroll(rows):
-                                st[b, h, p * rows + i, j] = s[i]
     return kernel
 
 
