@@ -38,9 +38,11 @@ def environment() -> dict:
     return env
 
 
-def write(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | None = None) -> Path:
+    """Write ``payload`` with the environment to bench/results/NAME-DATE.json (or to ``path``,
+    to update a file written earlier in the same run)."""
     out_dir = out_dir or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
+    path = path or out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     return path

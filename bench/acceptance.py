@@ -110,7 +110,7 @@ def main() -> None:
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",")]
-    rows = []
+    rows, partial = [], None
     for name, make in drafters.items():
         configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets] + \
             [("two-level", int(b)) for b in args.two_level.split(",") if b]
@@ -136,6 +136,9 @@ def main() -> None:
                    "identical_to_ar": f"{identical}/{len(prompts)}", "off_first_rank_passes": off_rank,
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
+            partial = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                                           "prompt_texts": texts, "view_matrices": viewed, "complete": False,
+                                           "results": rows}, args.out, path=partial)   # kept if a later row is cut short
             print(f"  {name:14s} {mode:9s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
                   f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
     for name in drafters:
@@ -144,7 +147,8 @@ def main() -> None:
             if r["drafter"] == name:
                 r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
     path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                "prompt_texts": texts, "view_matrices": viewed, "results": rows}, args.out)
+                                "prompt_texts": texts, "view_matrices": viewed, "complete": True, "results": rows},
+                 args.out, path=partial)
     print(f"\n{'drafter':14s} {'mode':9s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
     for r in rows:
         print(f"{r['drafter']:14s} {r['mode']:9s} {r['size']:4d} {r['mean_accepted']:9.3f} {r['vs_chain']:8.2f} "

@@ -166,7 +166,7 @@ class Memory:
 
     # ---- reading
     def entries(self) -> list[Entry]:
-        rows = self.db.execute("SELECT body FROM entries ORDER BY created, id").fetchall()
+        rows = self.db.execute("SELECT body FROM entries ORDER BY created, rowid").fetchall()
         return [Entry.model_validate_json(body) for (body,) in rows]
 
     def get(self, entry_id: str) -> Entry:
@@ -228,7 +228,7 @@ class Memory:
         problems = self.check(entry, reproduce)
         if problems:
             raise SpecPilotError(f"memory entry for {entry.pipeline!r} not stored: " + "; ".join(problems))
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        now = datetime.now(timezone.utc).isoformat(timespec="microseconds")   # entries() keeps insertion order
         entry.id = entry.id or entry.key()
         old = self.db.execute("SELECT created FROM entries WHERE id = ?", (entry.id,)).fetchone()
         entry.created = old[0] if old else (entry.created or now)

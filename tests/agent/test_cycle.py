@@ -34,7 +34,7 @@ class FixedProposer:
 
 def _search(out: Path, memory: Path, **kw) -> Search:
     return Search(SPEC, "llvm", out, rounds=1, workers=1, proposer=FixedProposer([WIN]), memory_path=memory,
-                  dev_requests=2, dev_tokens=16, time_tokens=16, sealed_requests=1, sealed_tokens=96, repeats=3,
+                  dev_requests=3, dev_tokens=16, time_tokens=16, sealed_requests=2, sealed_tokens=96, repeats=5,
                   say=lambda *_: None, **kw)
 
 
@@ -62,6 +62,6 @@ def test_a_fault_past_development_forcing_is_caught_by_sealed_validation(tmp_pat
     report = _search(tmp_path / "f", tmp_path / "memory.sqlite", inject_fault=40).run()
     assert report["best_before_sealed"] == WIN          # dev forcing (16 tokens) could not see it; it was faster
     assert report["result"] == "(stock)" and not report["sealed"]["passed"]
-    assert "token forcing failed on held-out request 0" in report["sealed"]["reason"]
+    assert "token forcing failed on held-out request" in report["sealed"]["reason"]
     from specpilot.memory.store import Memory
     assert Memory(tmp_path / "memory.sqlite").entries() == []          # a faulty system is never remembered
