@@ -286,6 +286,7 @@ def main() -> None:
     r.add_argument("--build", type=Path, required=True)
     r.add_argument("--context", type=int, default=4096)
     r.add_argument("--out", type=Path, default=None)
+    r.add_argument("--parts", default="matmul,gdn,steps", help="which of matmul,gdn,steps to run")
     args = ap.parse_args()
     if args.cmd == "build":
         build(args.lib)
@@ -295,10 +296,11 @@ def main() -> None:
     _import_tvm_runtime(gpu=True)
     tree = make_tree()
     print(f"tree: {len(tree)} nodes, depth {max(tree.depths)}, root children {len(tree.children(-1))}", flush=True)
-    rows = bench_matmuls(args.lib)
-    rows += bench_gdn(args.lib, tree)
-    rows += bench_steps(args.build, args.context, tree)
-    path = write("tree-verify", {"tree": {"nodes": len(tree), "depth": max(tree.depths), "parents": tree.parents},
+    parts = set(args.parts.split(","))
+    rows = bench_matmuls(args.lib) if "matmul" in parts else []
+    rows += bench_gdn(args.lib, tree) if "gdn" in parts else []
+    rows += bench_steps(args.build, args.context, tree) if "steps" in parts else []
+    path = write("tree-verify", {"build": str(args.build), "tree": {"nodes": len(tree), "depth": max(tree.depths), "parents": tree.parents},
                                  "results": rows}, args.out)
     print(f"\n{'case':52s} {'median':>10s} {'ratio':>7s}")
     for row in rows:

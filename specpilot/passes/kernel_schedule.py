@@ -16,13 +16,19 @@ from __future__ import annotations
 
 from specpilot.passes.base import Option, Pass, PassContext
 
-_FOR_TARGET = {"llvm": ("tvm-default", "cpu-nt"), "cuda": ("tvm-default", "nt-gemv")}
+_FOR_TARGET = {"llvm": ("tvm-default", "cpu-nt"), "cuda": ("tvm-default", "nt-gemv", "skinny-mma")}
+
+
+def _sm(arch: str | None) -> int:
+    digits = "".join(ch for ch in (arch or "").removeprefix("sm_") if ch.isdigit())
+    return int(digits) if digits else 0
 
 
 class KernelSchedule(Pass):
     name = "kernel-schedule"
-    doc = "choose the schedule set the build lowers kernels with (tvm-default, nt-gemv on GPUs, cpu-nt on CPUs)"
-    options = (Option("set", str, "default", "schedule set", choices=("default", "tvm-default", "nt-gemv", "cpu-nt")),
+    doc = ("choose the schedule set the build lowers kernels with (tvm-default; nt-gemv, skinny-mma on GPUs; "
+           "cpu-nt on CPUs)")
+    options = (Option("set", str, "default", "schedule set", choices=("default", "tvm-default", "nt-gemv", "skinny-mma", "cpu-nt")),
                Option("graph", bool, False, "replay the step functions' static-shape kernel runs as CUDA graphs "
                       "(TVM's RewriteCUDAGraph; cuda only)"))
     statistics = ("schedule", "cuda_graph")
@@ -31,6 +37,8 @@ class KernelSchedule(Pass):
         allowed = _FOR_TARGET[context.target_kind]
         if self["set"] != "default" and self["set"] not in allowed:
             return False, f"set={self['set']} is not a {context.target_kind} schedule set ({', '.join(allowed)})"
+        if self["set"] == "skinny-mma" and _sm(context.arch) < 80:
+            return False, f"set=skinny-mma needs bf16 mma.sync (sm_80 or later), not {context.arch}"
         if self["graph"] and context.target_kind != "cuda":
             return False, f"graph=true needs a cuda target (CUDA graphs), not {context.target_kind}"
         return True, ""

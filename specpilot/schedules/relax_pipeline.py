@@ -12,6 +12,11 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   bf16 matmuls with many rows (prefill, verification) run on tensor cores
   (`schedules.tensor_core`: dlight's WMMA schedule with bf16 intrinsics; dlight's own
   Matmul rule tensorizes float16 only).
+- ``skinny-mma`` (GPU, sm_80+): ``nt-gemv`` with every plain bf16 projection whose shape it
+  tiles (N a multiple of 16, K of 32) on `schedules.skinny_mma`'s tensor-core kernel for few
+  rows (decode batches, chain and tree verification): weights streamed once per launch into
+  ``mma.sync`` registers, one kernel choice by row count at run time.  Epilogues (casts,
+  residual adds) run as their own elementwise kernels.
 - ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
   no step transposes a weight matrix at run time.
 
@@ -24,7 +29,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-SCHEDULES = ("tvm-default", "nt-gemv", "cpu-nt")
+SCHEDULES = ("tvm-default", "nt-gemv", "skinny-mma", "cpu-nt")
 DEFAULT = {"llvm": "tvm-default", "cuda": "nt-gemv"}
 
 
@@ -52,13 +57,21 @@ def _decode_only(rule):
 _DecodeOnly = _decode_only
 
 
+def _skinny_mma() -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.skinny_mma")
+    def _substitute(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        from specpilot.schedules.skinny_mma import substitute
+        return substitute(mod)[0]
+    return _substitute
+
+
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     if schedule == "cpu-nt" and target.kind.name != "cuda":
         # x @ W^T as one kernel reading W in its stored layout: no per-call weight transpose
         return tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), relax.get_default_pipeline(target)])
-    if schedule != "nt-gemv" or target.kind.name != "cuda":
+    if schedule not in ("nt-gemv", "skinny-mma") or target.kind.name != "cuda":
         return relax.get_default_pipeline(target)
     from tvm.relax.backend.cuda import pipeline as cuda
     from tvm.s_tir import dlight as dl
@@ -68,6 +81,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     legalize = [
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
+        *([_skinny_mma()] if schedule == "skinny-mma" else []),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -1,0 +1,143 @@
+"""Skinny bf16 GEMMs on the GPU, side by side in one run: y[M, N] = x[M, K] . W[N, K]^T.
+
+    python bench/skinny_gemm.py build LIB.so     # on the CPU machine, with the stub driver
+    python bench/skinny_gemm.py run LIB.so [--out DIR]
+
+For the issue-4 shapes and the 27B-style lm_head, M in {1, 2, 4, 8, 16, 32, 65}:
+`schedules.skinny_mma` (its configurations, each alone, and the shipped M dispatch) vs what the
+``nt-gemv`` set runs (dlight's low-batch GEMV for decode batches, the bf16 WMMA schedule or
+dlight's CUDA-core Matmul for more rows, dlight's GEMV for one static row) vs torch bf16
+(cuBLAS).  Medians over rotating weight buffers (more bytes than the L2 holds); every kernel
+checked against the float32 product of the same bf16 values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = [(5120, 17408), (17408, 5120), (5120, 5120), (4096, 14336), (5120, 248320)]
+MS = [1, 2, 4, 8, 16, 32, 65]
+
+
+def variants():
+    """name -> ((limit, Config), ...) for single configurations, plus the shipped dispatch (None)."""
+    from specpilot.schedules.skinny_mma import Config
+    return {"mma": None,
+            "mma_1x1x8": ((None, Config(1, 1, 1, 8, 4)),), "mma_1x2x4": ((None, Config(1, 2, 1, 4, 4)),),
+            "mma_2x1x8": ((None, Config(2, 1, 1, 8, 4)),), "mma_4x2x2": ((None, Config(4, 2, 2, 2, 2)),),
+            "mma_9x2x2": ((None, Config(9, 2, 2, 2, 2)),), "mma_9x1x2": ((None, Config(9, 1, 2, 2, 2)),)}
+
+
+def build(out: Path) -> None:
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    from specpilot.compiler.build import load_cuda_runtime
+    from specpilot.schedules.skinny_mma import skinny_nt_matmul
+    from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
+    if not load_cuda_runtime():
+        sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    funcs = {}
+    with target:
+        for k, n in SHAPES:
+            for name, cfgs in variants().items():
+                try:
+                    funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, cfgs)
+                except ValueError as e:
+                    print(f"  {name} {k}x{n}: {e}")
+            for name, func, rule in (("lowbatch", nt_matmul(n, k), dl.gpu.LowBatchGEMV()),
+                                     ("tc", nt_matmul(n, k), BF16Matmul()),
+                                     ("gemv", nt_matmul(n, k, rows=1), dl.gpu.GEMV())):
+                mod = dl.ApplyDefaultSchedule(rule, dl.gpu.Matmul(), dl.gpu.Fallback())(tvm.IRModule({"main": func}))
+                funcs[f"{name}_{k}_{n}"] = mod["main"]
+        funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
+        lib = tvm.compile(tvm.IRModule(funcs), target=target)
+    lib.export_library(str(out))
+    print(f"wrote {out} ({len(funcs)} kernels)")
+
+
+def run(lib_path: Path, out_dir: Path | None) -> None:
+    import torch
+    import tvm
+
+    from bench._common import write
+    from specpilot.runtime.engine import _import_tvm_runtime
+    _import_tvm_runtime(gpu=True)
+    lib = tvm.runtime.load_module(str(lib_path))
+    to_tvm = tvm.runtime.from_dlpack
+    rows = []
+
+    def timed(fn, rotations: int) -> list[float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for r in range(rotations):
+            fn(r)
+        samples = []
+        for _ in range(7):
+            start.record()
+            for i in range(20):
+                fn(i % rotations)
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / 20)   # microseconds per call
+        return samples
+
+    for k, n in SHAPES:
+        gen = torch.Generator().manual_seed(k * 3 + n)
+        rotations = max(2, int(400e6 // (2 * n * k)) + 1)
+        weights = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda() for _ in range(rotations)]
+        weights_tvm = [to_tvm(w) for w in weights]
+        for m in MS:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            want = x.float() @ weights[0].float().T
+            y = torch.full((m, n), float("nan"), device="cuda")    # a row left unwritten shows as NaN
+            x_tvm, y_tvm = to_tvm(x), to_tvm(y)
+            names = [v for v in variants()] + (["lowbatch"] if m <= 8 else []) + ["tc"] + (["gemv"] if m == 1 else [])
+            found = []
+            for name in names:
+                try:
+                    fn = lib[f"{name}_{k}_{n}"]
+                except Exception:   # a configuration that does not tile this shape was not built
+                    continue
+                y.fill_(float("nan"))
+                fn(x_tvm, weights_tvm[0], y_tvm)
+                torch.cuda.synchronize()
+                err = float(((y - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
+                samples = timed(lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm), rotations)
+                found.append((name, samples, err))
+            found.append(("cublas", timed(lambda r: torch.nn.functional.linear(x, weights[r]), rotations), 0.0))
+            base = statistics.median(found[-1][1])
+            for name, samples, err in found:
+                med = statistics.median(samples)
+                rows.append({"K": k, "N": n, "M": m, "kernel": name, "median_us": med, "min_us": min(samples),
+                             "max_us": max(samples), "tb_per_s": 2 * n * k / med / 1e6, "max_rel_error": err,
+                             "speedup_vs_cublas": base / med})
+            best = min((r for r in rows[-len(found):] if r["kernel"].startswith("mma_")), key=lambda r: r["median_us"],
+                       default=None)
+            ship = next(r for r in rows[-len(found):] if r["kernel"] == "mma")
+            print(f"  K={k:6d} N={n:6d} M={m:3d}  mma {ship['median_us']:8.1f} us ({ship['speedup_vs_cublas']:.2f}x cuBLAS, "
+                  f"err {ship['max_rel_error']:.1e})  best {best['kernel']} {best['median_us']:.1f}  "
+                  f"cublas {base:.1f}  " + "  ".join(f"{r['kernel']} {r['median_us']:.1f}" for r in rows[-len(found):]
+                                                    if not r["kernel"].startswith("mma")), flush=True)
+        del weights, weights_tvm
+        torch.cuda.empty_cache()
+    path = write("skinny-gemm", {"shapes": SHAPES, "ms": MS, "results": rows}, out_dir)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["build", "run"])
+    ap.add_argument("lib", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    build(args.lib) if args.mode == "build" else run(args.lib, args.out)
+
+
+if __name__ == "__main__":
+    main()

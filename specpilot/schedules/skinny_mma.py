@@ -1,0 +1,285 @@
+"""Skinny bf16 GEMMs on tensor cores: y[M, N] = x[M, K] . W[N, K]^T for the few rows of
+decode (M <= 8), chain and tree verification (M up to ~72), where dlight's schedules are
+GEMVs (one weight read per row group, CUDA cores) or 128-row tensor-core tiles (most of the
+tile wasted, weights re-read): bench/results/tree-verify-* measured 0.11-0.28x cuBLAS.
+
+The kernel swaps the operands: ``mma.sync.m16n8k16`` with W as the 16-row A operand and x as
+the 8-column B operand, so the long side N fills the tensor core's M and a group of 8 rows of x
+its N.  Weights stream from global memory straight into registers, once per launch, 16 bytes
+per lane per load; rows of x come from L1/L2.
+
+The K permutation: the dot product over K does not care about the order of its terms, so
+a lane's four k-slots of one mma ({2t, 2t+1, 2t+8, 2t+9}, t = lane % 4) may stand for any
+four physical k's, as long as A and B agree.  Slot -> physical map: {2t, 2t+1, 2t+8, 2t+9} ->
+{8t, 8t+1, 8t+2, 8t+3} for the first mma of a 32-wide k step and {8t+4 .. 8t+7} for the
+second, so each lane's A and B operands for a whole 32-wide step are 8 consecutive bf16 --
+one 16-byte load per row.  Products are float32 and accumulate in float32, as the
+legalized matmul does (the order of the float32 sums differs, as any schedule's does).
+
+Layout per block: ``wn`` x ``wk`` warps; a warp owns ``a_tiles`` x 16 output channels and
+``m_tiles`` x 8 rows of x, over its 1/``wk`` share of K; the ``wk`` partial sums meet in
+shared memory.  Grid: (N / (16 a_tiles wn), ceil(M / (8 m_tiles))).  `skinny_nt_matmul`
+picks a configuration by M at run time (`CONFIGS`).  Static row counts (the one-sequence decode
+step) stay with dlight's GEMV, which reads W at cuBLAS speed there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from functools import lru_cache
+
+
+@dataclass(frozen=True)
+class Config:
+    m_tiles: int    # groups of 8 rows of x per block
+    a_tiles: int    # 16-channel A tiles per warp
+    wn: int         # warps along N
+    wk: int         # warps along K (split-K inside the block)
+    unroll: int = 4 # k steps whose loads are in flight together
+
+    def block_n(self) -> int:
+        return 16 * self.a_tiles * self.wn
+
+    def block_m(self) -> int:
+        return 8 * self.m_tiles
+
+    def fits(self, n_out: int, k_in: int) -> bool:
+        return n_out % self.block_n() == 0 and k_in % (32 * self.wk) == 0
+
+
+# (largest M the configuration serves, candidates in order of preference), from the H200 runs of
+# bench/skinny_gemm.py (bench/results/skinny-gemm-*): 16 rows per block with 8 warps splitting K
+# led at every M <= 16 (even M = 1), 32 and 72 rows per block led at M = 32 and M = 65.
+CONFIGS = (
+    (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
+    (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
+    (None, (Config(9, 2, 2, 2, 2), Config(9, 1, 2, 2, 2), Config(9, 1, 1, 2, 2), Config(9, 1, 1, 1, 2))),
+)
+
+
+def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
+    """One configuration per M range for this shape, or None when no configuration tiles it."""
+    out = []
+    for limit, candidates in CONFIGS:
+        chosen = next((c for c in candidates if c.fits(n_out, k_in)), None)
+        if chosen is None:
+            return None
+        out.append((limit, chosen))
+    return out
+
+
+def applicable(n_out: int, k_in: int) -> bool:
+    return pick(n_out, k_in) is not None
+
+
+def _kernel(n_out: int, k_in: int, cfg: Config):
+    """A macro launching one configuration over all M rows of x (``m`` symbolic)."""
+    from tvm.script import tirx as T
+
+    MT, AT, WN, WK = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk
+    BN, BM = cfg.block_n(), cfg.block_m()
+    steps = k_in // (32 * WK)           # 32-wide k steps per warp
+    U = next(u for u in (cfg.unroll, 2, 1) if steps % u == 0)
+    k_share = k_in // WK
+    slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
+    threads = 32 * WN * WK
+
+    @T.macro
+    def launch(x, w, y, m):
+        for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+            for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+                for kw in T.thread_binding(WK, thread="threadIdx.z"):
+                    for nw in T.thread_binding(WN, thread="threadIdx.y"):
+                        for lane in T.thread_binding(32, thread="threadIdx.x"):
+                            wa = T.alloc_buffer((U, AT, 2, 8), "bfloat16", scope="local")
+                            af = T.alloc_buffer((2, AT, 8), "bfloat16", scope="local")
+                            xb = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
+                            bf = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
+                            acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
+                            red = T.alloc_buffer((WK, slots), "float32", scope="shared")
+                            for a, t, c in T.grid(AT, MT, 4):
+                                acc[a, t, c] = T.float32(0)
+                            for so in T.serial(steps // U):
+                                # U steps' loads issued before any of their multiplies
+                                for u, a, h in T.grid(U, AT, 2):
+                                    for v in T.vectorized(8):
+                                        wa[u, a, h, v] = w[bx * BN + nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
+                                                           kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
+                                for u, t in T.grid(U, MT):
+                                    for v in T.vectorized(8):
+                                        xb[u, t, v] = x[T.min(by * BM + t * 8 + lane // 4, m - 1),
+                                                        kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
+                                # element copies (registers after nvcc): the mma operand is addressed in
+                                # bf16 elements, and TVM types a buffer only ever vector-loaded as uint4
+                                for u, t, v in T.grid(U, MT, 8):
+                                    bf[u, t, v] = xb[u, t, v]
+                                for u in T.unroll(U):
+                                    # A fragments: {a0 a1 | a2 a3 | a4 a5 | a6 a7} = rows {g, g+8, g, g+8}
+                                    for q, a in T.grid(2, AT):
+                                        for h2, h, e in T.grid(2, 2, 2):
+                                            af[q, a, h2 * 4 + h * 2 + e] = wa[u, a, h, q * 4 + h2 * 2 + e]
+                                    for q, a, t in T.grid(2, AT, MT):
+                                        T.evaluate(T.ptx_legacy.mma(
+                                            "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                            af.data, (q * AT + a) * 8, bf.data, (u * MT + t) * 8 + q * 4,
+                                            acc.data, (a * MT + t) * 4, False, dtype="float32"))
+                            for a, t, c in T.grid(AT, MT, 4):
+                                red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
+                            T.tvm_storage_sync("shared")
+                            for r in T.serial((slots + threads - 1) // threads):
+                                if r * threads + (kw * WN + nw) * 32 + lane < slots:
+                                    total = T.alloc_buffer((1,), "float32", scope="local")
+                                    total[0] = T.float32(0)
+                                    for j in T.unroll(WK):
+                                        total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
+                                    o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                                    row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
+                                    if row < m:
+                                        y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
+                                          + (o % 32) // 4] = total[0]
+    return launch
+
+
+@lru_cache(maxsize=None)
+def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None):
+    """x[m, k] . W[n, k]^T -> float32 y[m, n] (m symbolic) on tensor cores, one configuration per
+    range of m chosen at run time.  ``configs``: ((largest m or None, Config), ...), ascending,
+    the last unbounded, to use instead of `pick`'s (benchmarks)."""
+    from tvm.script import tirx as T
+
+    chosen = list(configs) if configs else pick(n_out, k_in)
+    if chosen is None:
+        raise ValueError(f"no skinny tensor-core configuration tiles N={n_out}, K={k_in}")
+    if chosen[-1][0] is not None or any(limit is None for limit, _ in chosen[:-1]):
+        raise ValueError("configs: ascending row limits, the last one None (every larger m)")
+    for _, cfg in chosen:
+        if not cfg.fits(n_out, k_in):
+            raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
+    launches = [(limit, _kernel(n_out, k_in, cfg)) for limit, cfg in chosen]
+    N, K = T.int64(n_out), T.int64(k_in)
+
+    def dispatch(i: int):
+        limit, launch = launches[i]
+        if limit is None:
+            return launch
+        rest = dispatch(i + 1)
+
+        @T.macro
+        def pick_rows(x, w, y, m):
+            if m <= limit:
+                launch(x, w, y, m)
+            else:
+                rest(x, w, y, m)
+        return pick_rows
+
+    run = dispatch(0)
+
+    @T.prim_func(private=True)
+    def mm(x_h: T.handle, w: T.Buffer((N, K), "bfloat16"), y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, K), "bfloat16")
+        y = T.match_buffer(y_h, (m, N), "float32")
+        run(x, w, y, m)
+    return mm
+
+def nt_matmul_shape(func) -> tuple[int, int] | None:
+    """(N, K) when ``func`` is exactly the legalized ``x[m, K] . W[N, K]^T`` with a symbolic row
+    count m (bf16 inputs, float32 products and sums, one block, nothing fused), else None."""
+    from tvm import s_tir, tirx
+    from tvm.s_tir.dlight.analysis import get_root_block
+
+    if not isinstance(func, tirx.PrimFunc) or "tirx.is_scheduled" in (func.attrs or {}):
+        return None
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = sch.get_child_blocks(get_root_block(sch))
+    except Exception:   # not a schedulable function: not ours to replace
+        return None
+    if len(blocks) != 1:
+        return None
+    block = sch.get(blocks[0])
+    if len(block.reads) != 2 or len(block.writes) != 1 or len(block.iter_vars) != 3:
+        return None
+    (x, w), y = (r.source for r in block.reads), block.writes[0].source
+    if (str(x.dtype), str(w.dtype), str(y.dtype)) != ("bfloat16", "bfloat16", "float32") or \
+            len(x.shape) != 2 or len(w.shape) != 2 or len(y.shape) != 2 or \
+            not all(isinstance(d, tirx.IntImm) for d in (*w.shape, x.shape[1], y.shape[1])):
+        return None
+    i, j, k = (iv.var for iv in block.iter_vars)
+    kinds = [int(iv.iter_type) for iv in block.iter_vars]
+    def at(region, *vs):
+        return len(region) == len(vs) and all(r.min.same_as(v) and int(r.extent) == 1 for r, v in zip(region, vs))
+    if kinds != [0, 0, 2] or not (at(block.reads[0].region, i, k) and at(block.reads[1].region, j, k)
+                                  and at(block.writes[0].region, i, j)):
+        return None
+    if isinstance(x.shape[0], tirx.IntImm):
+        return None     # a static row count (the single-sequence decode step): dlight's GEMV reads W at cuBLAS speed
+    n, kk = int(w.shape[0]), int(w.shape[1])
+    if int(x.shape[1]) != kk or int(y.shape[1]) != n:
+        return None
+    expected = tvm_expected_body(block, x, w, y, i, j, k)
+    return (n, kk) if expected else None
+
+
+def tvm_expected_body(block, x, w, y, i, j, k) -> bool:
+    """The block computes y[i, j] += f32(x[i, k]) * f32(w[j, k]) from a zero init."""
+    from tvm import tirx
+    from tvm.ir.expr import TensorLoad
+    body, init = block.body, block.init
+    if not (isinstance(init, tirx.BufferStore) and init.buffer.same_as(y) and isinstance(init.value, tirx.FloatImm)
+            and init.value.value == 0):
+        return False
+    if not (isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add)):
+        return False
+    acc, prod = body.value.a, body.value.b
+    if not (body.buffer.same_as(y) and isinstance(acc, TensorLoad) and acc.source.same_as(y)
+            and isinstance(prod, tirx.Mul)):
+        return False
+    loads = []
+    for side in (prod.a, prod.b):
+        if not (isinstance(side, tirx.Cast) and str(side.ty) == "float32" and isinstance(side.value, TensorLoad)):
+            return False
+        loads.append(side.value.source)
+    return loads[0].same_as(x) and loads[1].same_as(w)
+
+
+def substitute(mod):
+    """Point every call_tir of a plain bf16 NT matmul whose shape a configuration tiles at the
+    tensor-core kernel (one PrimFunc per (N, K), marked scheduled so dlight leaves it alone, and
+    opaque so FuseOps fuses no epilogue into it: casts and residual adds stay separate kernels)."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    shapes = {gv: nt_matmul_shape(f) for gv, f in mod.functions.items()}
+    shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s)}
+    if not shapes:
+        return mod, 0
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    @mutator
+    class _Swap(PyExprMutator):
+        def __init__(self, m):
+            super().__init__(m)
+            self.kernels, self.swapped = {}, 0
+
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op.same_as(call_tir) and call.args[0] in shapes:
+                shape = shapes[call.args[0]]
+                if shape not in self.kernels:
+                    kernel = skinny_nt_matmul(*shape).with_attr("op_pattern", 8)   # kOpaque
+                    self.kernels[shape] = self.builder_.add_func(kernel, f"skinny_mma_{shape[0]}_{shape[1]}")
+                args = call.args[1].fields[:2] if isinstance(call.args[1], relax.Tuple) else call.args[1:3]
+                self.swapped += 1
+                return relax.call_tir(self.kernels[shape], list(args), call.ty)
+            return call
+
+    swap = _Swap(mod)
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            swap.builder_.update_func(gv, swap.visit_expr(func))
+    out = relax.transform.DeadCodeElimination()(swap.builder_.get()) if swap.swapped else mod
+    return out, swap.swapped

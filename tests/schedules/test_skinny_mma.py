@@ -1,0 +1,158 @@
+"""Skinny tensor-core GEMMs (`schedules.skinny_mma`): which shapes a configuration tiles, which
+PrimFuncs count as a plain bf16 NT matmul, the Relax substitution (before/expected, must not
+fire), and the kernel compiling to sm_90 mma.sync code without a GPU.  Its numbers are checked
+on the H200 against the float32 product (bench/skinny_gemm.py) and by bf16 token forcing of
+skinny-mma builds (bench/gpu_forcing.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tvm
+from tvm import relax
+
+from specpilot.schedules.skinny_mma import Config, applicable, nt_matmul_shape, pick, substitute
+from specpilot.schedules.tensor_core import nt_matmul
+
+
+def test_configurations_tile_only_what_they_divide():
+    assert Config(1, 1, 1, 8).fits(5120, 5120) and not Config(1, 1, 1, 8).fits(5120, 96)
+    assert Config(9, 2, 2, 2).block_n() == 64 and Config(9, 2, 2, 2).block_m() == 72
+    chosen = pick(17408, 5120)
+    assert [limit for limit, _ in chosen] == [16, 32, None] and chosen[0][1] == Config(2, 1, 1, 8, 4)
+    assert all(cfg.fits(17408, 5120) for _, cfg in chosen)
+    # K = 96: only one warp along K divides it; N = 48: one 16-row tile per warp
+    assert pick(48, 96) == [(16, Config(2, 1, 1, 1, 4)), (32, Config(4, 1, 1, 1, 2)), (None, Config(9, 1, 1, 1, 2))]
+    assert not applicable(203, 96) and not applicable(96, 203) and not applicable(8, 64)
+
+
+def test_plain_bf16_nt_matmuls_are_recognised():
+    assert nt_matmul_shape(nt_matmul(384, 256)) == (384, 256)
+
+
+def test_static_row_counts_stay_with_the_gemv():
+    assert nt_matmul_shape(nt_matmul(384, 256, rows=1)) is None
+
+
+def _fused_matmul_cast():
+    """An NT matmul with a cast fused after it: two blocks, not a plain matmul."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def f(x_h: T.handle, w: T.Buffer((T.int64(64), T.int64(32)), "bfloat16"), y_h: T.handle):
+        m = T.int64()
+        x = T.match_buffer(x_h, (m, T.int64(32)), "bfloat16")
+        y = T.match_buffer(y_h, (m, T.int64(64)), "bfloat16")
+        acc = T.sblock_alloc_buffer((m, T.int64(64)), "float32")
+        for i, j, k in T.grid(m, T.int64(64), T.int64(32)):
+            with T.sblock("NT_matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    acc[vi, vj] = T.float32(0)
+                acc[vi, vj] = acc[vi, vj] + T.Cast("float32", x[vi, vk]) * T.Cast("float32", w[vj, vk])
+        for i, j in T.grid(m, T.int64(64)):
+            with T.sblock("cast"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.Cast("bfloat16", acc[vi, vj])
+    return f
+
+
+def _transposed_x():
+    """x read as x[k, i]: same shapes and dtypes, a different product."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def f(x: T.Buffer((T.int64(32), T.int64(32)), "bfloat16"), w: T.Buffer((T.int64(64), T.int64(32)), "bfloat16"),
+          y: T.Buffer((T.int64(32), T.int64(64)), "float32")):
+        for i, j, k in T.grid(T.int64(32), T.int64(64), T.int64(32)):
+            with T.sblock("NT_matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    y[vi, vj] = T.float32(0)
+                y[vi, vj] = y[vi, vj] + T.Cast("float32", x[vk, vi]) * T.Cast("float32", w[vj, vk])
+    return f
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16", "fused epilogue", "transposed x"])
+def test_other_functions_are_not_plain_bf16_nt_matmuls(case):
+    func = {"fp32": lambda: nt_matmul(64, 32, "float32"), "fp16": lambda: nt_matmul(64, 32, "float16"),
+            "fused epilogue": _fused_matmul_cast, "transposed x": _transposed_x}[case]()
+    assert nt_matmul_shape(func) is None
+
+
+def _module(n_out: int, k_in: int):
+    """x[m, k] . W^T as Relax legalizes it, with a symbolic row count."""
+    bb = relax.BlockBuilder()
+    m = tvm.tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType([m, k_in], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([n_out, k_in], "bfloat16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32"))
+            out = bb.emit_output(relax.op.astype(y, "bfloat16"))
+        bb.emit_func_output(out)
+    seq = tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps()])
+    return seq(bb.get())
+
+
+def _callees(mod) -> list[str]:
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    names = []
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            v = binding.value
+            if isinstance(v, relax.Call) and v.op.same_as(call_tir):
+                names.append(v.args[0].name_hint)
+    return names
+
+
+def test_substitution_points_the_matmul_at_the_kernel():
+    mod = _module(96, 64)
+    assert any("NT_matmul" in n for n in _callees(mod))
+    out, swapped = substitute(mod)
+    assert swapped == 1
+    callees = _callees(out)
+    assert callees[0] == "skinny_mma_96_64" and not any("NT_matmul" in n for n in callees)
+    kernel = out[out.get_global_var("skinny_mma_96_64")]
+    assert kernel.attrs["tirx.is_scheduled"] and int(kernel.attrs["op_pattern"]) == 8
+    # the call passes x and W only; the result keeps its type
+    call = out["main"].body.blocks[0].bindings[0].value
+    assert len(call.args[1].fields) == 2 and str(call.ty) == str(mod["main"].body.blocks[0].bindings[0].value.ty)
+    assert not [gv for gv in out.get_global_vars() if gv.name_hint.startswith("NT_matmul")]
+
+
+def test_substitution_leaves_shapes_no_configuration_tiles():
+    mod = _module(203, 64)
+    out, swapped = substitute(mod)
+    assert swapped == 0
+    tvm.ir.assert_structural_equal(out, mod)
+
+
+def test_kernel_compiles_to_sm90_mma_without_a_gpu(tmp_path):
+    from specpilot.compiler.build import cuda_stub_env
+    src = tmp_path / "mm.cu"
+    code = (
+        "import sys, tvm\n"
+        "from specpilot.compiler.build import load_cuda_runtime\n"
+        "from specpilot.schedules.skinny_mma import skinny_nt_matmul\n"
+        "assert load_cuda_runtime()\n"
+        "t = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}, host={'kind': 'llvm'})\n"
+        "with t:\n"
+        "    lib = tvm.compile(tvm.IRModule({'mm': skinny_nt_matmul(48, 96).with_attr('global_symbol', 'mm')}), target=t)\n"
+        "todo, found = [lib.mod], []\n"
+        "while todo:\n"
+        "    m = todo.pop(); todo.extend(m.imports)\n"
+        "    found += [m.inspect_source()] if m.kind == 'cuda' else []\n"
+        "open(sys.argv[1], 'w').write(''.join(found))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code, str(src)], env=cuda_stub_env(), capture_output=True,
+                          text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = src.read_text()
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 3   # one per M configuration
+    # the operands are addressed in bf16 elements: their local arrays must be bf16, not vector-typed
+    assert "nv_bfloat16 bf_ptr[" in text and "nv_bfloat16 af_ptr[" in text and "uint4 bf_ptr" not in text
