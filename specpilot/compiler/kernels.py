@@ -111,7 +111,8 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
 
 
 @memo
-def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False):
+def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
+                     stack: tuple[int, int] | None = None):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
@@ -126,7 +127,22 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     a draft tree walked as a chain would walk it; without, tokens follow each other and
     parents is not read.  Parents come before their children, so one pass in token order
     sees every parent's state written.
+
+    ``stack`` = (G, g), with ``keep_states``: the per-token states of all G Gated DeltaNet layers of
+    a verify go into one (B, T, G, H, dk, dv) tensor, this layer's at index g, so no step
+    concatenates them (at 64 tree nodes and 27B-class heads that copy moved 1.2 GB).  Layer 0
+    allocates it (its other layers' slices left to them); layer g > 0 writes its slice in place:
+    the kernel then takes the stack after ``parents`` and returns it first (``call_tir_inplace``
+    order: in-place operand, then o).
     """
+    G, gi = stack if stack else (1, 0)
+    if stack and (not keep_states or not 0 <= gi < G):
+        raise ValueError(f"stack={stack}: needs keep_states and 0 <= g < G")
+    inplace = gi > 0
+
+    def at(n, b, t, h, i, j):
+        """Flat index of state[b, t, (layer,) h, i, j]: the stacked and unstacked layouts alike."""
+        return ((((b * n + t) * G + gi) * n_heads + h) * dk + i) * dv + j
 
     @T.macro
     def column(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, j):
@@ -143,7 +159,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                         s[i] = s0[b, h, i, j]
                 else:
                     for i in range(dk):
-                        s[i] = st[b, T.Cast("int64", parents[b, t]), h, i, j]
+                        s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, i, j)]
             if slots[b, t] >= 0:
                 for i in range(dk):
                     s[i] = s[i] * T.exp(g[b, t, h])
@@ -157,10 +173,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             o[b, t, h, j] = acc[0]
             if keep_states:
                 for i in range(dk):
-                    st[b, t, h, i, j] = s[i]
+                    st[at(n, b, t, h, i, j)] = s[i]
         if not keep_states:
             for i in range(dk):
-                st[b, h, i, j] = s[i]
+                st[at(1, b, 0, h, i, j)] = s[i]
 
     # GPU form: a block per (sequence, head), dv x parts threads; thread (j, p) keeps rows
     # p*R .. p*R+R-1 of column j of the state in registers (R = dk / parts), the two dot
@@ -185,7 +201,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                         s[i] = s0[b, h, p * rows + i, j]
                 elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
                     for i in T.unroll(rows):
-                        s[i] = st[b, T.Cast("int64", parents[b, t]), h, p * rows + i, j]
+                        s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, p * rows + i, j)]
             acc[0] = T.float32(0)
             if slots[b, t] >= 0:
                 for i in T.unroll(rows):
@@ -211,16 +227,21 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 o[b, t, h, j] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
             if keep_states:
                 for i in T.unroll(rows):
-                    st[b, t, h, p * rows + i, j] = s[i]
+                    st[at(n, b, t, h, p * rows + i, j)] = s[i]
         if not keep_states:
             for i in T.unroll(rows):
-                st[b, h, p * rows + i, j] = s[i]
+                st[at(1, b, 0, h, p * rows + i, j)] = s[i]
 
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
-                     "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]})
+    attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
+             "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]}
+    if stack:
+        attrs["gdn.stack"] = [G, gi]
+    st_shape = lambda batch, n: ((batch, n, n_heads, dk, dv) if not stack else (batch, n, G, n_heads, dk, dv)) \
+        if keep_states else (batch, n_heads, dk, dv)
+
+    @T.macro
+    def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h):
+        T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
         q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
         k = T.match_buffer(k_h, (batch, n, n_heads, dk), "float32")
@@ -231,9 +252,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         slots = T.match_buffer(slots_h, (batch, n), "int32")
         parents = T.match_buffer(parents_h, (batch, n), "int32")
         o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
-        st = T.match_buffer(st_h, (batch, n, n_heads, dk, dv) if keep_states else (batch, n_heads, dk, dv),
-                            "float32")
+        st_nd = T.match_buffer(st_h, st_shape(batch, n), "float32")
         with T.sblock("root"):
+            st = T.decl_buffer(((batch * n if keep_states else batch) * G * n_heads * dk * dv,), "float32",
+                               data=st_nd.data)
             if gpu:
                 for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
                     for p in T.thread_binding(parts, thread="threadIdx.y"):
@@ -244,6 +266,18 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
                         column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
+
+    if inplace:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel_inplace(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+                           s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, st_h: T.handle, o_h: T.handle):
+            body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h)
+        return kernel_inplace
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
+        body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h)
     return kernel
 
 

@@ -161,13 +161,17 @@ class Attention(nn.Module):
         own = wrap_nested(rx.op.take(own._expr, s.rows._expr, axis=1, mode="clip"), "rows_kv")  # (2, B, nkv, L, d)
         keys = op.reshape(_slice(own, 0, 0, 1, "keys"), (B, nkv, L, d))
         values = op.reshape(_slice(own, 0, 1, 2, "values"), (B, nkv, L, d))
-        if nh != nkv:
-            keys, values = op.repeat(keys, nh // nkv, axis=1), op.repeat(values, nh // nkv, axis=1)
-        scores = _matmul(op.permute_dims(q, [0, 2, 1, 3]), op.permute_dims(keys, [0, 1, 3, 2])) * (d ** -0.5)
+        # grouped queries: the grp = nh / nkv query heads of a KV head (heads h = kv * grp + i) are
+        # rows of one matmul against that head's keys, so no step copies the keys grp times
+        grp = nh // nkv
+        qg = op.reshape(op.permute_dims(q, [0, 2, 1, 3]), (B, nkv, grp * T_, d))
+        scores = op.reshape(_matmul(qg, op.permute_dims(keys, [0, 1, 3, 2])) * (d ** -0.5), (B, nkv, grp, T_, L))
         neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
-        scores = op.where(op.broadcast_to(op.unsqueeze(s.mask, 1), scores.shape), scores, neg)  # (B, nh, T, L)
+        mask = op.broadcast_to(op.reshape(s.mask, (B, 1, 1, T_, L)), scores.shape)
+        scores = op.where(mask, scores, neg)                                                # (B, nkv, grp, T, L)
         probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
-        out = op.reshape(op.permute_dims(_matmul(probs, values), [0, 2, 1, 3]), (B * T_, nh * d))
+        out = _matmul(op.reshape(probs, (B, nkv, grp * T_, L)), values)                      # (B, nkv, grp*T, d)
+        out = op.reshape(op.permute_dims(op.reshape(out, (B, nh, T_, d)), [0, 2, 1, 3]), (B * T_, nh * d))
         if gate is not None:
             out = out * op.sigmoid(gate)
         return self.o_proj(out), kv
@@ -216,9 +220,12 @@ class GatedDeltaNet(nn.Module):
         return (self.in_proj_qkv(x), op.reshape(self.in_proj_z(x), (T_, nv, dv)),
                 self.in_proj_b(x), self.in_proj_a(x))
 
-    def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool):
+    def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool,
+                stack: tuple[int, int] | None = None, stacked: Tensor | None = None):
         """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
-        and the new states: final (B, ...) or, with ``keep_states``, after every token (B, T, ...)."""
+        and the new states: final (B, ...) or, with ``keep_states``, after every token (B, T, ...).
+        ``stack`` = (G, g): the per-token recurrent states go into slice g of the (B, T, G, ...)
+        tensor of all G layers (``stacked``, made by layer 0), returned in its place."""
         cfg = self.cfg
         B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -247,13 +254,19 @@ class GatedDeltaNet(nn.Module):
         g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
             op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
         g = op.reshape(g, (B, T_, nv))
-        kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu)
-        state_shape = (B, T_, nv, dk, dv) if keep_states else (B, nv, dk, dv)
-        o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule",
-                                     # prefill / decode follow the previous token: parents is not read there
-                                     [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots],
-                                     [Tensor.placeholder((B, T_, nv, dv), "float32"),
-                                      Tensor.placeholder(state_shape, "float32")])
+        stack = stack if keep_states else None
+        kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu, stack=stack)
+        state_shape = ((B, T_, stack[0], nv, dk, dv) if stack else (B, T_, nv, dk, dv)) if keep_states \
+            else (B, nv, dk, dv)
+        # prefill / decode follow the previous token: parents is not read there
+        args = [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots]
+        o_type = Tensor.placeholder((B, T_, nv, dv), "float32")
+        if stack and stack[1] > 0:
+            new_rec, o = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked], [len(args), -1],
+                                                 [Tensor.placeholder(state_shape, "float32"), o_type])
+        else:
+            o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args,
+                                         [o_type, Tensor.placeholder(state_shape, "float32")])
         if not keep_states:
             new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
                                        "conv_window_states", [window, s.slots],
@@ -322,7 +335,8 @@ class CausalLM(nn.Module):
             else:
                 conv_g = op.squeeze(_slice(conv, 1, g, g + 1, "conv_state"), 1)
                 rec_g = op.squeeze(_slice(rec, 1, g, g + 1, "rec_state"), 1)
-                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states)
+                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states, (self.n_gdn, g),
+                                                    recs[-1] if recs else None)
                 convs.append(c_new)
                 recs.append(r_new)
                 g += 1
@@ -335,7 +349,8 @@ class CausalLM(nn.Module):
         if self.n_gdn:
             axis = 2 if keep_states else 1   # per-token states: (B, T, G, ...), final: (B, G, ...)
             outputs += [op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
-                        op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
+                        # per-token recurrent states: the layers already share one stacked tensor
+                        recs[-1] if keep_states else op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
         return tuple(outputs) if len(outputs) > 1 else logits
 
     def commit(self, conv_states, rec_states, index):
