@@ -11,6 +11,9 @@
 #   bash bench/h200_session.sh mma       skinny tensor-core GEMMs (bench/skinny_gemm.py); bf16 forcing of
 #                                        the tiny skinny-mma builds; tree verify at 4k, nt-gemv vs skinny-mma
 #   bash bench/h200_session.sh decode-mma  compiled decode, nt-gemv vs skinny-mma builds, with profiles
+#   bash bench/h200_session.sh compare   builds under .gpu/stage (one carried folder): compiled decode of
+#                                        $DECODE_BUILDS (and with eager/torch.compile: $DECODE_FULL_BUILDS),
+#                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
 export PYTHONPATH=/tmp/rt/site:$PWD PYTHONUNBUFFERED=1 TVM_USE_RUNTIME_LIB=1
@@ -41,6 +44,20 @@ decode-mma)
   timeout "${DECODE_S:-400}" python3 bench/decode.py $b/qwen3-8b-8l $b/qwen3-8b-8l-mma $b/qwen35-27b-4l \
     $b/qwen35-27b-4l-mma --compiled-only --profile 8 --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 \
     | grep -v Warning | tail -70 ;;
+compare)
+  st=.gpu/stage
+  [ -n "${FORCING_BUILDS:-}" ] && timeout "${FORCING_S:-150}" python3 bench/gpu_forcing.py \
+    $(for x in $FORCING_BUILDS; do echo $st/$x; done) --max-new-tokens 128 --out "$out" 2>&1 | tail -12
+  for t in ${TREE_BUILDS:-}; do
+    timeout "${TREE_S:-110}" python3 bench/tree_verify.py run --lib none --build $st/$t --context 4096 \
+      --parts steps --out "$out" 2>&1 | grep -v Warning | tail -34
+  done
+  [ -n "${DECODE_FULL_BUILDS:-}" ] && timeout "${DECODE_FULL_S:-300}" python3 bench/decode.py \
+    $(for x in $DECODE_FULL_BUILDS; do echo $st/$x; done) --no-w12 --profile 8 --context 512 --steps 32 \
+    --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -50
+  [ -n "${DECODE_BUILDS:-}" ] && timeout "${DECODE_S:-300}" python3 bench/decode.py \
+    $(for x in $DECODE_BUILDS; do echo $st/$x; done) --compiled-only --profile 8 --context 512 --steps 32 \
+    --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -90 ;;
 gemm)
   timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75 ;;
 esac

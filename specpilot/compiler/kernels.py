@@ -110,6 +110,187 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
     return kernel
 
 
+ATTN_CHUNK = 64     # keys per split of a decode attention (a block of the GPU form)
+ATTN_WARPS = 2
+ATTN_FLOOR = -1e30  # the running max before any key: finite, so exp(floor - m) is 0, never NaN
+
+
+@memo
+def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
+                             group: int, dtype: str, gpu: bool):
+    """Decode attention straight from the KV pool, split over the keys (flash decoding), first half.
+
+    Inputs q (B, 1, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
+    rows (B,) and mask (B, 1, L).  Query head h reads KV head h // group.  For each split of
+    ``ATTN_CHUNK`` keys, each sequence, KV head and query head of its group: the running max m of
+    the scaled scores (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l
+    of exp(score - m), and sum of exp(score - m) * v -- outputs acc (B, n_kv, S, group, d) and
+    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK).  `attention_decode_combine` merges
+    the splits.  No step copies keys or values out of the pool.
+
+    GPU form: a block per (sequence, KV head, split), ``ATTN_WARPS`` warps taking its keys in
+    turn, lane i holding dims i, i+32, ... of q and of its running sums; the dot products are
+    summed across the warp with shuffles, the warps' partial results merged in shared memory.
+    """
+    E = (head_dim + 31) // 32
+    W, CH = ATTN_WARPS, ATTN_CHUNK
+    scale = float(head_dim) ** -0.5
+
+    @T.macro
+    def online(ml_m, ml_l, acc, r, score, vrow, e_count, idx):
+        """Fold one key (its score, its value row read through vrow(i)) into row r's running sums."""
+        m_new = T.max(ml_m[r], score)
+        c = T.exp(ml_m[r] - m_new)
+        p = T.exp(score - m_new)
+        ml_l[r] = ml_l[r] * c + p
+        ml_m[r] = m_new
+        for e in range(e_count):
+            if idx(e) < head_dim:
+                acc[r, e] = acc[r, e] * c + p * T.Cast("float32", vrow(idx(e)))
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
+               ml_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, L = T.int64(), T.int64()
+        q = T.match_buffer(q_h, (batch, 1, n_kv * group, head_dim), dtype)
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+        row = T.match_buffer(rows_h, (batch,), "int32")
+        mask = T.match_buffer(mask_h, (batch, 1, L), "bool")
+        out = T.match_buffer(acc_h, (batch, n_kv, (L + CH - 1) // CH, group, head_dim), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, (L + CH - 1) // CH, group, 2), "float32")
+        with T.sblock("root"):
+            if gpu:
+                for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
+                    for sp in T.thread_binding((L + CH - 1) // CH, thread="blockIdx.y"):
+                        for w in T.thread_binding(W, thread="threadIdx.y"):
+                            for lane in T.thread_binding(32, thread="threadIdx.x"):
+                                b, h = bh // n_kv, bh % n_kv
+                                qr = T.alloc_buffer((group, E), "float32", scope="local")
+                                acc = T.alloc_buffer((group, E), "float32", scope="local")
+                                m = T.alloc_buffer((group,), "float32", scope="local")
+                                lsum = T.alloc_buffer((group,), "float32", scope="local")
+                                sc = T.alloc_buffer((group,), "float32", scope="local")
+                                sm = T.alloc_buffer((W, group, 2), "float32", scope="shared")
+                                sacc = T.alloc_buffer((W, group, E * 32), "float32", scope="shared")
+                                for r, e in T.grid(group, E):
+                                    acc[r, e] = T.float32(0)
+                                    qr[r, e] = T.if_then_else(e * 32 + lane < head_dim, T.Cast(
+                                        "float32", q[b, 0, h * group + r, T.min(e * 32 + lane, head_dim - 1)]),
+                                        T.float32(0))
+                                for r in range(group):
+                                    m[r] = T.float32(ATTN_FLOOR)
+                                    lsum[r] = T.float32(0)
+                                for it in range(CH // W):
+                                    j = sp * CH + it * W + w
+                                    if j < L:
+                                        if mask[b, 0, j]:
+                                            for r in range(group):
+                                                sc[r] = T.float32(0)
+                                                for e in range(E):
+                                                    if e * 32 + lane < head_dim:
+                                                        sc[r] = sc[r] + qr[r, e] * T.Cast("float32", kv[
+                                                            layer, 0, T.Cast("int64", row[b]), h, j, e * 32 + lane])
+                                                for u in T.unroll(5):   # butterfly over lanes 16, 8, 4, 2, 1 apart
+                                                    sc[r] = sc[r] + T.tvm_warp_shuffle_xor(
+                                                        T.tvm_warp_activemask(), sc[r], T.shift_right(16, u), 32, 32)
+                                                online(m, lsum, acc, r, sc[r] * T.float32(scale),
+                                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, j, i],
+                                                       E, lambda e: e * 32 + lane)
+                                for r in range(group):
+                                    sm[w, r, 0] = m[r]
+                                    sm[w, r, 1] = lsum[r]
+                                    for e in range(E):
+                                        sacc[w, r, e * 32 + lane] = acc[r, e]
+                                T.tvm_storage_sync("shared")
+                                if w == 0:
+                                    for r in range(group):
+                                        mm = T.alloc_buffer((2,), "float32", scope="local")
+                                        mm[0] = T.float32(ATTN_FLOOR)
+                                        for ww in range(W):
+                                            mm[0] = T.max(mm[0], sm[ww, r, 0])
+                                        mm[1] = T.float32(0)
+                                        for ww in range(W):
+                                            mm[1] = mm[1] + sm[ww, r, 1] * T.exp(sm[ww, r, 0] - mm[0])
+                                        if lane == 0:
+                                            ml[b, h, sp, r, 0] = mm[0]
+                                            ml[b, h, sp, r, 1] = mm[1]
+                                        for e in range(E):
+                                            if e * 32 + lane < head_dim:
+                                                acc[r, e] = T.float32(0)
+                                                for ww in range(W):
+                                                    acc[r, e] = acc[r, e] + sacc[ww, r, e * 32 + lane] * T.exp(
+                                                        sm[ww, r, 0] - mm[0])
+                                                out[b, h, sp, r, e * 32 + lane] = acc[r, e]
+            else:
+                for b, h, sp, r in T.grid(batch, n_kv, (L + CH - 1) // CH, group):
+                    acc = T.alloc_buffer((1, head_dim), "float32", scope="local")
+                    m = T.alloc_buffer((1,), "float32", scope="local")
+                    lsum = T.alloc_buffer((1,), "float32", scope="local")
+                    sc = T.alloc_buffer((1,), "float32", scope="local")
+                    for i in range(head_dim):
+                        acc[0, i] = T.float32(0)
+                    m[0] = T.float32(ATTN_FLOOR)
+                    lsum[0] = T.float32(0)
+                    for jj in range(CH):
+                        if sp * CH + jj < L:
+                            if mask[b, 0, sp * CH + jj]:
+                                sc[0] = T.float32(0)
+                                for i in range(head_dim):
+                                    sc[0] = sc[0] + T.Cast("float32", q[b, 0, h * group + r, i]) * T.Cast(
+                                        "float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * CH + jj, i])
+                                online(m, lsum, acc, 0, sc[0] * T.float32(scale),
+                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * CH + jj, i],
+                                       head_dim, lambda e: e)
+                    ml[b, h, sp, r, 0] = m[0]
+                    ml[b, h, sp, r, 1] = lsum[0]
+                    for i in range(head_dim):
+                        out[b, h, sp, r, i] = acc[0, i]
+    return kernel
+
+
+@memo
+def attention_decode_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
+    """Second half of `attention_decode_partial`: merge the splits of each query head,
+    out[b, 0, h * group + r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s,
+    rounded once to ``dtype``."""
+    threads = min(256, head_dim)
+    rounds = (head_dim + threads - 1) // threads
+
+    @T.macro
+    def merge(acc, ml, out, b, h, r, i, S):
+        top = T.alloc_buffer((3,), "float32", scope="local")
+        top[0] = T.float32(ATTN_FLOOR)
+        for sp in range(S):
+            top[0] = T.max(top[0], ml[b, h, sp, r, 0])
+        top[1] = T.float32(0)
+        top[2] = T.float32(0)
+        for sp in range(S):
+            top[1] = top[1] + ml[b, h, sp, r, 1] * T.exp(ml[b, h, sp, r, 0] - top[0])
+            top[2] = top[2] + acc[b, h, sp, r, i] * T.exp(ml[b, h, sp, r, 0] - top[0])
+        out[b, 0, h * group + r, i] = T.Cast(dtype, top[2] / top[1])
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(acc_h: T.handle, ml_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, S = T.int64(), T.int64()
+        acc = T.match_buffer(acc_h, (batch, n_kv, S, group, head_dim), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, S, group, 2), "float32")
+        out = T.match_buffer(out_h, (batch, 1, n_kv * group, head_dim), dtype)
+        with T.sblock("root"):
+            if gpu:
+                for bhr in T.thread_binding(batch * n_kv * group, thread="blockIdx.x"):
+                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                        for rr in range(rounds):
+                            if rr * threads + tx < head_dim:
+                                merge(acc, ml, out, bhr // (n_kv * group), bhr // group % n_kv, bhr % group,
+                                      rr * threads + tx, S)
+            else:
+                for b, h, r, i in T.grid(batch, n_kv, group, head_dim):
+                    merge(acc, ml, out, b, h, r, i, S)
+    return kernel
+
+
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
                      stack: tuple[int, int] | None = None):

@@ -156,6 +156,22 @@ class Attention(nn.Module):
         kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
                                      Tensor.placeholder(kv.shape, self.dtype))
         L = s.mask.shape[2]
+        grp = nh // nkv
+        if isinstance(T_, int) and T_ == 1:
+            # decode: attention reads the pool in place, split over the keys (flash decoding)
+            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+            acc, ml = op.tensor_ir_op(
+                kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                 self.dtype, self.gpu),
+                "attention_decode", [q, kv, s.rows, s.mask],
+                [Tensor.placeholder((B, nkv, splits, grp, d), "float32"),
+                 Tensor.placeholder((B, nkv, splits, grp, 2), "float32")])
+            out = op.tensor_ir_op(kernels.attention_decode_combine(nkv, d, grp, self.dtype, self.gpu),
+                                  "attention_combine", [acc, ml], Tensor.placeholder((B, 1, nh, d), self.dtype))
+            out = op.reshape(out, (B * T_, nh * d))
+            if gate is not None:
+                out = out * op.sigmoid(gate)
+            return self.o_proj(out), kv
         own = op.reshape(_slice(_slice(kv, 0, layer, layer + 1, "layer_kv"), 4, 0, L, "live_kv"),
                          (2, self.n_rows, nkv, L, d))
         own = wrap_nested(rx.op.take(own._expr, s.rows._expr, axis=1, mode="clip"), "rows_kv")  # (2, B, nkv, L, d)
@@ -163,7 +179,6 @@ class Attention(nn.Module):
         values = op.reshape(_slice(own, 0, 1, 2, "values"), (B, nkv, L, d))
         # grouped queries: the grp = nh / nkv query heads of a KV head (heads h = kv * grp + i) are
         # rows of one matmul against that head's keys, so no step copies the keys grp times
-        grp = nh // nkv
         qg = op.reshape(op.permute_dims(q, [0, 2, 1, 3]), (B, nkv, grp * T_, d))
         scores = op.reshape(_matmul(qg, op.permute_dims(keys, [0, 1, 3, 2])) * (d ** -0.5), (B, nkv, grp, T_, L))
         neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
