@@ -192,7 +192,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 @click.option("--print-ir-after", help="print the IR after this stage (lower, relax-pipeline, a pass) or 'all'")
 @click.option("--dump-ir", type=click.Path(file_okay=False, path_type=Path), help="write the IR after every stage here")
 @click.option("--schedule", type=click.Choice(["tvm-default", "nt-gemv", "skinny-mma", "cpu-nt"]), default=None,
-              help="kernel schedule set (default: nt-gemv on GPUs, tvm-default on the CPU)")
+              help="kernel schedule set (default: skinny-mma on sm_80+ GPUs, nt-gemv on older ones, tvm-default on the CPU)")
 @click.option("--params", "params_mode", type=click.Choice(["file", "seeded"]), default="file", show_default=True,
               help="seeded: write no weights; seeded random models are regenerated at load")
 @click.option("--json", "as_json", is_flag=True)

@@ -9,7 +9,8 @@ search's kernel-tuning phase turns it.
 kernels (weights and activations, between the kernels that read the dynamic KV length) as
 CUDA graphs, replayed instead of launched kernel by kernel: the same kernels, fewer launches.
 
-Defaults reproduce stock: ``set=default`` is the target's default set, no graphs.
+Defaults reproduce stock: ``set=default`` is the target's default set (`relax_pipeline.default_schedule`:
+skinny-mma on sm_80+ GPUs, nt-gemv on older ones, tvm-default on CPUs), no graphs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,6 @@ from __future__ import annotations
 from specpilot.passes.base import Option, Pass, PassContext
 
 _FOR_TARGET = {"llvm": ("tvm-default", "cpu-nt"), "cuda": ("tvm-default", "nt-gemv", "skinny-mma")}
-
-
-def _sm(arch: str | None) -> int:
-    digits = "".join(ch for ch in (arch or "").removeprefix("sm_") if ch.isdigit())
-    return int(digits) if digits else 0
 
 
 class KernelSchedule(Pass):
@@ -37,15 +33,16 @@ class KernelSchedule(Pass):
         allowed = _FOR_TARGET[context.target_kind]
         if self["set"] != "default" and self["set"] not in allowed:
             return False, f"set={self['set']} is not a {context.target_kind} schedule set ({', '.join(allowed)})"
-        if self["set"] == "skinny-mma" and _sm(context.arch) < 80:
+        from specpilot.schedules.relax_pipeline import sm_version
+        if self["set"] == "skinny-mma" and sm_version(context.arch) < 80:
             return False, f"set=skinny-mma needs bf16 mma.sync (sm_80 or later), not {context.arch}"
         if self["graph"] and context.target_kind != "cuda":
             return False, f"graph=true needs a cuda target (CUDA graphs), not {context.target_kind}"
         return True, ""
 
     def apply(self, mod, context: PassContext):
-        from specpilot.schedules.relax_pipeline import DEFAULT
-        chosen = DEFAULT[context.target_kind] if self["set"] == "default" else self["set"]
+        from specpilot.schedules.relax_pipeline import default_schedule
+        chosen = default_schedule(context.target_kind, context.arch) if self["set"] == "default" else self["set"]
         context.statistics[self.name].update(schedule=chosen, cuda_graph=int(self["graph"]))
         mod = mod.with_attr("specpilot.schedule", chosen)
         return mod.with_attr("specpilot.cuda_graph", True) if self["graph"] else mod

@@ -57,3 +57,15 @@ def test_chain_replay_counts_accepted_and_drafted_tokens():
     acc, drafted = replay_chain(expansions, reference, lambda step, last: 3)
     # step 1: accept 1, 2 + bonus 3 -> 3 tokens; step 2: 9, 4 reach the end -> 2 tokens
     assert acc == pytest.approx(2.5) and drafted == pytest.approx(2.5)
+
+
+def test_matmuls_far_from_their_bound_on_sm80_propose_skinny_mma():
+    report = _report([{"name": "fused_NT_matmul3_cast", "seconds": 0.004, "ratio": 8.0},
+                      {"name": "fused_NT_matmul4", "seconds": 0.001, "ratio": 1.5}], wall=0.010,
+                     kernel_seconds=0.008, factors={"kernel": 4.0, "overhead": 1.25, "acceptance": 1.0})
+    cands = BuiltinProposer().propose(report, parse(""), PassContext(target_kind="cuda", arch="sm_90"), 9, [], set())
+    by = {c.pipeline: c for c in cands}
+    # 4 ms at 8x its bound could come to 2x: 3 ms removable, scaled to wall time (10 / 8)
+    assert by["kernel-schedule{set=skinny-mma}"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.003 * 1.25) - 1)
+    old = BuiltinProposer().propose(report, parse(""), PassContext(target_kind="cuda", arch="sm_75"), 9, [], set())
+    assert not any("skinny-mma" in c.pipeline for c in old)      # no bf16 mma.sync before sm_80

@@ -88,3 +88,27 @@ def test_fault_passes_short_forcing_and_fails_long(tmp_path):
 def _cut(g, n):
     from dataclasses import replace
     return replace(g, tokens=g.tokens[:n], margins=g.margins[:n])
+
+
+def test_skinny_mma_is_the_default_on_sm80_and_later_and_illegal_before():
+    import tvm
+
+    from specpilot.passes.runner import run_pipeline
+    from specpilot.schedules.relax_pipeline import default_schedule, sm_version
+    Ctx = PassContext
+    assert [sm_version(a) for a in ("sm_80", "sm_90a", "sm_120", None, "")] == [80, 90, 120, 0, 0]
+    assert default_schedule("cuda", "sm_90") == default_schedule("cuda", "sm_120") == "skinny-mma"
+    assert default_schedule("cuda", "sm_75") == "nt-gemv" and default_schedule("llvm") == "tvm-default"
+    assert check(parse("kernel-schedule{set=skinny-mma}"), Ctx(target_kind="cuda", arch="sm_90")) == []
+    assert check(parse("kernel-schedule{set=skinny-mma}"), Ctx(target_kind="cuda", arch="sm_75")) == [
+        "kernel-schedule: set=skinny-mma needs bf16 mma.sync (sm_80 or later), not sm_75"]
+    assert check(parse("kernel-schedule{set=skinny-mma}"), Ctx()) == [
+        "kernel-schedule: set=skinny-mma is not a llvm schedule set (tvm-default, cpu-nt)"]
+    for arch, chosen in (("sm_90", "skinny-mma"), ("sm_75", "nt-gemv")):
+        mod, records = run_pipeline(parse("kernel-schedule"), tvm.IRModule(), Ctx(target_kind="cuda", arch=arch))
+        assert records[0].statistics["schedule"] == chosen and str(mod.attrs["specpilot.schedule"]) == chosen
+
+
+def test_build_refuses_skinny_mma_where_it_cannot_run(tmp_path):
+    with pytest.raises(SpecPilotError, match="skinny-mma needs a cuda target of sm_80 or later"):
+        build(load_spec(LLAMA), parse_target("llvm"), tmp_path / "b", schedule="skinny-mma")
