@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test smollm2-test clean
+.PHONY: setup demo test smollm2-test ray-test clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 # opt-in: parity with transformers and token forcing on the real SmolLM2-135M (a few minutes)
 smollm2-test: $(STAMP)
 	SPECPILOT_SMOLLM2=1 $(BIN)/python -m pytest -q -m smollm2 -s
+
+# opt-in: the search's Ray backend on a local Ray instance (installs ray, ~80 MB)
+ray-test: $(STAMP)
+	$(BIN)/pip install -q ray
+	SPECPILOT_RAY=1 $(BIN)/python -m pytest -q -m ray -s
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -116,7 +116,7 @@ class RayExecutor:
         self.ray = ray
         if not ray.is_initialized():
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-        self.task = ray.remote(max_retries=0)(run_job)
+        self.task = ray.remote(max_retries=0)(run_job_safely)
         self.timeout = timeout
 
     def map(self, jobs: list[dict]) -> list[JobResult]:
@@ -141,14 +141,20 @@ def make_executor(workers: int, timeout: float = 900.0, backend: str = "local"):
     return LocalExecutor(workers, timeout)
 
 
+def run_job_safely(job: dict) -> dict:
+    """`run_job`, with any failure returned as a rejected candidate carrying its message (plain
+    data: a Ray driver cannot always rebuild a task's exception, and would lose the message)."""
+    try:
+        return run_job(job)
+    except Exception as e:   # noqa: BLE001 -- any failure becomes a rejected candidate, with its message
+        return {"pipeline": job["pipeline"], "ok": False, "build_dir": job["build_dir"], "forcing": None,
+                "ir_hash": None, "error": f"{type(e).__name__}: {e}"}
+
+
 def main() -> None:
     job_file = Path(sys.argv[1])
     job = json.loads(job_file.read_text())
-    try:
-        result = run_job(job)
-    except Exception as e:   # noqa: BLE001 -- any failure becomes a rejected candidate, with its message
-        result = {"pipeline": job["pipeline"], "ok": False, "build_dir": job["build_dir"], "forcing": None,
-                  "ir_hash": None, "error": f"{type(e).__name__}: {e}"}
+    result = run_job_safely(job)
     (job_file.parent / "result.json").write_text(json.dumps(result))
 
 
