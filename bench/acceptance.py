@@ -109,7 +109,7 @@ def main() -> None:
             drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
         else:
             sys.exit(f"unknown drafter {kind!r}")
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
     rows, partial = [], None
     for name, make in drafters.items():
         configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets] + \
