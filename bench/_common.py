@@ -46,3 +46,21 @@ def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | No
     path = path or out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     return path
+
+
+def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list[float]:
+    """Microseconds per call of ``fn(r)`` (CUDA events around ``iters`` calls, r cycling over
+    ``rotations`` weight buffers so the L2 cannot hold them), ``rounds`` samples."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rotations):
+        fn(r)
+    samples = []
+    for _ in range(rounds):
+        start.record()
+        for i in range(iters):
+            fn(i % rotations)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    return samples

@@ -66,26 +66,13 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
     import tvm
 
-    from bench._common import write
+    from bench._common import timed_rotating, write
     from specpilot.runtime.engine import _import_tvm_runtime
     _import_tvm_runtime(gpu=True)
     lib = tvm.runtime.load_module(str(lib_path))
     to_tvm = tvm.runtime.from_dlpack
     rows = []
 
-    def timed(fn, rotations: int) -> list[float]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for r in range(rotations):
-            fn(r)
-        samples = []
-        for _ in range(7):
-            start.record()
-            for i in range(20):
-                fn(i % rotations)
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / 20)   # microseconds per call
-        return samples
 
     for k, n in SHAPES:
         gen = torch.Generator().manual_seed(k * 3 + n)
@@ -108,9 +95,9 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                 fn(x_tvm, weights_tvm[0], y_tvm)
                 torch.cuda.synchronize()
                 err = float(((y - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
-                samples = timed(lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm), rotations)
+                samples = timed_rotating(lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm), rotations)
                 found.append((name, samples, err))
-            found.append(("cublas", timed(lambda r: torch.nn.functional.linear(x, weights[r]), rotations), 0.0))
+            found.append(("cublas", timed_rotating(lambda r: torch.nn.functional.linear(x, weights[r]), rotations), 0.0))
             base = statistics.median(found[-1][1])
             for name, samples, err in found:
                 med = statistics.median(samples)

@@ -66,7 +66,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
     import tvm
 
-    from bench._common import write
+    from bench._common import timed_rotating, write
     from specpilot.runtime.engine import _import_tvm_runtime
     from specpilot.compiler.w12 import cuda_word_layout
     from specpilot.schedules import w12_triton as wt
@@ -76,19 +76,6 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     to_tvm = tvm.runtime.from_dlpack
     rows = []
 
-    def timed(fn, rotations: int) -> list[float]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for r in range(rotations):
-            fn(r)
-        samples = []
-        for _ in range(7):
-            start.record()
-            for i in range(20):
-                fn(i % rotations)
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / 20)   # microseconds per call
-        return samples
 
     for k, n in SHAPES:
         gen = torch.Generator().manual_seed(k * 7 + n)
@@ -136,7 +123,8 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                             got = wt.gemm(x, mats[0], cfg)
                             torch.cuda.synchronize()
                             err = ((got - want).abs().max() / want.abs().max()).item()
-                            samples = timed(lambda r, c=cfg: wt.gemm(x, mats[r % len(mats)], c), rotations)
+                            samples = timed_rotating(lambda r, c=cfg: wt.gemm(x, mats[r % len(mats)], c),
+                                                     rotations)
                         except Exception as e:   # a config Triton cannot compile is skipped, and said
                             print(f"  {label} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                             continue
@@ -145,7 +133,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                     if best is not None:
                         candidates.append((label, best[1], nbytes, best[2], best[0]))
             for name, fn, nbytes, err, cfg in candidates:
-                samples = fn if isinstance(fn, list) else timed(fn, rotations)
+                samples = fn if isinstance(fn, list) else timed_rotating(fn, rotations)
                 med = statistics.median(samples)
                 rows.append({"K": k, "N": n, "M": m, "kernel": name, "median_us": med, "min_us": min(samples),
                              "max_us": max(samples), "weight_bytes": nbytes, "tb_per_s": nbytes / med / 1e6,

@@ -7,23 +7,11 @@ checked on the H200 by bf16 token forcing of decode builds (bench/gpu_forcing.py
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-import tvm
 
 from specpilot.compiler import kernels
-
-
-def _run(kernel, args, outs):
-    lib = tvm.compile(kernel.with_attr("global_symbol", "k"), target="llvm")
-    arrays = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args]
-    poisoned = [tvm.runtime.tensor(np.full(shape, np.nan, dtype)) for shape, dtype in outs]
-    lib["k"](*arrays, *poisoned)
-    return [p.numpy() for p in poisoned]
+from tests.kernel_helpers import run_cpu as _run, sm90_source
 
 
 @pytest.mark.parametrize("seed,L,d,group,masked", [(0, 70, 24, 3, 0.0), (1, 129, 16, 1, 0.3), (2, 5, 32, 4, 0.5),
@@ -54,27 +42,7 @@ def test_decode_attention_from_the_pool_matches_softmax_attention(seed, L, d, gr
 
 
 def test_decode_attention_gpu_form_compiles_to_sm90_without_a_gpu(tmp_path):
-    from specpilot.compiler.build import cuda_stub_env
-    src = tmp_path / "attn.cu"
-    code = (
-        "import sys, tvm\n"
-        "from specpilot.compiler import kernels\n"
-        "from specpilot.compiler.build import load_cuda_runtime\n"
-        "assert load_cuda_runtime()\n"
-        "t = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}, host={'kind': 'llvm'})\n"
-        "funcs = {'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16', True),\n"
-        "         'combine': kernels.attention_decode_combine(8, 128, 4, 'bfloat16', True)}\n"
-        "with t:\n"
-        "    lib = tvm.compile(tvm.IRModule({n: f.with_attr('global_symbol', n) for n, f in funcs.items()}), target=t)\n"
-        "todo, found = [lib.mod], []\n"
-        "while todo:\n"
-        "    m = todo.pop(); todo.extend(m.imports)\n"
-        "    found += [m.inspect_source()] if m.kind == 'cuda' else []\n"
-        "open(sys.argv[1], 'w').write(''.join(found))\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code, str(src)], env=cuda_stub_env(), capture_output=True,
-                          text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = src.read_text()
+    text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+                       "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16', True), "
+                       "'combine': kernels.attention_decode_combine(8, 128, 4, 'bfloat16', True)}")
     assert "__shfl_xor_sync" in text and "partial_kernel" in text and "combine_kernel" in text

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import tvm
 import tvm_ffi
 import yaml
 
@@ -25,6 +24,7 @@ from specpilot.runtime.decoding import speculative_tree
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
 from specpilot.runtime.systems import from_build
 from tests.conftest import DENSE, HYBRID, TINY_CONFIGS, tiny_config
+from tests.kernel_helpers import run_cpu as _run
 
 
 def _random_tree(n: int, max_depth: int, rng) -> list[int]:
@@ -44,14 +44,6 @@ def _path(parents, i):
         out.append(i)
         i = parents[i]
     return out[::-1]
-
-
-def _run(kernel, args, outs):
-    lib = tvm.compile(kernel.with_attr("global_symbol", "k"), target="llvm")
-    arrays = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args]
-    poisoned = [tvm.runtime.tensor(np.full(shape, np.nan, dtype)) for shape, dtype in outs]
-    lib["k"](*arrays, *poisoned)
-    return [p.numpy() for p in poisoned]
 
 
 @pytest.mark.parametrize("seed,n,max_depth", [(0, 64, 16), (1, 64, 4), (2, 17, 16)])

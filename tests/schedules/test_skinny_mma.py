@@ -6,16 +6,13 @@ skinny-mma builds (bench/gpu_forcing.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import tvm
 from tvm import relax
 
 from specpilot.schedules.skinny_mma import Config, applicable, nt_matmul_shape, pick, substitute
 from specpilot.schedules.tensor_core import nt_matmul
+from tests.kernel_helpers import sm90_source
 
 
 def test_configurations_tile_only_what_they_divide():
@@ -132,27 +129,8 @@ def test_substitution_leaves_shapes_no_configuration_tiles():
 
 
 def test_kernel_compiles_to_sm90_mma_without_a_gpu(tmp_path):
-    from specpilot.compiler.build import cuda_stub_env
-    src = tmp_path / "mm.cu"
-    code = (
-        "import sys, tvm\n"
-        "from specpilot.compiler.build import load_cuda_runtime\n"
-        "from specpilot.schedules.skinny_mma import skinny_nt_matmul\n"
-        "assert load_cuda_runtime()\n"
-        "t = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}, host={'kind': 'llvm'})\n"
-        "with t:\n"
-        "    lib = tvm.compile(tvm.IRModule({'mm': skinny_nt_matmul(48, 96).with_attr('global_symbol', 'mm')}), target=t)\n"
-        "todo, found = [lib.mod], []\n"
-        "while todo:\n"
-        "    m = todo.pop(); todo.extend(m.imports)\n"
-        "    found += [m.inspect_source()] if m.kind == 'cuda' else []\n"
-        "open(sys.argv[1], 'w').write(''.join(found))\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", code, str(src)], env=cuda_stub_env(), capture_output=True,
-                          text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = src.read_text()
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import skinny_nt_matmul",
+                       "{'mm': skinny_nt_matmul(48, 96)}")
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 3   # one per M configuration
     # the operands are addressed in bf16 elements: their local arrays must be bf16, not vector-typed
     assert "nv_bfloat16 bf_ptr[" in text and "nv_bfloat16 af_ptr[" in text and "uint4 bf_ptr" not in text
