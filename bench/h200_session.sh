@@ -8,9 +8,8 @@
 #                                        vs an AR step at 4k; bf16 token forcing of the tiny builds
 #                                        (chain, tree, with/without graphs; the graph builds only if carried)
 #   bash bench/h200_session.sh gemm      the W12 GEMM kernels
-#   bash bench/h200_session.sh mma       skinny tensor-core GEMMs (bench/skinny_gemm.py); bf16 forcing of
-#                                        the tiny skinny-mma builds; tree verify at 4k, nt-gemv vs skinny-mma
-#   bash bench/h200_session.sh decode-mma  compiled decode, nt-gemv vs skinny-mma builds, with profiles
+#   bash bench/h200_session.sh mma       skinny tensor-core GEMMs (bench/skinny_gemm.py); tree verify at 4k,
+#                                        nt-gemv vs the default (skinny-mma) build
 #   bash bench/h200_session.sh compare   builds under .gpu/stage (one carried folder): compiled decode of
 #                                        $DECODE_BUILDS (and with eager/torch.compile: $DECODE_FULL_BUILDS),
 #                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS
@@ -34,16 +33,10 @@ tree)
     | tail -12 ;;
 mma)
   timeout "${SKINNY_S:-170}" python3 bench/skinny_gemm.py run .gpu/w12/skinny.so --out "$out" 2>&1 | grep -v Warning | tail -40
-  timeout "${FORCING_S:-150}" python3 bench/gpu_forcing.py $b/tiny-llama-bf16-mma $b/tiny-hybrid-bf16-mma \
-    $b/tiny-hybrid-bf16-tree-mma --max-new-tokens 128 --out "$out" 2>&1 | tail -12
-  for t in ${TREES:-qwen35-27b-4l-tree qwen35-27b-4l-tree-mma}; do
+  for t in ${TREES:-qwen35-27b-4l-tree-ntgemv qwen35-27b-4l-tree}; do
     timeout "${TREE_S:-110}" python3 bench/tree_verify.py run --lib .gpu/w12/gdn.so --build $b/$t --context 4096 \
       --parts steps --out "$out" 2>&1 | grep -v Warning | tail -34
   done ;;
-decode-mma)
-  timeout "${DECODE_S:-400}" python3 bench/decode.py $b/qwen3-8b-8l $b/qwen3-8b-8l-mma $b/qwen35-27b-4l \
-    $b/qwen35-27b-4l-mma --compiled-only --profile 8 --context 512 --steps 32 --batches 4,8 --out "$out" 2>&1 \
-    | grep -v Warning | tail -70 ;;
 compare)
   st=.gpu/stage
   [ -n "${FORCING_BUILDS:-}" ] && timeout "${FORCING_S:-150}" python3 bench/gpu_forcing.py \
