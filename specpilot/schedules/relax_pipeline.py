@@ -41,8 +41,9 @@ def sm_version(arch: str | None) -> int:
 
 def default_schedule(kind: str, arch: str | None = None) -> str:
     """The set a build uses when nothing chose one: on sm_80+ GPUs ``skinny-mma`` (measured on the
-    H200, bench/results/decode-20261130-080916.json and tree-verify-20261130-074957.json: the same
-    batch-1 decode, batch 8 and 64-node tree verification 1.5-2.5x faster than ``nt-gemv``)."""
+    H200 against ``nt-gemv``: batch-1 decode the same, batch 4 / 8 decode 1.3x / 1.5x faster,
+    bench/results/decode-20261130-075234.json; 64-node tree verification 1.9x faster,
+    tree-verify-20261130-072340.json vs -073323.json)."""
     if kind == "cuda" and sm_version(arch) >= 80:
         return "skinny-mma"
     return DEFAULT[kind]
