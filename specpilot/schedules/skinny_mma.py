@@ -26,7 +26,6 @@ step) stay with dlight's GEMV, which reads W at cuBLAS speed there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from functools import lru_cache
 
 
@@ -36,7 +35,7 @@ class Config:
     a_tiles: int    # 16-channel A tiles per warp
     wn: int         # warps along N
     wk: int         # warps along K (split-K inside the block)
-    unroll: int = 4 # k steps whose loads are in flight together
+    unroll: int = 4  # k steps whose loads are in flight together
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
