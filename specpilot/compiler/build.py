@@ -224,7 +224,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     say(f"compiling for {target.text()}" + (" (CUDA graphs)" if cuda_graph else ""))
     # builds without graphs compile exactly as before, under TVM's default pass context
     graphs = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}) if cuda_graph else nullcontext()
-    with tvm_target, graphs:
+    from specpilot.compiler.fast_frames import quick_stack
+    with tvm_target, graphs, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
         mod = relax_pipeline(tvm_target, schedule)(mod)
         instrument("relax-pipeline", mod)
         executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None)

@@ -15,10 +15,13 @@ import functools
 
 from tvm.script import tirx as T
 
+from specpilot.compiler.fast_frames import quick_stack
+
 
 def memo(factory):
-    """Kernels are immutable IR: make each (factory, arguments) once per process.  Parsing
-    TVMScript costs ~0.15 s a kernel, and a lowering asks for the same kernels per layer."""
+    """Kernels are immutable IR: make each (factory, arguments) once per process (a lowering
+    asks for the same kernels per layer), parsed under `quick_stack` (TVMScript's own
+    ``inspect.stack`` calls were most of the ~0.15 s a kernel took)."""
     cache: dict = {}
 
     @functools.wraps(factory)
@@ -26,7 +29,8 @@ def memo(factory):
         key = tuple((type(a).__name__, a if isinstance(a, (bool, int, float, str)) else str(a))
                     for a in (*args, *sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = factory(*args, **kwargs)
+            with quick_stack():
+                cache[key] = factory(*args, **kwargs)
         return cache[key]
     return make
 

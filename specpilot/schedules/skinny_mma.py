@@ -145,6 +145,12 @@ def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None):
     """x[m, k] . W[n, k]^T -> float32 y[m, n] (m symbolic) on tensor cores, one configuration per
     range of m chosen at run time.  ``configs``: ((largest m or None, Config), ...), ascending,
     the last unbounded, to use instead of `pick`'s (benchmarks)."""
+    from specpilot.compiler.fast_frames import quick_stack
+    with quick_stack():
+        return _skinny_nt_matmul(n_out, k_in, configs)
+
+
+def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None):
     from tvm.script import tirx as T
 
     chosen = list(configs) if configs else pick(n_out, k_in)

@@ -27,7 +27,9 @@ def _register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from tvm.s_tir.tensor_intrin import cuda as intrin
+    from specpilot.compiler.fast_frames import quick_stack
+    with quick_stack():   # the import parses ~500 TVMScript intrinsics
+        from tvm.s_tir.tensor_intrin import cuda as intrin
     names = {
         f"wmma_load_{SHAPE}_bf16_a_shared_dyn": intrin.get_wmma_load_intrin(16, 16, 16, "bfloat16", "shared.dyn",
                                                                            False, False),
@@ -96,6 +98,12 @@ class BF16Matmul(dl.ScheduleRule):
 def nt_matmul(n_out: int, k_in: int, dtype: str = "bfloat16", rows: int = 0):
     """A plain x[m, k] . W[n, k]^T PrimFunc with float32 products and sums, as Relax legalizes
     the models' projections (m symbolic, or ``rows``): what the rule is tested and timed on."""
+    from specpilot.compiler.fast_frames import quick_stack
+    with quick_stack():
+        return _nt_matmul(n_out, k_in, dtype, rows)
+
+
+def _nt_matmul(n_out: int, k_in: int, dtype: str, rows: int):
     from tvm import tirx as tir
     from tvm.script import tirx as T
     n_out, k_in = T.int64(n_out), T.int64(k_in)

@@ -21,7 +21,7 @@ def _target(arch: str = "sm_90"):
 def test_bf16_matmul_with_many_rows_goes_to_tensor_cores():
     t = _target()
     with t:
-        sch = BF16Matmul().apply(nt_matmul(384, 256), t, False)
+        sch = BF16Matmul().apply(nt_matmul(128, 128), t, False)
     assert sch is not None
     text = sch.mod.script()
     assert "wmma.matrix_a" in text and "wmma.matrix_b" in text and "wmma.accumulator" in text
@@ -49,7 +49,7 @@ def test_compiles_to_sm90_code_without_a_gpu(tmp_path):
         "assert load_cuda_runtime()\n"
         "t = _target()\n"
         "with t:\n"
-        "    f = BF16Matmul().apply(nt_matmul(384, 256), t, False).mod['main'].with_attr('global_symbol', 'mm')\n"
+        "    f = BF16Matmul().apply(nt_matmul(128, 128), t, False).mod['main'].with_attr('global_symbol', 'mm')\n"
         "    tvm.compile(tvm.IRModule({'mm': f}), target=t).export_library(sys.argv[1])\n"
     )
     from pathlib import Path
