@@ -64,3 +64,15 @@ def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / iters)
     return samples
+
+
+def build_or_run(build, run) -> None:
+    """The command line of a kernel-library bench: ``build LIB.so`` (here, no GPU needed) or
+    ``run LIB.so [--out DIR]`` (on the GPU)."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["build", "run"])
+    ap.add_argument("lib", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    build(args.lib) if args.mode == "build" else run(args.lib, args.out)

@@ -12,7 +12,6 @@ x.float() @ W.float().T; medians of 7 timed loops of 20 calls, with the spread.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -152,14 +151,6 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["build", "run"])
-    ap.add_argument("lib", type=Path)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    build(args.lib) if args.mode == "build" else run(args.lib, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    from bench._common import build_or_run
+    build_or_run(build, run)

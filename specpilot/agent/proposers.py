@@ -133,10 +133,9 @@ class BuiltinProposer:
         transposes = sum(k["seconds"] for k in report["kernels"] if k["name"].startswith("transpose"))
         kernel_s = report["kernel_seconds"] or 1.0
         wall = report["wall_seconds"]
-        from specpilot.schedules.relax_pipeline import sm_version
-        sets = {"llvm": ("cpu-nt", "tvm-default"),
-                "cuda": (("skinny-mma",) if sm_version(context.arch) >= 80 else ()) + ("nt-gemv", "tvm-default")}[
-            context.target_kind]
+        from specpilot.schedules.relax_pipeline import runs_on
+        sets = [s for s in {"llvm": ("cpu-nt", "tvm-default"), "cuda": ("skinny-mma", "nt-gemv", "tvm-default")}[
+            context.target_kind] if runs_on(s, context.target_kind, context.arch)]
         # matmuls more than 2x from their bound: skinny-mma's tensor-core kernel brings the measured
         # ones (bench/results/skinny-gemm-*) to ~1.5x of cuBLAS, itself near the bytes bound -- count
         # what is above 2x of the bound as removable

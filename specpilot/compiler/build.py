@@ -208,14 +208,14 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     full = context.params
     system_ir_hash = ir_hash(mod)
     serving = serving_schedule(mod, spec)
-    from specpilot.schedules.relax_pipeline import SCHEDULES, default_schedule, sm_version
+    from specpilot.schedules.relax_pipeline import SCHEDULES, default_schedule, runs_on
     from specpilot.schedules.relax_pipeline import pipeline as relax_pipeline
     schedule = schedule or (str(mod.attrs["specpilot.schedule"]) if mod.attrs and "specpilot.schedule" in mod.attrs
                             else default_schedule(target.kind, target.arch))
     if schedule not in SCHEDULES:
         raise SpecPilotError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
-    if schedule == "skinny-mma" and (target.kind != "cuda" or sm_version(target.arch) < 80):
-        raise SpecPilotError(f"schedule set skinny-mma needs a cuda target of sm_80 or later, not {target.text()}")
+    if not runs_on(schedule, target.kind, target.arch):
+        raise SpecPilotError(f"schedule set {schedule} needs a cuda target of sm_80 or later, not {target.text()}")
     tvm_target = target.tvm_target()
     if target.is_gpu and not load_cuda_runtime():
         raise SpecPilotError("a CUDA build needs TVM's CUDA runtime library to load (to embed sm_XX code); "

@@ -155,23 +155,35 @@ class Attention(nn.Module):
         kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu)
         kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
                                      Tensor.placeholder(kv.shape, self.dtype))
-        L = s.mask.shape[2]
+        decode = isinstance(T_, int) and T_ == 1
+        out = self._attend_in_place(q, s, kv, layer) if decode else self._attend_gathered(q, s, kv, layer)
+        if gate is not None:
+            out = out * op.sigmoid(gate)
+        return self.o_proj(out), kv
+
+    def _attend_in_place(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
+        """Decode (one query row per sequence): attention reads the pool in place, split over the
+        keys (flash decoding)."""
+        cfg = self.cfg
+        B, d, nh, nkv = s.batch, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         grp = nh // nkv
-        if isinstance(T_, int) and T_ == 1:
-            # decode: attention reads the pool in place, split over the keys (flash decoding)
-            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
-            acc, ml = op.tensor_ir_op(
-                kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                 self.dtype, self.gpu),
-                "attention_decode", [q, kv, s.rows, s.mask],
-                [Tensor.placeholder((B, nkv, splits, grp, d), "float32"),
-                 Tensor.placeholder((B, nkv, splits, grp, 2), "float32")])
-            out = op.tensor_ir_op(kernels.attention_decode_combine(nkv, d, grp, self.dtype, self.gpu),
-                                  "attention_combine", [acc, ml], Tensor.placeholder((B, 1, nh, d), self.dtype))
-            out = op.reshape(out, (B * T_, nh * d))
-            if gate is not None:
-                out = out * op.sigmoid(gate)
-            return self.o_proj(out), kv
+        splits = (s.mask.shape[2] + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+        acc, ml = op.tensor_ir_op(
+            kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                             self.dtype, self.gpu),
+            "attention_decode", [q, kv, s.rows, s.mask],
+            [Tensor.placeholder((B, nkv, splits, grp, d), "float32"),
+             Tensor.placeholder((B, nkv, splits, grp, 2), "float32")])
+        out = op.tensor_ir_op(kernels.attention_decode_combine(nkv, d, grp, self.dtype, self.gpu),
+                              "attention_combine", [acc, ml], Tensor.placeholder((B, 1, nh, d), self.dtype))
+        return op.reshape(out, (B, nh * d))
+
+    def _attend_gathered(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
+        """Attention over the sequence's live keys gathered from the pool, through matmuls
+        (prefill and verification: many query rows)."""
+        cfg = self.cfg
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        L, grp = s.mask.shape[2], nh // nkv
         own = op.reshape(_slice(_slice(kv, 0, layer, layer + 1, "layer_kv"), 4, 0, L, "live_kv"),
                          (2, self.n_rows, nkv, L, d))
         own = wrap_nested(rx.op.take(own._expr, s.rows._expr, axis=1, mode="clip"), "rows_kv")  # (2, B, nkv, L, d)
@@ -186,10 +198,7 @@ class Attention(nn.Module):
         scores = op.where(mask, scores, neg)                                                # (B, nkv, grp, T, L)
         probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
         out = _matmul(op.reshape(probs, (B, nkv, grp * T_, L)), values)                      # (B, nkv, grp*T, d)
-        out = op.reshape(op.permute_dims(op.reshape(out, (B, nh, T_, d)), [0, 2, 1, 3]), (B * T_, nh * d))
-        if gate is not None:
-            out = out * op.sigmoid(gate)
-        return self.o_proj(out), kv
+        return op.reshape(op.permute_dims(op.reshape(out, (B, nh, T_, d)), [0, 2, 1, 3]), (B * T_, nh * d))
 
 
 def _index(i: int) -> Tensor:

@@ -33,9 +33,9 @@ class KernelSchedule(Pass):
         allowed = _FOR_TARGET[context.target_kind]
         if self["set"] != "default" and self["set"] not in allowed:
             return False, f"set={self['set']} is not a {context.target_kind} schedule set ({', '.join(allowed)})"
-        from specpilot.schedules.relax_pipeline import sm_version
-        if self["set"] == "skinny-mma" and sm_version(context.arch) < 80:
-            return False, f"set=skinny-mma needs bf16 mma.sync (sm_80 or later), not {context.arch}"
+        from specpilot.schedules.relax_pipeline import runs_on
+        if self["set"] != "default" and not runs_on(self["set"], context.target_kind, context.arch):
+            return False, f"set={self['set']} needs bf16 mma.sync (sm_80 or later), not {context.arch}"
         if self["graph"] and context.target_kind != "cuda":
             return False, f"graph=true needs a cuda target (CUDA graphs), not {context.target_kind}"
         return True, ""

@@ -224,11 +224,10 @@ def nt_matmul_shape(func) -> tuple[int, int] | None:
     n, kk = int(w.shape[0]), int(w.shape[1])
     if int(x.shape[1]) != kk or int(y.shape[1]) != n:
         return None
-    expected = tvm_expected_body(block, x, w, y, i, j, k)
-    return (n, kk) if expected else None
+    return (n, kk) if _is_plain_product(block, x, w, y) else None
 
 
-def tvm_expected_body(block, x, w, y, i, j, k) -> bool:
+def _is_plain_product(block, x, w, y) -> bool:
     """The block computes y[i, j] += f32(x[i, k]) * f32(w[j, k]) from a zero init."""
     from tvm import tirx
     from tvm.ir.expr import TensorLoad
