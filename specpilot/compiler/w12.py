@@ -273,6 +273,38 @@ def gemm_reference(x: torch.Tensor, k: W12Kernel) -> torch.Tensor:
     return x.float() @ decode_kernel_layout(k).float().T
 
 
+def gpu_layout(k: W12Kernel) -> W12Kernel:
+    """The planes the GPU kernel (`schedules.w12_mma`) reads, tiled so that every load of a warp is
+    one contiguous run: per 16-row tile and 64-wide k block, the 16 x 64 hi bytes (1 KB) in the
+    order the 32 lanes read them -- rows r and r + 8 (lane // 4 = r % 8) as two 512-byte halves,
+    lane t = lane % 4 taking weights 16t .. 16t + 15 -- and likewise the 512 bytes of lo.
+
+    hi: int32 (N/16, K/64 * 256), word (tile, 256 b + 128 h + 4 lane + v) = weights
+    16t + 4v .. + 3 of row 16 tile + 8 h + lane // 4 in k block b, bytes in the order (0, 2, 1, 3);
+    lo: int32 (N/16, K/64 * 128), word (tile, 128 b + 64 h + 2 lane + s) = the nibbles of weights
+    16t + 8s .. + 7 in the order (0, 2, 4, 6, 1, 3, 5, 7).  Those orders put a pair of neighbouring
+    weights at bits 0-7 / 16-23 (or 8-15 / 24-31) and 0-3 / 16-19 (shifted by 4p) of one word,
+    so the kernel decodes two weights per 32-bit operation.  Bases int32, escapes as they are.
+    Same bytes per weight as the CPU layout; the hi plane alone is still the 8-bit view."""
+    n, kk = k.hi.shape
+    if n % 16 or kk % 64:
+        raise SpecPilotError(f"W12 GPU layout: N={n} must be a multiple of 16 and K={kk} of 64")
+    # (tile, h, g, block, t, v, byte) -> (tile, block, h, g, t, v, byte [0, 2, 1, 3])
+    hi = k.hi.reshape(n // 16, 2, 8, kk // 64, 4, 4, 4)[..., [0, 2, 1, 3]].permute(0, 3, 1, 2, 4, 5, 6)
+    hi = hi.contiguous().view(torch.int32).reshape(n // 16, kk // 64 * 256)
+    lo4 = torch.stack([k.lo & 0xF, k.lo >> 4], dim=1).reshape(-1)[: n * kk].to(torch.int64)
+    lo4 = lo4.reshape(n // 16, 2, 8, kk // 64, 4, 2, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+    words = (lo4 << (4 * torch.arange(8))).sum(-1).permute(0, 3, 1, 2, 4, 5)       # < 2**32
+    lo = (words - ((words >> 31) << 32)).to(torch.int32).contiguous().reshape(n // 16, kk // 64 * 128)
+    return W12Kernel(hi, lo, k.base.to(torch.int32), k.esc_ptr, k.esc_col, k.esc_bits)
+
+
+def layout_shape(k: W12Kernel) -> tuple[int, int]:
+    """(N, K) of the matrix a layout holds (either layout: the hi plane is a byte a weight)."""
+    n = k.base.numel()
+    return n, k.hi.numel() * k.hi.element_size() // n
+
+
 STEP = 512   # weights a warp reads per step in the CUDA GEMV: 32 lanes x 16
 
 
