@@ -9,7 +9,7 @@ Kernels: ``w12`` (`schedules/w12_mma.py`, the shipped configuration per M range)
 (each configuration alone; the fastest per M is reported as ``w12 best``), ``w12 view`` (the
 nested 8-bit view: hi plane only), ``bf16 mma`` (`schedules/skinny_mma.py`, shipped dispatch),
 ``w12 gemv`` (the earlier CUDA-core GEMV, M = 1 only), Triton W12 (default tile config) and
-cuBLAS.  Shapes (K, N) in SHAPES, M in MS; weights seeded random bf16 (N(0, 0.02)) with a few
+cuBLAS.  Shapes (K, N) in SHAPES (the issue's four, plus Qwen3-8B's q/o and k/v projections), M in MS; weights seeded random bf16 (N(0, 0.02)) with a few
 escapes planted, rotated over buffers so L2 holds none of them; every kernel checked against
 x.float() @ W.float().T (the view against its own decoded weights); medians of 7 timed loops
 of 20 calls, with min and max.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = [(5120, 17408), (17408, 5120), (5120, 5120), (4096, 14336)]
+SHAPES = [(5120, 17408), (17408, 5120), (5120, 5120), (4096, 14336), (4096, 4096), (4096, 1024)]
 MS = [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -34,7 +34,8 @@ def variants():
             "1x1x4u4": Config(1, 1, 1, 4, 4), "2x1x4u4": Config(2, 1, 1, 4, 4), "1x1x4u2": Config(1, 1, 1, 4, 2),
             "1x2x4u4": Config(1, 2, 1, 4, 4), "2x2x4u2": Config(2, 2, 1, 4, 2), "1x2x4u2": Config(1, 2, 1, 4, 2),
             "4x1x4u2": Config(4, 1, 1, 4, 2), "4x2x2u1": Config(4, 2, 2, 2, 1), "4x1x2u2": Config(4, 1, 2, 2, 2),
-            "9x2x2u1": Config(9, 2, 2, 2, 1)}
+            "9x2x2u1": Config(9, 2, 2, 2, 1), "1x1x16u1": Config(1, 1, 1, 16, 1), "1x1x16u2": Config(1, 1, 1, 16, 2),
+            "2x1x16u1": Config(2, 1, 1, 16, 1)}
 
 
 def build(out: Path) -> None:

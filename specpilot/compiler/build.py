@@ -147,7 +147,9 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
                                   target.is_gpu, drafter_shares_target=spec.drafter.kind == "early-exit",
                                   n_rows=spec.deployment.max_batch)
-    context.params = packed_parameters(names, tgt, drf, dtype) if params == "file" else {}
+    # seeded builds know their parameters' names, not their values (passes that convert weights
+    # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
+    context.params = packed_parameters(names, tgt, drf, dtype) if params == "file" else dict.fromkeys(names)
     if instrument:
         instrument("lower", mod)
     records = []
@@ -237,10 +239,11 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     executable.export_library(str(lib_path))
     hashes = {"model.so": file_digest(lib_path)}
     aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
+    for p in pipeline:
+        full = p.transform_params(full, context)
+    names = list(full)
+    w12_entry = next((p.manifest_entry(context) for p in pipeline if p.name == "w12-layout"), None)
     if params == "file":
-        for p in pipeline:
-            full = p.transform_params(full, context)
-        names = list(full)
         stored, aliases = dedupe(full)
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
@@ -265,6 +268,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},
         "functions": functions, "params": names, "aliases": aliases, "tokenizer": tokenizer,
+        **({"w12": w12_entry} if w12_entry else {}),
         "versions": _versions(),
         "params_source": params, "seeds": seeds, "hashes": hashes,
         "build_seconds": round(time.perf_counter() - started, 2),

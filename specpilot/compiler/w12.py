@@ -75,7 +75,7 @@ def _rows(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def _sha256(bits16: torch.Tensor) -> str:
-    return hashlib.sha256(bits16.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(bits16.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def encode(weight: torch.Tensor) -> W12Pack:
@@ -85,7 +85,7 @@ def encode(weight: torch.Tensor) -> W12Pack:
     sign, exponent, mantissa = bits >> 15, (bits >> 7) & 0xFF, bits & 0x7F
     normal = (exponent > 0) & (exponent < 255)
     # histogram of normal exponents per row, then the 16-wide window holding the most
-    counts = torch.zeros(n, 256 + WINDOW, dtype=torch.int64)
+    counts = torch.zeros(n, 256 + WINDOW, dtype=torch.int64, device=weight.device)
     counts.scatter_add_(1, exponent.to(torch.int64), normal.to(torch.int64))
     csum = torch.nn.functional.pad(counts.cumsum(1), (1, 0))
     window_counts = csum[:, WINDOW:WINDOW + 256] - csum[:, :256]       # window starting at b = 0..255
@@ -250,11 +250,12 @@ class W12Kernel:
 def kernel_layout(pack: W12Pack) -> W12Kernel:
     n, k = pack.hi.shape
     rows, cols = pack.escape_index // k, pack.escape_index % k
-    ptr = torch.zeros(n + 1, dtype=torch.int32)
+    ptr = torch.zeros(n + 1, dtype=torch.int32, device=pack.hi.device)
     ptr[1:] = torch.bincount(rows, minlength=n).cumsum(0).to(torch.int32)
     bits = pack.escape_bits.to(torch.int32) & 0xFFFF
     if pack.escape_index.numel() == 0:
-        cols, bits = torch.full((1,), -1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+        cols = torch.full((1,), -1, dtype=torch.int64, device=pack.hi.device)
+        bits = torch.zeros(1, dtype=torch.int32, device=pack.hi.device)
     return W12Kernel(pack.hi, pack.lo, pack.base, ptr, cols.to(torch.int32), bits)
 
 
@@ -294,15 +295,75 @@ def gpu_layout(k: W12Kernel) -> W12Kernel:
     hi = hi.contiguous().view(torch.int32).reshape(n // 16, kk // 64 * 256)
     lo4 = torch.stack([k.lo & 0xF, k.lo >> 4], dim=1).reshape(-1)[: n * kk].to(torch.int64)
     lo4 = lo4.reshape(n // 16, 2, 8, kk // 64, 4, 2, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
-    words = (lo4 << (4 * torch.arange(8))).sum(-1).permute(0, 3, 1, 2, 4, 5)       # < 2**32
+    words = (lo4 << (4 * torch.arange(8, device=lo4.device))).sum(-1).permute(0, 3, 1, 2, 4, 5)   # < 2**32
     lo = (words - ((words >> 31) << 32)).to(torch.int32).contiguous().reshape(n // 16, kk // 64 * 128)
     return W12Kernel(hi, lo, k.base.to(torch.int32), k.esc_ptr, k.esc_col, k.esc_bits)
+
+
+def cpu_layout(k: W12Kernel) -> W12Kernel:
+    """`gpu_layout` undone: the planes in the CPU layout (row-major hi bytes, packed nibbles)."""
+    n = k.base.numel()
+    kk = k.hi.numel() * 4 // n
+    hi = k.hi.contiguous().view(torch.uint8).reshape(n // 16, kk // 64, 2, 8, 4, 4, 4)[..., [0, 2, 1, 3]]
+    hi = hi.permute(0, 2, 3, 1, 4, 5, 6).reshape(n, kk)
+    words = (k.lo.to(torch.int64) & 0xFFFFFFFF).reshape(n // 16, kk // 64, 2, 8, 4, 2).permute(0, 2, 3, 1, 4, 5)
+    stored = (words[..., None] >> (4 * torch.arange(8, device=words.device))) & 0xF
+    nibbles = torch.empty_like(stored)
+    nibbles[..., [0, 2, 4, 6, 1, 3, 5, 7]] = stored
+    nibbles = nibbles.reshape(-1)
+    lo = (nibbles[0::2] | (nibbles[1::2] << 4)).to(torch.uint8)
+    return W12Kernel(hi.contiguous(), lo, k.base.to(torch.uint8), k.esc_ptr, k.esc_col, k.esc_bits)
 
 
 def layout_shape(k: W12Kernel) -> tuple[int, int]:
     """(N, K) of the matrix a layout holds (either layout: the hi plane is a byte a weight)."""
     n = k.base.numel()
     return n, k.hi.numel() * k.hi.element_size() // n
+
+
+LAYOUTS = ("cpu", "gpu")     # what `kernels.w12_gemm` reads / what `schedules.w12_mma` reads
+PLANES = ("w12_lo", "w12_base", "w12_esc_ptr", "w12_esc_col", "w12_esc_bits")   # suffixes after the hi plane
+
+
+def convert(weight: torch.Tensor, layout: str, device: str | None = None) -> W12Kernel:
+    """One bf16-exact matrix in the kernel layout ``layout`` (packs cached by content).  With
+    ``device`` (e.g. "cuda", for the engine converting redrawn weights) the conversion runs there,
+    uncached, and the planes come back to the host."""
+    if layout not in LAYOUTS:
+        raise SpecPilotError(f"unknown W12 layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    weight = weight.to(torch.bfloat16)
+    k = kernel_layout(encode(weight.to(device)) if device else encode_cached(weight))
+    k = gpu_layout(k) if layout == "gpu" else k
+    return W12Kernel(*(t.cpu() for t in (k.hi, k.lo, k.base, k.esc_ptr, k.esc_col, k.esc_bits))) if device else k
+
+
+def convert_params(params: dict, names, layout: str, done: dict | None = None, device: str | None = None) -> dict:
+    """Packed parameters with each weight named in ``names`` replaced by its hi plane, and its
+    other planes appended under ``NAME.w12_lo`` etc. (what a W12 build's manifest lists).  Values
+    may be None (a seeded build knows its names, not its weights): the names come out the same.
+    ``done``: layouts already converted, by name."""
+    names = set(names)
+    missing = names - set(params)
+    if missing:
+        raise SpecPilotError(f"W12 weights not among the parameters: {', '.join(sorted(missing))}")
+    out, extra = {}, {}
+    for name, value in params.items():
+        if name not in names:
+            out[name] = value
+            continue
+        k = (done or {}).get(name)
+        if k is None and value is not None:
+            k = convert(value, layout, device)
+        out[name] = None if k is None else k.hi
+        for suffix, plane in zip(PLANES, (None,) * 5 if k is None else (k.lo, k.base, k.esc_ptr, k.esc_col,
+                                                                          k.esc_bits)):
+            extra[f"{name}.{suffix}"] = plane
+    return {**out, **extra}
+
+
+def plain_names(names) -> list[str]:
+    """The parameter names before W12 conversion (the planes' own names dropped)."""
+    return [n for n in names if not n.endswith(tuple("." + s for s in PLANES))]
 
 
 STEP = 512   # weights a warp reads per step in the CUDA GEMV: 32 lanes x 16

@@ -8,8 +8,8 @@ plane is passed but never read, so the view moves about 2/3 of W12's weight byte
 else changes: ``target_verify`` stays exact, and the view accepts no tokens by itself
 (two-level verification uses its chain as a proposal; only exact verification accepts).
 
-When it is legal: after w12-layout (it reads that pass's GEMMs), on the targets w12-layout
-supports.
+When it is legal: after w12-layout (it reads that pass's GEMMs: the CPU kernel's or the GPU
+tensor-core kernel's twin without lo-plane loads), on the targets w12-layout supports.
 
 Where it sits: right after w12-layout.
 """
@@ -34,14 +34,23 @@ class _HiOnly(PyExprMutator):
         super().__init__(mod)
         self.mod, self.swapped, self._twins = mod, 0, {}
 
+    def visit_generic_const_(self, op) -> relax.Expr:
+        # a node of its own: the copy may not share constants with the function it copies
+        # (pattern fusion, e.g. FuseTransposeMatmul on cuda, rejects a node in two partitions)
+        return relax.const(op.value)
+
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op.same_as(tvm.ir.Op.get("relax.call_tir")) and call.args[0].name_hint.startswith("w12_gemm"):
             gv = call.args[0]
             if gv not in self._twins:
                 attrs = self.mod[gv].attrs
-                kernel = kernels.w12_gemm(int(attrs["w12.n"]), int(attrs["w12.k"]), int(attrs["w12.escapes"]),
-                                          str(attrs["w12.x_dtype"]), hi_only=True)
+                if "w12.gpu" in attrs:
+                    from specpilot.schedules.w12_mma import w12_mma
+                    kernel = w12_mma(int(attrs["w12.n"]), int(attrs["w12.k"]), hi_only=True)
+                else:
+                    kernel = kernels.w12_gemm(int(attrs["w12.n"]), int(attrs["w12.k"]), int(attrs["w12.escapes"]),
+                                              str(attrs["w12.x_dtype"]), hi_only=True)
                 self._twins[gv] = self.builder_.add_func(kernel, "w12_gemm_view")
             self.swapped += 1
             return relax.call_tir(self._twins[gv], call.args[1], call.ty)
@@ -54,7 +63,7 @@ class NestedInt8View(Pass):
     options = (Option("function", str, "target_verify", "the verification function to view"),)
     requires = ("w12-layout",)
     after = ("w12-layout",)
-    targets = ("llvm",)
+    targets = ("llvm", "cuda")
     statistics = ("functions_added", "gemms_viewed")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:

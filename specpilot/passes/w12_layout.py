@@ -4,13 +4,18 @@ What it rewrites: every ``matmul(x, permute_dims(W))`` whose W is a packed param
 target model with bf16-exact values becomes ``call_tir(w12_gemm, x, planes of W)``; the
 packed-parameter tuple of every function changes accordingly (W's slot holds the hi plane,
 the lo plane, bases and escapes are appended), and the weights are converted ahead of time.
-The results are those of the same GEMM over the exact weights (the escapes are merged in
-column order), so token forcing holds.
+On ``llvm`` the GEMM is `kernels.w12_gemm` (escapes merged in column order: the same sums as
+a plain GEMM over the exact weights); on ``cuda`` it is `schedules.w12_mma` (tensor cores,
+planes tiled for it, escapes added exactly in its epilogue; float32 sums in another order, as
+any GPU schedule's).  Either way every weight enters with its exact bf16 value.
 
-When it is legal: the weights must be known at build time (not ``--params seeded``), and for
-now only for ``llvm`` targets: the CUDA schedule of the fused GEMM is the rest of issue 4.
-A weight that is not bf16-representable, not 2-D, smaller than ``min_size`` or not the
-target's is left as it is (the pass does not fire on it).
+When it is legal: on ``llvm`` the weights must be known at build time (the CPU kernel is
+specialised to each matrix's escape count).  On ``cuda``: sm_80 or later and a bfloat16
+deployment (the kernel multiplies bf16 activations on tensor cores); the kernel does not depend
+on the weights, so ``--params seeded`` builds may use it -- the engine converts the redrawn
+weights when it loads them (manifest ``w12``).  A weight that is not bf16-representable, not
+2-D, smaller than ``min_size``, not the target's, read by anything but such a matmul, or (on
+cuda) of a shape the kernel does not tile (N % 16, K % 64) is left as it is.
 
 Where it sits: before any pass that reads the matmul patterns it replaces, and before
 nested-int8-view, which reads the GEMMs it creates.
@@ -24,15 +29,19 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from specpilot.compiler import kernels, w12
+from specpilot.compiler.w12 import PLANES
 from specpilot.passes.base import Option, Pass, PassContext
 
-PLANES = ("w12_lo", "w12_base", "w12_esc_ptr", "w12_esc_col", "w12_esc_bits")
 
-
-def _eligible(name: str, value: torch.Tensor, min_size: int) -> bool:
-    if not name.startswith("target.") or value.dim() != 2 or value.numel() < min_size:
+def _eligible(name: str, shape, value: torch.Tensor | None, min_size: int, gpu: bool) -> bool:
+    """``value`` None: a seeded bf16 build (weights drawn in bf16 at load: representable)."""
+    if not name.startswith("target.") or len(shape) != 2 or shape[0] * shape[1] < min_size:
         return False
-    if value.dtype == torch.bfloat16:
+    if gpu:
+        from specpilot.schedules.w12_mma import applicable
+        if not applicable(int(shape[0]), int(shape[1])):
+            return False
+    if value is None or value.dtype == torch.bfloat16:
         return True
     return value.dtype == torch.float32 and torch.equal(value.to(torch.bfloat16).float(), value)
 
@@ -41,12 +50,24 @@ def _tensor_type(t: torch.Tensor) -> relax.TensorType:
     return relax.TensorType(list(t.shape), str(t.dtype).split(".")[-1])
 
 
+def _plane_types(n: int, k: int, layout: w12.W12Kernel | None) -> list[relax.TensorType]:
+    """Types of (hi, lo, base, ptr, col, bits): from the converted tensors, or (GPU layout, weights
+    not known) from the shape, the escape count a fresh symbolic extent."""
+    if layout is not None:
+        return [_tensor_type(t) for t in (layout.hi, layout.lo, layout.base, layout.esc_ptr, layout.esc_col,
+                                          layout.esc_bits)]
+    e = tvm.tirx.Var("w12_escapes", "int64")
+    return [relax.TensorType([n // 16, 4 * k], "int32"), relax.TensorType([n // 16, 2 * k], "int32"),
+            relax.TensorType([n], "int32"), relax.TensorType([n + 1], "int32"), relax.TensorType([e], "int32"),
+            relax.TensorType([e], "int32")]
+
+
 @mutator
 class _Rewriter(PyExprMutator):
     def __init__(self, mod, old_param: relax.Var, new_param: relax.Var, slots: dict[int, list[int]],
-                 layouts: dict[int, w12.W12Kernel]):
+                 kernels_: dict[int, object]):
         super().__init__(mod)
-        self.old_param, self.new_param, self.slots, self.layouts = old_param, new_param, slots, layouts
+        self.old_param, self.new_param, self.slots, self.kernels = old_param, new_param, slots, kernels_
         self.rewritten = 0
 
     def visit_var_(self, op: relax.Var) -> relax.Expr:
@@ -71,9 +92,8 @@ class _Rewriter(PyExprMutator):
             slot = self._weight_slot(self.visit_expr(call.args[1]))
             x = self.visit_expr(call.args[0])
             if slot is not None and len(x.ty.shape) == 2:
-                layout = self.layouts[slot]
-                n, k = layout.hi.shape
-                kernel = kernels.w12_gemm(n, k, int(layout.esc_ptr[-1]), x.ty.dtype)
+                kernel = self.kernels[slot](x.ty.dtype)
+                n = int(kernel.attrs["w12.n"])
                 gv = self.builder_.add_func(kernel, "w12_gemm")
                 planes = [relax.TupleGetItem(self.new_param, j) for j in [slot, *self.slots[slot]]]
                 self.rewritten += 1
@@ -84,8 +104,9 @@ class _Rewriter(PyExprMutator):
         return super().visit_call_(call)
 
 
-def _matmul_only_slots(mod) -> set[int]:
-    """Packed slots that every function reads only as ``matmul(x2d, permute_dims(W))``."""
+def _matmul_only_slots(mod, x_dtype: str | None = None) -> set[int]:
+    """Packed slots that every function reads only as ``matmul(x2d, permute_dims(W))`` (with x of
+    dtype ``x_dtype`` when given)."""
     matmul, permute = tvm.ir.Op.get("relax.matmul"), tvm.ir.Op.get("relax.permute_dims")
     good: dict[int, bool] = {}
     for func in mod.functions.values():
@@ -124,7 +145,8 @@ def _matmul_only_slots(mod) -> set[int]:
                     continue
                 for user in uses.get(bound_to.get(consumer), [None]):
                     if user is None or not user.op.same_as(matmul) or not user.args[1].same_as(bound_to[consumer]) \
-                            or len(user.args[0].ty.shape) != 2:
+                            or len(user.args[0].ty.shape) != 2 \
+                            or (x_dtype is not None and str(user.args[0].ty.dtype) != x_dtype):
                         ok = False
             good[slot] = good.get(slot, True) and ok
     return {slot for slot, ok in good.items() if ok}
@@ -134,34 +156,59 @@ class W12Layout(Pass):
     name = "w12-layout"
     doc = "target matmul weights in the lossless 12-bit W12 layout, decoded inside the GEMM"
     options = (Option("min_size", int, 0, "leave matrices with fewer elements than this in bf16"),)
-    targets = ("llvm",)
+    targets = ("llvm", "cuda")
     statistics = ("rewritten", "weights", "bytes_before", "bytes_after", "escape_rate")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
+        if context.target_kind == "cuda":
+            from specpilot.schedules.relax_pipeline import sm_version
+            if sm_version(context.arch) < 80:
+                return False, f"the GPU W12 GEMM runs on bf16 tensor cores: needs sm_80 or later, not {context.arch}"
+            if context.dtype != "bfloat16":
+                return False, f"the GPU W12 GEMM multiplies bf16 activations: needs dtype bfloat16, not {context.dtype}"
+            return True, ""
         if not context.weights_known:
-            return False, "needs the weights at build time (not --params seeded)"
+            return False, "on the CPU it needs the weights at build time (not --params seeded)"
         return True, ""
 
-    def _plan(self, context: PassContext, mod=None) -> dict[str, w12.W12Kernel]:
-        """Which weights to convert (decided once, from the module apply sees) and their layouts."""
+    @staticmethod
+    def layout_kind(context: PassContext) -> str:
+        return "gpu" if context.target_kind == "cuda" else "cpu"
+
+    def _plan(self, context: PassContext, mod=None) -> dict[str, tuple[int, int, w12.W12Kernel | None]]:
+        """Which weights to convert (decided once, from the module apply sees): name -> (N, K,
+        layout, or None when the weights are not known)."""
         plan = context.scratch.get(self.name)
         if plan is None:
-            readable = _matmul_only_slots(mod)
-            plan = {name: w12.kernel_layout(w12.encode_cached(value.to(torch.bfloat16)))
-                    for i, (name, value) in enumerate(context.params.items())
-                    if i in readable and _eligible(name, value, self["min_size"])}
+            gpu = context.target_kind == "cuda"
+            readable = _matmul_only_slots(mod, "bfloat16" if gpu else None)
+            shapes = _packed_shapes(mod)
+            plan = {}
+            for i, (name, value) in enumerate(context.params.items()):
+                if i in readable and _eligible(name, shapes[i], value, self["min_size"], gpu):
+                    n, k = (int(d) for d in shapes[i])
+                    plan[name] = (n, k, None if value is None else w12.convert(value, self.layout_kind(context)))
             context.scratch[self.name] = plan
         return plan
 
     def apply(self, mod, context: PassContext):
         plan = self._plan(context, mod)
+        if not plan:   # nothing to convert: the module as it was (a clone, as every pass returns)
+            context.statistics[self.name].update(rewritten=0, weights=0, bytes_before=0, bytes_after=0, escape_rate=0.0)
+            return tvm.ir.IRModule(dict(mod.functions), attrs=mod.attrs)
+        gpu = context.target_kind == "cuda"
         names = list(context.params)
         index = {name: i for i, name in enumerate(names)}
         extra = len(names)
-        slots, layouts = {}, {}
-        for name, layout in plan.items():
+        slots, kernels_ = {}, {}
+        for name, (n, k, layout) in plan.items():
             slots[index[name]] = list(range(extra, extra + len(PLANES)))
-            layouts[index[name]] = layout
+            if gpu:
+                from specpilot.schedules.w12_mma import w12_mma
+                kernels_[index[name]] = lambda dtype, n=n, k=k: w12_mma(n, k)
+            else:
+                escapes = int(layout.esc_ptr[-1])
+                kernels_[index[name]] = lambda dtype, n=n, k=k, e=escapes: kernels.w12_gemm(n, k, e, dtype)
             extra += len(PLANES)
         out = tvm.ir.IRModule(dict(mod.functions), attrs=mod.attrs)
         rewritten = 0
@@ -170,35 +217,43 @@ class W12Layout(Pass):
                 continue
             old = func.params[-1]
             fields = list(old.ty.fields)
-            for slot, layout in layouts.items():
-                fields[slot] = _tensor_type(layout.hi)
-            for slot in sorted(layouts):
-                layout = layouts[slot]
-                fields += [_tensor_type(t) for t in (layout.lo, layout.base, layout.esc_ptr, layout.esc_col,
-                                                     layout.esc_bits)]
-            new = relax.Var("packed_params", relax.TupleType(fields))
-            rewriter = _Rewriter(out, old, new, slots, layouts)
+            appended = []
+            for slot in sorted(slots):
+                n, k, layout = plan[names[slot]]
+                hi, *rest = _plane_types(n, k, layout)   # fresh symbolic extents per function
+                fields[slot] = hi
+                appended += rest
+            new = relax.Var("packed_params", relax.TupleType(fields + appended))
+            rewriter = _Rewriter(out, old, new, slots, kernels_)
             body = rewriter.visit_expr(func.body)
             new_func = relax.Function([*func.params[:-1], new], body, func.ret_ty, func.is_pure, func.attrs)
             rewriter.builder_.update_func(gv, new_func)
             out = rewriter.builder_.get()
             rewritten += rewriter.rewritten
         out = relax.transform.DeadCodeElimination()(out)
-        before = sum(2 * layout.hi.numel() for layout in plan.values())
-        after = sum(layout.nbytes for layout in plan.values())
-        escapes = sum(int(layout.esc_ptr[-1]) for layout in plan.values())
-        context.statistics[self.name].update(
-            rewritten=rewritten, weights=len(plan), bytes_before=before, bytes_after=after,
-            escape_rate=escapes / max(1, sum(layout.hi.numel() for layout in plan.values())))
+        known = [layout for _, _, layout in plan.values() if layout is not None]
+        stats = dict(rewritten=rewritten, weights=len(plan), bytes_before=sum(2 * n * k for n, k, _ in plan.values()))
+        if len(known) == len(plan):   # with the weights: bytes as stored and escapes
+            stats.update(bytes_after=sum(layout.nbytes for layout in known),
+                         escape_rate=sum(int(layout.esc_ptr[-1]) for layout in known)
+                         / max(1, sum(n * k for n, k, _ in plan.values())))
+        context.statistics[self.name].update(stats)
         return out
 
     def transform_params(self, params: dict, context: PassContext) -> dict:
         plan = self._plan(context)
-        out = {name: (plan[name].hi if name in plan else value) for name, value in params.items()}
-        for name in params:
-            if name in plan:
-                layout = plan[name]
-                for suffix, value in zip(PLANES, (layout.lo, layout.base, layout.esc_ptr, layout.esc_col,
-                                                  layout.esc_bits)):
-                    out[f"{name}.{suffix}"] = value
-        return out
+        return w12.convert_params(params, plan, self.layout_kind(context),
+                                  done={name: layout for name, (_, _, layout) in plan.items()})
+
+    def manifest_entry(self, context: PassContext) -> dict:
+        """What the engine needs to convert redrawn (seeded) weights itself."""
+        return {"layout": self.layout_kind(context), "weights": list(self._plan(context))}
+
+
+def _packed_shapes(mod) -> dict[int, tuple]:
+    """Shapes of the packed parameters by slot (from any function that takes them)."""
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function) and func.params and func.params[-1].name == "packed_params":
+            return {i: tuple(f.shape) if hasattr(f, "shape") and f.shape is not None else ()
+                    for i, f in enumerate(func.params[-1].ty.fields)}
+    return {}

@@ -116,7 +116,17 @@ class CompiledModule:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         dtype = getattr(torch, m["dtype"])
-        return dedupe(packed_parameters(m["params"], target, drafter, dtype))
+        recipe = m.get("w12")
+        if not recipe:
+            return dedupe(packed_parameters(m["params"], target, drafter, dtype))
+        # a W12 build: convert the redrawn weights as the build would have (same layout, same planes)
+        from specpilot.compiler import w12
+        values = packed_parameters(w12.plain_names(m["params"]), target, drafter, dtype)
+        values = w12.convert_params(values, recipe["weights"], recipe["layout"],
+                                    device="cuda" if self.device.dlpack_device_type() == 2 else None)
+        if list(values) != m["params"]:
+            raise SpecPilotError(f"{self.dir}: the W12 conversion does not give the parameters manifest.json lists")
+        return dedupe(values)
 
     def _load_params(self):
         aliases = self._aliases
@@ -156,9 +166,10 @@ class CompiledModule:
                 continue
             if f"{name}.w12_lo" in names:   # stored in the W12 layout: decode the exact weights back
                 from specpilot.compiler import w12
-                weight = w12.decode_kernel_layout(w12.W12Kernel(
-                    value(name), *(value(f"{name}.{s}") for s in ("w12_lo", "w12_base", "w12_esc_ptr",
-                                                                   "w12_esc_col", "w12_esc_bits"))))
+                planes = w12.W12Kernel(value(name), *(value(f"{name}.{s}") for s in w12.PLANES))
+                if self.manifest.get("w12", {}).get("layout", "cpu") == "gpu":
+                    planes = w12.cpu_layout(planes)
+                weight = w12.decode_kernel_layout(planes)
                 out[name[len(prefix):]] = weight.to(getattr(torch, self.manifest["dtype"]))
             else:
                 out[name[len(prefix):]] = value(name)

@@ -188,7 +188,7 @@ def test_cli_passes_check_and_list(run_cli):
         "two-level-verify", "w12-layout"]
     code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "llvm")
     assert code == 0 and out.startswith("legal: w12-layout")
-    code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "cuda -arch=sm_90")
-    assert code == 1 and "w12-layout is not available for target cuda (only llvm)" in out
+    code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "cuda -arch=sm_90")   # no spec: float32
+    assert code == 1 and "w12-layout: the GPU W12 GEMM multiplies bf16 activations: needs dtype bfloat16" in out
     code, _, err = run_cli("passes", "check", "fuse-everything")
     assert code == 2 and "unknown pass 'fuse-everything'" in err

@@ -81,7 +81,7 @@ def test_before_expected():
     weights = _weights()
     context = _context(weights)
     after, records = run_pipeline(parse("w12-layout"), Before, context)
-    layout = context.scratch["w12-layout"]["target.a.weight"]
+    layout = context.scratch["w12-layout"]["target.a.weight"][2]   # (N, K, layout)
     tvm.ir.assert_structural_equal(after, _expected(layout))
     assert records[0].statistics["rewritten"] == 1 and records[0].statistics["weights"] == 1
     # the weight read by take() stays as it is; the params follow the IR
@@ -106,8 +106,9 @@ def test_min_size_excludes_small_matrices():
 
 
 @pytest.mark.parametrize("context,reason", [
-    (PassContext(target_kind="llvm", weights_known=False), "needs the weights at build time"),
-    (PassContext(target_kind="cuda", arch="sm_90"), "not available for target cuda"),
+    (PassContext(target_kind="llvm", weights_known=False), "on the CPU it needs the weights at build time"),
+    (PassContext(target_kind="cuda", arch="sm_90", dtype="float32"), "needs dtype bfloat16"),
+    (PassContext(target_kind="cuda", arch="sm_75", dtype="bfloat16"), "needs sm_80 or later"),
 ])
 def test_illegal_contexts_raise(context, reason):
     with pytest.raises(SpecPilotError, match=reason):
@@ -140,7 +141,7 @@ def test_seeded_build_refuses_w12(tmp_path):
     from specpilot.compiler.build import build
     from specpilot.compiler.spec import load_spec
     from specpilot.compiler.target import parse_target
-    with pytest.raises(SpecPilotError, match="w12-layout: needs the weights at build time"):
+    with pytest.raises(SpecPilotError, match="w12-layout: on the CPU it needs the weights at build time"):
         build(load_spec(ROOT / "examples" / "tiny-llama.yaml"), parse_target("llvm"), tmp_path / "b",
               passes="w12-layout", params="seeded")
 
@@ -152,7 +153,7 @@ def test_nested_int8_view_before_expected():
     out, records = run_pipeline(parse("w12-layout,nested-int8-view{function=main}"), Before, context,
                                 after=lambda name, mod: stages.setdefault(name, mod))
     after_w12 = stages["w12-layout"]
-    layout = context.scratch["w12-layout"]["target.a.weight"]
+    layout = context.scratch["w12-layout"]["target.a.weight"][2]   # (N, K, layout)
     # expected: the exact module plus main_view, whose GEMM reads the hi plane only
     view_module = _expected(layout, hi_only=True)
     expected = tvm.ir.IRModule(dict(after_w12.functions))
@@ -204,3 +205,85 @@ def test_view_function_in_a_build_is_close_not_exact(tmp_path):
     rel = np.abs(exact - view).max() / np.abs(exact).max()
     assert 0 < rel < 0.5
     assert state.length == start   # calling the functions changed no engine state
+
+
+def test_gpu_w12_converts_the_same_weights_with_or_without_them_at_build_time():
+    """On cuda the kernel does not depend on the weights: a seeded build plans the same matrices by
+    name and shape (escape counts left symbolic), and the engine's conversion of the redrawn
+    weights gives the names and planes a build with the weights stores."""
+    from specpilot.compiler.build import lower_and_apply
+    from specpilot.compiler.loader import load_models
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.weights import packed_parameters
+
+    spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-w12-bf16.yaml")
+    target = parse_target("cuda -arch=sm_90")
+    runs = {}
+    for mode in ("file", "seeded"):
+        mod, records, context, pipeline, names, models = lower_and_apply(spec, target, "w12-layout,nested-int8-view",
+                                                                        mode)
+        full = context.params
+        for p in pipeline:
+            full = p.transform_params(full, context)
+        runs[mode] = (mod, records, full, pipeline.passes[0].manifest_entry(context), names, models)
+    (mod, records, stored, entry, names, (tgt, drf)), (smod, srecords, snames, sentry, _, _) = runs["file"], runs["seeded"]
+    stats = records[0].statistics
+    # every target projection and the lm_head tile (N % 16, K % 64): 4 layers x 7 + lm_head
+    assert stats["weights"] == 29 == srecords[0].statistics["weights"] and stats["rewritten"] > 29
+    assert stats["bytes_after"] < 0.8 * stats["bytes_before"] and "bytes_after" not in srecords[0].statistics
+    assert entry == sentry == {"layout": "gpu", "weights": entry["weights"]} and len(entry["weights"]) == 29
+    assert list(stored) == list(snames) and all(v is None for v in snames.values())
+    gemms = [f for gv, f in mod.functions.items() if gv.name_hint.startswith("w12_gemm")]
+    assert gemms and all("w12.gpu" in f.attrs for f in gemms)
+    assert any(bool(f.attrs["w12.gpu"]) for f in gemms)
+    # seeded: escape counts are symbolic extents of the packed tuple, static with the weights
+    def escapes(m):
+        fields = m["target_decode"].params[-1].ty.fields
+        return fields[names.index("target.lm_head.weight")], fields[-1]
+    assert isinstance(escapes(smod)[1].shape[0], tvm.tirx.Var) and isinstance(escapes(mod)[1].shape[0], tvm.tirx.IntImm)
+    assert str(escapes(mod)[0].dtype) == "int32"                 # the hi plane, tiled words
+    # what the engine does for a seeded build
+    redrawn = w12.convert_params(packed_parameters(w12.plain_names(list(stored)), tgt, drf, torch.bfloat16),
+                                 entry["weights"], entry["layout"])
+    assert list(redrawn) == list(stored)
+    assert all(torch.equal(redrawn[n], stored[n]) for n in stored)
+    weight = packed_parameters(["target.lm_head.weight"], tgt, drf, torch.bfloat16)["target.lm_head.weight"]
+    want = w12.gpu_layout(w12.kernel_layout(w12.encode(weight)))
+    assert torch.equal(stored["target.lm_head.weight"], want.hi) and \
+        torch.equal(stored["target.lm_head.weight.w12_lo"], want.lo)
+
+
+def test_gpu_w12_does_not_fire_on_shapes_the_kernel_does_not_tile():
+    """tiny-llama-bf16 (hidden 96, MLP 203): no target matrix has N % 16 == 0 and K % 64 == 0, so on
+    cuda nothing is converted and the IR is stock's."""
+    from specpilot.compiler.build import lower_and_apply
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+
+    spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-bf16.yaml")
+    target = parse_target("cuda -arch=sm_90")
+    stock, _, context, *_ = lower_and_apply(spec, target, "", "seeded")
+    mod, records = run_pipeline(parse("w12-layout"), stock, context)
+    assert records[0].statistics["weights"] == 0
+    tvm.ir.assert_structural_equal(mod, stock)
+
+
+def test_view_copy_shares_no_constant_nodes_with_its_source():
+    """target_verify_view is a copy of target_verify: a constant node in both made pattern fusion on
+    cuda (FuseTransposeMatmul) reject the module ("appears in multiple partitions")."""
+    from specpilot.compiler.build import lower_and_apply
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+
+    spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-w12-bf16.yaml")
+    mod, *_ = lower_and_apply(spec, parse_target("cuda -arch=sm_90"), "w12-layout,nested-int8-view", "seeded")
+
+    def constants(func):
+        found = []
+        relax.analysis.post_order_visit(func, lambda e: found.append(e) if isinstance(e, type(relax.const(0.0))) else None)
+        return found
+    source, view = constants(mod["target_verify"]), constants(mod["target_verify_view"])
+    assert source and len(source) == len(view)
+    assert not any(a.same_as(b) for a in source for b in view)
+    relax.transform.FuseTransposeMatmul()(mod)     # raised before the copy made its own constants

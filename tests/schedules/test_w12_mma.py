@@ -62,6 +62,9 @@ def test_gpu_planes_decode_to_the_exact_weights_in_the_slots_x_fills(n, k):
     planes = vars(w12.gpu_layout(layout))
     assert planes["hi"].shape == (n // 16, 4 * k) and planes["lo"].shape == (n // 16, 2 * k)   # 16 rows a tile
     assert w12.layout_shape(w12.gpu_layout(layout)) == w12.layout_shape(layout) == (n, k)
+    back = w12.cpu_layout(w12.gpu_layout(layout))                    # what the engine decodes for the reference
+    assert all(torch.equal(getattr(back, f), getattr(layout, f)) for f in ("hi", "lo", "base", "esc_ptr"))
+    assert torch.equal(w12.decode_kernel_layout(back), w)
     bits = emulate_a_operand(planes, n, k)
     inside = torch.ones(n, k, dtype=torch.bool)
     rows, cols = torch.repeat_interleave(torch.arange(n), (layout.esc_ptr[1:] - layout.esc_ptr[:-1]).long()), \
