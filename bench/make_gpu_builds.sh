@@ -27,6 +27,16 @@ for m in tiny-llama-bf16 tiny-hybrid-bf16; do
 done
 $sp compile bench/specs/tiny-hybrid-bf16.yaml --target "$cuda" --passes "tree-verify{budget=16},gdn-path-recompute" \
   -o "$out/tiny-hybrid-bf16-tree"
+# W12 and stacked projections (session 6): realistic shapes seeded (the engine converts the redrawn
+# weights at load), tiny W12-tileable specs with their weights for forcing, incl. the two-level stack
+$sp compile bench/specs/qwen3-8b-shape-8l.yaml --target "$cuda" --params seeded --passes "fuse-projections" -o "$out/qwen3-8b-8l-f"
+$sp compile bench/specs/qwen3-8b-shape-8l.yaml --target "$cuda" --params seeded --passes "fuse-projections,w12-layout" -o "$out/qwen3-8b-8l-fw"
+$sp compile bench/specs/qwen35-27b-shape-4l.yaml --target "$cuda" --params seeded --passes "fuse-projections,w12-layout" -o "$out/qwen35-27b-4l-fw"
+$sp compile bench/specs/qwen35-27b-shape-4l-tree.yaml --target "$cuda" --params seeded --passes "fuse-projections" -o "$out/qwen35-27b-4l-tree-f"
+$sp compile bench/specs/tiny-llama-w12-bf16.yaml --target "$cuda" --passes "fuse-projections,w12-layout" -o "$out/tiny-llama-w12-fw"
+$sp compile bench/specs/tiny-hybrid-w12-bf16.yaml --target "$cuda" \
+  --passes "fuse-projections,w12-layout,nested-int8-view,tree-verify{budget=16},gdn-path-recompute,two-level-verify" \
+  -o "$out/tiny-hybrid-w12-two-level"
 stub() { .venv/bin/python -c "
 import os, subprocess, sys
 from specpilot.compiler.build import cuda_stub_env

@@ -9,7 +9,8 @@ from the cheapest evidence there is:
   recorded drafter expansions of the cost report -- accepted tokens per verification and
   drafter calls per verification, so the estimate is net of the drafting it costs;
 - kernel direction: schedule sets (``kernel-schedule``) -- the report's time in the kernels
-  the set removes (run-time weight transposes); ``w12-layout`` -- the weight bytes it saves,
+  the set removes (run-time weight transposes); ``fuse-projections`` -- half the time of NT
+  matmuls more than 2x from their bound; ``w12-layout`` -- the weight bytes it saves,
   counted only where weight-reading kernels are near their bandwidth bound;
 - overhead direction: fewer calls per token (shorter drafts).
 
@@ -160,7 +161,15 @@ class BuiltinProposer:
                 add("overhead", [REGISTRY["kernel-schedule"](set=now["set"] if now else "default", graph=True)], gain,
                     f"{host * 1e3:.1f} ms of {wall * 1e3:.1f} ms is outside kernels (launches, host work); "
                     "CUDA graphs replay the static kernel runs")
-        if "w12-layout" not in names and context.weights_known:
+        if "fuse-projections" not in names and slow_mm:
+            # projections that read one activation (q/k/v, gate/up, GDN inputs): the narrow ones run
+            # far from their bound (too few blocks to fill the device); stacked, one GEMM reads them
+            # in one wide pass -- half the far-from-bound time counted (not every such matmul stacks)
+            gain = wall / max(wall - 0.5 * slow_mm * (wall / kernel_s), 1e-9) - 1
+            add("kernel", [REGISTRY["fuse-projections"]()], gain,
+                f"{slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound; stacking the "
+                "projections that share an activation makes fewer, wider GEMMs")
+        if "w12-layout" not in names:     # legality (with_change) says where it cannot go
             matmul = [k for k in report["kernels"] if "matmul" in k["name"]]
             near = [k for k in matmul if k["ratio"] < 2.0]
             saved = 0.25 * sum(k["seconds"] for k in near)

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specpilot.compiler.config import ModelConfig, config_from_hf
-from specpilot.errors import CheckpointError
+from specpilot.errors import CheckpointError, SpecPilotError
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -259,3 +259,41 @@ def dedupe(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
             first[id(tensor)] = name
             stored[name] = tensor
     return stored, aliases
+
+
+FUSED = "+"   # fused parameter name: member names joined, in order (rows stacked along dim 0)
+
+
+def fused_members(name: str) -> list[str]:
+    """The member parameters of a fused parameter name (or [name] itself)."""
+    return name.split(FUSED)
+
+
+def fuse_params(params: dict, groups: dict[str, list[str]]) -> dict:
+    """Packed parameters with each group's members replaced, at the first member's place, by one
+    tensor stacking them along dim 0 (``groups``: fused name -> member names).  A group whose
+    members are the same tensors as an earlier group's (an early-exit drafter sharing the target's
+    layers) gets the same stacked tensor, so `dedupe` stores it once.  Values may be None (a seeded
+    build): the names come out the same."""
+    first = {members[0]: fused for fused, members in groups.items()}
+    dropped = {m for members in groups.values() for m in members[1:]}
+    missing = {m for members in groups.values() for m in members} - set(params)
+    if missing:
+        raise SpecPilotError(f"fused parameters not among the parameters: {', '.join(sorted(missing))}")
+    stacked: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, value in params.items():
+        if name in dropped:
+            continue
+        if name not in first:
+            out[name] = value
+            continue
+        members = [params[m] for m in groups[first[name]]]
+        if any(v is None for v in members):
+            out[first[name]] = None
+            continue
+        key = tuple(id(v) for v in members)
+        if key not in stacked:
+            stacked[key] = torch.cat(members, dim=0).contiguous()
+        out[first[name]] = stacked[key]
+    return out

@@ -62,7 +62,8 @@ class PassContext:
     hybrid: bool = False                      # has Gated DeltaNet layers
     dtype: str = "float32"
     weights_known: bool = True                # False for --params seeded builds
-    params: dict = field(default_factory=dict)       # packed parameter name -> value, in packed order
+    params: dict = field(default_factory=dict)       # packed parameter name -> value (None: seeded), in packed
+                                                     # order; the runner applies each pass's transform_params
     statistics: dict = field(default_factory=dict)   # pass name -> {statistic: value}
     scratch: dict = field(default_factory=dict)      # pass name -> what apply leaves for transform_params
 

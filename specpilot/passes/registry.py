@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specpilot.passes.base import Pass
 from specpilot.passes.draft_length import DraftLength
+from specpilot.passes.fuse_projections import FuseProjections
 from specpilot.passes.gdn_path_recompute import GdnPathRecompute
 from specpilot.passes.kernel_schedule import KernelSchedule
 from specpilot.passes.logit_bias_fault import LogitBiasFault
@@ -16,7 +17,7 @@ from specpilot.passes.tree_verify import TreeVerify
 from specpilot.passes.two_level_verify import TwoLevelVerify
 from specpilot.passes.w12_layout import W12Layout
 
-PASS_CLASSES: tuple[type[Pass], ...] = (W12Layout, NestedInt8View, TreeVerify, GdnPathRecompute,
+PASS_CLASSES: tuple[type[Pass], ...] = (FuseProjections, W12Layout, NestedInt8View, TreeVerify, GdnPathRecompute,
                                          TwoLevelVerify, DraftLength, KernelSchedule, LogitBiasFault)
 
 REGISTRY: dict[str, type[Pass]] = {cls.name: cls for cls in PASS_CLASSES}

@@ -38,6 +38,9 @@ def run_pipeline(pipeline: Pipeline, mod, context: PassContext,
         if not relax.analysis.check_well_formed(out):
             raise SpecPilotError(f"pass {p.name} produced ill-formed IR")
         mod = out
+        # the parameters follow the IR after every pass: a later pass indexes the packed slots
+        # this one left (fuse-projections drops slots, w12-layout appends planes)
+        context.params = p.transform_params(context.params, context)
         records.append(PassRecord(p.name, str(p), seconds, dict(context.statistics[p.name])))
         if after is not None:
             after(p.name, mod)

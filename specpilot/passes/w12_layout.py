@@ -157,6 +157,7 @@ class W12Layout(Pass):
     doc = "target matmul weights in the lossless 12-bit W12 layout, decoded inside the GEMM"
     options = (Option("min_size", int, 0, "leave matrices with fewer elements than this in bf16"),)
     targets = ("llvm", "cuda")
+    after = ("fuse-projections",)      # it converts the stacked weights
     statistics = ("rewritten", "weights", "bytes_before", "bytes_after", "escape_rate")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:

@@ -116,16 +116,22 @@ class CompiledModule:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         dtype = getattr(torch, m["dtype"])
-        recipe = m.get("w12")
-        if not recipe:
+        recipe, fused = m.get("w12"), m.get("fused") or {}
+        if not recipe and not fused:
             return dedupe(packed_parameters(m["params"], target, drafter, dtype))
-        # a W12 build: convert the redrawn weights as the build would have (same layout, same planes)
+        # parameter rewrites of the passes, redone on the redrawn weights as the build did them:
+        # stacked projections (fuse-projections), then W12 planes (same layout, same bits)
         from specpilot.compiler import w12
-        values = packed_parameters(w12.plain_names(m["params"]), target, drafter, dtype)
-        values = w12.convert_params(values, recipe["weights"], recipe["layout"],
-                                    device="cuda" if self.device.dlpack_device_type() == 2 else None)
+        from specpilot.compiler.weights import fuse_params
+        names = w12.plain_names(m["params"]) if recipe else list(m["params"])
+        values = packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype)
+        values = fuse_params(values, fused)
+        if recipe:
+            values = w12.convert_params(values, recipe["weights"], recipe["layout"],
+                                        device="cuda" if self.device.dlpack_device_type() == 2 else None)
         if list(values) != m["params"]:
-            raise SpecPilotError(f"{self.dir}: the W12 conversion does not give the parameters manifest.json lists")
+            raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
+                                 "parameters manifest.json lists")
         return dedupe(values)
 
     def _load_params(self):
@@ -159,6 +165,7 @@ class CompiledModule:
         stored, aliases = self._stored, self._aliases
         value = lambda name: stored[aliases.get(name, name)]  # noqa: E731
         names = self.manifest["params"]
+        fused = self.manifest.get("fused") or {}
         prefix = which + "."
         out = {}
         for name in names:
@@ -169,10 +176,17 @@ class CompiledModule:
                 planes = w12.W12Kernel(value(name), *(value(f"{name}.{s}") for s in w12.PLANES))
                 if self.manifest.get("w12", {}).get("layout", "cpu") == "gpu":
                     planes = w12.cpu_layout(planes)
-                weight = w12.decode_kernel_layout(planes)
-                out[name[len(prefix):]] = weight.to(getattr(torch, self.manifest["dtype"]))
+                weight = w12.decode_kernel_layout(planes).to(getattr(torch, self.manifest["dtype"]))
             else:
-                out[name[len(prefix):]] = value(name)
+                weight = value(name)
+            if name in fused:               # stacked projections: back to one tensor each
+                from specpilot.compiler.weights import parameter_shapes
+                shapes = parameter_shapes(ModelConfig.from_dict(self.manifest["models"][which]))
+                rows = [shapes[member[len(prefix):]][0] for member in fused[name]]
+                for member, part in zip(fused[name], torch.split(weight, rows, dim=0)):
+                    out[member[len(prefix):]] = part
+            else:
+                out[name[len(prefix):]] = weight
         return out
 
 

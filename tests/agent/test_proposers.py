@@ -67,5 +67,11 @@ def test_matmuls_far_from_their_bound_on_sm80_propose_skinny_mma():
     by = {c.pipeline: c for c in cands}
     # 4 ms at 8x its bound could come to 2x: 3 ms removable, scaled to wall time (10 / 8)
     assert by["kernel-schedule{set=skinny-mma}"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.003 * 1.25) - 1)
+    # stacking the projections: half of that time
+    assert by["fuse-projections"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.5 * 0.003 * 1.25) - 1)
+    # w12-layout on a bf16 sm_90 deployment (legal with seeded weights there), not on a float32 one
+    bf16 = PassContext(target_kind="cuda", arch="sm_90", dtype="bfloat16", weights_known=False)
+    assert "w12-layout" in {c.pipeline for c in BuiltinProposer().propose(report, parse(""), bf16, 9, [], set())}
+    assert "w12-layout" not in by
     old = BuiltinProposer().propose(report, parse(""), PassContext(target_kind="cuda", arch="sm_75"), 9, [], set())
     assert not any("skinny-mma" in c.pipeline for c in old)      # no bf16 mma.sync before sm_80

@@ -1,0 +1,140 @@
+"""fuse-projections: matmuls reading one activation become one GEMM over stacked weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from specpilot.compiler.weights import fuse_params
+from specpilot.errors import SpecPilotError
+from specpilot.passes.base import PassContext
+from specpilot.passes.legality import check
+from specpilot.passes.pipeline import parse
+from specpilot.passes.runner import run_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), h: R.Tensor(("n", 8), "float32"),
+             ids: R.Tensor(("n",), "int32"),
+             packed_params: R.Tuple(R.Tensor((6, 8), "float32"), R.Tensor((4, 8), "float32"),
+                                    R.Tensor((4, 8), "float32"), R.Tensor((5, 8), "float32"),
+                                    R.Tensor((3, 8), "float32"))):
+        R.func_attr({"num_input": 3})
+        with R.dataflow():
+            wq = packed_params[0]
+            wk = packed_params[1]
+            wv = packed_params[2]
+            we = packed_params[3]
+            wo = packed_params[4]
+            tq = R.permute_dims(wq)
+            q = R.matmul(x, tq, out_dtype="float32")
+            tk = R.permute_dims(wk)
+            k = R.matmul(x, tk, out_dtype="float32")
+            tv = R.permute_dims(wv)
+            v = R.matmul(x, tv, out_dtype="float32")
+            te = R.permute_dims(we)           # read with x too, but also by take(): stays its own matmul
+            e = R.matmul(x, te, out_dtype="float32")
+            emb = R.take(we, ids, axis=0)
+            to = R.permute_dims(wo)           # alone on h: nothing to fuse
+            o = R.matmul(h, to, out_dtype="float32")
+            s = (q, k, v, e, emb, o)
+            R.output(s)
+        return s
+
+
+@I.ir_module
+class Expected:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), h: R.Tensor(("n", 8), "float32"),
+             ids: R.Tensor(("n",), "int32"),
+             packed_params: R.Tuple(R.Tensor((14, 8), "float32"), R.Tensor((5, 8), "float32"),
+                                    R.Tensor((3, 8), "float32"))):
+        R.func_attr({"num_input": 3})
+        with R.dataflow():
+            we = packed_params[1]
+            wo = packed_params[2]
+            w = packed_params[0]
+            t = R.permute_dims(w)
+            y = R.matmul(x, t, out_dtype="float32")
+            q = R.strided_slice(y, axes=[1], begin=[0], end=[6], assume_inbound=True)
+            k = R.strided_slice(y, axes=[1], begin=[6], end=[10], assume_inbound=True)
+            v = R.strided_slice(y, axes=[1], begin=[10], end=[14], assume_inbound=True)
+            te = R.permute_dims(we)
+            e = R.matmul(x, te, out_dtype="float32")
+            emb = R.take(we, ids, axis=0)
+            to = R.permute_dims(wo)
+            o = R.matmul(h, to, out_dtype="float32")
+            s = (q, k, v, e, emb, o)
+            R.output(s)
+        return s
+
+
+def _params():
+    g = torch.Generator().manual_seed(1)
+    return {name: torch.randn(rows, 8, generator=g) for name, rows in
+            (("target.q", 6), ("target.k", 4), ("target.v", 4), ("target.embed", 5), ("target.o", 3))}
+
+
+def test_before_expected_and_the_parameters_follow():
+    params = _params()
+    context = PassContext(target_kind="llvm", params=dict(params))
+    after, records = run_pipeline(parse("fuse-projections"), Before, context)
+    tvm.ir.assert_structural_equal(after, Expected)
+    assert records[0].statistics == {"groups": 1, "matmuls_fused": 3, "parameters_before": 5, "parameters_after": 3}
+    assert list(context.params) == ["target.q+target.k+target.v", "target.embed", "target.o"]
+    assert torch.equal(context.params["target.q+target.k+target.v"],
+                       torch.cat([params["target.q"], params["target.k"], params["target.v"]]))
+
+
+def test_seeded_parameters_keep_names_and_shared_groups_stack_once():
+    names = dict.fromkeys(["target.a", "target.b", "target.c"])
+    assert list(fuse_params(names, {"target.a+target.b": ["target.a", "target.b"]})) == ["target.a+target.b", "target.c"]
+    a, b = torch.ones(2, 3), torch.zeros(1, 3)
+    out = fuse_params({"target.a": a, "target.b": b, "drafter.a": a, "drafter.b": b},
+                      {"target.a+target.b": ["target.a", "target.b"], "drafter.a+drafter.b": ["drafter.a", "drafter.b"]})
+    assert out["target.a+target.b"] is out["drafter.a+drafter.b"]     # dedupe stores it once
+    with pytest.raises(SpecPilotError, match="not among the parameters: target.z"):
+        fuse_params({"target.a": a}, {"target.a+target.z": ["target.a", "target.z"]})
+
+
+def test_w12_layout_must_come_after_it():
+    context = PassContext(target_kind="llvm")
+    assert check(parse("w12-layout,fuse-projections"), context) == ["w12-layout must come after fuse-projections"]
+    assert check(parse("fuse-projections,w12-layout"), context) == []
+
+
+@pytest.mark.parametrize("example,passes,params", [
+    ("tiny-hybrid.yaml", "fuse-projections", "seeded"),          # the engine redoes the stacking
+    ("tiny-llama.yaml", "fuse-projections,w12-layout", "file"),  # W12 converts the stacked weights
+])
+def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, params, tmp_path):
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import from_build
+
+    manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b", passes=passes,
+                     params=params)
+    stats = manifest["passes"][0]["statistics"]
+    assert stats["groups"] > 0 and stats["parameters_after"] < stats["parameters_before"]
+    assert manifest["fused"] and all("+" in name for name in manifest["fused"])
+    if "w12-layout" in passes:
+        assert any("+" in name for name in manifest["w12"]["weights"])
+    system = from_build(tmp_path / "b")
+    prompts = [[(13 * i + r) % 384 for i in range(10 + 5 * r)] for r in range(2)]
+    for engine in ("compiled", "compiled-spec"):
+        stock_runs = [system.generate("stock", p, 96) for p in prompts]
+        runs = [system.generate(engine, p, 96, force=s.tokens) for p, s in zip(prompts, stock_runs)]
+        report = force_requests(stock_runs, runs)
+        assert report.passed and not report.excused, report.first_divergence
