@@ -25,6 +25,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from specpilot.compiler.weights import FUSED, fuse_params
 from specpilot.passes.base import Pass, PassContext
+from specpilot.passes.packed_uses import packed_functions, packed_uses
 
 _MATMUL, _PERMUTE = "relax.matmul", "relax.permute_dims"
 
@@ -33,53 +34,24 @@ def _is(call, name: str) -> bool:
     return isinstance(call, relax.Call) and call.op.same_as(tvm.ir.Op.get(name))
 
 
-def _packed_functions(mod):
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function) and func.params and func.params[-1].name == "packed_params":
-            yield gv, func
-
-
 def _function_groups(func) -> tuple[list[list[int]], set[int]]:
     """(the slots matmul'd with one activation, per activation; slots read in any other way)."""
-    packed = func.params[-1]
-    bindings = [b for block in func.body.blocks for b in block.bindings]
-    slot_of = {b.var: b.value.index for b in bindings
-               if isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value.same_as(packed)}
-    fields = packed.ty.fields
+    info = packed_uses(func)
+    fields = func.params[-1].ty.fields
     perm_of = {}
-    for b in bindings:
+    for b in info.bindings:
         v = b.value
-        if _is(v, _PERMUTE) and isinstance(v.args[0], relax.Var) and v.args[0] in slot_of \
-                and len(fields[slot_of[v.args[0]]].shape) == 2 and (v.attrs.axes is None or
-                                                                    [int(a) for a in v.attrs.axes] == [1, 0]):
-            perm_of[b.var] = slot_of[v.args[0]]
-    uses: dict = {}
-
-    def note(expr, user):
-        if isinstance(expr, relax.Var):
-            uses.setdefault(expr, []).append(user)
-        elif isinstance(expr, relax.Tuple):
-            for f in expr.fields:
-                note(f, None)
-
-    for b in bindings:
-        v = b.value
-        if isinstance(v, relax.Call):
-            for i, a in enumerate(v.args):
-                note(a, (v, i))
-        elif isinstance(v, relax.TupleGetItem):
-            if not v.tuple_value.same_as(packed):
-                note(v.tuple_value, None)
-        else:
-            note(v, None)
-    note(func.body.body, None)
+        if _is(v, _PERMUTE) and isinstance(v.args[0], relax.Var) and v.args[0] in info.slot_of \
+                and len(fields[info.slot_of[v.args[0]]].shape) == 2 and (v.attrs.axes is None or
+                                                                         [int(a) for a in v.attrs.axes] == [1, 0]):
+            perm_of[b.var] = info.slot_of[v.args[0]]
     other, by_x = set(), {}
-    for var, slot in slot_of.items():
-        for user in uses.get(var, []):
+    for var, slot in info.slot_of.items():
+        for user in info.consumers(var):
             if user is None or not _is(user[0], _PERMUTE) or user[1] != 0:
                 other.add(slot)
     for var, slot in perm_of.items():
-        users = uses.get(var, [])
+        users = info.consumers(var)
         if len(users) != 1 or users[0] is None or not _is(users[0][0], _MATMUL) or users[0][1] != 1 \
                 or not isinstance(users[0][0].args[0], relax.Var):
             other.add(slot)
@@ -93,7 +65,7 @@ def _function_groups(func) -> tuple[list[list[int]], set[int]]:
 def plan_groups(mod) -> list[tuple[int, ...]]:
     """Slot groups (ascending) that every function reads the same way, two or more slots each
     (a slot read in any other way anywhere takes no part)."""
-    functions = [_function_groups(func) for _, func in _packed_functions(mod)]
+    functions = [_function_groups(func) for _, func in packed_functions(mod)]
     excluded = set().union(*(other for _, other in functions))
     seen: dict[int, set] = {}
     for groups, _ in functions:
@@ -114,12 +86,10 @@ class _Fuse(PyExprMutator):
     def __init__(self, mod, func, new_packed: relax.Var, remap: dict[int, int], member: dict[int, tuple]):
         super().__init__(mod)
         self.old_packed, self.new_packed, self.remap, self.member = func.params[-1], new_packed, remap, member
-        bindings = [b for block in func.body.blocks for b in block.bindings]
-        slot_of = {b.var: b.value.index for b in bindings
-                   if isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value.same_as(self.old_packed)}
-        self.perm_slot = {b.var: slot_of[b.value.args[0]] for b in bindings
+        info = packed_uses(func)
+        self.perm_slot = {b.var: info.slot_of[b.value.args[0]] for b in info.bindings
                           if _is(b.value, _PERMUTE) and isinstance(b.value.args[0], relax.Var)
-                          and b.value.args[0] in slot_of}
+                          and b.value.args[0] in info.slot_of}
         self.fused: dict = {}
         self.rewritten = 0
 
@@ -176,7 +146,7 @@ class FuseProjections(Pass):
                 remap[s] = remap[g[0]]        # dead after the rewrite (DCE), typed like the stacked weight
         out = tvm.ir.IRModule(dict(mod.functions), attrs=mod.attrs)
         fused_total = 0
-        for gv, func in _packed_functions(mod):
+        for gv, func in packed_functions(mod):
             fields = list(func.params[-1].ty.fields)
             new_fields = list(fields)
             for g in groups:

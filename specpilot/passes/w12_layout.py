@@ -31,6 +31,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from specpilot.compiler import kernels, w12
 from specpilot.compiler.w12 import PLANES
 from specpilot.passes.base import Option, Pass, PassContext
+from specpilot.passes.packed_uses import packed_functions, packed_uses
 
 
 def _eligible(name: str, shape, value: torch.Tensor | None, min_size: int, gpu: bool) -> bool:
@@ -109,44 +110,19 @@ def _matmul_only_slots(mod, x_dtype: str | None = None) -> set[int]:
     dtype ``x_dtype`` when given)."""
     matmul, permute = tvm.ir.Op.get("relax.matmul"), tvm.ir.Op.get("relax.permute_dims")
     good: dict[int, bool] = {}
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function) or not func.params or func.params[-1].name != "packed_params":
-            continue
-        packed = func.params[-1]
-        bindings = [b for block in func.body.blocks for b in block.bindings]
-        uses: dict = {}   # var -> consumers (the Call, or None for any other kind of use)
-
-        def note(expr, consumer):
-            if isinstance(expr, relax.Var):
-                uses.setdefault(expr, []).append(consumer)
-            elif isinstance(expr, relax.Tuple):
-                for field in expr.fields:
-                    note(field, None)
-
-        for b in bindings:
-            v = b.value
-            if isinstance(v, relax.Call):
-                for arg in v.args:
-                    note(arg, v)
-            elif isinstance(v, relax.TupleGetItem):
-                if not v.tuple_value.same_as(packed):
-                    note(v.tuple_value, None)
-            else:
-                note(v, None)
-        note(func.body.body, None)
-        slot_of = {b.var: b.value.index for b in bindings
-                   if isinstance(b.value, relax.TupleGetItem) and b.value.tuple_value.same_as(packed)}
-        bound_to = {b.value: b.var for b in bindings if isinstance(b.value, relax.Call)}
-        for var, slot in slot_of.items():
+    for _, func in packed_functions(mod):
+        info = packed_uses(func)
+        for var, slot in info.slot_of.items():
             ok = True
-            for consumer in uses.get(var, []):
-                if consumer is None or not consumer.op.same_as(permute):
+            for consumer in info.consumers(var):
+                if consumer is None or not consumer[0].op.same_as(permute):
                     ok = False
                     continue
-                for user in uses.get(bound_to.get(consumer), [None]):
-                    if user is None or not user.op.same_as(matmul) or not user.args[1].same_as(bound_to[consumer]) \
-                            or len(user.args[0].ty.shape) != 2 \
-                            or (x_dtype is not None and str(user.args[0].ty.dtype) != x_dtype):
+                transposed = info.bound_to.get(consumer[0])
+                for user in info.uses.get(transposed, [None]):
+                    if user is None or not user[0].op.same_as(matmul) or user[1] != 1 \
+                            or len(user[0].args[0].ty.shape) != 2 \
+                            or (x_dtype is not None and str(user[0].args[0].ty.dtype) != x_dtype):
                         ok = False
             good[slot] = good.get(slot, True) and ok
     return {slot for slot, ok in good.items() if ok}
@@ -213,9 +189,7 @@ class W12Layout(Pass):
             extra += len(PLANES)
         out = tvm.ir.IRModule(dict(mod.functions), attrs=mod.attrs)
         rewritten = 0
-        for gv, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or not func.params or func.params[-1].name != "packed_params":
-                continue
+        for gv, func in packed_functions(mod):
             old = func.params[-1]
             fields = list(old.ty.fields)
             appended = []
@@ -253,8 +227,7 @@ class W12Layout(Pass):
 
 def _packed_shapes(mod) -> dict[int, tuple]:
     """Shapes of the packed parameters by slot (from any function that takes them)."""
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function) and func.params and func.params[-1].name == "packed_params":
-            return {i: tuple(f.shape) if hasattr(f, "shape") and f.shape is not None else ()
-                    for i, f in enumerate(func.params[-1].ty.fields)}
+    for _, func in packed_functions(mod):
+        return {i: tuple(f.shape) if hasattr(f, "shape") and f.shape is not None else ()
+                for i, f in enumerate(func.params[-1].ty.fields)}
     return {}

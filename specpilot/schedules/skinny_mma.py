@@ -57,15 +57,21 @@ CONFIGS = (
 )
 
 
-def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
-    """One configuration per M range for this shape, or None when no configuration tiles it."""
+def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
+    """The first configuration that ``fits`` in each (largest M, candidates) range, or None when
+    some range has none."""
     out = []
-    for limit, candidates in CONFIGS:
-        chosen = next((c for c in candidates if c.fits(n_out, k_in)), None)
+    for limit, candidates in ranges:
+        chosen = next((c for c in candidates if fits(c)), None)
         if chosen is None:
             return None
         out.append((limit, chosen))
     return out
+
+
+def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
+    """One configuration per M range for this shape, or None when no configuration tiles it."""
+    return choose(CONFIGS, lambda c: c.fits(n_out, k_in))
 
 
 def applicable(n_out: int, k_in: int) -> bool:

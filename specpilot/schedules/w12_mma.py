@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from specpilot.schedules.skinny_mma import Config
+from specpilot.schedules.skinny_mma import Config, choose
 
 BLOCK = 64   # weights of one row per k block: 4 lanes x 16
 
@@ -58,13 +58,8 @@ def _fits(cfg: Config, n_out: int, k_in: int) -> bool:
 
 
 def pick(n_out: int, k_in: int):
-    out = []
-    for limit, options in candidates(n_out, k_in):
-        chosen = next((c for c in options if _fits(c, n_out, k_in)), None)
-        if chosen is None:
-            return None
-        out.append((limit, chosen))
-    return out
+    """One configuration per M range for this shape, or None when no configuration tiles it."""
+    return choose(candidates(n_out, k_in), lambda c: _fits(c, n_out, k_in))
 
 
 def applicable(n_out: int, k_in: int) -> bool:

@@ -18,6 +18,8 @@ from specpilot.passes.legality import check
 from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
 
+from tests.build_helpers import assert_forces_exactly
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -121,8 +123,6 @@ def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, param
     from specpilot.compiler.build import build
     from specpilot.compiler.spec import load_spec
     from specpilot.compiler.target import parse_target
-    from specpilot.runtime.forcing import force_requests
-    from specpilot.runtime.systems import from_build
 
     manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b", passes=passes,
                      params=params)
@@ -131,10 +131,4 @@ def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, param
     assert manifest["fused"] and all("+" in name for name in manifest["fused"])
     if "w12-layout" in passes:
         assert any("+" in name for name in manifest["w12"]["weights"])
-    system = from_build(tmp_path / "b")
-    prompts = [[(13 * i + r) % 384 for i in range(10 + 5 * r)] for r in range(2)]
-    for engine in ("compiled", "compiled-spec"):
-        stock_runs = [system.generate("stock", p, 96) for p in prompts]
-        runs = [system.generate(engine, p, 96, force=s.tokens) for p, s in zip(prompts, stock_runs)]
-        report = force_requests(stock_runs, runs)
-        assert report.passed and not report.excused, report.first_divergence
+    assert_forces_exactly(tmp_path / "b", 96)

@@ -18,6 +18,8 @@ from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
 
+from tests.build_helpers import assert_forces_exactly
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -120,21 +122,13 @@ def test_compiled_w12_builds_pass_token_forcing_exactly(example, tmp_path):
     from specpilot.compiler.build import build
     from specpilot.compiler.spec import load_spec
     from specpilot.compiler.target import parse_target
-    from specpilot.runtime.forcing import force_requests
-    from specpilot.runtime.systems import from_build
 
     manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b",
                      passes="w12-layout")
     stats = manifest["passes"][0]["statistics"]
     assert manifest["pipeline"] == "w12-layout" and stats["weights"] > 0 and stats["rewritten"] > 0
     assert stats["bytes_after"] < 0.8 * stats["bytes_before"]
-    system = from_build(tmp_path / "b")
-    prompts = [[(13 * i + r) % 384 for i in range(10 + 5 * r)] for r in range(2)]
-    for engine in ("compiled", "compiled-spec"):
-        stock_runs = [system.generate("stock", p, 128) for p in prompts]
-        runs = [system.generate(engine, p, 128, force=s.tokens) for p, s in zip(prompts, stock_runs)]
-        report = force_requests(stock_runs, runs)
-        assert report.passed and not report.excused, report.first_divergence
+    assert_forces_exactly(tmp_path / "b", 128)
 
 
 def test_seeded_build_refuses_w12(tmp_path):
