@@ -297,3 +297,19 @@ def fuse_params(params: dict, groups: dict[str, list[str]]) -> dict:
             stacked[key] = torch.cat(members, dim=0).contiguous()
         out[first[name]] = stacked[key]
     return out
+
+
+def rewritten_parameters(manifest: dict, target, drafter, device: str | None = None) -> dict:
+    """A seeded build's packed parameters from its redrawn weights, with the passes' parameter
+    rewrites redone as the build did them (manifest ``fused``: stacked projections, then ``w12``:
+    the planes, converted on ``device`` when given): the names and values a build with the
+    weights would have stored."""
+    from specpilot.compiler import w12
+    dtype = getattr(torch, manifest["dtype"])
+    recipe, fused = manifest.get("w12"), manifest.get("fused") or {}
+    names = w12.plain_names(manifest["params"]) if recipe else list(manifest["params"])
+    values = fuse_params(packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype),
+                         fused)
+    if recipe:
+        values = w12.convert_params(values, recipe["weights"], recipe["layout"], device=device)
+    return values

@@ -102,7 +102,7 @@ class CompiledModule:
             return load_file(str(self.dir / "params" / "params.safetensors")), m["aliases"]
         from types import SimpleNamespace
 
-        from specpilot.compiler.weights import dedupe, packed_parameters, random_weights
+        from specpilot.compiler.weights import dedupe, random_weights, rewritten_parameters
         cfgs = {which: ModelConfig.from_dict(d) for which, d in m["models"].items()}
         seeds = m["seeds"]
         target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], **seeds["target"]))
@@ -115,20 +115,8 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
-        dtype = getattr(torch, m["dtype"])
-        recipe, fused = m.get("w12"), m.get("fused") or {}
-        if not recipe and not fused:
-            return dedupe(packed_parameters(m["params"], target, drafter, dtype))
-        # parameter rewrites of the passes, redone on the redrawn weights as the build did them:
-        # stacked projections (fuse-projections), then W12 planes (same layout, same bits)
-        from specpilot.compiler import w12
-        from specpilot.compiler.weights import fuse_params
-        names = w12.plain_names(m["params"]) if recipe else list(m["params"])
-        values = packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype)
-        values = fuse_params(values, fused)
-        if recipe:
-            values = w12.convert_params(values, recipe["weights"], recipe["layout"],
-                                        device="cuda" if self.device.dlpack_device_type() == 2 else None)
+        values = rewritten_parameters(m, target, drafter,
+                                      device="cuda" if self.device.dlpack_device_type() == 2 else None)
         if list(values) != m["params"]:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")

@@ -203,47 +203,49 @@ def test_view_function_in_a_build_is_close_not_exact(tmp_path):
 
 def test_gpu_w12_converts_the_same_weights_with_or_without_them_at_build_time():
     """On cuda the kernel does not depend on the weights: a seeded build plans the same matrices by
-    name and shape (escape counts left symbolic), and the engine's conversion of the redrawn
-    weights gives the names and planes a build with the weights stores."""
+    name and shape (escape counts left symbolic), and the engine's redo of the parameter rewrites
+    on the redrawn weights (stacked projections, then W12 planes) gives the names and values a
+    build with the weights stores."""
     from specpilot.compiler.build import lower_and_apply
-    from specpilot.compiler.loader import load_models
     from specpilot.compiler.spec import load_spec
     from specpilot.compiler.target import parse_target
-    from specpilot.compiler.weights import packed_parameters
+    from specpilot.compiler.weights import packed_parameters, rewritten_parameters
 
     spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-w12-bf16.yaml")
     target = parse_target("cuda -arch=sm_90")
+    pipeline_text = "fuse-projections,w12-layout,nested-int8-view"
     runs = {}
     for mode in ("file", "seeded"):
-        mod, records, context, pipeline, names, models = lower_and_apply(spec, target, "w12-layout,nested-int8-view",
-                                                                        mode)
-        full = context.params       # the runner applied the passes' parameter rewrites
-        runs[mode] = (mod, records, full, pipeline.passes[0].manifest_entry(context), names, models)
-    (mod, records, stored, entry, names, (tgt, drf)), (smod, srecords, snames, sentry, _, _) = runs["file"], runs["seeded"]
-    stats = records[0].statistics
-    # every target projection and the lm_head tile (N % 16, K % 64): 4 layers x 7 + lm_head
-    assert stats["weights"] == 29 == srecords[0].statistics["weights"] and stats["rewritten"] > 29
-    assert stats["bytes_after"] < 0.8 * stats["bytes_before"] and "bytes_after" not in srecords[0].statistics
-    assert entry == sentry == {"layout": "gpu", "weights": entry["weights"]} and len(entry["weights"]) == 29
+        mod, records, context, pipeline, names, models = lower_and_apply(spec, target, pipeline_text, mode)
+        entries = {p.name: p.manifest_entry(context) for p in pipeline if hasattr(p, "manifest_entry")}
+        runs[mode] = (mod, records, context.params, entries, models)
+    (mod, records, stored, entries, (tgt, drf)), (smod, srecords, snames, sentries, _) = runs["file"], runs["seeded"]
+    fused, entry = entries["fuse-projections"], entries["w12-layout"]
+    stats = records[1].statistics
+    # target q/k/v and gate/up stacked per layer (the drafter's too); every target matrix tiles:
+    # 4 layers x (qkv, o, gate+up, down) + lm_head
+    assert records[0].statistics["groups"] == srecords[0].statistics["groups"] == 10
+    assert stats["weights"] == 17 == srecords[1].statistics["weights"] and stats["rewritten"] > 17
+    assert stats["bytes_after"] < 0.8 * stats["bytes_before"] and "bytes_after" not in srecords[1].statistics
+    assert entries == sentries and entry["layout"] == "gpu" and len(entry["weights"]) == 17
     assert list(stored) == list(snames) and all(v is None for v in snames.values())
     gemms = [f for gv, f in mod.functions.items() if gv.name_hint.startswith("w12_gemm")]
     assert gemms and all("w12.gpu" in f.attrs for f in gemms)
-    assert any(bool(f.attrs["w12.gpu"]) for f in gemms)
     # seeded: escape counts are symbolic extents of the packed tuple, static with the weights
-    def escapes(m):
-        fields = m["target_decode"].params[-1].ty.fields
-        return fields[names.index("target.lm_head.weight")], fields[-1]
-    assert isinstance(escapes(smod)[1].shape[0], tvm.tirx.Var) and isinstance(escapes(mod)[1].shape[0], tvm.tirx.IntImm)
-    assert str(escapes(mod)[0].dtype) == "int32"                 # the hi plane, tiled words
+    head = list(stored).index("target.lm_head.weight")
+    def fields(m):
+        return m["target_decode"].params[-1].ty.fields
+    assert isinstance(fields(smod)[-1].shape[0], tvm.tirx.Var) and isinstance(fields(mod)[-1].shape[0], tvm.tirx.IntImm)
+    assert str(fields(mod)[head].dtype) == "int32"                 # the hi plane, tiled words
     # what the engine does for a seeded build
-    redrawn = w12.convert_params(packed_parameters(w12.plain_names(list(stored)), tgt, drf, torch.bfloat16),
-                                 entry["weights"], entry["layout"])
+    manifest = {"dtype": "bfloat16", "params": list(stored), "w12": entry, "fused": fused}
+    redrawn = rewritten_parameters(manifest, tgt, drf)
     assert list(redrawn) == list(stored)
     assert all(torch.equal(redrawn[n], stored[n]) for n in stored)
-    weight = packed_parameters(["target.lm_head.weight"], tgt, drf, torch.bfloat16)["target.lm_head.weight"]
-    want = w12.gpu_layout(w12.kernel_layout(w12.encode(weight)))
-    assert torch.equal(stored["target.lm_head.weight"], want.hi) and \
-        torch.equal(stored["target.lm_head.weight.w12_lo"], want.lo)
+    qkv = next(n for n in entry["weights"] if "q_proj" in n)
+    members = packed_parameters(fused[qkv], tgt, drf, torch.bfloat16)
+    want = w12.gpu_layout(w12.kernel_layout(w12.encode(torch.cat(list(members.values())))))
+    assert torch.equal(stored[qkv], want.hi) and torch.equal(stored[f"{qkv}.w12_lo"], want.lo)
 
 
 def test_gpu_w12_does_not_fire_on_shapes_the_kernel_does_not_tile():
