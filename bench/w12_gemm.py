@@ -8,7 +8,7 @@ torch bf16 (cuBLAS).
 Kernels: ``w12`` (`schedules/w12_mma.py`, the shipped configuration per M range), ``w12 cfg``
 (each configuration alone; the fastest per M is reported as ``w12 best``), ``w12 view`` (the
 nested 8-bit view: hi plane only), ``bf16 mma`` (`schedules/skinny_mma.py`, shipped dispatch),
-``w12 gemv`` (the earlier CUDA-core GEMV, M = 1 only), Triton W12 (default tile config) and
+Triton W12 (default tile config) and
 cuBLAS.  Shapes (K, N) in SHAPES (the issue's four, plus Qwen3-8B's q/o and k/v projections), M in MS; weights seeded random bf16 (N(0, 0.02)) with a few
 escapes planted, rotated over buffers so L2 holds none of them; every kernel checked against
 x.float() @ W.float().T (the view against its own decoded weights); medians of 7 timed loops
@@ -43,7 +43,6 @@ def build(out: Path) -> None:
 
     from specpilot.compiler.build import load_cuda_runtime
     from specpilot.schedules.skinny_mma import skinny_nt_matmul
-    from specpilot.schedules.w12_gemv_cuda import w12_gemv
     from specpilot.schedules.w12_mma import _fits, w12_mma
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
@@ -52,7 +51,6 @@ def build(out: Path) -> None:
         funcs[f"w12_{k}_{n}"] = w12_mma(n, k)
         funcs[f"w12view_{k}_{n}"] = w12_mma(n, k, hi_only=True)
         funcs[f"bf16mma_{k}_{n}"] = skinny_nt_matmul(n, k)
-        funcs[f"gemv_{k}_{n}"] = w12_gemv(1, n, k)
         for name, cfg in variants().items():
             if _fits(cfg, n, k):
                 funcs[f"w12cfg{name}_{k}_{n}"] = w12_mma(n, k, configs=((None, cfg),))
@@ -94,12 +92,9 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
         gpu = w12.gpu_layout(w12.kernel_layout(pack))
         planes_cpu = [gpu.hi, gpu.lo, gpu.base, gpu.esc_ptr, gpu.esc_col, gpu.esc_bits]
         w12_bytes = gpu.nbytes
-        old = w12.cuda_word_layout(weight)
         rotations = max(2, int(400e6 // (2 * n * k)) + 1)
         weights = [weight.to(dev) for _ in range(rotations)]
         planes = [[to_tvm(t.to(dev)) for t in planes_cpu] for _ in range(rotations)]
-        old_planes = [[to_tvm(old[key].to(dev)) for key in ("hi", "lo", "base", "ptr", "col", "bits")]
-                      for _ in range(rotations)]
         weights_tvm = [to_tvm(w) for w in weights]
         reference_w = weights[0].float()
         view_w = w12.decode_hi(pack).float().to(dev)
@@ -122,9 +117,6 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                                    want_view if name == "w12view" else want))
             f_bf16 = lib[f"bf16mma_{k}_{n}"]
             candidates.append(("bf16 mma", lambda r: f_bf16(x_tvm, weights_tvm[r], y_tvm), 2 * n * k, want))
-            if m == 1:
-                f_gemv = lib[f"gemv_{k}_{n}"]
-                candidates.append(("w12 gemv", lambda r: f_gemv(x_tvm, *old_planes[r], y_tvm), w12_bytes, want))
             found = []
             for name, fn, nbytes, ref in candidates:
                 y.fill_(float("nan"))
@@ -152,7 +144,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                 f"{r['kernel']} {r['speedup_vs_cublas']:.2f}x" + (" ERR" if r["max_rel_error"] > 1e-4 else "")
                 for r in mine if not r["kernel"].startswith("w12cfg")) + f"  best {best['kernel'][6:]} "
                 f"{best['speedup_vs_cublas']:.2f}x", flush=True)
-        del weights, planes, old_planes, weights_tvm, tri_w12
+        del weights, planes, weights_tvm, tri_w12
         torch.cuda.empty_cache()
     path = write("w12-gemm", {"shapes": SHAPES, "ms": MS, "results": rows}, out_dir)
     print(f"{'K':>6s} {'N':>6s} {'M':>3s} {'kernel':12s} {'us':>8s} {'TB/s':>6s} {'vs cuBLAS':>9s} {'rel err':>8s}")

@@ -365,17 +365,3 @@ def plain_names(names) -> list[str]:
     """The parameter names before W12 conversion (the planes' own names dropped)."""
     return [n for n in names if not n.endswith(tuple("." + s for s in PLANES))]
 
-
-STEP = 512   # weights a warp reads per step in the CUDA GEMV: 32 lanes x 16
-
-
-def cuda_word_layout(weight_bf16: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The W12 planes of a bf16 (N, K) matrix in the word layout the CUDA kernel reads."""
-    n, k = weight_bf16.shape
-    if k % STEP:
-        raise ValueError(f"K={k} must be a multiple of {STEP}")
-    kl = kernel_layout(encode(weight_bf16))
-    hi32 = kl.hi.contiguous().view(torch.int32).reshape(n, k // 4)
-    lo32 = kl.lo.contiguous().view(torch.int32).reshape(n, k // 8)
-    return {"hi": hi32, "lo": lo32, "base": kl.base.to(torch.int32), "ptr": kl.esc_ptr, "col": kl.esc_col,
-            "bits": kl.esc_bits}

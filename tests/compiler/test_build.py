@@ -182,3 +182,20 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
     assert code == 0 and json.loads(stdout)["passed"] is True
     code, _, stderr = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled-spec", "--batch")
     assert code == 2 and "autoregressive engine" in stderr
+
+
+def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
+    """Through the stub driver, as `specpilot compile` does: the library embeds a fatbin, no CUDA source."""
+    spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
+    exe = Path(sys.executable).with_name("specpilot")
+    env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_CUDA_STUB"}
+    # with CUDA graphs: the same build, plus the static decode's kernel runs lifted into capture functions
+    proc = subprocess.run([str(exe), "compile", str(spec), "--target", "cuda", "-arch=sm_90", "-o",
+                           str(tmp_path / "b"), "--passes", "kernel-schedule{graph=true}", "--json"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = (tmp_path / "b" / "model.so").read_bytes()
+    assert data.count(b"\x50\xed\x55\xba") >= 1 and b"__global__" not in data
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["cuda_graph"] is True and manifest["pipeline"] == "kernel-schedule{graph=true}"
+    assert "target_decode_cuda_graph_capture" in manifest["functions"]
