@@ -36,20 +36,23 @@ BLOCK = 64   # weights of one row per k block: 4 lanes x 16
 def candidates(n_out: int, k_in: int):
     """(largest M, configurations in order of preference) per range of M for this shape; ``unroll``
     counts 64-wide k blocks in flight.  From the H200 runs of bench/w12_gemm.py
-    (results/w12-gemm-20261130-101324.json and -105524.json, tiled planes): up to 8 rows one 8-row
+    (results/w12-gemm-20261130-101324.json, -105524.json and -113709.json, tiled planes): up to 8 rows one 8-row
     tile per warp, split-K over the fewest warps (4, 8 or 16 a block) that still give >= 3072
     warps (N/16 tiles x warps); up to 16 rows two tiles over 8 warps; beyond, 32 rows a block
     (x re-read per tile -- W12 loses to cuBLAS there, see bench/README)."""
     tiles = n_out // 16
     wk = next((w for w in (4, 8) if tiles * w >= 3072), 16)
     wk32 = 2 if (n_out // 16) * 2 >= 1792 else 4
+    # up to 1024 channels (64 tiles) beyond 16 rows: 16 rows a block over 8 warps beat 32-row blocks
+    # 1.4-2x (results/w12-gemm-20261130-113709.json, 4096 -> 1024 at 32-65 rows)
+    narrow = (Config(2, 1, 1, 8, 2),) if tiles <= 64 else ()
     return (
         (8, (Config(1, 1, 1, wk, 4 if wk == 4 else 2), Config(1, 1, 1, 8, 2), Config(1, 1, 1, 4, 2),
              Config(1, 1, 1, 2, 2), Config(1, 1, 1, 1, 2))),
         (16, (Config(2, 1, 1, 8, 2), Config(2, 1, 1, 4, 2), Config(2, 1, 1, 2, 2), Config(2, 1, 1, 1, 2))),
-        (32, (Config(4, 1, 2, 2, 2) if wk32 == 2 else Config(2, 1, 1, 4, 4), Config(2, 1, 1, 4, 2),
+        (32, (*narrow, Config(4, 1, 2, 2, 2) if wk32 == 2 else Config(2, 1, 1, 4, 4), Config(2, 1, 1, 4, 2),
               Config(2, 1, 1, 2, 2), Config(2, 1, 1, 1, 2))),
-        (None, (Config(4, 1, 1, 4, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
+        (None, (*narrow, Config(4, 1, 1, 4, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
     )
 
 
