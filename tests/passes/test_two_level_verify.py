@@ -21,8 +21,9 @@ from specpilot.runtime.systems import from_build
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINES = {"tiny-llama.yaml": "w12-layout,nested-int8-view,tree-verify{budget=16},two-level-verify",
-             "tiny-hybrid.yaml": "w12-layout,nested-int8-view,tree-verify{budget=16},gdn-path-recompute,"
-                                 "two-level-verify"}
+             # stacked projections under the whole stack (W12 converts them, the view and the trees read them)
+             "tiny-hybrid.yaml": "fuse-projections,w12-layout,nested-int8-view,tree-verify{budget=16},"
+                                 "gdn-path-recompute,two-level-verify"}
 
 
 @pytest.mark.parametrize("example", sorted(PIPELINES))
