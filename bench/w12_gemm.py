@@ -43,7 +43,7 @@ def build(out: Path) -> None:
 
     from specpilot.compiler.build import load_cuda_runtime
     from specpilot.schedules.skinny_mma import skinny_nt_matmul
-    from specpilot.schedules.w12_mma import _fits, w12_mma
+    from specpilot.schedules.w12_mma import BLOCK, w12_mma
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {}
@@ -52,7 +52,7 @@ def build(out: Path) -> None:
         funcs[f"w12view_{k}_{n}"] = w12_mma(n, k, hi_only=True)
         funcs[f"bf16mma_{k}_{n}"] = skinny_nt_matmul(n, k)
         for name, cfg in variants().items():
-            if _fits(cfg, n, k):
+            if cfg.fits(n, k, BLOCK):
                 funcs[f"w12cfg{name}_{k}_{n}"] = w12_mma(n, k, configs=((None, cfg),))
     funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})

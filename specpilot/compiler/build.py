@@ -240,8 +240,8 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
     hashes = {"model.so": file_digest(lib_path)}
     aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
     names = list(full)        # the passes' parameter rewrites ran with them (passes.runner)
-    w12_entry = next((p.manifest_entry(context) for p in pipeline if p.name == "w12-layout"), None)
-    fused_entry = next((p.manifest_entry(context) for p in pipeline if p.name == "fuse-projections"), None)
+    rewrites = {p.manifest_key: p.manifest_entry(context) for p in pipeline if p.manifest_key}
+    rewrites = {key: entry for key, entry in rewrites.items() if entry}   # (w12, fused) for the engine
     if params == "file":
         stored, aliases = dedupe(full)
         (out_dir / "params").mkdir(exist_ok=True)
@@ -267,7 +267,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
         "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
                     "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},
         "functions": functions, "params": names, "aliases": aliases, "tokenizer": tokenizer,
-        **({"w12": w12_entry} if w12_entry else {}), **({"fused": fused_entry} if fused_entry else {}),
+        **rewrites,
         "versions": _versions(),
         "params_source": params, "seeds": seeds, "hashes": hashes,
         "build_seconds": round(time.perf_counter() - started, 2),

@@ -302,8 +302,7 @@ def gpu_layout(k: W12Kernel) -> W12Kernel:
 
 def cpu_layout(k: W12Kernel) -> W12Kernel:
     """`gpu_layout` undone: the planes in the CPU layout (row-major hi bytes, packed nibbles)."""
-    n = k.base.numel()
-    kk = k.hi.numel() * 4 // n
+    n, kk = layout_shape(k)
     hi = k.hi.contiguous().view(torch.uint8).reshape(n // 16, kk // 64, 2, 8, 4, 4, 4)[..., [0, 2, 1, 3]]
     hi = hi.permute(0, 2, 3, 1, 4, 5, 6).reshape(n, kk)
     words = (k.lo.to(torch.int64) & 0xFFFFFFFF).reshape(n // 16, kk // 64, 2, 8, 4, 2).permute(0, 2, 3, 1, 4, 5)

@@ -264,11 +264,6 @@ def dedupe(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
 FUSED = "+"   # fused parameter name: member names joined, in order (rows stacked along dim 0)
 
 
-def fused_members(name: str) -> list[str]:
-    """The member parameters of a fused parameter name (or [name] itself)."""
-    return name.split(FUSED)
-
-
 def fuse_params(params: dict, groups: dict[str, list[str]]) -> dict:
     """Packed parameters with each group's members replaced, at the first member's place, by one
     tensor stacking them along dim 0 (``groups``: fused name -> member names).  A group whose

@@ -78,6 +78,8 @@ class Pass:
     after: ClassVar[tuple[str, ...]] = ()
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
     statistics: ClassVar[tuple[str, ...]] = ()
+    manifest_key: ClassVar[str | None] = None   # a build records `manifest_entry` under this key (what the
+                                                # engine needs to redo `transform_params` on redrawn weights)
     proposable: ClassVar[bool] = True     # False: a test instrument the search never proposes
 
     def __init__(self, **values: Any):
@@ -101,6 +103,10 @@ class Pass:
     def transform_params(self, params: dict, context: PassContext) -> dict:
         """Ahead-of-time parameter rewrite matching ``apply`` (default: none)."""
         return params
+
+    def manifest_entry(self, context: PassContext):
+        """What a seeded build's engine needs to redo `transform_params` (with ``manifest_key``)."""
+        return None
 
     def __str__(self) -> str:
         changed = [f"{o.name}={_format(self.values[o.name])}" for o in self.options

@@ -124,6 +124,7 @@ class FuseProjections(Pass):
     name = "fuse-projections"
     doc = "matmuls reading one activation (q/k/v, gate/up) become one GEMM over stacked weights"
     statistics = ("groups", "matmuls_fused", "parameters_before", "parameters_after")
+    manifest_key = "fused"
 
     def _plan(self, mod, context: PassContext) -> dict[str, list[str]]:
         """Fused name -> member names (decided once, from the module apply sees)."""

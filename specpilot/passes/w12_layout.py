@@ -134,6 +134,7 @@ class W12Layout(Pass):
     options = (Option("min_size", int, 0, "leave matrices with fewer elements than this in bf16"),)
     targets = ("llvm", "cuda")
     after = ("fuse-projections",)      # it converts the stacked weights
+    manifest_key = "w12"
     statistics = ("rewritten", "weights", "bytes_before", "bytes_after", "escape_rate")
 
     def legal(self, context: PassContext) -> tuple[bool, str]:

@@ -155,6 +155,9 @@ class CompiledModule:
         names = self.manifest["params"]
         fused = self.manifest.get("fused") or {}
         prefix = which + "."
+        if fused:
+            from specpilot.compiler.weights import parameter_shapes
+            shapes = parameter_shapes(ModelConfig.from_dict(self.manifest["models"][which]))
         out = {}
         for name in names:
             if not name.startswith(prefix) or name.endswith("rope_inv_freq") or ".w12_" in name:
@@ -168,8 +171,6 @@ class CompiledModule:
             else:
                 weight = value(name)
             if name in fused:               # stacked projections: back to one tensor each
-                from specpilot.compiler.weights import parameter_shapes
-                shapes = parameter_shapes(ModelConfig.from_dict(self.manifest["models"][which]))
                 rows = [shapes[member[len(prefix):]][0] for member in fused[name]]
                 for member, part in zip(fused[name], torch.split(weight, rows, dim=0)):
                     out[member[len(prefix):]] = part

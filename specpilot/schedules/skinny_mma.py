@@ -43,8 +43,9 @@ class Config:
     def block_m(self) -> int:
         return 8 * self.m_tiles
 
-    def fits(self, n_out: int, k_in: int) -> bool:
-        return n_out % self.block_n() == 0 and k_in % (32 * self.wk) == 0
+    def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
+        """Whether the configuration tiles N and K (each of the wk warps taking whole k steps)."""
+        return n_out % self.block_n() == 0 and k_in % (k_step * self.wk) == 0
 
 
 # (largest M the configuration serves, candidates in order of preference), from the H200 runs of

@@ -56,13 +56,9 @@ def candidates(n_out: int, k_in: int):
     )
 
 
-def _fits(cfg: Config, n_out: int, k_in: int) -> bool:
-    return n_out % cfg.block_n() == 0 and k_in % (BLOCK * cfg.wk) == 0
-
-
 def pick(n_out: int, k_in: int):
     """One configuration per M range for this shape, or None when no configuration tiles it."""
-    return choose(candidates(n_out, k_in), lambda c: _fits(c, n_out, k_in))
+    return choose(candidates(n_out, k_in), lambda c: c.fits(n_out, k_in, BLOCK))
 
 
 def applicable(n_out: int, k_in: int) -> bool:
@@ -184,7 +180,7 @@ def _w12_mma(n_out: int, k_in: int, hi_only: bool, configs: tuple | None):
     if chosen is None:
         raise ValueError(f"no W12 tensor-core configuration tiles N={n_out}, K={k_in}")
     for _, cfg in chosen:
-        if not _fits(cfg, n_out, k_in):
+        if not cfg.fits(n_out, k_in, BLOCK):
             raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
     launches = [(limit, _kernel(n_out, k_in, cfg, hi_only)) for limit, cfg in chosen]
     N, K = T.int64(n_out), T.int64(k_in)

@@ -217,7 +217,7 @@ def test_gpu_w12_converts_the_same_weights_with_or_without_them_at_build_time():
     runs = {}
     for mode in ("file", "seeded"):
         mod, records, context, pipeline, names, models = lower_and_apply(spec, target, pipeline_text, mode)
-        entries = {p.name: p.manifest_entry(context) for p in pipeline if hasattr(p, "manifest_entry")}
+        entries = {p.name: p.manifest_entry(context) for p in pipeline if p.manifest_key}
         runs[mode] = (mod, records, context.params, entries, models)
     (mod, records, stored, entries, (tgt, drf)), (smod, srecords, snames, sentries, _) = runs["file"], runs["seeded"]
     fused, entry = entries["fuse-projections"], entries["w12-layout"]
