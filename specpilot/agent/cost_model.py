@@ -139,6 +139,7 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     bottleneck = max(factors, key=factors.get)
     return {
         "build": str(build_dir), "pipeline": m["pipeline"], "engine": engine, "target": m["target"],
+        "drafter_kind": (m.get("drafter") or {}).get("kind", "none"),
         "device": peaks, "requests": len(prompts), "max_new_tokens": max_new, "context": ctx,
         "tokens": tokens, "verifications": steps, "wall_seconds": wall, "kernel_seconds": kernel_seconds,
         "bound_seconds": bound_seconds, "kernel_calls": len(prof.calls), "other_vm_calls": prof.other_calls,

@@ -37,6 +37,14 @@ from specpilot.passes.pipeline import Pipeline, parse
 
 
 MEMORY_PICKS = 2    # a new deployment starts from stock plus the best verified entries legal for it
+SYSTEMS_LOADED = 2  # loaded builds kept between measurements
+
+
+def _release_memory() -> None:
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class RunLog:
@@ -137,8 +145,15 @@ class Search:
         return results
 
     def system(self, pipeline: str):
+        """The loaded build of ``pipeline``; the two most recently used stay loaded (a paired
+        measurement needs two; a realistic-shape build holds its weights twice on the device)."""
         from specpilot.runtime.systems import from_build
-        if pipeline not in self.systems:
+        if pipeline in self.systems:
+            self.systems[pipeline] = self.systems.pop(pipeline)       # most recent last
+        else:
+            while len(self.systems) >= SYSTEMS_LOADED:
+                del self.systems[next(iter(self.systems))]
+                _release_memory()
             self.systems[pipeline] = from_build(self._dir(pipeline))
         return self.systems[pipeline]
 
@@ -312,6 +327,7 @@ class Search:
         done = self.log.find("sealed", pipeline=pipeline)
         if done:
             return done
+        from specpilot.agent.executor import tie_tolerance
         from specpilot.runtime.forcing import force_requests
         if not pipeline:
             return self.log.add("sealed", pipeline=pipeline, passed=False, reason="no change over stock was adopted")
@@ -322,7 +338,7 @@ class Search:
             ref = system.generate("stock", p, self.sealed_tokens)
             stock.append(ref)
             runs.append(system.generate(engine, p, self.sealed_tokens, force=ref.tokens))
-        forcing = force_requests(stock, runs, 0.0)
+        forcing = force_requests(stock, runs, tie_tolerance(system, self.sealed, stock))
         if not forcing.passed:
             d = forcing.first_divergence
             return self.log.add("sealed", pipeline=pipeline, passed=False, forcing=forcing.to_dict(),

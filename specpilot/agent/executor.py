@@ -59,11 +59,19 @@ def run_job(job: dict) -> dict:
         ref = system.generate("stock", prompt, job["max_new"])
         stock.append(ref)
         runs.append(system.generate(engine, prompt, job["max_new"], force=ref.tokens))
-    report = force_requests(stock, runs, 0.0 if system.dtype == "float32" else job.get("tie_tolerance", 0.0))
+    report = force_requests(stock, runs, tie_tolerance(system, job["prompts"], stock, job.get("tie_tolerance", "auto")))
     return {"pipeline": job["pipeline"], "ok": report.passed, "build_dir": str(out),
             "seconds": time.perf_counter() - start, "forcing": report.to_dict(), "ir_hash": manifest["ir_hash"],
             "error": None if report.passed else f"token forcing failed at request {report.first_divergence.request}, "
                                                 f"position {report.first_divergence.position}"}
+
+
+def tie_tolerance(system, prompts, stock_runs, setting="auto") -> float:
+    """0 in float32 (exact forcing); in lower precision ``auto`` derives it from stock's own
+    arithmetic (`System.derived_tie_tolerance`), a number is taken as given."""
+    if system.dtype == "float32":
+        return 0.0
+    return system.derived_tie_tolerance(prompts, stock_runs) if setting == "auto" else float(setting)
 
 
 class LocalExecutor:

@@ -95,7 +95,10 @@ class BuiltinProposer:
     def propose(self, report: dict, current: Pipeline, context: PassContext, draft_len: int,
                 references: list[list[int]], tried: set[str]) -> list[Candidate]:
         out: list[Candidate] = []
-        chain_cost = draft_len + 1                      # drafter calls + one verification per step
+        # a step's cost in verifications: one, plus its drafter calls -- a model drafter's call is
+        # counted as one (the cost report has no per-model split), an n-gram lookup as nothing
+        call = 0.0 if report.get("drafter_kind") == "ngram" else 1.0
+        chain_cost = draft_len * call + 1
         current_acc = report["accepted_per_verification"]
         step_s = report["wall_seconds"] / max(report["verifications"], 1)
         names = set(current.names())
@@ -115,7 +118,7 @@ class BuiltinProposer:
                     if length == 1 and dynamic:
                         continue
                     acc, drafted = self._replay_chain(exps, references, length, dynamic, DraftSchedule)
-                    cost_ratio = (drafted + 1) / chain_cost
+                    cost_ratio = (drafted * call + 1) / chain_cost
                     gain = (acc / current_acc) / cost_ratio - 1
                     add("overhead" if length < draft_len else "acceptance",
                         [REGISTRY["draft-length"](length=length, dynamic=dynamic)], gain,
@@ -123,13 +126,14 @@ class BuiltinProposer:
                         f"with {draft_len})")
         for budget_text, acc in report.get("tree_acceptance", {}).items():
             budget = int(budget_text)
-            cost_ratio = (budget + 1) / chain_cost      # node expansions are drafter calls
+            cost_ratio = (budget * call + 1) / chain_cost      # node expansions are drafter calls
             gain = (acc / current_acc) / cost_ratio - 1
             change = [REGISTRY["tree-verify"](budget=budget)]
             if context.hybrid:
                 change.append(REGISTRY["gdn-path-recompute"]())
             add("acceptance", change, gain, f"replayed best-first tree: {acc:.2f} tokens/verification "
-                f"(now {current_acc:.2f}) for {budget} drafter expansions per step", drop=("draft-length",))
+                f"(now {current_acc:.2f}) for {budget} drafter expansions per step"
+                + (" (n-gram lookups, not counted)" if not call else ""), drop=("draft-length",))
         # kernel direction
         transposes = sum(k["seconds"] for k in report["kernels"] if k["name"].startswith("transpose"))
         kernel_s = report["kernel_seconds"] or 1.0

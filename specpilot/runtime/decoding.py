@@ -24,6 +24,7 @@ class Generation:
     tokens: list[int]                 # emitted tokens (stock's when forced)
     choices: list[int]                # the system's own greedy choice at each position
     margins: list[float]              # top-1 minus top-2 logit of the system's logits there
+    runner_up: list[int] = field(default_factory=list)  # the system's second-ranked token there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
     off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
     seconds: float = 0.0
@@ -54,7 +55,8 @@ class _Emitter:
         top2 = logits_row.topk(2)
         choice = int(top2.indices[0])
         self.gen.choices.append(choice)
-        self.gen.margins.append(float(top2.values[0] - top2.values[1]))
+        self.gen.margins.append(float(top2.values[0]) - float(top2.values[1]))
+        self.gen.runner_up.append(int(top2.indices[1]))
         token = self.force[pos] if self.force is not None else choice
         self.gen.tokens.append(token)
         if token in self.stop_ids or len(self.gen.tokens) >= self.max_new:

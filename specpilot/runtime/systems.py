@@ -35,6 +35,25 @@ class Engine:
     two_level: bool = False                      # tree drafts checked first through the nested 8-bit view
 
 
+class Engines(dict):
+    """Engines by name; a factory registered with ``later`` builds its engine on first use (the
+    float32 reference beside a bf16 build is twice the weights' memory and serves only the
+    tie tolerance)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.factories: dict[str, Callable[[], Engine]] = {}
+
+    def later(self, name: str, factory: Callable[[], Engine]) -> None:
+        self.factories[name] = factory
+
+    def __missing__(self, name: str) -> Engine:
+        if name not in self.factories:
+            raise KeyError(name)
+        self[name] = self.factories.pop(name)()
+        return self[name]
+
+
 class System:
     def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
                  eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False):
@@ -57,22 +76,21 @@ class System:
         """The tie tolerance stock's own arithmetic justifies: the largest error of stock's top-2
         margin against the same model in float32 (forced onto stock's tokens), over these
         requests.  Where stock's margin is below it, stock's own choice is not resolved by its
-        precision, so a system choosing the runner-up there is excused (and listed).  0 in fp32."""
+        precision, so a system choosing the runner-up there is excused (and listed).  0 in fp32.
+        Stock's margins and top-2 tokens come from ``stock_runs`` (unforced stock runs); only the
+        float32 model runs again."""
         if self.dtype == "float32":
             return 0.0
         exact = self.engines["stock-fp32"].model
-        stock = self.engines["stock"].model
         worst = 0.0
         for prompt, run in zip(prompts, stock_runs):
-            rows = {}
-            for which, model in (("low", stock), ("exact", exact)):
-                seen = rows.setdefault(which, [])
-                autoregressive(model, prompt, len(run.tokens), self.capacity, force=run.tokens,
-                               logits_hook=lambda pos, logits, seen=seen: seen.append(logits.float().cpu()) or logits)
-            for low, high in zip(rows["low"], rows["exact"]):
-                top2 = low.topk(2).indices
-                err = abs(float(low[top2[0]] - low[top2[1]]) - float(high[top2[0]] - high[top2[1]]))
-                worst = max(worst, err)
+            if run.choices != run.tokens or len(run.runner_up) != len(run.tokens):
+                raise SpecPilotError("the tie tolerance is derived from stock's own unforced runs")
+            rows = []
+            autoregressive(exact, prompt, len(run.tokens), self.capacity, force=run.tokens,
+                           logits_hook=lambda pos, logits: rows.append(logits.float().cpu()) or logits)
+            for high, first, second, margin in zip(rows, run.choices, run.runner_up, run.margins):
+                worst = max(worst, abs(margin - float(high[first] - high[second])))
         return worst
 
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
@@ -157,12 +175,12 @@ def from_spec(spec) -> System:
     reference = ReferenceModel(target.cfg, target.weights, dtype)
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
     make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram)
-    engines = {"stock": Engine(reference), "stock-spec": Engine(reference, make)}
+    engines = Engines({"stock": Engine(reference), "stock-spec": Engine(reference, make)})
     budget = tree_budget(spec.passes)
     if budget:
         engines["stock-tree"] = Engine(reference, make, budget)
     if dtype != torch.float32:
-        engines["stock-fp32"] = Engine(ReferenceModel(target.cfg, target.weights, torch.float32))
+        engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32)))
     return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
                   d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype)
 
@@ -181,8 +199,8 @@ def from_build(build_dir: Path) -> System:
     ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"])
     cmp_make = _drafter_factory(d["kind"], compiled.get("drafter"), d["top_k"], capacity, d["max_ngram"],
                                 d["min_ngram"])
-    engines = {"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
-               "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)}
+    engines = Engines({"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
+                       "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)})
     budget = tree_budget(m["pipeline"])
     if budget:
         engines["stock-tree"] = Engine(refs["target"], ref_make, budget)
@@ -190,8 +208,8 @@ def from_build(build_dir: Path) -> System:
         if "two-level-verify" in m["pipeline"]:
             engines["compiled-two-level"] = Engine(compiled["target"], cmp_make, budget, two_level=True)
     if dtype != torch.float32:
-        engines["stock-fp32"] = Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
-                                                      torch.float32, device))
+        engines.later("stock-fp32", lambda: Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
+                                                                  torch.float32, device)))
     tok = Path(build_dir) / m["tokenizer"] if m.get("tokenizer") else None
     cfg = refs["target"].cfg
     serving = m.get("serving") or {"draft_len": d["draft_len"]}

@@ -75,3 +75,20 @@ def test_matmuls_far_from_their_bound_on_sm80_propose_skinny_mma():
     assert "w12-layout" not in by
     old = BuiltinProposer().propose(report, parse(""), PassContext(target_kind="cuda", arch="sm_75"), 9, [], set())
     assert not any("skinny-mma" in c.pipeline for c in old)      # no bf16 mma.sync before sm_80
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_tree_estimate_counts_model_drafter_calls_and_not_ngram_lookups(drafter_kind):
+    """A tree of 16 nodes replayed at 2.6 tokens per verification against a 6-token chain's 1.3:
+    a model drafter's 16 expansions cost 16 calls (more than the chain's 6, so no gain is
+    estimated), an n-gram drafter's lookups cost nothing (the acceptance ratio is the gain)."""
+    from specpilot.passes.base import PassContext
+    report = _report([], wall=1.0, kernel_seconds=0.9, factors={"acceptance": 2.0, "kernel": 1.1, "overhead": 1.1},
+                     tree_acceptance={"16": 2.6}, drafter_kind=drafter_kind)
+    cands = BuiltinProposer().propose(report, parse(""), PassContext(hybrid=False), 6, [], set())
+    tree = [c for c in cands if c.pipeline.startswith("tree-verify")]
+    if drafter_kind == "model":
+        assert not tree                       # (2.6 / 1.3) / (17 / 7) - 1 < 0
+    else:
+        assert len(tree) == 1 and tree[0].estimated_gain == pytest.approx(2.6 / 1.3 - 1)
+        assert "n-gram lookups, not counted" in tree[0].rationale

@@ -98,3 +98,41 @@ def test_bf16_tie_tolerance_is_derived_from_stocks_own_noise(run_cli, tmp_path):
     fp32.write_text(spec.read_text().replace("bfloat16", "float32"))
     code, out, _ = run_cli("verify", fp32, "--max-new-tokens", 8, "--json")
     assert code == 0 and json.loads(out)["tie_tolerance"] == 0.0
+
+
+def _bf16_spec(arch="Qwen3ForCausalLM", seed=1):
+    from specpilot.compiler.spec import parse_spec
+    from tests.conftest import TINY_CONFIGS
+    return parse_spec({"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": seed}},
+                       "drafter": {"kind": "ngram", "draft_len": 4},
+                       "deployment": {"dtype": "bfloat16", "max_seq_len": 200}})
+
+
+def test_derived_tolerance_reads_stocks_own_run_and_equals_rerunning_it():
+    """The tolerance takes stock's margins and top-2 tokens from its unforced runs and runs only
+    float32 again: the same number as re-running stock forced onto its own tokens.  The float32
+    reference is built on first use only; a forced (not stock's own) run is refused."""
+    from specpilot.errors import SpecPilotError
+    from specpilot.runtime.systems import from_spec
+
+    system = from_spec(_bf16_spec())
+    assert "stock-fp32" not in system.engines            # lazy: twice the weights' memory, built on demand
+    prompts = [[5, 9, 2, 6], [7, 1, 8, 2, 8, 1, 8]]
+    runs = [system.generate("stock", p, 37) for p in prompts]
+    assert all(len(r.runner_up) == len(r.tokens) and r.choices == r.tokens for r in runs)
+    tolerance = system.derived_tie_tolerance(prompts, runs)
+    assert "stock-fp32" in system.engines
+    worst = 0.0
+    for prompt, run in zip(prompts, runs):
+        rows = {}
+        for which in ("stock", "stock-fp32"):
+            seen = rows.setdefault(which, [])
+            autoregressive(system.engines[which].model, prompt, len(run.tokens), 200, force=run.tokens,
+                           logits_hook=lambda pos, logits, seen=seen: seen.append(logits.float()) or logits)
+        for low, high in zip(rows["stock"], rows["stock-fp32"]):
+            a, b = low.topk(2).indices
+            worst = max(worst, abs(float(low[a] - low[b]) - float(high[a] - high[b])))
+    assert 0 < tolerance == pytest.approx(worst, rel=1e-6, abs=1e-6)
+    forced = system.generate("stock", prompts[0], 37, force=[(t + 1) % system.vocab_size for t in runs[0].tokens])
+    with pytest.raises(SpecPilotError, match="unforced"):
+        system.derived_tie_tolerance(prompts[:1], [forced])
