@@ -217,7 +217,10 @@ class Search:
             say(f"round {rnd}: phase 0 (cost model of {current or 'stock'})")
             report = explain(self._dir(current), self.dev, self.time_tokens, system=self.system(current))
             self.log.add("cost_model", round=rnd, pipeline=current, factors=report["factors"],
-                         bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"])
+                         bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"],
+                         accepted_per_verification=report["accepted_per_verification"],
+                         kernels=[{k: row[k] for k in ("name", "calls", "seconds", "bound_seconds", "ratio")}
+                                  for row in report["kernels"][:12]])
             say("  factors: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["factors"].items())
                 + f" -> {report['bottleneck']}")
             tried = {e["pipeline"] for e in self.log.events if e["event"] == "built"}

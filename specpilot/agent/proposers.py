@@ -45,6 +45,12 @@ class Candidate:
         return asdict(self)
 
 
+def is_weight_gemm(kernel: str) -> bool:
+    """A kernel that multiplies activations by a weight matrix: TVM's fused NT matmuls and the
+    schedule sets' own GEMMs (``skinny_mma_N_K`` on sm_80+, which verification runs on CUDA)."""
+    return "NT_matmul" in kernel or kernel.startswith("skinny_mma_")
+
+
 def with_change(current: Pipeline, change: list[Pass], context: PassContext, drop: tuple[str, ...] = ()) -> Pipeline | None:
     """``current`` with ``change``'s passes added (replacing same-named ones), in a legal order;
     None when no order is legal."""
@@ -145,7 +151,7 @@ class BuiltinProposer:
         # ones (bench/results/skinny-gemm-*) to ~1.5x of cuBLAS, itself near the bytes bound -- count
         # what is above 2x of the bound as removable
         slow_mm = sum(max(0.0, k["seconds"] * (1 - 2.0 / k["ratio"])) for k in report["kernels"]
-                      if "NT_matmul" in k["name"] and k.get("ratio", 0) > 2.0)
+                      if is_weight_gemm(k["name"]) and k.get("ratio", 0) > 2.0)
         for s in sets:
             removed = transposes * (wall / kernel_s) if s in ("cpu-nt", "nt-gemv", "skinny-mma") else 0.0
             why = f"{transposes * 1e3:.1f} ms of {report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time " \
@@ -174,7 +180,7 @@ class BuiltinProposer:
                 f"{slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound; stacking the "
                 "projections that share an activation makes fewer, wider GEMMs")
         if "w12-layout" not in names:     # legality (with_change) says where it cannot go
-            matmul = [k for k in report["kernels"] if "matmul" in k["name"]]
+            matmul = [k for k in report["kernels"] if is_weight_gemm(k["name"]) or "matmul" in k["name"]]
             near = [k for k in matmul if k["ratio"] < 2.0]
             saved = 0.25 * sum(k["seconds"] for k in near)
             gain = report["wall_seconds"] / max(report["wall_seconds"] - saved * report["wall_seconds"] / kernel_s, 1e-9) - 1

@@ -92,3 +92,18 @@ def test_tree_estimate_counts_model_drafter_calls_and_not_ngram_lookups(drafter_
     else:
         assert len(tree) == 1 and tree[0].estimated_gain == pytest.approx(2.6 / 1.3 - 1)
         assert "n-gram lookups, not counted" in tree[0].rationale
+
+
+def test_schedule_set_gemms_are_matmul_evidence():
+    """On sm_80+ verification runs the skinny-mma set's own GEMMs (``skinny_mma_N_K``): a narrow
+    one far from its bound is evidence for stacking projections, the near-bound ones for W12."""
+    report = _report([{"name": "skinny_mma_1024_5120", "seconds": 0.002, "ratio": 5.0},
+                      {"name": "skinny_mma_17408_5120", "seconds": 0.004, "ratio": 1.3},
+                      {"name": "gated_delta_rule", "seconds": 0.002, "ratio": 9.0}], wall=0.010,
+                     kernel_seconds=0.008, factors={"kernel": 2.0, "overhead": 1.25, "acceptance": 1.0})
+    bf16 = PassContext(target_kind="cuda", arch="sm_90", dtype="bfloat16", weights_known=False)
+    by = {c.pipeline: c for c in BuiltinProposer().propose(report, parse(""), bf16, 6, [], set())}
+    removable = 0.002 * (1 - 2.0 / 5.0) * (0.010 / 0.008)
+    assert by["fuse-projections"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.5 * removable) - 1)
+    # W12: a quarter of the near-bound GEMM's time (the GDN kernel is no GEMM)
+    assert by["w12-layout"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.25 * 0.004 * 0.010 / 0.008) - 1)
