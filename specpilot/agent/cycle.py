@@ -205,7 +205,8 @@ class Search:
         first_round = state["round"] + 1 if state else 1
         reused = []
         if not state:
-            mem = from_memory(self.memory.applicable(self.scope), parse(current), self.context, set())[:MEMORY_PICKS]
+            mem = self._proposals(0, "memory", lambda: from_memory(self.memory.applicable(self.scope), parse(current),
+                                                                   self.context, set())[:MEMORY_PICKS])
             if mem:
                 say(f"memory: {len(mem)} verified entr{'y' if len(mem) == 1 else 'ies'} legal here: "
                     + ", ".join(c.pipeline for c in mem))
@@ -214,20 +215,9 @@ class Search:
                 history += [{"round": 0, "phase": "memory", "pipeline": p} for p in adopted]
         for rnd in range(first_round, self.rounds + 1):
             round_start = current
-            say(f"round {rnd}: phase 0 (cost model of {current or 'stock'})")
-            report = explain(self._dir(current), self.dev, self.time_tokens, system=self.system(current))
-            self.log.add("cost_model", round=rnd, pipeline=current, factors=report["factors"],
-                         bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"],
-                         accepted_per_verification=report["accepted_per_verification"],
-                         kernels=[{k: row[k] for k in ("name", "calls", "seconds", "bound_seconds", "ratio")}
-                                  for row in report["kernels"][:12]])
-            say("  factors: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["factors"].items())
-                + f" -> {report['bottleneck']}")
-            tried = {e["pipeline"] for e in self.log.events if e["event"] == "built"}
-            refs = [g for g in self._references(current)]
-            cands = self.proposer.propose(report, parse(current), self.context, self.system(current).draft_len,
-                                          refs, tried)
-            cands = [c for c in cands if c.direction != "kernel"]          # kernels: phase 3
+            cost = self._cost_model(rnd, current)
+            cands = self._proposals(rnd, "exploration", lambda: [
+                c for c in self.proposer.propose(*cost(current)) if c.direction != "kernel"])   # kernels: phase 3
             say(f"round {rnd}: phase 1 ({len(cands)} candidate(s) with >= 3% estimated gain)")
             for c in cands:
                 say(f"    {c.pipeline}: est {c.estimated_gain:+.0%} ({c.rationale})")
@@ -241,10 +231,8 @@ class Search:
                                                                      "adopted changes stacked")], f"round {rnd}")
                     history += [{"round": rnd, "phase": "integration", "pipeline": p} for p in won]
             say(f"round {rnd}: phase 3 (kernel tuning)")
-            kernel = [c for c in self.proposer.propose(report, parse(current), self.context,
-                                                       self.system(current).draft_len, refs,
-                                                       {e["pipeline"] for e in self.log.events if e["event"] == "built"})
-                      if c.direction == "kernel"]
+            kernel = self._proposals(rnd, "kernel tuning", lambda: [
+                c for c in self.proposer.propose(*cost(current)) if c.direction == "kernel"])
             current, won = self._explore(current, kernel, f"round {rnd}")
             history += [{"round": rnd, "phase": "kernel tuning", "pipeline": p} for p in won]
             self.log.add("round_done", round=rnd, current=current, history=history)
@@ -254,6 +242,42 @@ class Search:
         final = current if sealed["passed"] else ""
         report = self._report(current, final, sealed, history, reused, time.perf_counter() - started)
         return report
+
+    def _cost_model(self, rnd: int, round_start: str):
+        """Phase 0, run when a proposal first needs it (a resumed round whose proposals are in
+        the log runs none): ``cost(current)`` gives the proposer's arguments for ``current``
+        -- the round-start report, the pipeline, the context, the draft length, stock's tokens
+        on the development requests, and the pipelines already built."""
+        report, refs = None, None
+
+        def cost(current: str):
+            nonlocal report, refs
+            if report is None:
+                self.say(f"round {rnd}: phase 0 (cost model of {round_start or 'stock'})")
+                system = self.system(round_start)
+                report = explain(self._dir(round_start), self.dev, self.time_tokens, system=system)
+                self.log.add("cost_model", round=rnd, pipeline=round_start, factors=report["factors"],
+                             bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"],
+                             accepted_per_verification=report["accepted_per_verification"],
+                             kernels=[{k: row[k] for k in ("name", "calls", "seconds", "bound_seconds", "ratio")}
+                                      for row in report["kernels"][:12]])
+                self.say("  factors: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["factors"].items())
+                         + f" -> {report['bottleneck']}")
+                refs = self._references(round_start)
+            tried = {e["pipeline"] for e in self.log.events if e["event"] == "built"}
+            return report, parse(current), self.context, self.system(current).draft_len, refs, tried
+        return cost
+
+    def _proposals(self, rnd: int, phase: str, propose) -> list[Candidate]:
+        """A phase's candidates: from the run log when an interrupted run already proposed them
+        (so its builds get measured, and entries it remembered are not picked up as reuse),
+        else ``propose()``'s, logged before anything is built."""
+        done = self.log.find("proposed", round=rnd, phase=phase)
+        if done:
+            return [Candidate(**c) for c in done["candidates"]]
+        cands = propose()
+        self.log.add("proposed", round=rnd, phase=phase, candidates=[c.to_dict() for c in cands])
+        return cands
 
     def _references(self, pipeline: str) -> list[list[int]]:
         system = self.system(pipeline)

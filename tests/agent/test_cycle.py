@@ -56,6 +56,20 @@ def test_search_adopts_seals_remembers_and_resumes(tmp_path):
     later = [json.loads(line)["event"] for line in (out / "run.jsonl").read_text().splitlines()]
     assert again["result"] == WIN and later.count("built") == 2 and later.count("measured") == events.count("measured")
 
+    # interrupted after the candidate was built, before it was measured: the resumed run takes the
+    # round's proposals from the log (this proposer would propose nothing now, and the memory
+    # entry this run left must not come back as reuse), measures the build, adopts, seals
+    lines = (out / "run.jsonl").read_text().splitlines()
+    cut = max(i for i, line in enumerate(lines[:len(events)]) if json.loads(line)["event"] == "built")
+    (out / "run.jsonl").write_text("\n".join(lines[:cut + 1]) + "\n")
+    resumed = Search(SPEC, "llvm", out, rounds=1, workers=1, proposer=FixedProposer([]), memory_path=memory,
+                     dev_requests=3, dev_tokens=16, time_tokens=16, sealed_requests=2, sealed_tokens=96, repeats=5,
+                     say=lambda *_: None).run()
+    after = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert resumed["result"] == WIN and resumed["sealed"]["passed"] and resumed["reused_entries"] == []
+    assert [e["event"] for e in after].count("built") == 2
+    assert [e["candidate"] for e in after[cut + 1:] if e["event"] == "measured"] == [WIN]
+
 
 @pytest.mark.timeout(900)
 def test_a_fault_past_development_forcing_is_caught_by_sealed_validation(tmp_path):
