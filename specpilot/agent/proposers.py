@@ -152,7 +152,13 @@ class BuiltinProposer:
         # what is above 2x of the bound as removable
         slow_mm = sum(max(0.0, k["seconds"] * (1 - 2.0 / k["ratio"])) for k in report["kernels"]
                       if is_weight_gemm(k["name"]) and k.get("ratio", 0) > 2.0)
+        in_effect = next((p["set"] for p in current.passes if p.name == "kernel-schedule"), "default")
+        if in_effect == "default":
+            from specpilot.schedules.relax_pipeline import default_schedule
+            in_effect = default_schedule(context.target_kind, context.arch)
         for s in sets:
+            if s == in_effect:          # the set the current build already runs
+                continue
             removed = transposes * (wall / kernel_s) if s in ("cpu-nt", "nt-gemv", "skinny-mma") else 0.0
             why = f"{transposes * 1e3:.1f} ms of {report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time " \
                   f"weight transposes, which {s} fuses away" if removed else f"{s}: no cheap evidence of a gain"

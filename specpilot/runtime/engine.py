@@ -81,6 +81,7 @@ class CompiledModule:
         cpu = tvm.cpu(0)
         self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
         self._stored, self._aliases = self._read_params()
+        self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
         self.functions = {name: self.vm[name] for name in self.manifest["functions"]}
         self._models: dict[str, CompiledModel] = {}
@@ -149,7 +150,13 @@ class CompiledModule:
         return self._models[which]
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
-        """The build's own weights under Hugging Face names, for the stock reference."""
+        """The build's own weights under Hugging Face names, for the stock reference (decoded
+        once per model: the bf16 and the float32 reference both ask)."""
+        if which not in self._references:
+            self._references[which] = self._reference_weights(which)
+        return self._references[which]
+
+    def _reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         stored, aliases = self._stored, self._aliases
         value = lambda name: stored[aliases.get(name, name)]  # noqa: E731
         names = self.manifest["params"]

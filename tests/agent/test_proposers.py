@@ -63,10 +63,15 @@ def test_matmuls_far_from_their_bound_on_sm80_propose_skinny_mma():
     report = _report([{"name": "fused_NT_matmul3_cast", "seconds": 0.004, "ratio": 8.0},
                       {"name": "fused_NT_matmul4", "seconds": 0.001, "ratio": 1.5}], wall=0.010,
                      kernel_seconds=0.008, factors={"kernel": 4.0, "overhead": 1.25, "acceptance": 1.0})
-    cands = BuiltinProposer().propose(report, parse(""), PassContext(target_kind="cuda", arch="sm_90"), 9, [], set())
-    by = {c.pipeline: c for c in cands}
+    sm90 = PassContext(target_kind="cuda", arch="sm_90")
+    cands = BuiltinProposer().propose(report, parse("kernel-schedule{set=nt-gemv}"), sm90, 9, [], set())
+    by = {c.pipeline.replace("kernel-schedule{set=nt-gemv},", ""): c for c in cands}
     # 4 ms at 8x its bound could come to 2x: 3 ms removable, scaled to wall time (10 / 8)
     assert by["kernel-schedule{set=skinny-mma}"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.003 * 1.25) - 1)
+    # with no schedule pass sm_90 already runs skinny-mma (the default there): not proposed again
+    default = BuiltinProposer().propose(report, parse(""), sm90, 9, [], set())
+    assert not any("set=skinny-mma" in c.pipeline for c in default) and any(c.pipeline == "fuse-projections"
+                                                                           for c in default)
     # stacking the projections: half of that time
     assert by["fuse-projections"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.5 * 0.003 * 1.25) - 1)
     # w12-layout on a bf16 sm_90 deployment (legal with seeded weights there), not on a float32 one
