@@ -21,7 +21,7 @@ run)
   mkdir -p /tmp/search "${OUT:-/tmp/out}"
   # the workers run in their own sessions: stop them with the search when the time is up
   timeout "${SEARCH_S:-540}" python3 -m specpilot.cli search "$spec" --target "cuda -arch=sm_90" \
-    --rounds "${ROUNDS:-1}" --workers "${WORKERS:-2}" --memory /tmp/search/memory.sqlite -o /tmp/search/run \
+    --rounds "${ROUNDS:-1}" --workers "${WORKERS:-2}" --memory /tmp/search/memory.sqlite -o /tmp/search/run ${SEARCH_ARGS:-} \
     2>&1 | grep --line-buffered -v "missing 'max_shared_memory_per_block'" | tee -a /tmp/search/search.log
   rc=${PIPESTATUS[0]}
   pkill -f specpilot.agent.executor || true
