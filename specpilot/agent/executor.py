@@ -110,9 +110,11 @@ class LocalExecutor:
         except (json.JSONDecodeError, TypeError) as e:
             return JobResult(job["pipeline"], False, str(out), seconds, error=f"unreadable worker result ({e})")
 
-    def map(self, jobs: list[dict]) -> list[JobResult]:
+    def map(self, jobs: list[dict]):
+        """Results in job order, each as soon as it and those before it are done (the search
+        logs each one then: an interrupted batch keeps its finished builds)."""
         with ThreadPoolExecutor(self.workers) as pool:
-            return list(pool.map(self._one, jobs))
+            yield from pool.map(self._one, jobs)
 
 
 class RayExecutor:
@@ -127,20 +129,18 @@ class RayExecutor:
         self.task = ray.remote(max_retries=0)(run_job_safely)
         self.timeout = timeout
 
-    def map(self, jobs: list[dict]) -> list[JobResult]:
+    def map(self, jobs: list[dict]):
         refs = [self.task.remote(job) for job in jobs]
-        out = []
         for job, ref in zip(jobs, refs):
             start = time.perf_counter()
             try:
                 data = self.ray.get(ref, timeout=self.timeout)
-                out.append(JobResult(**{k: data.get(k) for k in ("pipeline", "ok", "build_dir", "forcing", "ir_hash",
-                                                                 "error")}, seconds=data.get("seconds", 0.0)))
+                yield JobResult(**{k: data.get(k) for k in ("pipeline", "ok", "build_dir", "forcing", "ir_hash",
+                                                            "error")}, seconds=data.get("seconds", 0.0))
             except Exception as e:   # noqa: BLE001 -- a lost node, a crashed task, a timeout: reject, go on
                 self.ray.cancel(ref, force=True)
-                out.append(JobResult(job["pipeline"], False, job["build_dir"], time.perf_counter() - start,
-                                     error=f"ray task failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-        return out
+                yield JobResult(job["pipeline"], False, job["build_dir"], time.perf_counter() - start,
+                                error=f"ray task failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 def make_executor(workers: int, timeout: float = 900.0, backend: str = "local"):

@@ -10,8 +10,12 @@ def test_crashed_and_hung_workers_are_rejected(tmp_path, monkeypatch):
     jobs = [{"pipeline": "a", "build_dir": str(tmp_path / "a"), "simulate": "crash"},
             {"pipeline": "b", "build_dir": str(tmp_path / "b"), "simulate": "hang"},
             {"pipeline": "c", "build_dir": str(tmp_path / "c"), "spec": {"target": {}}, "target": "llvm"}]
+    import time
+    start = time.perf_counter()
     results = LocalExecutor(workers=3, timeout=20).map(jobs)
-    crash, hang, bad = results
+    crash = next(results)                   # comes back while the hung worker is still running
+    assert time.perf_counter() - start < 20
+    hang, bad = results
     assert not crash.ok and "exited with status 3" in crash.error
     assert not hang.ok and "hung: killed after 20 s" in hang.error
     assert not bad.ok and "target" in bad.error           # a job the worker cannot build: its message comes back
