@@ -358,14 +358,23 @@ class Search:
         from specpilot.runtime.forcing import force_requests
         if not pipeline:
             return self.log.add("sealed", pipeline=pipeline, passed=False, reason="no change over stock was adopted")
+        from dataclasses import asdict
+
+        from specpilot.runtime.decoding import Generation
         system = self.system(pipeline)
         engine = engine_for(pipeline, "compiled-spec" in system.engines)
-        stock, runs = [], []
-        for p in self.sealed:
-            ref = system.generate("stock", p, self.sealed_tokens)
-            stock.append(ref)
-            runs.append(system.generate(engine, p, self.sealed_tokens, force=ref.tokens))
-        forcing = force_requests(stock, runs, tie_tolerance(system, self.sealed, stock))
+        stock, runs, tolerance = [], [], 0.0
+        for i, p in enumerate(self.sealed):     # request by request, logged: a resumed run goes on from here
+            rec = self.log.find("sealed_request", pipeline=pipeline, request=i, tokens=self.sealed_tokens)
+            if rec is None:
+                ref = system.generate("stock", p, self.sealed_tokens)
+                run = system.generate(engine, p, self.sealed_tokens, force=ref.tokens)
+                rec = self.log.add("sealed_request", pipeline=pipeline, request=i, tokens=self.sealed_tokens,
+                                   stock=asdict(ref), run=asdict(run), tie_tolerance=tie_tolerance(system, [p], [ref]))
+            stock.append(Generation(**rec["stock"]))
+            runs.append(Generation(**rec["run"]))
+            tolerance = max(tolerance, rec["tie_tolerance"])    # the derived tolerance is a max over requests
+        forcing = force_requests(stock, runs, tolerance)
         if not forcing.passed:
             d = forcing.first_divergence
             return self.log.add("sealed", pipeline=pipeline, passed=False, forcing=forcing.to_dict(),

@@ -70,6 +70,16 @@ def test_search_adopts_seals_remembers_and_resumes(tmp_path):
     assert [e["event"] for e in after].count("built") == 2
     assert [e["candidate"] for e in after[cut + 1:] if e["event"] == "measured"] == [WIN]
 
+    # interrupted during sealed validation, after its first held-out request: the resume forces
+    # only the second one and reaches the same verdict
+    lines = (out / "run.jsonl").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if json.loads(line)["event"] == "sealed_request")
+    (out / "run.jsonl").write_text("\n".join(lines[:first + 1]) + "\n")
+    sealed = _search(out, memory).run()
+    events = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
+    assert sealed["result"] == WIN and sealed["sealed"]["forcing"]["positions"] == 2 * 96
+    assert [e["request"] for e in events if e["event"] == "sealed_request"] == [0, 1]
+
 
 @pytest.mark.timeout(900)
 def test_a_fault_past_development_forcing_is_caught_by_sealed_validation(tmp_path):
