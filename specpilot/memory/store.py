@@ -155,6 +155,9 @@ class Memory:
                 self.db.execute("BEGIN IMMEDIATE")
                 self.db.execute(sql, args)
                 self.db.execute("COMMIT")
+                # fold the write-ahead log into the database file now (best effort: readers may
+                # hold it): a search killed at a time limit leaves a file complete on its own
+                self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
                 return
             except sqlite3.OperationalError as e:
                 if self.db.in_transaction:

@@ -125,3 +125,21 @@ def test_cli_ls_show_verify(tmp_path, run_cli, hashes):
     (tmp_path / "bad.json").write_text("{not json")
     code, _, err = run_cli("memory", "import", tmp_path / "bad.json", "--memory", path)
     assert code == 2 and "not valid JSON" in err
+
+
+def test_an_entry_survives_a_killed_writer_in_the_database_file_alone(tmp_path):
+    """A search stopped at a time limit (killed, no close) leaves the entry in the database file
+    itself: copying the .sqlite without its -wal keeps it."""
+    import shutil
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from tests.memory.test_store import _entry
+        from specpilot.memory.store import Memory
+        mem = Memory({str(tmp_path / "m.sqlite")!r})
+        mem.add(_entry("draft-length{{length=2}}", "ab" * 8), reproduce=lambda e: e.source_hash)
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    shutil.copy(tmp_path / "m.sqlite", tmp_path / "copy.sqlite")
+    assert [e.pipeline for e in Memory(tmp_path / "copy.sqlite").entries()] == ["draft-length{length=2}"]
