@@ -76,7 +76,8 @@ class Search:
     def __init__(self, spec_path: Path, target: str, out: Path, rounds: int = 2, workers: int = 1,
                  proposer=None, memory_path: Path | None = None, dev_requests: int = 3, dev_tokens: int = 48,
                  sealed_requests: int = 2, sealed_tokens: int = 4096, repeats: int = 3,
-                 inject_fault: int | None = None, backend: str = "local", say=print, time_tokens: int = 48):
+                 inject_fault: int | None = None, backend: str = "local", say=print, time_tokens: int = 48,
+                 params: str | None = None):
         from specpilot.compiler.spec import load_spec
         from specpilot.compiler.target import parse_target
         from specpilot.memory.store import Applicability, Memory
@@ -94,10 +95,14 @@ class Search:
         from specpilot.compiler.loader import load_models
         tgt, _ = load_models(self.spec, weights=False)
         self.cfg = tgt.cfg
+        from specpilot.compiler.build import seeded_models
         from specpilot.passes.base import PassContext
+        # candidates of seeded random models on a GPU are built without their weights (the engine
+        # redraws them, converting W12 planes on the device): small, fast builds; elsewhere with them
+        self.params = params or ("seeded" if self.target.is_gpu and seeded_models(self.spec) else "file")
         self.context = PassContext(target_kind=self.target.kind, arch=self.target.arch,
                                    architecture=tgt.cfg.architecture, hybrid=tgt.cfg.is_hybrid,
-                                   dtype=self.spec.deployment.dtype, weights_known=True)
+                                   dtype=self.spec.deployment.dtype, weights_known=self.params == "file")
         self.scope = Applicability(family=tgt.cfg.architecture, hybrid=tgt.cfg.is_hybrid, target_kind=self.target.kind,
                                    arch=self.target.arch, dtype=self.spec.deployment.dtype,
                                    batch=(1, self.spec.deployment.max_batch), drafter_kind=self.spec.drafter.kind)
@@ -131,7 +136,7 @@ class Search:
             jobs.append({"spec": self.spec.model_dump(mode="json"), "spec_path": str(self.spec_path),
                          "target": self.target.text(), "pipeline": built, "build_dir": str(self._dir(c.pipeline)),
                          "engine": engine_for(built, self.spec.drafter.kind != "none"), "prompts": self.dev,
-                         "max_new": self.dev_tokens, "candidate": c.pipeline})
+                         "max_new": self.dev_tokens, "candidate": c.pipeline, "params": self.params})
         if jobs:
             self.say(f"  building {len(jobs)} candidate(s) in {getattr(self.executor, 'workers', 1)} worker(s)")
         for job, res in zip(jobs, self.executor.map(jobs)):
@@ -337,7 +342,7 @@ class Search:
         entry = Entry(pipeline=c.pipeline, dependencies=deps, applicability=self.scope, source_hash=res["ir_hash"],
                       spec=self.spec.model_dump(mode="json"), spec_path=str(self.spec_path), target=self.target.text(),
                       constraints={"token_forcing": "exact" if self.spec.deployment.dtype == "float32" else "tie-tolerant",
-                                   "forced_tokens": self.dev_tokens, "requests": len(self.dev)},
+                                   "forced_tokens": self.dev_tokens, "requests": len(self.dev), "params": self.params},
                       results={"gain": v["gain"], "lcb": v["lcb"], "ucb": v["ucb"], "noise": v["noise"],
                                "speedup": 1 + v["gain"], "baseline": base, "forcing": "passed",
                                "source": c.source, "reused_entry": c.entry},

@@ -51,7 +51,7 @@ def run_job(job: dict) -> dict:
     start = time.perf_counter()
     spec = parse_spec({**job["spec"], "passes": ""}, Path(job["spec_path"]) if job.get("spec_path") else None)
     out = Path(job["build_dir"])
-    manifest = build(spec, parse_target(job["target"]), out, passes=job["pipeline"])
+    manifest = build(spec, parse_target(job["target"]), out, passes=job["pipeline"], params=job.get("params", "file"))
     system = from_build(out)
     engine = job["engine"]
     stock, runs = [], []

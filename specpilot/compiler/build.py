@@ -159,11 +159,16 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     return mod, records, context, pipeline, names, (tgt, drf)
 
 
-def system_hash(spec: Spec, target: TargetSpec, passes: str) -> str:
+def system_hash(spec: Spec, target: TargetSpec, passes: str, params: str = "file") -> str:
     """ir_hash of stock lowered for this spec and target with ``passes`` applied: what a build
-    of that pipeline records as its ``ir_hash``."""
-    mod, *_ = lower_and_apply(spec, target, passes)
+    of that pipeline (with the same ``params``) records as its ``ir_hash``."""
+    mod, *_ = lower_and_apply(spec, target, passes, params=params)
     return ir_hash(mod)
+
+
+def seeded_models(spec: Spec) -> bool:
+    """Whether every model of the spec is a seeded random one (``params="seeded"`` builds it)."""
+    return spec.target.init is not None and (spec.drafter.kind != "model" or spec.drafter.init is not None)
 
 
 def serving_schedule(mod, spec: Spec) -> dict:
@@ -192,7 +197,7 @@ def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
              "drafter": spec.drafter.init.model_dump() if spec.drafter.kind == "model" and spec.drafter.init else None}
     if params not in ("file", "seeded"):
         raise SpecPilotError(f"params must be 'file' or 'seeded', not {params!r}")
-    if params == "seeded" and (seeds["target"] is None or (spec.drafter.kind == "model" and seeds["drafter"] is None)):
+    if params == "seeded" and not seeded_models(spec):
         raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
     capacity = spec.deployment.max_seq_len
     stages: list[tuple[str, object]] = []

@@ -104,7 +104,10 @@ def reproduce_hash(entry: Entry) -> str:
     from specpilot.compiler.target import parse_target
 
     spec = parse_spec({**entry.spec, "passes": ""}, Path(entry.spec_path) if entry.spec_path else None)
-    return system_hash(spec, parse_target(entry.target), entry.pipeline)
+    params = entry.constraints.get("params", "file")     # how the source system was built
+    if params not in ("file", "seeded"):
+        raise SpecPilotError(f"entry {entry.id}: unknown params mode {params!r}")
+    return system_hash(spec, parse_target(entry.target), entry.pipeline, params)
 
 
 _SCHEMA = """

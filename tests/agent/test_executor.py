@@ -24,7 +24,8 @@ def test_crashed_and_hung_workers_are_rejected(tmp_path, monkeypatch):
 
 def test_bf16_candidates_are_forced_with_the_derived_tolerance(tmp_path):
     """A bf16 worker forces against the PyTorch reference with the tolerance stock's own
-    arithmetic justifies (not 0, not a constant); a candidate that biases logits still fails."""
+    arithmetic justifies (not 0, not a constant); a candidate that biases logits still fails.
+    A job can ask for a seeded build (what a GPU search of seeded random models does)."""
     from specpilot.agent.executor import run_job
     from tests.conftest import TINY_CONFIGS
 
@@ -33,8 +34,9 @@ def test_bf16_candidates_are_forced_with_the_derived_tolerance(tmp_path):
             "drafter": {"kind": "ngram", "draft_len": 4}, "deployment": {"dtype": "bfloat16", "max_seq_len": 160}}
     job = {"spec": spec, "target": "llvm", "engine": "compiled-spec", "prompts": [[4, 8, 15, 16], [23, 42, 7]],
            "max_new": 40}
-    good = run_job({**job, "pipeline": "", "build_dir": str(tmp_path / "stock")})
+    good = run_job({**job, "pipeline": "", "build_dir": str(tmp_path / "stock"), "params": "seeded"})
     assert good["ok"], good["error"]
+    assert not (tmp_path / "stock" / "params").exists()          # seeded: the engine redrew the weights
     assert 0 < good["forcing"]["tie_tolerance"] < 0.5
     bad = run_job({**job, "pipeline": "logit-bias-fault{after=9}", "build_dir": str(tmp_path / "fault")})
     assert not bad["ok"] and "token forcing failed at request 0" in bad["error"]

@@ -143,3 +143,26 @@ def test_an_entry_survives_a_killed_writer_in_the_database_file_alone(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     shutil.copy(tmp_path / "m.sqlite", tmp_path / "copy.sqlite")
     assert [e.pipeline for e in Memory(tmp_path / "copy.sqlite").entries()] == ["draft-length{length=2}"]
+
+
+def test_an_entry_from_a_seeded_gpu_build_reproduces_with_seeded_lowering(tmp_path):
+    """A GPU search builds seeded random models without their weights, and a W12 module then
+    differs from one lowered with them; the entry records the mode and is checked with it."""
+    from specpilot.agent.cycle import Search
+    spec_path = Path(__file__).parents[2] / "bench" / "specs" / "tiny-llama-w12-bf16.yaml"
+    spec, target = load_spec(spec_path), parse_target("cuda -arch=sm_90")
+    search = Search(spec_path, "cuda -arch=sm_90", tmp_path / "s", say=lambda *_: None)
+    assert search.params == "seeded" and not search.context.weights_known
+    assert Search(SPEC, "llvm", tmp_path / "c", say=lambda *_: None).params == "file"
+    seeded = system_hash(spec, target, "w12-layout", params="seeded")
+    scope = Applicability(family="LlamaForCausalLM", hybrid=False, target_kind="cuda", arch="sm_90", dtype="bfloat16",
+                          drafter_kind=spec.drafter.kind)
+
+    def entry(**constraints):
+        return Entry(pipeline="w12-layout", source_hash=seeded, applicability=scope, target="cuda -arch=sm_90",
+                     spec=spec.model_dump(mode="json"), spec_path=str(spec_path), constraints=constraints)
+    mem = Memory(tmp_path / "m.sqlite")
+    stored = mem.add(entry(params="seeded"))
+    assert mem.verify(stored.id) == []
+    with pytest.raises(SpecPilotError, match="not the source system's"):     # lowered with the weights: another module
+        mem.add(entry())
