@@ -187,9 +187,14 @@ class Search:
         interval = paired_interval(b, c)
         differ = out_b != out_c
         verdict = adjudicate(interval, self.noise, differ) if base != cand else None
+        base_median = sorted(b)[len(b) // 2]
+        # the base's median against its own A/A run on the same requests: a large drift says the
+        # conditions moved between the two (another build loaded, clocks) -- shown, not corrected
+        aa = self.log.find("aa")
+        drift = base_median / aa["base_median"] - 1 if aa and base == "" and prompts is self.dev and             max_new == self.time_tokens else None
         return self.log.add(key, base=base, candidate=cand, interval=interval.to_dict(),
                             verdict=verdict.to_dict() if verdict else None,
-                            base_median=sorted(b)[len(b) // 2], candidate_median=sorted(c)[len(c) // 2])
+                            base_median=base_median, candidate_median=sorted(c)[len(c) // 2], base_drift=drift)
 
     # ---- the loop
     def run(self) -> dict:
@@ -321,8 +326,11 @@ class Search:
                 continue
             m = self.measure(current, c.pipeline)
             v = m["verdict"]
+            drift = m.get("base_drift")
             self.say(f"    {c.pipeline}: gain {v['gain']:+.1%} [95% {v['lcb']:+.1%}, {v['ucb']:+.1%}] -> "
-                     f"{'ADOPT' if v['adopt'] else 'reject'}")
+                     f"{'ADOPT' if v['adopt'] else 'reject'}"
+                     + (f"  (stock's median {drift:+.1%} from its A/A run)" if drift is not None
+                        and abs(drift) > 2 * self.noise else ""))
             if v["adopt"]:
                 adopted.append(c.pipeline)
                 self._remember(c, current, m, res)

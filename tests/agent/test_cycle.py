@@ -49,6 +49,9 @@ def test_search_adopts_seals_remembers_and_resumes(tmp_path):
     assert "PASSED" in (out / "report.md").read_text()
     events = [json.loads(line)["event"] for line in (out / "run.jsonl").read_text().splitlines()]
     assert events.count("built") == 2 and "remembered" in events     # stock + the candidate
+    measured = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "measured"]
+    assert all(isinstance(m["base_drift"], float) for m in measured)   # stock's median vs its own A/A run
     from specpilot.memory.store import Memory
     assert [e.pipeline for e in Memory(memory).entries()] == [WIN]
 
