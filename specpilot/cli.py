@@ -384,9 +384,12 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
 @click.option("--repeats", type=click.IntRange(1, 50), default=3, show_default=True)
 @click.option("--inject-fault", type=click.IntRange(0), default=None,
               help="TEST: every candidate gets logit-bias-fault{after=N} (sealed validation must reject it)")
+@click.option("--params", "params", type=click.Choice(["auto", "file", "seeded"]), default="auto", show_default=True,
+              help="candidates built with their weights (file) or redrawn from the spec's seeds at load (seeded); "
+                   "auto: seeded for seeded random models on GPUs")
 @click.option("--json", "as_json", is_flag=True)
 def search(spec, target_text, rounds, output, proposer, llm_model, workers, backend, memory_path, dev_requests,
-           dev_tokens, time_tokens, sealed_tokens, repeats, inject_fault, as_json):
+           dev_tokens, time_tokens, sealed_tokens, repeats, inject_fault, params, as_json):
     """The optimization loop: cost model, proposals, parallel builds, paired adjudication, sealed validation."""
     from specpilot.agent.cycle import Search
 
@@ -397,7 +400,7 @@ def search(spec, target_text, rounds, output, proposer, llm_model, workers, back
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     result = Search(spec, target_text, output, rounds, workers, chosen, memory_path, dev_requests, dev_tokens,
                     sealed_tokens=sealed_tokens, repeats=repeats, inject_fault=inject_fault, backend=backend,
-                    say=say, time_tokens=time_tokens).run()
+                    say=say, time_tokens=time_tokens, params=None if params == "auto" else params).run()
     if as_json:
         click.echo(json.dumps(result))
     else:

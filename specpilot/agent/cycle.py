@@ -84,6 +84,13 @@ class Search:
 
         self.spec_path, self.spec = Path(spec_path), load_spec(spec_path)
         self.target = parse_target(target)
+        from specpilot.compiler.build import seeded_models
+        # candidates of seeded random models on a GPU are built without their weights (the engine
+        # redraws them, converting W12 planes on the device): small, fast builds; elsewhere with them
+        self.params = params or ("seeded" if self.target.is_gpu and seeded_models(self.spec) else "file")
+        if self.params == "seeded" and not seeded_models(self.spec):
+            raise SpecPilotError(f"{spec_path}: --params seeded needs seeded random models (init: {{seed: N}}) "
+                                 "for the target and a model drafter")
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.rounds, self.repeats, self.say = rounds, repeats, say
@@ -95,11 +102,7 @@ class Search:
         from specpilot.compiler.loader import load_models
         tgt, _ = load_models(self.spec, weights=False)
         self.cfg = tgt.cfg
-        from specpilot.compiler.build import seeded_models
         from specpilot.passes.base import PassContext
-        # candidates of seeded random models on a GPU are built without their weights (the engine
-        # redraws them, converting W12 planes on the device): small, fast builds; elsewhere with them
-        self.params = params or ("seeded" if self.target.is_gpu and seeded_models(self.spec) else "file")
         self.context = PassContext(target_kind=self.target.kind, arch=self.target.arch,
                                    architecture=tgt.cfg.architecture, hybrid=tgt.cfg.is_hybrid,
                                    dtype=self.spec.deployment.dtype, weights_known=self.params == "file")

@@ -154,6 +154,9 @@ def test_an_entry_from_a_seeded_gpu_build_reproduces_with_seeded_lowering(tmp_pa
     search = Search(spec_path, "cuda -arch=sm_90", tmp_path / "s", say=lambda *_: None)
     assert search.params == "seeded" and not search.context.weights_known
     assert Search(SPEC, "llvm", tmp_path / "c", say=lambda *_: None).params == "file"
+    smollm2 = Path(__file__).parents[2] / "examples" / "smollm2.yaml"      # a checkpoint: nothing to redraw
+    with pytest.raises(SpecPilotError, match="--params seeded needs seeded random models"):
+        Search(smollm2, "cuda -arch=sm_90", tmp_path / "x", params="seeded", say=lambda *_: None)
     seeded = system_hash(spec, target, "w12-layout", params="seeded")
     scope = Applicability(family="LlamaForCausalLM", hybrid=False, target_kind="cuda", arch="sm_90", dtype="bfloat16",
                           drafter_kind=spec.drafter.kind)
