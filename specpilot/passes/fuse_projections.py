@@ -25,7 +25,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from specpilot.compiler.weights import FUSED, fuse_params
 from specpilot.passes.base import Pass, PassContext
-from specpilot.passes.packed_uses import packed_functions, packed_uses
+from specpilot.passes.packed_uses import packed_functions, packed_uses, rebuild_packed
 
 _MATMUL, _PERMUTE = "relax.matmul", "relax.permute_dims"
 
@@ -160,10 +160,7 @@ class FuseProjections(Pass):
                     offset += r
             new_packed = relax.Var("packed_params", relax.TupleType([new_fields[s] for s in kept]))
             fuse = _Fuse(out, func, new_packed, remap, member)
-            body = fuse.visit_expr(func.body)
-            new_func = relax.Function([*func.params[:-1], new_packed], body, func.ret_ty, func.is_pure, func.attrs)
-            fuse.builder_.update_func(gv, new_func)
-            out = fuse.builder_.get()
+            out = rebuild_packed(fuse, gv, func, new_packed)
             fused_total += fuse.rewritten
         out = relax.transform.DeadCodeElimination()(out)
         context.statistics[self.name].update(groups=len(groups), matmuls_fused=fused_total,

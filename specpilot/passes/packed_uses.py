@@ -26,6 +26,15 @@ def packed_functions(mod):
             yield gv, func
 
 
+def rebuild_packed(mutator, gv, func: relax.Function, packed: relax.Var):
+    """The module of ``mutator`` (a PyExprMutator over it) with ``func`` taking ``packed`` as its
+    packed_params and its body rewritten by ``mutator``."""
+    body = mutator.visit_expr(func.body)
+    mutator.builder_.update_func(gv, relax.Function([*func.params[:-1], packed], body, func.ret_ty, func.is_pure,
+                                                    func.attrs))
+    return mutator.builder_.get()
+
+
 def packed_uses(func: relax.Function) -> PackedUses:
     """Reading packed_params[i] itself is not a use of packed_params (its slots are tracked instead)."""
     packed = func.params[-1]

@@ -31,7 +31,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from specpilot.compiler import kernels, w12
 from specpilot.compiler.w12 import PLANES
 from specpilot.passes.base import Option, Pass, PassContext
-from specpilot.passes.packed_uses import packed_functions, packed_uses
+from specpilot.passes.packed_uses import packed_functions, packed_uses, rebuild_packed
 
 
 def _eligible(name: str, shape, value: torch.Tensor | None, min_size: int, gpu: bool) -> bool:
@@ -201,10 +201,7 @@ class W12Layout(Pass):
                 appended += rest
             new = relax.Var("packed_params", relax.TupleType(fields + appended))
             rewriter = _Rewriter(out, old, new, slots, kernels_)
-            body = rewriter.visit_expr(func.body)
-            new_func = relax.Function([*func.params[:-1], new], body, func.ret_ty, func.is_pure, func.attrs)
-            rewriter.builder_.update_func(gv, new_func)
-            out = rewriter.builder_.get()
+            out = rebuild_packed(rewriter, gv, func, new)
             rewritten += rewriter.rewritten
         out = relax.transform.DeadCodeElimination()(out)
         known = [layout for _, _, layout in plan.values() if layout is not None]

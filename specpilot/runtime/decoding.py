@@ -53,10 +53,10 @@ class _Emitter:
         if self.hook is not None:
             logits_row = self.hook(pos, logits_row)
         top2 = logits_row.topk(2)
-        choice = int(top2.indices[0])
+        (first, second), (choice, runner_up) = top2.values.float().tolist(), top2.indices.tolist()   # two copies
         self.gen.choices.append(choice)
-        self.gen.margins.append(float(top2.values[0]) - float(top2.values[1]))
-        self.gen.runner_up.append(int(top2.indices[1]))
+        self.gen.margins.append(first - second)
+        self.gen.runner_up.append(runner_up)
         token = self.force[pos] if self.force is not None else choice
         self.gen.tokens.append(token)
         if token in self.stop_ids or len(self.gen.tokens) >= self.max_new:
