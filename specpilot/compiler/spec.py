@@ -49,6 +49,7 @@ class DrafterSpec(ModelSource):
     draft_len: int = Field(default=5, ge=1, le=64)
     top_k: int = Field(default=4, ge=1, le=64)
     layers: int | None = Field(default=None, ge=1)           # early-exit: target layers kept
+    adapter: str | None = None                                # early-exit: a trained adapter file
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
     min_ngram: int = Field(default=1, ge=1, le=16)
 
@@ -143,6 +144,8 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
             raise SpecError(spec.path, f"drafter.{given[0]}", f"a drafter of kind {d.kind!r} takes no model")
     if d.kind == "early-exit" and d.layers is None:
         raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
+    if d.adapter is not None and d.kind != "early-exit":
+        raise SpecError(spec.path, "drafter.adapter", f"an adapter follows an early exit; kind {d.kind!r} takes none")
     if d.min_ngram > d.max_ngram:
         raise SpecError(spec.path, "drafter.min_ngram", f"{d.min_ngram} exceeds max_ngram {d.max_ngram}")
     if spec.passes.strip():

@@ -1,0 +1,213 @@
+"""Early-exit adapters: the batched training forward is the reference model's arithmetic, the
+drafter a trained adapter file makes is the one that was trained, training lowers the KL, and a
+build with an adapter drafter is lossless and stores the shared weights once."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+
+from specpilot.compiler import adapter
+from specpilot.compiler.loader import early_exit, load_models
+from specpilot.compiler.spec import load_spec
+from specpilot.compiler.weights import random_weights
+from specpilot.errors import CheckpointError, SpecError, SpecPilotError
+from specpilot.runtime import drafter_training as dt
+from specpilot.runtime.decoding import autoregressive
+from specpilot.runtime.reference.model import ReferenceModel
+from specpilot.runtime.tokenizer import ByteTokenizer
+from tests.conftest import HYBRID, TINY_CONFIGS, tiny_config
+
+ATTENTION_ONLY = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+def _target(arch, seed=0, **overrides):
+    cfg = tiny_config(arch, **overrides)
+    return cfg, random_weights(cfg, seed)
+
+
+def _rows(lengths, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ATTENTION_ONLY)
+def test_batched_forward_is_the_reference(arch):
+    """Right-padded rows of odd lengths: every valid position's logits and every exit's hidden
+    state (through the final norm and head) equal the per-sequence reference's."""
+    cfg, w = _target(arch, seed=3)
+    rows = _rows([13, 7, 1], cfg.vocab_size, seed=4)
+    tokens, valid = dt._pad(rows, "cpu")
+    logits, hidden = dt.forward(cfg, w, tokens, valid, exits={1, 2})
+    ref = ReferenceModel(cfg, w)
+    for b, row in enumerate(rows):
+        want = ref.forward(row, ref.new_state(32))
+        torch.testing.assert_close(logits[b, :len(row)], want, rtol=1e-5, atol=1e-5)
+    from specpilot.compiler.loader import LoadedModel
+    for L in (1, 2):
+        sub = early_exit(LoadedModel(cfg, w, None, "t"), L)
+        small = ReferenceModel(sub.cfg, sub.weights)
+        got = dt.head(cfg, {**w, "lm_head.weight": ref.w["lm_head.weight"]}, hidden[L], w["model.norm.weight"])
+        for b, row in enumerate(rows):
+            torch.testing.assert_close(got[b, :len(row)], small.forward(row, small.new_state(32)), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_left_padded_is_greedy_reference():
+    cfg, w = _target("Qwen3ForCausalLM", seed=5)
+    prompts = _rows([9, 2, 5], cfg.vocab_size, seed=6)
+    outs = dt.generate(cfg, w, prompts, 11, stop=set())
+    ref = ReferenceModel(cfg, w)
+    for p, o in zip(prompts, outs):
+        assert o == autoregressive(ref, p, 11, 64).tokens
+    # a stop token ends its row (included) and not the others
+    stop = outs[0][3]
+    cut = dt.generate(cfg, w, prompts, 11, stop={stop})
+    assert cut[0] == outs[0][:outs[0].index(stop) + 1]
+    for o, c in zip(outs, cut):
+        assert c == (o[:o.index(stop) + 1] if stop in o else o)
+
+
+def _corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    rng = random.Random(0)
+    for i in range(4):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {rng.randrange(100)} + {j}\n\n\n" for j in range(30))
+        (d / f"m{i}.py").write_text(f"class C{i}:\n    pass\n\n\n" + body)
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapter")
+    cfg, w = _target("LlamaForCausalLM", seed=2, vocab_size=300)   # >= 256: byte tokenizer
+    results, info = dt.train_adapters(cfg, w, ByteTokenizer(cfg.vocab_size), [1, 2], steps=40, batch=4, seq_len=48,
+                                      generated=8, lr=1e-3, seed=1, corpus=_corpus(tmp), max_new=24, log=lambda m: None)
+    return tmp, cfg, w, results, info
+
+
+def test_training_lowers_the_kl_and_beats_the_bare_exit(trained):
+    _, cfg, w, results, info = trained
+    assert info["steps"] == 40 and info["target_digest"] == adapter.target_digest(w)
+    for r in results:
+        first, last = sum(r.losses[:5]) / 5, sum(r.losses[-5:]) / 5
+        assert last < 0.9 * first, (r.layers, first, last)
+        assert r.heldout["top1"] > r.heldout["top1_no_adapter"]
+        assert set(r.tensors) == set(adapter.adapter_shapes(cfg, r.layers))
+
+
+def test_the_drafter_is_what_was_trained(trained):
+    """An adapter file read back onto the target gives the drafter (reference model) the
+    training forward computed: same logits on fresh rows."""
+    tmp, cfg, w, results, _ = trained
+    r = results[1]
+    path = tmp / "a.safetensors"
+    adapter.save(path, r.tensors, r.layers, adapter.target_digest(w))
+    dcfg, dw, own = adapter.attach(path, cfg, w, r.layers)
+    assert dcfg.num_hidden_layers == r.layers + 1
+    assert own == frozenset(adapter.adapter_shapes(cfg, r.layers))
+    assert all(dw[k] is w[k] for k in dw if k not in own)        # shared, not copied
+    drafter = ReferenceModel(dcfg, dw)
+    rows = _rows([10, 3], cfg.vocab_size, seed=9)
+    tokens, valid = dt._pad(rows, "cpu")
+    _, hidden = dt.forward(cfg, w, tokens, valid, exits={r.layers})
+    got = dt._adapter_logits(cfg, w, r.tensors, r.layers, hidden[r.layers], valid)
+    for b, row in enumerate(rows):
+        torch.testing.assert_close(got[b, :len(row)], drafter.forward(row, drafter.new_state(16)), rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_errors(trained, tmp_path):
+    _, cfg, w, results, _ = trained
+    r = results[0]
+    good = tmp_path / "good.safetensors"
+    adapter.save(good, r.tensors, r.layers, adapter.target_digest(w))
+    with pytest.raises(CheckpointError, match="follows 1 target layers, the spec keeps 2"):
+        adapter.attach(good, cfg, w, 2)
+    other = random_weights(cfg, 99)
+    with pytest.raises(CheckpointError, match="trained for another target"):
+        adapter.attach(good, cfg, other, 1)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="cannot read the adapter"):
+        adapter.attach(corrupt, cfg, w, 1)
+    missing = tmp_path / "missing.safetensors"
+    adapter.save(missing, {k: v for k, v in r.tensors.items() if "q_proj" not in k}, 1, adapter.target_digest(w))
+    with pytest.raises(CheckpointError, match="missing model.layers.1.self_attn.q_proj"):
+        adapter.attach(missing, cfg, w, 1)
+    shaped = tmp_path / "shaped.safetensors"
+    adapter.save(shaped, {**r.tensors, "model.norm.weight": torch.ones(7)}, 1, adapter.target_digest(w))
+    with pytest.raises(CheckpointError, match="model.norm.weight has shape"):
+        adapter.attach(shaped, cfg, w, 1)
+    nan = tmp_path / "nan.safetensors"
+    adapter.save(nan, {**r.tensors, "model.norm.weight": torch.full_like(r.tensors["model.norm.weight"], float("nan"))},
+                 1, adapter.target_digest(w))
+    with pytest.raises(CheckpointError, match="not finite"):
+        adapter.attach(nan, cfg, w, 1)
+    from safetensors.torch import save_file
+    plain = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in r.tensors.items()}, str(plain))
+    with pytest.raises(CheckpointError, match="not an early-exit adapter"):
+        adapter.attach(plain, cfg, w, 1)
+
+
+def test_training_refuses_hybrid_targets_and_bad_exits():
+    cfg, w = _target(HYBRID)
+    with pytest.raises(SpecPilotError, match="Gated DeltaNet"):
+        dt.train_adapters(cfg, w, ByteTokenizer(512), [1], steps=1, batch=2, seq_len=16, generated=2)
+    cfg, w = _target("LlamaForCausalLM")
+    with pytest.raises(SpecPilotError, match="exit layer 3 is not in 1..2"):
+        dt.train_adapters(cfg, w, ByteTokenizer(512), [3], steps=1, batch=2, seq_len=16, generated=2)
+
+
+def _spec(tmp_path, drafter, arch="LlamaForCausalLM"):
+    data = {"target": {"architecture": arch, "config": {**TINY_CONFIGS[arch], "vocab_size": 300},
+                       "init": {"seed": 2}},
+            "drafter": drafter, "deployment": {"dtype": "float32", "max_seq_len": 300}}
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_spec_adapter_keys(tmp_path, trained):
+    with pytest.raises(SpecError, match="drafter.adapter.*kind 'ngram' takes none"):
+        load_spec(_spec(tmp_path, {"kind": "ngram", "adapter": "x.safetensors"}))
+    spec = load_spec(_spec(tmp_path, {"kind": "early-exit", "layers": 1, "adapter": "nope.safetensors"}))
+    with pytest.raises(SpecError, match="drafter.adapter.*does not exist"):
+        load_models(spec)
+
+
+def test_cli_train_then_compiled_build_is_lossless(tmp_path, trained, run_cli):
+    """`specpilot drafter train` writes adapters a spec then uses; the compiled build of that
+    spec (llvm) passes token forcing against stock, and stores the target's shared layers once."""
+    from specpilot.compiler.build import build
+    from specpilot.compiler.target import parse_target
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import from_build
+
+    corpus = _corpus(tmp_path)
+    holdout = tmp_path / "holdout.json"
+    holdout.write_text(json.dumps(["def f0_0(x):"]))
+    code, out, err = run_cli("drafter", "train", _spec(tmp_path, {"kind": "ngram"}), "--layers", "2", "-o",
+                             tmp_path / "ad", "--steps", "6", "--batch", "2", "--seq-len", "32", "--generate", "4",
+                             "--corpus", corpus, "--holdout", holdout, "--device", "cpu")
+    assert code == 0, err
+    report = json.loads((tmp_path / "ad" / "training.json").read_text())
+    assert report["steps"] == 6 and report["adapters"][0]["file"] == "adapter-L2.safetensors"
+    spec = load_spec(_spec(tmp_path, {"kind": "early-exit", "layers": 2, "adapter": "ad/adapter-L2.safetensors",
+                                      "draft_len": 4, "top_k": 3}))
+    manifest = build(spec, parse_target("llvm"), tmp_path / "build")
+    assert manifest["aliases"]["target.model.layers.0.self_attn.q_proj.weight"] == \
+        "drafter.model.layers.0.self_attn.q_proj.weight"
+    assert not any(k.startswith("target.model.layers.2.") for k in manifest["aliases"])   # the adapter's own
+    assert "drafter.model.layers.2.mlp.up_proj.weight" in manifest["params"]
+    system = from_build(tmp_path / "build")
+    prompts = [[(7 * i + r) % 300 for i in range(5 + 6 * r)] for r in range(2)]
+    stock = [system.generate("stock", p, 64) for p in prompts]
+    for engine in ("stock-spec", "compiled-spec"):
+        runs = [system.generate(engine, p, 64, force=s.tokens) for p, s in zip(prompts, stock)]
+        report = force_requests(stock, runs, tie_tolerance=0.0)
+        assert report.passed and not report.excused, (engine, report.first_divergence)
