@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32,64")
     ap.add_argument("--two-level", default="32,64", help="budgets of two-level rows ('' for none)")
     ap.add_argument("--chain-len", type=int, default=6)
+    ap.add_argument("--top-k", type=int, default=4, help="children a model drafter offers per tree node")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -106,13 +107,13 @@ def main() -> None:
         elif kind == "early-exit":
             sub = early_exit(target, int(n or 6))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
-            drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
+            drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
         elif kind == "adapter":   # early exit + a trained adapter (specpilot drafter train): adapter:FILE
             from specpilot.compiler.adapter import read
             layers = int(read(Path(n))[1]["layers"])
             sub = early_exit(target, layers, Path(n))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
-            drafters[f"adapter-L{layers}"] = lambda small=small: ModelDrafter(small, 4, capacity, "early-exit")
+            drafters[f"adapter-L{layers}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]
@@ -143,7 +144,7 @@ def main() -> None:
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
             partial = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                           "prompt_texts": texts, "view_matrices": viewed, "complete": False,
+                                           "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "complete": False,
                                            "results": rows}, args.out, path=partial)   # kept if a later row is cut short
             print(f"  {name:14s} {mode:9s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
                   f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
@@ -153,7 +154,7 @@ def main() -> None:
             if r["drafter"] == name:
                 r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
     path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                "prompt_texts": texts, "view_matrices": viewed, "complete": True, "results": rows},
+                                "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "complete": True, "results": rows},
                  args.out, path=partial)
     print(f"\n{'drafter':14s} {'mode':9s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
     for r in rows:

@@ -139,8 +139,9 @@ def generate(cfg: ModelConfig, w: dict, prompts: list[list[int]], max_new: int, 
         for i in range(cfg.num_hidden_layers):
             h = attention_layer(cfg, w, f"model.layers.{i}.", h, cos, sin, mask, caches[i])
         logits = head(cfg, w, h[:, -1], w["model.norm.weight"]).float()
-        if temperature > 0:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=rng)[:, 0]
+        if temperature > 0:   # Gumbel-max: a sample of softmax(logits / temperature)
+            u = torch.rand(logits.shape, generator=rng, device=dev).clamp_(min=1e-20)
+            nxt = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
         else:
             nxt = logits.argmax(-1)
         steps.append(torch.where(done, -1, nxt))
@@ -167,15 +168,17 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
 
 
 def code_prompts(files: list[Path], rng: random.Random, n: int, max_chars: int = 160) -> list[str]:
-    """Starts of function and class definitions, cut after ``max_chars``."""
+    """Starts of function and class definitions, cut after ``max_chars`` (as many per file as
+    ``n`` needs over all files, at least 3)."""
     out = []
+    per_file = max(3, -(-3 * n // max(len(files), 1)))
     for path in rng.sample(files, len(files)):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*(?:def|class) ", text)]
-        for i in rng.sample(starts, min(3, len(starts))):
+        for i in rng.sample(starts, min(per_file, len(starts))):
             chunk = text[i:i + max_chars]
             out.append(chunk[:chunk.rfind("\n") + 1] if "\n" in chunk[40:] else chunk)
             if len(out) == n:

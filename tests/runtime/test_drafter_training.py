@@ -71,6 +71,15 @@ def test_generate_left_padded_is_greedy_reference():
         assert c == (o[:o.index(stop) + 1] if stop in o else o)
 
 
+def test_sampling_is_seeded_and_cools_to_greedy():
+    cfg, w = _target("LlamaForCausalLM", seed=5)
+    prompts = _rows([4, 4], cfg.vocab_size, seed=7)
+    sample = lambda t, s: dt.generate(cfg, w, prompts, 12, set(), temperature=t,  # noqa: E731
+                                      rng=torch.Generator().manual_seed(s))
+    assert sample(1.0, 3) == sample(1.0, 3) and sample(1.0, 3) != sample(1.0, 4)
+    assert sample(1e-4, 3) == dt.generate(cfg, w, prompts, 12, set())
+
+
 def _corpus(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
