@@ -79,3 +79,16 @@ def test_w12_on_every_smollm2_weight():
     print(f"\nSmolLM2-135M W12: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate {result['escape_rate']:.4%}")
     assert result["bit_exact"] and all(t["bit_exact"] for t in result["tensors"])
     assert result["bytes_ratio"] <= 0.76
+
+
+def test_shipped_adapter_drafter_is_lossless():
+    """examples/smollm2-adapter.yaml: the adapter trained on the H200 attaches to this target (its
+    digest matches) and speculative decoding with it is stock's tokens."""
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import load_system
+    system = load_system(SPEC.with_name("smollm2-adapter.yaml"))
+    prompt = system.tokenizer.encode("def is_prime(n: int) -> bool:\n")
+    stock = system.generate("stock", prompt, 64)
+    run = system.generate("stock-spec", prompt, 64, force=stock.tokens)
+    print(f"\nSmolLM2-135M + adapter: {run.mean_accepted:.2f} tokens/verification")
+    assert force_requests([stock], [run]).passed
