@@ -99,7 +99,8 @@ def main() -> None:
     print(f"stock AR: {len(prompts)} prompts x {args.max_new_tokens} tokens in {time.perf_counter() - t0:.0f} s",
           flush=True)
 
-    drafters = {}
+    from specpilot.compiler.weights import file_digest
+    drafters, sources = {}, {}
     for item in args.drafters.split(","):
         kind, _, n = item.partition(":")
         if kind == "ngram":
@@ -114,6 +115,7 @@ def main() -> None:
             sub = early_exit(target, layers, Path(n))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
             drafters[f"adapter-L{layers}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
+            sources[f"adapter-L{layers}"] = {"adapter": n, "sha256": file_digest(Path(n))}
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]
@@ -144,7 +146,7 @@ def main() -> None:
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
             partial = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                           "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "complete": False,
+                                           "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "drafter_sources": sources, "complete": False,
                                            "results": rows}, args.out, path=partial)   # kept if a later row is cut short
             print(f"  {name:14s} {mode:9s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
                   f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
@@ -154,7 +156,7 @@ def main() -> None:
             if r["drafter"] == name:
                 r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
     path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "complete": True, "results": rows},
+                                "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "drafter_sources": sources, "complete": True, "results": rows},
                  args.out, path=partial)
     print(f"\n{'drafter':14s} {'mode':9s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
     for r in rows:

@@ -32,14 +32,10 @@ import torch.nn.functional as F
 from specpilot.compiler.adapter import adapter_shapes, target_digest
 from specpilot.compiler.config import ModelConfig
 from specpilot.errors import SpecPilotError
-from specpilot.runtime.reference.model import rms_norm, rotate_half
+from specpilot.runtime.reference.model import linear, rms_norm, rotate_half
 
 
 # -- the batched forward ----------------------------------------------------------------
-def _linear(x, w, name):
-    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
-
-
 def rotary(cfg: ModelConfig, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     rot = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float, device=positions.device) / rot))
@@ -55,14 +51,14 @@ def attention_layer(cfg: ModelConfig, w: dict, p: str, h: torch.Tensor, cos, sin
     d, nh, nkv, rot = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim
     x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
     a = p + "self_attn."
-    q = _linear(x, w, a + "q_proj")
+    q = linear(x, w, a + "q_proj")
     gate = None
     if cfg.attn_output_gate:
         q, gate = q.view(B, T, nh, 2 * d).chunk(2, dim=-1)
         gate = gate.reshape(B, T, -1)
     q = q.reshape(B, T, nh, d)
-    k = _linear(x, w, a + "k_proj").view(B, T, nkv, d)
-    v = _linear(x, w, a + "v_proj").view(B, T, nkv, d)
+    k = linear(x, w, a + "k_proj").view(B, T, nkv, d)
+    v = linear(x, w, a + "v_proj").view(B, T, nkv, d)
     if cfg.qk_norm:
         q = rms_norm(q, w[a + "q_norm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
         k = rms_norm(k, w[a + "k_norm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
@@ -80,9 +76,9 @@ def attention_layer(cfg: ModelConfig, w: dict, p: str, h: torch.Tensor, cos, sin
     out = out.transpose(1, 2).reshape(B, T, nh * d)
     if gate is not None:
         out = out * torch.sigmoid(gate)
-    h = h + _linear(out, w, a + "o_proj")
+    h = h + linear(out, w, a + "o_proj")
     x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
-    return h + _linear(F.silu(_linear(x, w, p + "mlp.gate_proj")) * _linear(x, w, p + "mlp.up_proj"), w,
+    return h + linear(F.silu(linear(x, w, p + "mlp.gate_proj")) * linear(x, w, p + "mlp.up_proj"), w,
                        p + "mlp.down_proj")
 
 
