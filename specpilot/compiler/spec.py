@@ -48,6 +48,7 @@ class DrafterSpec(ModelSource):
     kind: Literal["model", "early-exit", "ngram"] = "model"
     draft_len: int = Field(default=5, ge=1, le=64)
     top_k: int = Field(default=4, ge=1, le=64)
+    temperature: float = Field(default=1.0, gt=0, le=100)    # model drafters: scales the tree's scores
     layers: int | None = Field(default=None, ge=1)           # early-exit: target layers kept
     adapter: str | None = None                                # early-exit: a trained adapter file
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched

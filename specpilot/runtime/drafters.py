@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
+from specpilot.errors import SpecPilotError
 from specpilot.runtime.lattice import Lattice
 from specpilot.runtime.reference.model import ReferenceModel
 
@@ -28,9 +29,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ModelDrafter:
-    def __init__(self, model: ReferenceModel, top_k: int, capacity: int, name: str = "model"):
+    def __init__(self, model: ReferenceModel, top_k: int, capacity: int, name: str = "model",
+                 temperature: float = 1.0):
+        """``temperature``: the log-probabilities offered are log_softmax(logits / temperature)
+        (tree shape only: which tokens the chain drafts does not change, and verification alone
+        decides what is accepted)."""
+        if not temperature > 0:
+            raise SpecPilotError(f"drafter temperature must be positive, got {temperature}")
         self.model, self.top_k, self.capacity, self.name = model, top_k, capacity, name
+        self.temperature = float(temperature)
         self.reset()
+
+    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
 
     def reset(self) -> None:
         self.state = None   # a compiled model's old state gives its cache row back first
@@ -60,12 +71,12 @@ class ModelDrafter:
     def expander(self, context: list[int]):
         """For tree drafting: path below the context -> the drafter's top-k next tokens with
         their log-probabilities, conditioned on context + path."""
-        root = torch.log_softmax(self._sync(context), dim=-1)
+        root = self._logp(self._sync(context))
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             if len(context) + len(path) >= self.capacity:
                 return []
-            logp = root if not path else torch.log_softmax(self._sync(context + path, keep_history=True), dim=-1)
+            logp = root if not path else self._logp(self._sync(context + path, keep_history=True))
             return self._top(logp)
 
         if self._tree_capable():
@@ -109,7 +120,7 @@ class ModelDrafter:
                                         attn_mask=mask, record=True, parents=parents)
         finally:
             self.state.restore(snap, keep_history=True)
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = self._logp(logits)
         return [[] if base + len(path) >= self.capacity else self._top(logp[nodes[tuple(path)]]) for path in paths]
 
     def propose(self, context: list[int], n: int) -> Lattice:
@@ -119,7 +130,7 @@ class ModelDrafter:
         logits = self._sync(context)
         tokens, logprobs = [], []
         for i in range(n):
-            top = torch.log_softmax(logits, dim=-1).topk(self.top_k)
+            top = self._logp(logits).topk(self.top_k)
             tokens.append(top.indices)
             logprobs.append(top.values)
             if i + 1 < n:

@@ -150,10 +150,11 @@ class System:
                 own.state = None
 
 
-def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int, min_ngram: int):
+def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int, min_ngram: int,
+                     temperature: float = 1.0):
     if kind == "ngram":
         return lambda: NGramDrafter(max_ngram, min_ngram, top_k)
-    return lambda: ModelDrafter(model, top_k, capacity, name=kind)
+    return lambda: ModelDrafter(model, top_k, capacity, name=kind, temperature=temperature)
 
 
 def tree_budget(pipeline_text: str) -> int:
@@ -177,7 +178,7 @@ def from_spec(spec) -> System:
     capacity, d = spec.deployment.max_seq_len, spec.drafter
     reference = ReferenceModel(target.cfg, target.weights, dtype)
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
-    make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram)
+    make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature)
     engines = Engines({"stock": Engine(reference), "stock-spec": Engine(reference, make)})
     budget = tree_budget(spec.passes)
     if budget:
@@ -199,9 +200,11 @@ def from_build(build_dir: Path) -> System:
     refs = {which: ReferenceModel(ModelConfig.from_dict(m["models"][which]), module.reference_weights(which), dtype,
                                   device) for which in m["models"]}
     compiled = {which: module.model(which) for which in m["models"]}
-    ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"])
+    temperature = d.get("temperature", 1.0)     # builds before it was a drafter option
+    ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"],
+                                temperature)
     cmp_make = _drafter_factory(d["kind"], compiled.get("drafter"), d["top_k"], capacity, d["max_ngram"],
-                                d["min_ngram"])
+                                d["min_ngram"], temperature)
     engines = Engines({"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
                        "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)})
     budget = tree_budget(m["pipeline"])

@@ -62,6 +62,10 @@ BAD_SPECS = [
     ({"target": RANDOM_TARGET, "drafter": {"kind": "ngram", "min_ngram": 5, "max_ngram": 2}},
      "drafter.min_ngram", "exceeds max_ngram"),
     ({"target": RANDOM_TARGET, "drafter": {"kind": "beam"}}, "drafter.kind", "expected one of"),
+    ({"target": RANDOM_TARGET, "drafter": {"kind": "early-exit", "layers": 1, "temperature": 0}},
+     "drafter.temperature", "greater than 0"),
+    ({"target": RANDOM_TARGET, "drafter": {"kind": "ngram", "adapter": "a.safetensors"}},
+     "drafter.adapter", "takes none"),
 ]
 
 

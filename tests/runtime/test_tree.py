@@ -195,6 +195,33 @@ def test_batched_drafter_expansion_matches_node_by_node(arch):
     assert batch_drafter.propose(nxt, 4).chain() == fresh.propose(nxt, 4).chain()
 
 
+def test_drafter_temperature_reshapes_trees_not_chains_and_stays_exact():
+    """A drafter temperature scales the log-probabilities a tree is built from: the chain's
+    drafted tokens are the same, the batched expansion agrees with node-by-node, the tree may
+    differ, and tree decoding is still stock's tokens."""
+    target = tiny_model(DENSE, seed=0)
+    draft = noisy_copy(target, 0.3)
+    context = [(7 * i + 3) % 301 for i in range(13)]
+    plain, hot = ModelDrafter(draft, 4, 300), ModelDrafter(draft, 4, 300, temperature=2.5)
+    assert plain.propose(context, 5).chain() == hot.propose(context, 5).chain()
+    a = ModelDrafter(draft, 4, 300, temperature=2.5).expander(context)([])
+    b = torch.log_softmax(ModelDrafter(draft, 4, 300)._sync(context) / 2.5, dim=-1)
+    np.testing.assert_allclose([lp for _, lp in a], b.topk(4).values.tolist(), rtol=1e-5)
+    paths = [[5], [5, 9], [17, 2, 4]]
+    batched = ModelDrafter(draft, 4, 300, temperature=0.5).expander(context).batch(paths)
+    single = ModelDrafter(draft, 4, 300, temperature=0.5).expander(context)
+    for path, got in zip(paths, batched):
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in single(path)], rtol=1e-4, atol=1e-5)
+    shapes = {t: best_first(ModelDrafter(draft, 4, 300, temperature=t).expander(context), 32, 10).depths
+              for t in (0.3, 3.0)}
+    assert max(shapes[0.3]) > max(shapes[3.0])      # sharper scores: a deeper, narrower tree
+    for t in (0.3, 3.0):
+        gen, _ = _check_forcing(target, lambda t=t: ModelDrafter(draft, 3, 300, temperature=t), context, 30, 32)
+        assert gen.mean_accepted > 1.0
+    with pytest.raises(Exception, match="temperature must be positive"):
+        ModelDrafter(draft, 4, 300, temperature=0.0)
+
+
 def _bf16_valued(model):
     from specpilot.runtime.reference.model import ReferenceModel
     tied = model.cfg.tie_word_embeddings
