@@ -323,6 +323,10 @@ def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, see
     target = load_source(s, s.target, "target")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPilotError(f"--device {device}: no CUDA device here (use --device cpu)")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SpecPilotError(f"--device {device}: expected cpu, cuda or auto")
     texts = []
     if holdout is not None:
         try:

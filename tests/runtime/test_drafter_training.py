@@ -181,6 +181,20 @@ def _spec(tmp_path, drafter, arch="LlamaForCausalLM"):
     return path
 
 
+def test_cli_train_bad_input_is_one_line(tmp_path, run_cli):
+    spec = _spec(tmp_path, {"kind": "ngram"})
+    code, _, err = run_cli("drafter", "train", spec, "--layers", "1", "-o", tmp_path / "o", "--device", "tpu")
+    assert code == 2 and "expected cpu, cuda or auto" in err
+    bad = tmp_path / "holdout.json"
+    bad.write_text("{not json")
+    code, _, err = run_cli("drafter", "train", spec, "--layers", "1", "-o", tmp_path / "o", "--holdout", bad,
+                           "--device", "cpu")
+    assert code == 2 and "not JSON" in err
+    hybrid = _spec(tmp_path, {"kind": "ngram"}, arch=HYBRID)
+    code, _, err = run_cli("drafter", "train", hybrid, "--layers", "1", "-o", tmp_path / "o", "--device", "cpu")
+    assert code == 2 and "Gated DeltaNet" in err and not (tmp_path / "o").exists()
+
+
 def test_missing_adapter_file_names_the_key(tmp_path):
     spec = load_spec(_spec(tmp_path, {"kind": "early-exit", "layers": 1, "adapter": "nope.safetensors"}))
     with pytest.raises(SpecError, match="drafter.adapter.*does not exist"):
