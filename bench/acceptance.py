@@ -122,6 +122,8 @@ def main() -> None:
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]
+    meta = {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "prompt_texts": texts,
+            "view_matrices": viewed, "top_k": args.top_k, "drafter_sources": sources}
     rows, partial = [], None
     for name, make in drafters.items():
         configs = [("chain", args.chain_len)] + [("tree", b) for b in budgets] + \
@@ -148,9 +150,8 @@ def main() -> None:
                    "identical_to_ar": f"{identical}/{len(prompts)}", "off_first_rank_passes": off_rank,
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
-            partial = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                           "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "drafter_sources": sources, "complete": False,
-                                           "results": rows}, args.out, path=partial)   # kept if a later row is cut short
+            partial = write("acceptance", {**meta, "complete": False, "results": rows}, args.out,
+                            path=partial)   # kept if a later row is cut short
             print(f"  {name:14s} {mode:9s} {size:3d}: {row['mean_accepted']:.3f} tokens/verification, "
                   f"identical {row['identical_to_ar']}, {row['seconds']} s", flush=True)
     for name in drafters:
@@ -158,9 +159,7 @@ def main() -> None:
         for r in rows:
             if r["drafter"] == name:
                 r["vs_chain"] = r["mean_accepted"] / chain["mean_accepted"]
-    path = write("acceptance", {"spec": args.spec, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                "prompt_texts": texts, "view_matrices": viewed, "top_k": args.top_k, "drafter_sources": sources, "complete": True, "results": rows},
-                 args.out, path=partial)
+    path = write("acceptance", {**meta, "complete": True, "results": rows}, args.out, path=partial)
     print(f"\n{'drafter':14s} {'mode':9s} {'size':>4s} {'acc/verif':>9s} {'vs chain':>8s} {'identical':>9s}")
     for r in rows:
         print(f"{r['drafter']:14s} {r['mode']:9s} {r['size']:4d} {r['mean_accepted']:9.3f} {r['vs_chain']:8.2f} "

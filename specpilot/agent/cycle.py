@@ -194,7 +194,8 @@ class Search:
         # the base's median against its own A/A run on the same requests: a large drift says the
         # conditions moved between the two (another build loaded, clocks) -- shown, not corrected
         aa = self.log.find("aa")
-        drift = base_median / aa["base_median"] - 1 if aa and base == "" and prompts is self.dev and             max_new == self.time_tokens else None
+        drift = base_median / aa["base_median"] - 1 if aa and base == "" and prompts is self.dev and \
+            max_new == self.time_tokens else None
         return self.log.add(key, base=base, candidate=cand, interval=interval.to_dict(),
                             verdict=verdict.to_dict() if verdict else None,
                             base_median=base_median, candidate_median=sorted(c)[len(c) // 2], base_drift=drift)

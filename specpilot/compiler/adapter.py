@@ -6,8 +6,8 @@ own tensors, so an adapter file holds one layer: small enough to ship beside a s
 The file is safetensors: the adapter layer under its place in the drafter
 (``model.layers.{L}.*``), ``model.norm.weight``, and metadata: ``format``, ``layers`` (L) and
 ``target_digest`` (of the target's embeddings and final norm: an adapter trained for another
-model is refused).  `training` (runtime.drafter_training) writes them; `attach` reads one
-onto a target.
+model is refused).  `specpilot drafter train` (runtime.drafter_training) trains them and
+`save` writes them; `attach` reads one onto a target.
 """
 
 from __future__ import annotations

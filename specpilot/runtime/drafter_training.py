@@ -260,9 +260,8 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
     held = {t.strip() for t in holdout}
 
     # the target's own outputs: greedy continuations of code prompts and of questions it samples
-    texts = [t for t in code_prompts(files, rng, generated // 2 if chat_markers(tokenizer) else generated)
-             if t.strip() not in held]
     markers = chat_markers(tokenizer)
+    texts = [t for t in code_prompts(files, rng, generated // 2 if markers else generated) if t.strip() not in held]
     stop = set(cfg.eos_token_ids)
     sequences: list[list[int]] = []
     gen_batch = 1024 if device != "cpu" else 8     # a decode step costs about the same at 128 or 1024 rows
