@@ -297,15 +297,27 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
     params = {L: _init_adapter(cfg, weights, L, device) for L in layers}
     opts = {L: torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0) for L, p in params.items()}
     results = {L: AdapterResult(L, {}) for L in layers}
-    warm = max(1, steps // 20)
-    schedule = lambda step: min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))  # noqa: E731
+    # cosine decay over the run's progress: steps done, or the share of the time limit spent
+    # training, whichever is further (a run stopped by its time limit still ends annealed)
+    warm = max(1, min(steps // 20, 100))
+    train_start = time.perf_counter()
+    train_budget = None if time_limit is None else max(time_limit - (train_start - started), 1e-3)
+
+    def progress(step: int) -> float:
+        p = step / steps
+        if train_budget is not None:
+            p = max(p, (time.perf_counter() - train_start) / train_budget)
+        return min(p, 1.0)
+
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device != "cpu" else torch.autocast(
         device_type="cpu", enabled=False)
-    done = 0
+    done, factor, next_log = 0, 0.0, 0.0
     for step in range(steps):
-        if time_limit is not None and time.perf_counter() - started > time_limit:
+        p = progress(step)
+        if p >= 1.0:
             log(f"time limit: stopped after {step} steps")
             break
+        factor = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
         rows = [next(windows) if i % 2 == 0 or not train_seqs else train_seqs[rng.randrange(len(train_seqs))]
                 for i in range(batch)]
         tokens, valid = _pad(rows, device)
@@ -315,7 +327,7 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
         keep = valid.reshape(-1)
         for L in layers:
             for g in opts[L].param_groups:
-                g["lr"] = lr * schedule(step)
+                g["lr"] = lr * factor
             with autocast:
                 student = _adapter_logits(cfg, w, params[L], L, hidden[L], valid)
             logp = torch.log_softmax(student.float(), -1).reshape(-1, student.shape[-1])[keep]
@@ -327,7 +339,8 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
             opts[L].step()
             results[L].losses.append(float(loss.detach()))
         done = step + 1
-        if step % max(1, steps // 10) == 0 or step == steps - 1:
+        if p >= next_log or step == steps - 1:
+            next_log += 0.1
             log(f"step {step}: " + ", ".join(f"L{L} KL {results[L].losses[-1]:.3f}" for L in layers))
 
     for L in layers:
@@ -336,7 +349,7 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
         log(f"L{L}: held-out top-1 agreement {results[L].heldout['top1']:.3f} "
             f"(early exit without adapter {results[L].heldout['top1_no_adapter']:.3f}), "
             f"target's token in top 4 {results[L].heldout['top4']:.3f}")
-    info = {"steps": done, "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed,
+    info = {"steps": done, "batch": batch, "seq_len": seq_len, "lr": lr, "last_lr": lr * factor, "seed": seed,
             "generated_sequences": len(sequences), "heldout_sequences": len(heldout),
             "generation_seconds": round(gen_seconds, 1), "seconds": round(time.perf_counter() - started, 1),
             "corpus": str(corpus or "python stdlib"), "device": device, "torch": torch.__version__,

@@ -109,6 +109,20 @@ def test_training_lowers_the_kl_and_beats_the_bare_exit(trained):
         assert set(r.tensors) == set(adapter.adapter_shapes(cfg, r.layers))
 
 
+def test_time_limited_training_ends_annealed(tmp_path):
+    """A run cut by its time limit (far more steps asked than fit) still decays the learning
+    rate to ~0 by the end, instead of stopping mid-schedule at a high rate; a step-limited run
+    ends at the schedule's end too."""
+    cfg, w = _target("LlamaForCausalLM", seed=3, vocab_size=300)
+    corpus = _corpus(tmp_path)
+    kw = dict(batch=2, seq_len=32, generated=2, lr=1e-3, seed=1, corpus=corpus, max_new=8, log=lambda m: None)
+    _, info = dt.train_adapters(cfg, w, ByteTokenizer(cfg.vocab_size), [1], steps=10**6, time_limit=4.0, **kw)
+    assert 0 < info["steps"] < 10**6
+    assert info["last_lr"] < 0.05 * 1e-3, info
+    _, info = dt.train_adapters(cfg, w, ByteTokenizer(cfg.vocab_size), [1], steps=30, **kw)
+    assert info["steps"] == 30 and info["last_lr"] < 0.01 * 1e-3, info
+
+
 def test_the_drafter_is_what_was_trained(trained):
     """An adapter file read back onto the target gives the drafter (reference model) the
     training forward computed: same logits on fresh rows."""
