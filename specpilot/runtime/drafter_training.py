@@ -269,15 +269,20 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
         start, end = markers
         end_id = tokenizer.encode(end)[0]
         head_ids = tokenizer.encode(f"{start}user\n")
-        questions = []
-        while len(questions) < generated - len(texts):
-            n = min(gen_batch, generated - len(texts) - len(questions))
-            for q in generate(cfg, w, [head_ids] * n, 40, {end_id}, temperature=0.9, rng=gen):
+        questions, tries = [], 0
+        want = generated - len(texts)
+        while len(questions) < want and tries < 64 * want + gen_batch:   # a target that rarely ends one
+            # whole batches: most samples that do not end within the limit are long, not broken
+            n = gen_batch if device != "cpu" else min(gen_batch, want - len(questions))
+            tries += n
+            for q in generate(cfg, w, [head_ids] * n, 64, {end_id}, temperature=0.9, rng=gen):
                 text = tokenizer.decode([t for t in q if t != end_id]).strip()
                 if q and q[-1] == end_id and text and text not in held:
                     questions.append(text)
+        questions = questions[:want]
         texts += [f"{start}user\n{q}{end}\n{start}assistant\n" for q in questions]
-        log(f"sampled {len(questions)} questions in {time.perf_counter() - started:.0f} s")
+        log(f"sampled {len(questions)} questions ({tries} samples, {len(questions) / max(tries, 1):.0%} kept: "
+            f"ended within 64 tokens, not held out) in {time.perf_counter() - started:.0f} s")
         stop.add(end_id)
     prompts = [tokenizer.encode(t) for t in texts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths per batch

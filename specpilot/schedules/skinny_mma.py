@@ -36,6 +36,8 @@ class Config:
     wn: int         # warps along N
     wk: int         # warps along K (split-K inside the block)
     unroll: int = 4  # k steps whose loads are in flight together
+    xs: bool = False  # stage the block's rows of x in shared memory (one global read per block)
+    prefetch: int = 0  # iterations ahead whose weight lines each warp asks the L2 to fetch (0: none)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -91,6 +93,12 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
     slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
     threads = 32 * WN * WK
 
+    XS, PF = cfg.xs, cfg.prefetch
+    per_row = max(1, U * 64 // 128)     # 128-byte lines of one weight row per iteration (U steps)
+    lines = AT * 16 * per_row           # ... of the warp's weight tile
+    x_vecs = WK * U * BM * 4            # 16-byte pieces of x a block stages per U steps (XS)
+    x_rounds = (x_vecs + threads - 1) // threads
+
     @T.macro
     def launch(x, w, y, m):
         for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
@@ -103,19 +111,46 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                             xb = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
                             bf = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
                             acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
-                            red = T.alloc_buffer((WK, slots), "float32", scope="shared")
                             for a, t, c in T.grid(AT, MT, 4):
                                 acc[a, t, c] = T.float32(0)
+                            if XS:
+                                xs = T.alloc_buffer((WK, U, BM, 32), "bfloat16", scope="shared")
                             for so in T.serial(steps // U):
+                                if PF > 0:
+                                    # the weight lines PF iterations ahead: in flight to the L2 without
+                                    # holding registers (a weight-bound kernel's loads wait on DRAM)
+                                    for j in T.serial((lines + 31) // 32):
+                                        if j * 32 + lane < lines and so + PF < steps // U:
+                                            T.evaluate(T.ptx.prefetch.global_.L2(T.address_of(
+                                                w[bx * BN + nw * (16 * AT) + (j * 32 + lane) // per_row,
+                                                  kw * k_share + (so + PF) * U * 32 + ((j * 32 + lane) % per_row) * 64])))
                                 # U steps' loads issued before any of their multiplies
                                 for u, a, h in T.grid(U, AT, 2):
                                     for v in T.vectorized(8):
                                         wa[u, a, h, v] = w[bx * BN + nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
                                                            kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
-                                for u, t in T.grid(U, MT):
-                                    for v in T.vectorized(8):
-                                        xb[u, t, v] = x[T.min(by * BM + t * 8 + lane // 4, m - 1),
-                                                        kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
+                                if XS:
+                                    # every warp of the block (all k shares) stages the block's rows once;
+                                    # warps then read their operands from shared memory
+                                    T.tvm_storage_sync("shared")
+                                    for r in T.serial(x_rounds):
+                                        if r * threads + (kw * WN + nw) * 32 + lane < x_vecs:
+                                            i = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                                            for v in T.vectorized(8):
+                                                xs[i // (U * BM * 4), (i // (BM * 4)) % U, (i // 4) % BM,
+                                                   (i % 4) * 8 + v] = x[
+                                                    T.min(by * BM + (i // 4) % BM, m - 1),
+                                                    (i // (U * BM * 4)) * k_share + (so * U + (i // (BM * 4)) % U) * 32
+                                                    + (i % 4) * 8 + v]
+                                    T.tvm_storage_sync("shared")
+                                    for u, t in T.grid(U, MT):
+                                        for v in T.vectorized(8):
+                                            xb[u, t, v] = xs[kw, u, t * 8 + lane // 4, (lane % 4) * 8 + v]
+                                else:
+                                    for u, t in T.grid(U, MT):
+                                        for v in T.vectorized(8):
+                                            xb[u, t, v] = x[T.min(by * BM + t * 8 + lane // 4, m - 1),
+                                                            kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
                                 # element copies (registers after nvcc): the mma operand is addressed in
                                 # bf16 elements, and TVM types a buffer only ever vector-loaded as uint4
                                 for u, t, v in T.grid(U, MT, 8):
@@ -130,20 +165,29 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                                             "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
                                             af.data, (q * AT + a) * 8, bf.data, (u * MT + t) * 8 + q * 4,
                                             acc.data, (a * MT + t) * 4, False, dtype="float32"))
-                            for a, t, c in T.grid(AT, MT, 4):
-                                red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
-                            T.tvm_storage_sync("shared")
-                            for r in T.serial((slots + threads - 1) // threads):
-                                if r * threads + (kw * WN + nw) * 32 + lane < slots:
-                                    total = T.alloc_buffer((1,), "float32", scope="local")
-                                    total[0] = T.float32(0)
-                                    for j in T.unroll(WK):
-                                        total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
-                                    o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
-                                    row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
-                                    if row < m:
-                                        y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
-                                          + (o % 32) // 4] = total[0]
+                            if WK == 1:
+                                # C fragment: channel g (+8 for c >= 2), row 2 (lane % 4) (+1 for odd c)
+                                for a, t, c in T.grid(AT, MT, 4):
+                                    if by * BM + t * 8 + (lane % 4) * 2 + c % 2 < m:
+                                        y[by * BM + t * 8 + (lane % 4) * 2 + c % 2,
+                                          bx * BN + (nw * AT + a) * 16 + (c // 2) * 8 + lane // 4] = acc[a, t, c]
+                            else:
+                                red = T.alloc_buffer((WK, slots), "float32", scope="shared")
+                                for a, t, c in T.grid(AT, MT, 4):
+                                    red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
+                                T.tvm_storage_sync("shared")
+                                for r in T.serial((slots + threads - 1) // threads):
+                                    if r * threads + (kw * WN + nw) * 32 + lane < slots:
+                                        total = T.alloc_buffer((1,), "float32", scope="local")
+                                        total[0] = T.float32(0)
+                                        for j in T.unroll(WK):
+                                            total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
+                                        o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                                        row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2
+                                                         + (o // 32) % 2)
+                                        if row < m:
+                                            y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
+                                              + (o % 32) // 4] = total[0]
     return launch
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -246,3 +247,50 @@ def test_cli_train_then_compiled_build_is_lossless(tmp_path, trained, run_cli):
         runs = [system.generate(engine, p, 64, force=s.tokens) for p, s in zip(prompts, stock)]
         report = force_requests(stock, runs, tie_tolerance=0.0)
         assert report.passed and not report.excused, (engine, report.first_divergence)
+
+
+class _ChatBytes(ByteTokenizer):
+    """Bytes plus the two ChatML markers as single tokens (ids 256, 257)."""
+    SPECIAL = {"<|im_start|>": 256, "<|im_end|>": 257}
+
+    def encode(self, text):
+        out = []
+        for part in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
+            out += [self.SPECIAL[part]] if part in self.SPECIAL else list(part.encode())
+        return out
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_chat_questions_the_target_samples_become_prompts(monkeypatch, tmp_path, ends):
+    """With ChatML markers, half the prompts are questions the target samples after
+    '<|im_start|>user\\n': kept only when they end with <|im_end|>, are not empty and are not a
+    held-out prompt; a target that never ends one stops after a bounded number of samples."""
+    cfg, w = _target("LlamaForCausalLM", seed=4, vocab_size=300)
+    tok = _ChatBytes(cfg.vocab_size)
+    samples = [list(b"what is 1?"), list(b"held question"), list(b"no end in sight"), [], list(b" why ")]
+    real, greedy_prompts, sampled = dt.generate, [], []
+
+    def fake(cfg_, w_, prompts, max_new, stop, temperature=0.0, rng=None):
+        if temperature == 0.0:
+            greedy_prompts.extend(prompts)
+            return real(cfg_, w_, prompts, max_new, stop)
+        assert prompts == [tok.encode("<|im_start|>user\n")] * len(prompts) and stop == {257}
+        out = []
+        for _ in prompts:
+            s = samples[len(sampled) % len(samples)]
+            sampled.append(s)
+            out.append(s + [257] if ends and s is not samples[2] else s)
+        return out
+
+    monkeypatch.setattr(dt, "generate", fake)
+    logs = []
+    dt.train_adapters(cfg, w, tok, [1], steps=2, batch=2, seq_len=32, generated=8, seed=1,
+                      holdout=["held question"], corpus=_corpus(tmp_path), max_new=4, log=logs.append)
+    chats = [tok.decode(p) for p in greedy_prompts if p[:1] == [256]]
+    line = next(m for m in logs if m.startswith("sampled"))
+    if ends:
+        assert chats and set(chats) <= {"user\nwhat is 1?\nassistant\n", "user\nwhy\nassistant\n"}, chats
+        assert len(chats) == 4 and line.startswith("sampled 4 questions"), line
+    else:
+        assert chats == [] and line.startswith("sampled 0 questions"), line
+        assert len(sampled) <= 64 * 4 + 8

@@ -6,6 +6,8 @@ skinny-mma builds (bench/gpu_forcing.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import tvm
 from tvm import relax
@@ -134,3 +136,18 @@ def test_kernel_compiles_to_sm90_mma_without_a_gpu(tmp_path):
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 3   # one per M configuration
     # the operands are addressed in bf16 elements: their local arrays must be bf16, not vector-typed
     assert "nv_bfloat16 bf_ptr[" in text and "nv_bfloat16 af_ptr[" in text and "uint4 bf_ptr" not in text
+
+
+def test_shared_x_configurations_compile_to_staged_mma_without_a_gpu(tmp_path):
+    """x staged in shared memory (one global read per block): with split-K inside the block (the
+    partial sums meet in shared memory too) and without (accumulators stored directly)."""
+    text = sm90_source(
+        tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+        "{'split': skinny_nt_matmul(128, 192, ((None, Config(3, 1, 2, 2, 2, xs=True)),)),"
+        " 'direct': skinny_nt_matmul(128, 192, ((None, Config(3, 2, 4, 1, 2, xs=True)),))}")
+    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 2
+    bodies = {name: body for name, body in re.findall(r"void __launch_bounds__\(\d+\) (\w+)_kernel\([^)]*\) \{(.*?)\n\}",
+                                                      text, re.S)}
+    split, direct = bodies["split"], bodies["direct"]
+    assert "__shared__" in split and "xs_ptr[" in split and "__shared__" in direct and "xs_ptr[" in direct
+    assert split.count("__syncthreads()") >= 3 and "red_ptr[" in split and "red_ptr[" not in direct
