@@ -10,7 +10,7 @@
 #   bash bench/h200_session.sh gemm      the W12 GEMM kernels
 #   bash bench/h200_session.sh mma       skinny tensor-core GEMMs (bench/skinny_gemm.py); tree verify at 4k,
 #                                        nt-gemv vs the default (skinny-mma) build
-#   bash bench/h200_session.sh compare   builds under .gpu/stage (one carried folder): compiled decode of
+#   bash bench/h200_session.sh compare   builds under $STAGE (.gpu/stage; one carried folder): compiled decode of
 #                                        $DECODE_BUILDS (and with eager/torch.compile: $DECODE_FULL_BUILDS),
 #                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS
 set -u
@@ -38,7 +38,7 @@ mma)
       --parts steps --out "$out" 2>&1 | grep -v Warning | tail -34
   done ;;
 compare)
-  st=.gpu/stage
+  st=${STAGE:-.gpu/stage}
   [ -n "${FORCING_BUILDS:-}" ] && timeout "${FORCING_S:-150}" python3 bench/gpu_forcing.py \
     $(for x in $FORCING_BUILDS; do echo $st/$x; done) --max-new-tokens 128 --out "$out" 2>&1 | tail -12
   for t in ${TREE_BUILDS:-}; do

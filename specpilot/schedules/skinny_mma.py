@@ -19,7 +19,7 @@ legalized matmul does (the order of the float32 sums differs, as any schedule's 
 Layout per block: ``wn`` x ``wk`` warps; a warp owns ``a_tiles`` x 16 output channels and
 ``m_tiles`` x 8 rows of x, over its 1/``wk`` share of K; the ``wk`` partial sums meet in
 shared memory.  Grid: (N / (16 a_tiles wn), ceil(M / (8 m_tiles))).  `skinny_nt_matmul`
-picks a configuration by M at run time (`CONFIGS`).  Static row counts (the one-sequence decode
+picks a configuration by M at run time (`configs`).  Static row counts (the one-sequence decode
 step) stay with dlight's GEMV, which reads W at cuBLAS speed there.
 """
 
@@ -36,8 +36,7 @@ class Config:
     wn: int         # warps along N
     wk: int         # warps along K (split-K inside the block)
     unroll: int = 4  # k steps whose loads are in flight together
-    xs: bool = False  # stage the block's rows of x in shared memory (one global read per block)
-    prefetch: int = 0  # iterations ahead whose weight lines each warp asks the L2 to fetch (0: none)
+    stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -46,18 +45,55 @@ class Config:
         return 8 * self.m_tiles
 
     def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
-        """Whether the configuration tiles N and K (each of the wk warps taking whole k steps)."""
-        return n_out % self.block_n() == 0 and k_in % (k_step * self.wk) == 0
+        """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
+        pipelined, its ring of chunks fits in a block's shared memory."""
+        if n_out % self.block_n() or k_in % (k_step * self.wk):
+            return False
+        # pipelined: at least two chunks (the regime the H200 runs checked; one chunk takes the
+        # register kernel) and a ring that fits in a block's shared memory
+        return not self.stages or (k_in >= 2 * self.chunk(k_in) and self.shared_bytes(k_in) <= MAX_SHARED)
+
+    def chunk(self, k_in: int) -> int:
+        """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32)."""
+        return 32 * self.wk * self.unroll_for(k_in)
+
+    def unroll_for(self, k_in: int) -> int:
+        """The k steps per warp per iteration: ``unroll``, or the largest of 2, 1 that divides."""
+        steps = k_in // (32 * self.wk)
+        return next(u for u in (self.unroll, 2, 1) if steps % u == 0)
+
+    def shared_bytes(self, k_in: int) -> int:
+        """Pipelined: the ring of W and x chunks plus the split-K partial sums."""
+        ring = self.stages * (self.block_n() + self.block_m()) * self.chunk(k_in) * 2
+        return ring + (self.wk * self.wn * self.a_tiles * self.m_tiles * 128 * 4 if self.wk > 1 else 0)
+
+
+MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runtime raises the limit)
 
 
 # (largest M the configuration serves, candidates in order of preference), from the H200 runs of
-# bench/skinny_gemm.py (bench/results/skinny-gemm-*): 16 rows per block with 8 warps splitting K
-# led at every M <= 16 (even M = 1), 32 and 72 rows per block led at M = 32 and M = 65.
-CONFIGS = (
+# bench/skinny_gemm.py (bench/results/skinny-gemm-*).  The pipelined kernel led at every M measured
+# (skinny-gemm-20261130-175117: 1.2-2x the register kernel at 16-65 rows, at or above cuBLAS at 16
+# rows): 16 rows x 64 channels per block with 4 warps along N up to 8 rows, 8 warps splitting K at
+# 9-16, 32 rows x 128 channels at 17-32 where N gives every SM a block (else 16-row blocks), 72 rows
+# with 3 stages beyond.  The register kernel stays as the fallback for shapes those do not tile.
+REGISTER = (
     (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
     (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
     (None, (Config(9, 2, 2, 2, 2), Config(9, 1, 2, 2, 2), Config(9, 1, 1, 2, 2), Config(9, 1, 1, 1, 2))),
 )
+SMS = 132    # H200 SMs: a 32-row tile of 128 channels pays once N gives each at least one block
+
+
+def configs(n_out: int) -> tuple:
+    """The (largest M, candidates) ranges for an N-channel GEMM."""
+    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 128 * SMS else ()
+    return (
+        (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
+        (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),
+        (32, wide + (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[1][1]),
+        (None, (Config(9, 2, 2, 2, 2, stages=3),) + REGISTER[2][1]),
+    )
 
 
 def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
@@ -74,7 +110,7 @@ def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
 
 def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
     """One configuration per M range for this shape, or None when no configuration tiles it."""
-    return choose(CONFIGS, lambda c: c.fits(n_out, k_in))
+    return choose(configs(n_out), lambda c: c.fits(n_out, k_in))
 
 
 def applicable(n_out: int, k_in: int) -> bool:
@@ -93,12 +129,6 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
     slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
     threads = 32 * WN * WK
 
-    XS, PF = cfg.xs, cfg.prefetch
-    per_row = max(1, U * 64 // 128)     # 128-byte lines of one weight row per iteration (U steps)
-    lines = AT * 16 * per_row           # ... of the warp's weight tile
-    x_vecs = WK * U * BM * 4            # 16-byte pieces of x a block stages per U steps (XS)
-    x_rounds = (x_vecs + threads - 1) // threads
-
     @T.macro
     def launch(x, w, y, m):
         for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
@@ -111,46 +141,19 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                             xb = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
                             bf = T.alloc_buffer((U, MT, 8), "bfloat16", scope="local")
                             acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
+                            red = T.alloc_buffer((WK, slots), "float32", scope="shared")
                             for a, t, c in T.grid(AT, MT, 4):
                                 acc[a, t, c] = T.float32(0)
-                            if XS:
-                                xs = T.alloc_buffer((WK, U, BM, 32), "bfloat16", scope="shared")
                             for so in T.serial(steps // U):
-                                if PF > 0:
-                                    # the weight lines PF iterations ahead: in flight to the L2 without
-                                    # holding registers (a weight-bound kernel's loads wait on DRAM)
-                                    for j in T.serial((lines + 31) // 32):
-                                        if j * 32 + lane < lines and so + PF < steps // U:
-                                            T.evaluate(T.ptx.prefetch.global_.L2(T.address_of(
-                                                w[bx * BN + nw * (16 * AT) + (j * 32 + lane) // per_row,
-                                                  kw * k_share + (so + PF) * U * 32 + ((j * 32 + lane) % per_row) * 64])))
                                 # U steps' loads issued before any of their multiplies
                                 for u, a, h in T.grid(U, AT, 2):
                                     for v in T.vectorized(8):
                                         wa[u, a, h, v] = w[bx * BN + nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
                                                            kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
-                                if XS:
-                                    # every warp of the block (all k shares) stages the block's rows once;
-                                    # warps then read their operands from shared memory
-                                    T.tvm_storage_sync("shared")
-                                    for r in T.serial(x_rounds):
-                                        if r * threads + (kw * WN + nw) * 32 + lane < x_vecs:
-                                            i = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
-                                            for v in T.vectorized(8):
-                                                xs[i // (U * BM * 4), (i // (BM * 4)) % U, (i // 4) % BM,
-                                                   (i % 4) * 8 + v] = x[
-                                                    T.min(by * BM + (i // 4) % BM, m - 1),
-                                                    (i // (U * BM * 4)) * k_share + (so * U + (i // (BM * 4)) % U) * 32
-                                                    + (i % 4) * 8 + v]
-                                    T.tvm_storage_sync("shared")
-                                    for u, t in T.grid(U, MT):
-                                        for v in T.vectorized(8):
-                                            xb[u, t, v] = xs[kw, u, t * 8 + lane // 4, (lane % 4) * 8 + v]
-                                else:
-                                    for u, t in T.grid(U, MT):
-                                        for v in T.vectorized(8):
-                                            xb[u, t, v] = x[T.min(by * BM + t * 8 + lane // 4, m - 1),
-                                                            kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
+                                for u, t in T.grid(U, MT):
+                                    for v in T.vectorized(8):
+                                        xb[u, t, v] = x[T.min(by * BM + t * 8 + lane // 4, m - 1),
+                                                        kw * k_share + (so * U + u) * 32 + (lane % 4) * 8 + v]
                                 # element copies (registers after nvcc): the mma operand is addressed in
                                 # bf16 elements, and TVM types a buffer only ever vector-loaded as uint4
                                 for u, t, v in T.grid(U, MT, 8):
@@ -165,6 +168,111 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                                             "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
                                             af.data, (q * AT + a) * 8, bf.data, (u * MT + t) * 8 + q * 4,
                                             acc.data, (a * MT + t) * 4, False, dtype="float32"))
+                            for a, t, c in T.grid(AT, MT, 4):
+                                red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
+                            T.tvm_storage_sync("shared")
+                            for r in T.serial((slots + threads - 1) // threads):
+                                if r * threads + (kw * WN + nw) * 32 + lane < slots:
+                                    total = T.alloc_buffer((1,), "float32", scope="local")
+                                    total[0] = T.float32(0)
+                                    for j in T.unroll(WK):
+                                        total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
+                                    o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                                    row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
+                                    if row < m:
+                                        y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
+                                          + (o % 32) // 4] = total[0]
+    return launch
+
+
+def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
+    """The same tiles and mma operands, fed through shared memory: every thread of the block
+    copies chunks of W (``block_n`` rows) and of x (``block_m`` rows) with ``cp.async`` into a ring
+    of ``stages`` buffers, ``stages - 1`` chunks ahead of the multiplies, so the weight stream
+    stays in flight without holding registers and each row of x is read once per block.  A chunk
+    is ``wk`` x ``unroll`` k steps of 32; odd rows' 16-byte pieces are swizzled (XOR 4) so a
+    quarter-warp's operand reads of two rows hit distinct banks.  The ``wk`` partial sums meet in shared memory as in `_kernel`."""
+    from tvm.script import tirx as T
+
+    MT, AT, WN, WK, S = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk, cfg.stages
+    BN, BM = cfg.block_n(), cfg.block_m()
+    U = cfg.unroll_for(k_in)
+    KC = cfg.chunk(k_in)                # k per chunk
+    chunks = k_in // KC
+    VR = KC // 8                        # 16-byte pieces per row of a chunk
+    SW = 4 if VR >= 8 else 0            # piece XOR (row & 1) * SW: rows g, g+1 of a read 64 bytes apart in banks
+    threads = 32 * WN * WK
+    w_rounds, x_rounds = -(-BN * VR // threads), -(-BM * VR // threads)
+    slots = WN * AT * MT * 4 * 32
+    copy = "cp.async.cg.shared.global"
+
+    def piece(kw, u, lane):
+        """The swizzled 16-byte piece holding a lane's 8 k's of step u (its row's parity is lane // 4's)."""
+        return T.bitwise_xor((kw * U + u) * 4 + lane % 4, (lane // 4) % 2 * SW)
+
+    @T.macro
+    def issue(ring, w, x, m, bx, by, tid, stage, chunk):
+        for r in T.serial(w_rounds):
+            if r * threads + tid < BN * VR:
+                i = T.meta_var(r * threads + tid)
+                T.evaluate(T.ptx[copy](T.address_of(ring[stage, i // VR, T.bitwise_xor(i % VR, (i // VR) % 2 * SW) * 8]),
+                                       T.address_of(w[bx * BN + i // VR, chunk * KC + (i % VR) * 8]), 16))
+        for r in T.serial(x_rounds):
+            if r * threads + tid < BM * VR:
+                i = T.meta_var(r * threads + tid)
+                T.evaluate(T.ptx[copy](T.address_of(ring[stage, BN + i // VR, T.bitwise_xor(i % VR, (i // VR) % 2 * SW) * 8]),
+                                       T.address_of(x[T.min(by * BM + i // VR, m - 1), chunk * KC + (i % VR) * 8]),
+                                       16))
+
+    @T.macro
+    def launch(x, w, y, m):
+        for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+            for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+                for kw in T.thread_binding(WK, thread="threadIdx.z"):
+                    for nw in T.thread_binding(WN, thread="threadIdx.y"):
+                        for lane in T.thread_binding(32, thread="threadIdx.x"):
+                            # one buffer: TVM's shared-memory planner does not count the cp.async writes
+                            # (addresses) as uses, so two buffers read in different statements (one chunk
+                            # in all) were given the same bytes -- W rows first, then the rows of x
+                            ring = T.alloc_buffer((S, BN + BM, KC), "bfloat16", scope="shared.dyn")
+                            wa = T.alloc_buffer((AT, 2, 8), "bfloat16", scope="local")
+                            af = T.alloc_buffer((2, AT, 8), "bfloat16", scope="local")
+                            xb = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
+                            bf = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
+                            acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
+                            tid = T.meta_var((kw * WN + nw) * 32 + lane)
+                            for a, t, c in T.grid(AT, MT, 4):
+                                acc[a, t, c] = T.float32(0)
+                            for s in T.unroll(S - 1):
+                                if s < chunks:
+                                    issue(ring, w, x, m, bx, by, tid, s, s)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                            for c in T.serial(chunks):
+                                T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+                                T.tvm_storage_sync("shared")
+                                for u in T.unroll(U):
+                                    for a, h in T.grid(AT, 2):
+                                        for v in T.vectorized(8):
+                                            wa[a, h, v] = ring[c % S, nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
+                                                             piece(kw, u, lane) * 8 + v]
+                                    for t in T.serial(MT):
+                                        for v in T.vectorized(8):
+                                            xb[t, v] = ring[c % S, BN + t * 8 + lane // 4, piece(kw, u, lane) * 8 + v]
+                                    for t, v in T.grid(MT, 8):
+                                        bf[t, v] = xb[t, v]
+                                    for q, a in T.grid(2, AT):
+                                        for h2, h, e in T.grid(2, 2, 2):
+                                            af[q, a, h2 * 4 + h * 2 + e] = wa[a, h, q * 4 + h2 * 2 + e]
+                                    for q, a, t in T.grid(2, AT, MT):
+                                        T.evaluate(T.ptx_legacy.mma(
+                                            "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                            af.data, (q * AT + a) * 8, bf.data, t * 8 + q * 4,
+                                            acc.data, (a * MT + t) * 4, False, dtype="float32"))
+                                # the ring slot the next chunk goes to was read in the previous
+                                # iteration, which every thread finished before the barrier above
+                                if c + S - 1 < chunks:
+                                    issue(ring, w, x, m, bx, by, tid, (c + S - 1) % S, c + S - 1)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
                             if WK == 1:
                                 # C fragment: channel g (+8 for c >= 2), row 2 (lane % 4) (+1 for odd c)
                                 for a, t, c in T.grid(AT, MT, 4):
@@ -172,17 +280,19 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                                         y[by * BM + t * 8 + (lane % 4) * 2 + c % 2,
                                           bx * BN + (nw * AT + a) * 16 + (c // 2) * 8 + lane // 4] = acc[a, t, c]
                             else:
-                                red = T.alloc_buffer((WK, slots), "float32", scope="shared")
+                                red = T.alloc_buffer((WK, slots), "float32", scope="shared.dyn")
+                                T.evaluate(T.ptx["cp.async.wait_group"](0))
+                                T.tvm_storage_sync("shared")
                                 for a, t, c in T.grid(AT, MT, 4):
                                     red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
                                 T.tvm_storage_sync("shared")
                                 for r in T.serial((slots + threads - 1) // threads):
-                                    if r * threads + (kw * WN + nw) * 32 + lane < slots:
+                                    if r * threads + tid < slots:
                                         total = T.alloc_buffer((1,), "float32", scope="local")
                                         total[0] = T.float32(0)
                                         for j in T.unroll(WK):
-                                            total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
-                                        o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                                            total[0] = total[0] + red[j, r * threads + tid]
+                                        o = T.meta_var(r * threads + tid)
                                         row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2
                                                          + (o // 32) % 2)
                                         if row < m:
@@ -210,9 +320,11 @@ def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None):
     if chosen[-1][0] is not None or any(limit is None for limit, _ in chosen[:-1]):
         raise ValueError("configs: ascending row limits, the last one None (every larger m)")
     for _, cfg in chosen:
+        if cfg.stages == 1 or cfg.stages < 0:
+            raise ValueError(f"{cfg}: a pipelined configuration needs stages >= 2 (0: the register kernel)")
         if not cfg.fits(n_out, k_in):
             raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
-    launches = [(limit, _kernel(n_out, k_in, cfg)) for limit, cfg in chosen]
+    launches = [(limit, (_pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg)) for limit, cfg in chosen]
     N, K = T.int64(n_out), T.int64(k_in)
 
     def dispatch(i: int):

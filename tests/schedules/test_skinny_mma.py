@@ -12,7 +12,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from specpilot.schedules.skinny_mma import Config, applicable, nt_matmul_shape, pick, substitute
+from specpilot.schedules.skinny_mma import Config, applicable, nt_matmul_shape, pick, skinny_nt_matmul, substitute
 from specpilot.schedules.tensor_core import nt_matmul
 from tests.kernel_helpers import sm90_source
 
@@ -21,10 +21,19 @@ def test_configurations_tile_only_what_they_divide():
     assert Config(1, 1, 1, 8).fits(5120, 5120) and not Config(1, 1, 1, 8).fits(5120, 96)
     assert Config(9, 2, 2, 2).block_n() == 64 and Config(9, 2, 2, 2).block_m() == 72
     chosen = pick(17408, 5120)
-    assert [limit for limit, _ in chosen] == [16, 32, None] and chosen[0][1] == Config(2, 1, 1, 8, 4)
-    assert all(cfg.fits(17408, 5120) for _, cfg in chosen)
-    # K = 96: only one warp along K divides it; N = 48: one 16-row tile per warp
-    assert pick(48, 96) == [(16, Config(2, 1, 1, 1, 4)), (32, Config(4, 1, 1, 1, 2)), (None, Config(9, 1, 1, 1, 2))]
+    assert [limit for limit, _ in chosen] == [8, 16, 32, None] and all(cfg.stages for _, cfg in chosen)
+    assert all(cfg.fits(17408, 5120) for _, cfg in chosen) and chosen[2][1].block_n() == 128   # N >= 128 x SMs
+    assert pick(5120, 17408)[2][1].block_n() == 64      # fewer channels: narrower blocks, more of them
+    # K = 96: only one warp along K divides it; N = 48: one 16-row tile per warp -- the register kernel
+    assert pick(48, 96) == [(8, Config(2, 1, 1, 1, 4)), (16, Config(2, 1, 1, 1, 4)), (32, Config(4, 1, 1, 1, 2)),
+                            (None, Config(9, 1, 1, 1, 2))]
+    # a ring too large for a block's shared memory does not fit
+    big = Config(9, 2, 8, 1, 4, stages=8)
+    assert big.shared_bytes(4096) > 227 * 1024 and not big.fits(4096, 4096)
+    # ... and so does a K that is one chunk (the register kernel takes it)
+    one = Config(9, 1, 2, 2, 2, stages=3)
+    assert one.chunk(64) == 64 and not one.fits(128, 64) and not one.fits(128, 128) and one.fits(128, 256)
+    assert pick(128, 64)[-1][1].stages == 0 and pick(128, 5120)[-1][1].stages == 3
     assert not applicable(203, 96) and not applicable(96, 203) and not applicable(8, 64)
 
 
@@ -138,16 +147,36 @@ def test_kernel_compiles_to_sm90_mma_without_a_gpu(tmp_path):
     assert "nv_bfloat16 bf_ptr[" in text and "nv_bfloat16 af_ptr[" in text and "uint4 bf_ptr" not in text
 
 
-def test_shared_x_configurations_compile_to_staged_mma_without_a_gpu(tmp_path):
-    """x staged in shared memory (one global read per block): with split-K inside the block (the
-    partial sums meet in shared memory too) and without (accumulators stored directly)."""
+def test_pipelined_configurations_compile_to_cp_async_mma_without_a_gpu(tmp_path):
+    """The pipelined kernel (Config.stages): cp.async copies into dynamic shared memory, a
+    wait per chunk, and tensor-core mma; with split-K inside the block (partial sums meet in
+    shared memory) and without (accumulators stored directly)."""
     text = sm90_source(
         tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
-        "{'split': skinny_nt_matmul(128, 192, ((None, Config(3, 1, 2, 2, 2, xs=True)),)),"
-        " 'direct': skinny_nt_matmul(128, 192, ((None, Config(3, 2, 4, 1, 2, xs=True)),))}")
-    assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 2
+        "{'split': skinny_nt_matmul(128, 384, ((None, Config(3, 1, 2, 2, 2, stages=3)),)),"
+        " 'direct': skinny_nt_matmul(128, 384, ((None, Config(3, 2, 4, 1, 2, stages=4)),))}")
     bodies = {name: body for name, body in re.findall(r"void __launch_bounds__\(\d+\) (\w+)_kernel\([^)]*\) \{(.*?)\n\}",
                                                       text, re.S)}
     split, direct = bodies["split"], bodies["direct"]
-    assert "__shared__" in split and "xs_ptr[" in split and "__shared__" in direct and "xs_ptr[" in direct
-    assert split.count("__syncthreads()") >= 3 and "red_ptr[" in split and "red_ptr[" not in direct
+    for body, stages in ((split, 3), (direct, 4)):
+        assert "extern __shared__" in body and "cp_async_cg_async_cg_shared_global_16" in body
+        assert f"cp_async_wait_group_async_wait_group_{stages - 2}()" in body
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert "__syncthreads()" in split and split.count("__syncthreads()") > direct.count("__syncthreads()")
+
+
+def test_pipelined_configurations_need_two_stages():
+    with pytest.raises(ValueError, match="stages"):
+        skinny_nt_matmul(128, 384, ((None, Config(3, 1, 2, 2, 2, stages=1)),))
+
+
+def test_pipelined_x_rows_never_share_bytes_with_the_weight_rows(tmp_path):
+    """W and x chunks live in one ring buffer, x rows past the block's weight rows.  (With two
+    buffers, TVM's shared-memory planner -- which does not count cp.async writes as uses --
+    once put x on the weights' bytes when K was one chunk: error ~1.0 on the H200,
+    skinny-gemm-20261130-181039.)  Here 32 weight rows x 128 k per chunk precede x."""
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+                       "{'ring': skinny_nt_matmul(128, 256, ((None, Config(9, 1, 2, 2, 2, stages=3)),))}")
+    assert text.count("extern __shared__") == 1
+    x_reads = [line for line in text.splitlines() if "*(uint4*)(xb_ptr + " in line]
+    assert x_reads and all(line.rstrip().endswith("+ 4096));") for line in x_reads), x_reads
