@@ -143,8 +143,10 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     system = _load_system(spec_or_build)
     reqs = _read_requests(requests, system, max_new_tokens)
     stock_runs = [system.generate("stock", ids, limit) for ids, limit in reqs]
+    max_excused = None
     if tie_tolerance is None or tie_tolerance == "auto":
-        tie_tolerance = system.derived_tie_tolerance([ids for ids, _ in reqs], stock_runs)
+        tie_tolerance, budget = system.derived_near_ties([ids for ids, _ in reqs], stock_runs)
+        max_excused = budget if system.dtype != "float32" else None
     else:
         try:
             tie_tolerance = float(tie_tolerance)
@@ -159,7 +161,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     else:
         system_runs = [system.generate(engine, ids, limit, force=stock.tokens, logits_hook=hook)
                        for (ids, limit), stock in zip(reqs, stock_runs)]
-    report = force_requests(stock_runs, system_runs, tie_tolerance)
+    report = force_requests(stock_runs, system_runs, tie_tolerance, max_excused)
     summary = report.to_dict()
     summary.update(engine=engine, fault_injected_after=inject_fault_after,
                    mean_accepted=round(sum(r.mean_accepted for r in system_runs) / len(system_runs), 4))
@@ -179,6 +181,8 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
                        f"{tok.decode([d.stock_token])!r}, system token {d.system_token} "
                        f"{tok.decode([d.system_token])!r}, stock margin {d.stock_margin:.4g}; "
                        f"context {tok.decode(d.context)!r}")
+        elif not report.passed:
+            click.echo(report.reason)
     sys.exit(0 if report.passed else 1)
 
 

@@ -31,6 +31,8 @@ class ForcingReport:
     tie_tolerance: float
     first_divergence: Divergence | None = None
     excused: list[Divergence] = field(default_factory=list)
+    max_excused: int | None = None      # the near-tie budget, when one applies
+    reason: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,9 +55,11 @@ def compare(stock_tokens: list[int], stock_margins: list[float], system_choices:
     return None, excused
 
 
-def force_requests(stock_runs, system_runs, tie_tolerance: float = 0.0) -> ForcingReport:
-    """stock_runs / system_runs: per request, objects with tokens, margins / choices."""
-    report = ForcingReport(True, len(stock_runs), 0, tie_tolerance)
+def force_requests(stock_runs, system_runs, tie_tolerance: float = 0.0, max_excused: int | None = None) -> ForcingReport:
+    """stock_runs / system_runs: per request, objects with tokens, margins / choices.  With
+    ``max_excused``, more excused near-ties than that fail too (a wrong build under a loose
+    tolerance mismatches nearly everywhere, every mismatch a "near-tie")."""
+    report = ForcingReport(True, len(stock_runs), 0, tie_tolerance, max_excused=max_excused)
     for r, (stock, system) in enumerate(zip(stock_runs, system_runs)):
         report.positions += len(stock.tokens)
         first, excused = compare(stock.tokens, stock.margins, system.choices, tie_tolerance, r)
@@ -63,6 +67,13 @@ def force_requests(stock_runs, system_runs, tie_tolerance: float = 0.0) -> Forci
         if first is not None and report.first_divergence is None:
             report.first_divergence = first
             report.passed = False
+            report.reason = (f"request {first.request}, new token {first.position}: stock {first.stock_token}, "
+                             f"system {first.system_token} (stock's margin {first.stock_margin:.4g} >= tolerance "
+                             f"{tie_tolerance:.4g})")
+    if report.passed and max_excused is not None and len(report.excused) > max_excused:
+        report.passed = False
+        report.reason = (f"{len(report.excused)} excused near-ties in {report.positions} positions, more than "
+                         f"stock's own precision explains (at most {max_excused})")
     return report
 
 

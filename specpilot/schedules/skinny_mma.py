@@ -5,8 +5,12 @@ tile wasted, weights re-read): bench/results/tree-verify-* measured 0.11-0.28x c
 
 The kernel swaps the operands: ``mma.sync.m16n8k16`` with W as the 16-row A operand and x as
 the 8-column B operand, so the long side N fills the tensor core's M and a group of 8 rows of x
-its N.  Weights stream from global memory straight into registers, once per launch, 16 bytes
-per lane per load; rows of x come from L1/L2.
+its N.  Two kernels feed it.  The register kernel (`_kernel`) streams weights from global
+memory straight into registers, 16 bytes per lane per load, rows of x from L1/L2; with 9 row
+tiles it holds ~200 registers, 8 warps per SM, and waits on DRAM every iteration (latency-bound:
+~116 us for a 17408 x 5120 weight even at M = 1).  The pipelined kernel (`_pipelined_kernel`,
+``Config.stages``) copies chunks of W and x into a ring in shared memory with ``cp.async``,
+``stages - 1`` chunks ahead, so the weight stream stays in flight without registers.
 
 The K permutation: the dot product over K does not care about the order of its terms, so
 a lane's four k-slots of one mma ({2t, 2t+1, 2t+8, 2t+9}, t = lane % 4) may stand for any
@@ -75,19 +79,19 @@ MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runti
 # bench/skinny_gemm.py (bench/results/skinny-gemm-*).  The pipelined kernel led at every M measured
 # (skinny-gemm-20261130-175117: 1.2-2x the register kernel at 16-65 rows, at or above cuBLAS at 16
 # rows): 16 rows x 64 channels per block with 4 warps along N up to 8 rows, 8 warps splitting K at
-# 9-16, 32 rows x 128 channels at 17-32 where N gives every SM a block (else 16-row blocks), 72 rows
-# with 3 stages beyond.  The register kernel stays as the fallback for shapes those do not tile.
+# 9-16, 32 rows x 128 channels at 17-32 where N gives half the SMs a block (else 16-row blocks;
+# skinny-gemm-20261130-180049), 72 rows with 3 stages beyond.  The register kernel stays as the fallback for shapes those do not tile.
 REGISTER = (
     (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
     (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
     (None, (Config(9, 2, 2, 2, 2), Config(9, 1, 2, 2, 2), Config(9, 1, 1, 2, 2), Config(9, 1, 1, 1, 2))),
 )
-SMS = 132    # H200 SMs: a 32-row tile of 128 channels pays once N gives each at least one block
+SMS = 132    # H200 SMs: a 32-row tile of 128 channels paid from N = 14336 (112 blocks), not at 5120 (40)
 
 
 def configs(n_out: int) -> tuple:
     """The (largest M, candidates) ranges for an N-channel GEMM."""
-    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 128 * SMS else ()
+    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * SMS else ()
     return (
         (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
         (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),

@@ -136,3 +136,37 @@ def test_derived_tolerance_reads_stocks_own_run_and_equals_rerunning_it():
     forced = system.generate("stock", prompts[0], 37, force=[(t + 1) % system.vocab_size for t in runs[0].tokens])
     with pytest.raises(SpecPilotError, match="unforced"):
         system.derived_tie_tolerance(prompts[:1], [forced])
+
+
+def test_near_tie_budget_fails_a_build_that_mismatches_everywhere_under_a_loose_tolerance():
+    """A tolerance derived as a maximum can be loose (2 logits on the tiny bf16 hybrid); then a
+    wrong build's mismatches are all "near-ties".  The budget fails it and says why; a build
+    within the budget passes with its near-ties listed."""
+    from types import SimpleNamespace
+
+    from specpilot.runtime.systems import near_tie_budget
+    stock = SimpleNamespace(tokens=list(range(100)), margins=[0.5] * 100)
+    wrong = SimpleNamespace(choices=[t + 1 for t in range(100)])
+    near = SimpleNamespace(choices=[t + (1 if t % 25 == 0 else 0) for t in range(100)])     # 4 near-ties
+    assert force_requests([stock], [wrong], tie_tolerance=2.0).passed              # the old gate
+    report = force_requests([stock], [wrong], tie_tolerance=2.0, max_excused=near_tie_budget(100, 3))
+    assert not report.passed and report.first_divergence is None and report.max_excused == 20
+    assert "100 excused near-ties" in report.reason and "at most 20" in report.reason
+    ok = force_requests([stock], [near], tie_tolerance=2.0, max_excused=near_tie_budget(100, 0))
+    assert ok.passed and len(ok.excused) == 4 and ok.reason is None
+    assert near_tie_budget(100, 0) == 8 and near_tie_budget(5000, 0) == 100 and near_tie_budget(100, 10) == 48
+
+
+def test_derived_near_ties_budget_counts_what_stocks_precision_leaves_open():
+    """The budget comes from the same float32 rerun as the tolerance: positions where stock's
+    margin is below its own error there; a correct bf16 engine stays within it (CLI verify)."""
+    from specpilot.runtime.systems import from_spec, near_tie_budget
+
+    system = from_spec(_bf16_spec())
+    prompts = [[5, 9, 2, 6], [7, 1, 8, 2, 8, 1, 8]]
+    runs = [system.generate("stock", p, 37) for p in prompts]
+    tolerance, budget = system.derived_near_ties(prompts, runs)
+    assert tolerance == system.derived_tie_tolerance(prompts, runs)
+    assert budget >= near_tie_budget(74, 0) and (budget - 8) % 4 == 0
+    runs_spec = [system.generate("stock-spec", p, 37, force=r.tokens) for p, r in zip(prompts, runs)]
+    assert force_requests(runs, runs_spec, tolerance, budget).passed

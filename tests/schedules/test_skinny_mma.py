@@ -22,7 +22,7 @@ def test_configurations_tile_only_what_they_divide():
     assert Config(9, 2, 2, 2).block_n() == 64 and Config(9, 2, 2, 2).block_m() == 72
     chosen = pick(17408, 5120)
     assert [limit for limit, _ in chosen] == [8, 16, 32, None] and all(cfg.stages for _, cfg in chosen)
-    assert all(cfg.fits(17408, 5120) for _, cfg in chosen) and chosen[2][1].block_n() == 128   # N >= 128 x SMs
+    assert all(cfg.fits(17408, 5120) for _, cfg in chosen) and chosen[2][1].block_n() == 128   # N >= 64 x SMs
     assert pick(5120, 17408)[2][1].block_n() == 64      # fewer channels: narrower blocks, more of them
     # K = 96: only one warp along K divides it; N = 48: one 16-row tile per warp -- the register kernel
     assert pick(48, 96) == [(8, Config(2, 1, 1, 1, 4)), (16, Config(2, 1, 1, 1, 4)), (32, Config(4, 1, 1, 1, 2)),
