@@ -96,7 +96,8 @@ def configs(n_out: int) -> tuple:
         (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
         (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),
         (32, wide + (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[1][1]),
-        (None, (Config(9, 2, 2, 2, 2, stages=3),) + REGISTER[2][1]),
+        # N not a multiple of 64 (the 27B hybrid's stacked GDN projections: 16480): 32-channel blocks
+        (None, (Config(9, 2, 2, 2, 2, stages=3), Config(9, 1, 2, 2, 2, stages=3)) + REGISTER[2][1]),
     )
 
 
