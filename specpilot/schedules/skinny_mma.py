@@ -122,6 +122,34 @@ def applicable(n_out: int, k_in: int) -> bool:
     return pick(n_out, k_in) is not None
 
 
+def _split_k_store(cfg: Config):
+    """A macro: the ``wk`` warps' partial sums meet in ``red`` (shared memory), are added in a
+    fixed order and stored to y (rows below m); C fragment order: channel g (+8), row 2t (+1)."""
+    from tvm.script import tirx as T
+
+    MT, AT, WN, WK = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk
+    BN, BM = cfg.block_n(), cfg.block_m()
+    slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
+    threads = 32 * WN * WK
+
+    @T.macro
+    def store(red, acc, y, m, bx, by, kw, nw, lane):
+        for a, t, c in T.grid(AT, MT, 4):
+            red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
+        T.tvm_storage_sync("shared")
+        for r in T.serial((slots + threads - 1) // threads):
+            if r * threads + (kw * WN + nw) * 32 + lane < slots:
+                total = T.alloc_buffer((1,), "float32", scope="local")
+                total[0] = T.float32(0)
+                for j in T.unroll(WK):
+                    total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
+                o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
+                row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
+                if row < m:
+                    y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8 + (o % 32) // 4] = total[0]
+    return store
+
+
 def _kernel(n_out: int, k_in: int, cfg: Config):
     """A macro launching one configuration over all M rows of x (``m`` symbolic)."""
     from tvm.script import tirx as T
@@ -132,7 +160,7 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
     U = next(u for u in (cfg.unroll, 2, 1) if steps % u == 0)
     k_share = k_in // WK
     slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
-    threads = 32 * WN * WK
+    store = _split_k_store(cfg)
 
     @T.macro
     def launch(x, w, y, m):
@@ -173,20 +201,7 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                                             "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
                                             af.data, (q * AT + a) * 8, bf.data, (u * MT + t) * 8 + q * 4,
                                             acc.data, (a * MT + t) * 4, False, dtype="float32"))
-                            for a, t, c in T.grid(AT, MT, 4):
-                                red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
-                            T.tvm_storage_sync("shared")
-                            for r in T.serial((slots + threads - 1) // threads):
-                                if r * threads + (kw * WN + nw) * 32 + lane < slots:
-                                    total = T.alloc_buffer((1,), "float32", scope="local")
-                                    total[0] = T.float32(0)
-                                    for j in T.unroll(WK):
-                                        total[0] = total[0] + red[j, r * threads + (kw * WN + nw) * 32 + lane]
-                                    o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
-                                    row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
-                                    if row < m:
-                                        y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
-                                          + (o % 32) // 4] = total[0]
+                            store(red, acc, y, m, bx, by, kw, nw, lane)
     return launch
 
 
@@ -210,6 +225,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     w_rounds, x_rounds = -(-BN * VR // threads), -(-BM * VR // threads)
     slots = WN * AT * MT * 4 * 32
     copy = "cp.async.cg.shared.global"
+    store = _split_k_store(cfg)
 
     def piece(kw, u, lane):
         """The swizzled 16-byte piece holding a lane's 8 k's of step u (its row's parity is lane // 4's)."""
@@ -288,21 +304,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
                                 red = T.alloc_buffer((WK, slots), "float32", scope="shared.dyn")
                                 T.evaluate(T.ptx["cp.async.wait_group"](0))
                                 T.tvm_storage_sync("shared")
-                                for a, t, c in T.grid(AT, MT, 4):
-                                    red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
-                                T.tvm_storage_sync("shared")
-                                for r in T.serial((slots + threads - 1) // threads):
-                                    if r * threads + tid < slots:
-                                        total = T.alloc_buffer((1,), "float32", scope="local")
-                                        total[0] = T.float32(0)
-                                        for j in T.unroll(WK):
-                                            total[0] = total[0] + red[j, r * threads + tid]
-                                        o = T.meta_var(r * threads + tid)
-                                        row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2
-                                                         + (o // 32) % 2)
-                                        if row < m:
-                                            y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8
-                                              + (o % 32) // 4] = total[0]
+                                store(red, acc, y, m, bx, by, kw, nw, lane)
     return launch
 
 
