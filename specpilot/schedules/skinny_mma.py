@@ -80,7 +80,8 @@ MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runti
 # (skinny-gemm-20261130-175117: 1.2-2x the register kernel at 16-65 rows, at or above cuBLAS at 16
 # rows): 16 rows x 64 channels per block with 4 warps along N up to 8 rows, 8 warps splitting K at
 # 9-16, 32 rows x 128 channels at 17-32 where N gives half the SMs a block (else 16-row blocks;
-# skinny-gemm-20261130-180049), 72 rows with 3 stages beyond.  The register kernel stays as the fallback for shapes those do not tile.
+# skinny-gemm-20261130-180049), 72 rows with 3 stages beyond.  The register kernel stays as the
+# fallback for shapes those do not tile.
 REGISTER = (
     (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
     (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
@@ -211,7 +212,8 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     of ``stages`` buffers, ``stages - 1`` chunks ahead of the multiplies, so the weight stream
     stays in flight without holding registers and each row of x is read once per block.  A chunk
     is ``wk`` x ``unroll`` k steps of 32; odd rows' 16-byte pieces are swizzled (XOR 4) so a
-    quarter-warp's operand reads of two rows hit distinct banks.  The ``wk`` partial sums meet in shared memory as in `_kernel`."""
+    quarter-warp's operand reads of two rows hit distinct banks.  The ``wk`` partial sums meet in
+    shared memory as in `_kernel` (`_split_k_store`)."""
     from tvm.script import tirx as T
 
     MT, AT, WN, WK, S = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk, cfg.stages
