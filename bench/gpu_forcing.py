@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write  # noqa: E402
-from specpilot.runtime.forcing import force_requests  # noqa: E402
+from specpilot.runtime.forcing import against_baseline, force_requests  # noqa: E402
 from specpilot.runtime.systems import from_build  # noqa: E402
 
 
@@ -36,6 +36,7 @@ def main() -> None:
         started = time.perf_counter()
         system = from_build(build)
         prompts = [[(37 * i + 11 * r) % system.vocab_size for i in range(16 + 8 * r)] for r in range(4)]
+        baseline = None
         for engine in [e for e in ("compiled", "compiled-spec", "compiled-tree", "compiled-two-level")
                        if e in system.engines]:
             stock_runs, runs = [], []
@@ -46,6 +47,10 @@ def main() -> None:
             tolerance, budget = (system.derived_near_ties(prompts, stock_runs) if args.tie_tolerance == "auto"
                                  else (float(args.tie_tolerance), None))
             report = force_requests(stock_runs, runs, tolerance, budget)
+            if engine == "compiled":
+                baseline = report
+            elif baseline is not None:   # the same build's AR engine: the same arithmetic per token
+                report = against_baseline(report, baseline)
             rows.append({"build": build.name, "engine": engine, "dtype": system.dtype, **report.to_dict(),
                          "mean_accepted": sum(r.mean_accepted for r in runs) / len(runs),
                          "seconds": round(time.perf_counter() - started, 1)})

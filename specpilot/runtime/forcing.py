@@ -77,6 +77,18 @@ def force_requests(stock_runs, system_runs, tie_tolerance: float = 0.0, max_excu
     return report
 
 
+def against_baseline(report: ForcingReport, baseline: ForcingReport, factor: float = 2.0, slack: int = 16) -> ForcingReport:
+    """Fail ``report`` when it excuses far more near-ties than ``baseline`` did on the same
+    requests -- e.g. a build's tree engine against its own autoregressive engine: the same
+    arithmetic per token, so a multiple of the near-ties means a different computation."""
+    limit = int(factor * len(baseline.excused)) + slack
+    if report.passed and len(report.excused) > limit:
+        report.passed = False
+        report.reason = (f"{len(report.excused)} excused near-ties, more than {factor:g} x the "
+                         f"{len(baseline.excused)} of the baseline + {slack}")
+    return report
+
+
 def runner_up_fault(after: int, bias: float):
     """A logits hook that adds ``bias`` to the second-ranked token from position ``after`` on:
     a fault any gate must catch at ``after`` once the bias exceeds the margin there."""

@@ -170,3 +170,19 @@ def test_derived_near_ties_budget_counts_what_stocks_precision_leaves_open():
     assert budget >= near_tie_budget(74, 0) and (budget - 8) % 4 == 0
     runs_spec = [system.generate("stock-spec", p, 37, force=r.tokens) for p, r in zip(prompts, runs)]
     assert force_requests(runs, runs_spec, tolerance, budget).passed
+
+
+def test_an_engine_excusing_far_more_than_its_builds_ar_engine_fails():
+    """The GPU forcing bench holds a build's speculative / tree engines to its own AR engine:
+    same arithmetic per token, so many times its near-ties is a different computation (the
+    tree-64 build of bench/results/gpu-forcing-20261130-180133: 483 excused vs 64)."""
+    from types import SimpleNamespace
+
+    from specpilot.runtime.forcing import against_baseline
+    stock = SimpleNamespace(tokens=list(range(200)), margins=[0.5] * 200)
+    ar = force_requests([stock], [SimpleNamespace(choices=[t + (t % 10 == 0) for t in range(200)])], 2.0)
+    tree = force_requests([stock], [SimpleNamespace(choices=[t + (t % 2 == 0) for t in range(200)])], 2.0)
+    close = force_requests([stock], [SimpleNamespace(choices=[t + (t % 8 == 0) for t in range(200)])], 2.0)
+    assert len(ar.excused) == 20 and len(tree.excused) == 100 and len(close.excused) == 25
+    assert not against_baseline(tree, ar).passed and "100 excused near-ties" in tree.reason    # > 2 x 20 + 16
+    assert against_baseline(close, ar).passed and close.reason is None
