@@ -145,8 +145,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     stock_runs = [system.generate("stock", ids, limit) for ids, limit in reqs]
     max_excused = None
     if tie_tolerance is None or tie_tolerance == "auto":
-        tie_tolerance, budget = system.derived_near_ties([ids for ids, _ in reqs], stock_runs)
-        max_excused = budget if system.dtype != "float32" else None
+        tie_tolerance, max_excused = system.derived_near_ties([ids for ids, _ in reqs], stock_runs)
     else:
         try:
             tie_tolerance = float(tie_tolerance)

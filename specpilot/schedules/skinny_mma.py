@@ -69,7 +69,11 @@ class Config:
     def shared_bytes(self, k_in: int) -> int:
         """Pipelined: the ring of W and x chunks plus the split-K partial sums."""
         ring = self.stages * (self.block_n() + self.block_m()) * self.chunk(k_in) * 2
-        return ring + (self.wk * self.wn * self.a_tiles * self.m_tiles * 128 * 4 if self.wk > 1 else 0)
+        return ring + (self.wk * self.slots() * 4 if self.wk > 1 else 0)
+
+    def slots(self) -> int:
+        """Accumulator values per block per k share (the split-K partial sums)."""
+        return self.wn * self.a_tiles * self.m_tiles * 4 * 32
 
 
 MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runtime raises the limit)
@@ -130,7 +134,7 @@ def _split_k_store(cfg: Config):
 
     MT, AT, WN, WK = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk
     BN, BM = cfg.block_n(), cfg.block_m()
-    slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
+    slots = cfg.slots()
     threads = 32 * WN * WK
 
     @T.macro
@@ -158,9 +162,9 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
     MT, AT, WN, WK = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk
     BN, BM = cfg.block_n(), cfg.block_m()
     steps = k_in // (32 * WK)           # 32-wide k steps per warp
-    U = next(u for u in (cfg.unroll, 2, 1) if steps % u == 0)
+    U = cfg.unroll_for(k_in)
     k_share = k_in // WK
-    slots = WN * AT * MT * 4 * 32       # accumulator values per block (per k share)
+    slots = cfg.slots()
     store = _split_k_store(cfg)
 
     @T.macro
@@ -225,7 +229,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     SW = 4 if VR >= 8 else 0            # piece XOR (row & 1) * SW: rows g, g+1 of a read 64 bytes apart in banks
     threads = 32 * WN * WK
     w_rounds, x_rounds = -(-BN * VR // threads), -(-BM * VR // threads)
-    slots = WN * AT * MT * 4 * 32
+    slots = cfg.slots()
     copy = "cp.async.cg.shared.global"
     store = _split_k_store(cfg)
 
