@@ -119,27 +119,7 @@ ATTN_WARPS = 2
 ATTN_FLOOR = -1e30  # the running max before any key: finite, so exp(floor - m) is 0, never NaN
 
 
-@memo
-def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
-                             group: int, dtype: str, gpu: bool):
-    """Decode attention straight from the KV pool, split over the keys (flash decoding), first half.
-
-    Inputs q (B, 1, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
-    rows (B,) and mask (B, 1, L).  Query head h reads KV head h // group.  For each split of
-    ``ATTN_CHUNK`` keys, each sequence, KV head and query head of its group: the running max m of
-    the scaled scores (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l
-    of exp(score - m), and sum of exp(score - m) * v -- outputs acc (B, n_kv, S, group, d) and
-    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK).  `attention_decode_combine` merges
-    the splits.  No step copies keys or values out of the pool.
-
-    GPU form: a block per (sequence, KV head, split), ``ATTN_WARPS`` warps taking its keys in
-    turn, lane i holding dims i, i+32, ... of q and of its running sums; the dot products are
-    summed across the warp with shuffles, the warps' partial results merged in shared memory.
-    """
-    E = (head_dim + 31) // 32
-    W, CH = ATTN_WARPS, ATTN_CHUNK
-    scale = float(head_dim) ** -0.5
-
+def _online(head_dim: int):
     @T.macro
     def online(ml_m, ml_l, acc, r, score, vrow, e_count, idx):
         """Fold one key (its score, its value row read through vrow(i)) into row r's running sums."""
@@ -151,11 +131,37 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
         for e in range(e_count):
             if idx(e) < head_dim:
                 acc[r, e] = acc[r, e] * c + p * T.Cast("float32", vrow(idx(e)))
+    return online
+
+
+@memo
+def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
+                             group: int, dtype: str):
+    """Decode attention straight from the KV pool, split over the keys (flash decoding), first half.
+
+    Inputs q (B, 1, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
+    rows (B,) and mask (B, 1, L).  Query head h reads KV head h // group.  For each split of
+    ``ATTN_CHUNK`` keys, each sequence, KV head and query head of its group: the running max m of
+    the scaled scores (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l
+    of exp(score - m), and sum of exp(score - m) * v -- outputs acc (B, n_kv, S, group, d) and
+    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK).  `attention_combine` merges
+    the splits.  No step copies keys or values out of the pool.
+
+    GPU only (the CPU form of every step is `attention_rows_partial`'s, which with one token and
+    ``ATTN_CHUNK`` keys per split computes exactly this).  A block per (sequence, KV head, split),
+    ``ATTN_WARPS`` warps taking its keys in turn, lane i holding dims i, i+32, ... of q and of its running sums; the dot products are
+    summed across the warp with shuffles, the warps' partial results merged in shared memory.
+    """
+    E = (head_dim + 31) // 32
+    W, CH = ATTN_WARPS, ATTN_CHUNK
+    scale = float(head_dim) ** -0.5
+
+    online = _online(head_dim)
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
                ml_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
         batch, L = T.int64(), T.int64()
         q = T.match_buffer(q_h, (batch, 1, n_kv * group, head_dim), dtype)
         kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
@@ -164,70 +170,124 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
         out = T.match_buffer(acc_h, (batch, n_kv, (L + CH - 1) // CH, group, head_dim), "float32")
         ml = T.match_buffer(ml_h, (batch, n_kv, (L + CH - 1) // CH, group, 2), "float32")
         with T.sblock("root"):
-            if gpu:
-                for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
-                    for sp in T.thread_binding((L + CH - 1) // CH, thread="blockIdx.y"):
-                        for w in T.thread_binding(W, thread="threadIdx.y"):
-                            for lane in T.thread_binding(32, thread="threadIdx.x"):
-                                b, h = bh // n_kv, bh % n_kv
-                                qr = T.alloc_buffer((group, E), "float32", scope="local")
-                                acc = T.alloc_buffer((group, E), "float32", scope="local")
-                                m = T.alloc_buffer((group,), "float32", scope="local")
-                                lsum = T.alloc_buffer((group,), "float32", scope="local")
-                                sc = T.alloc_buffer((group,), "float32", scope="local")
-                                sm = T.alloc_buffer((W, group, 2), "float32", scope="shared")
-                                sacc = T.alloc_buffer((W, group, E * 32), "float32", scope="shared")
-                                for r, e in T.grid(group, E):
-                                    acc[r, e] = T.float32(0)
-                                    qr[r, e] = T.if_then_else(e * 32 + lane < head_dim, T.Cast(
-                                        "float32", q[b, 0, h * group + r, T.min(e * 32 + lane, head_dim - 1)]),
-                                        T.float32(0))
+            for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
+                for sp in T.thread_binding((L + CH - 1) // CH, thread="blockIdx.y"):
+                    for w in T.thread_binding(W, thread="threadIdx.y"):
+                        for lane in T.thread_binding(32, thread="threadIdx.x"):
+                            b, h = bh // n_kv, bh % n_kv
+                            qr = T.alloc_buffer((group, E), "float32", scope="local")
+                            acc = T.alloc_buffer((group, E), "float32", scope="local")
+                            m = T.alloc_buffer((group,), "float32", scope="local")
+                            lsum = T.alloc_buffer((group,), "float32", scope="local")
+                            sc = T.alloc_buffer((group,), "float32", scope="local")
+                            sm = T.alloc_buffer((W, group, 2), "float32", scope="shared")
+                            sacc = T.alloc_buffer((W, group, E * 32), "float32", scope="shared")
+                            for r, e in T.grid(group, E):
+                                acc[r, e] = T.float32(0)
+                                qr[r, e] = T.if_then_else(e * 32 + lane < head_dim, T.Cast(
+                                    "float32", q[b, 0, h * group + r, T.min(e * 32 + lane, head_dim - 1)]),
+                                    T.float32(0))
+                            for r in range(group):
+                                m[r] = T.float32(ATTN_FLOOR)
+                                lsum[r] = T.float32(0)
+                            for it in range(CH // W):
+                                j = sp * CH + it * W + w
+                                if j < L:
+                                    if mask[b, 0, j]:
+                                        for r in range(group):
+                                            sc[r] = T.float32(0)
+                                            for e in range(E):
+                                                if e * 32 + lane < head_dim:
+                                                    sc[r] = sc[r] + qr[r, e] * T.Cast("float32", kv[
+                                                        layer, 0, T.Cast("int64", row[b]), h, j, e * 32 + lane])
+                                            for u in T.unroll(5):   # butterfly over lanes 16, 8, 4, 2, 1 apart
+                                                sc[r] = sc[r] + T.tvm_warp_shuffle_xor(
+                                                    T.tvm_warp_activemask(), sc[r], T.shift_right(16, u), 32, 32)
+                                            online(m, lsum, acc, r, sc[r] * T.float32(scale),
+                                                   lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, j, i],
+                                                   E, lambda e: e * 32 + lane)
+                            for r in range(group):
+                                sm[w, r, 0] = m[r]
+                                sm[w, r, 1] = lsum[r]
+                                for e in range(E):
+                                    sacc[w, r, e * 32 + lane] = acc[r, e]
+                            T.tvm_storage_sync("shared")
+                            if w == 0:
                                 for r in range(group):
-                                    m[r] = T.float32(ATTN_FLOOR)
-                                    lsum[r] = T.float32(0)
-                                for it in range(CH // W):
-                                    j = sp * CH + it * W + w
-                                    if j < L:
-                                        if mask[b, 0, j]:
-                                            for r in range(group):
-                                                sc[r] = T.float32(0)
-                                                for e in range(E):
-                                                    if e * 32 + lane < head_dim:
-                                                        sc[r] = sc[r] + qr[r, e] * T.Cast("float32", kv[
-                                                            layer, 0, T.Cast("int64", row[b]), h, j, e * 32 + lane])
-                                                for u in T.unroll(5):   # butterfly over lanes 16, 8, 4, 2, 1 apart
-                                                    sc[r] = sc[r] + T.tvm_warp_shuffle_xor(
-                                                        T.tvm_warp_activemask(), sc[r], T.shift_right(16, u), 32, 32)
-                                                online(m, lsum, acc, r, sc[r] * T.float32(scale),
-                                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, j, i],
-                                                       E, lambda e: e * 32 + lane)
-                                for r in range(group):
-                                    sm[w, r, 0] = m[r]
-                                    sm[w, r, 1] = lsum[r]
+                                    mm = T.alloc_buffer((2,), "float32", scope="local")
+                                    mm[0] = T.float32(ATTN_FLOOR)
+                                    for ww in range(W):
+                                        mm[0] = T.max(mm[0], sm[ww, r, 0])
+                                    mm[1] = T.float32(0)
+                                    for ww in range(W):
+                                        mm[1] = mm[1] + sm[ww, r, 1] * T.exp(sm[ww, r, 0] - mm[0])
+                                    if lane == 0:
+                                        ml[b, h, sp, r, 0] = mm[0]
+                                        ml[b, h, sp, r, 1] = mm[1]
                                     for e in range(E):
-                                        sacc[w, r, e * 32 + lane] = acc[r, e]
-                                T.tvm_storage_sync("shared")
-                                if w == 0:
-                                    for r in range(group):
-                                        mm = T.alloc_buffer((2,), "float32", scope="local")
-                                        mm[0] = T.float32(ATTN_FLOOR)
-                                        for ww in range(W):
-                                            mm[0] = T.max(mm[0], sm[ww, r, 0])
-                                        mm[1] = T.float32(0)
-                                        for ww in range(W):
-                                            mm[1] = mm[1] + sm[ww, r, 1] * T.exp(sm[ww, r, 0] - mm[0])
-                                        if lane == 0:
-                                            ml[b, h, sp, r, 0] = mm[0]
-                                            ml[b, h, sp, r, 1] = mm[1]
-                                        for e in range(E):
-                                            if e * 32 + lane < head_dim:
-                                                acc[r, e] = T.float32(0)
-                                                for ww in range(W):
-                                                    acc[r, e] = acc[r, e] + sacc[ww, r, e * 32 + lane] * T.exp(
-                                                        sm[ww, r, 0] - mm[0])
-                                                out[b, h, sp, r, e * 32 + lane] = acc[r, e]
-            else:
-                for b, h, sp, r in T.grid(batch, n_kv, (L + CH - 1) // CH, group):
+                                        if e * 32 + lane < head_dim:
+                                            acc[r, e] = T.float32(0)
+                                            for ww in range(W):
+                                                acc[r, e] = acc[r, e] + sacc[ww, r, e * 32 + lane] * T.exp(
+                                                    sm[ww, r, 0] - mm[0])
+                                            out[b, h, sp, r, e * 32 + lane] = acc[r, e]
+    return kernel
+
+
+ROWS_WARPS = 4       # GPU form of `attention_rows_partial`: warps per block, 16 query rows each
+ROWS_KEYS = 32       # keys per shared-memory chunk (two chunks in flight)
+ROWS_SPLIT = 256     # keys per block when verifying (flash-decoding splits; prefill takes one split)
+
+
+def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
+    """Whether `attention_rows_partial` has a GPU form for these heads: 16-bit values (mma.sync)
+    and head_dim a multiple of 32 (its k steps)."""
+    return dtype in ("bfloat16", "float16") and head_dim % 32 == 0
+
+
+@memo
+def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
+                           group: int, dtype: str, gpu: bool, split: int):
+    """Attention of many query rows (prefill, chain and tree verification) straight from the KV
+    pool, split over the keys, first half -- what `attention_decode_partial` does for one row.
+
+    Inputs q (B, T, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
+    rows (B,) and mask (B, T, L) (a tree's ancestor mask, or causal).  The query rows of KV head h
+    are r = t * group + g (token t, query head h * group + g).  For each split of ``split`` keys:
+    the running max m of the scaled scores (float32 dot products times d^-0.5) over the split's
+    keys that row's token may see, the sum l of exp(score - m), and sum of exp(score - m) * v --
+    outputs acc (B, n_kv, S, T * group, d) and ml (B, n_kv, S, T * group, 2), S = ceil(L / split);
+    `attention_combine` merges the splits.  No step copies keys or values out of the pool, and
+    no step materializes the (T x L) scores (the gathered form did both: bench/results/tree-verify-*).
+
+    CPU form: the decode form's loop per row (with one token and ``ATTN_CHUNK`` keys per split it
+    is the CPU decode kernel).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
+    tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
+    chunks of ``ROWS_KEYS`` keys and values go to shared memory with cp.async (the next chunk in
+    flight while this one is multiplied).  Each warp: S = Q K^T for its 16 rows (mma.sync m16n8k16,
+    float32 sums; a lane's k slots stand for 8 consecutive dims, as in `schedules.skinny_mma`),
+    masked and scaled, the running max / sum per row (quad shuffles), P = exp(S - m) rounded to the
+    value dtype as the A operand of O += P V straight from the S registers, V's B operands by
+    ldmatrix.trans.  Shared rows are swizzled so each 8-lane phase of the operand loads hits 32
+    distinct banks.  P is rounded before its product with V (as the gathered form rounded the
+    probabilities); the sums are float32.
+    """
+    scale = float(head_dim) ** -0.5
+    online = _online(head_dim)
+    if not gpu:
+        @T.prim_func(private=True, s_tir=True)
+        def cpu(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
+                ml_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": False})
+            batch, tokens, L = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (batch, tokens, n_kv * group, head_dim), dtype)
+            kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+            row = T.match_buffer(rows_h, (batch,), "int32")
+            mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
+            out = T.match_buffer(acc_h, (batch, n_kv, (L + split - 1) // split, tokens * group, head_dim), "float32")
+            ml = T.match_buffer(ml_h, (batch, n_kv, (L + split - 1) // split, tokens * group, 2), "float32")
+            with T.sblock("root"):
+                for b, h, sp, r in T.grid(batch, n_kv, (L + split - 1) // split, tokens * group):
                     acc = T.alloc_buffer((1, head_dim), "float32", scope="local")
                     m = T.alloc_buffer((1,), "float32", scope="local")
                     lsum = T.alloc_buffer((1,), "float32", scope="local")
@@ -236,28 +296,205 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                         acc[0, i] = T.float32(0)
                     m[0] = T.float32(ATTN_FLOOR)
                     lsum[0] = T.float32(0)
-                    for jj in range(CH):
-                        if sp * CH + jj < L:
-                            if mask[b, 0, sp * CH + jj]:
+                    for jj in range(split):
+                        if sp * split + jj < L:
+                            if mask[b, r // group, sp * split + jj]:
                                 sc[0] = T.float32(0)
                                 for i in range(head_dim):
-                                    sc[0] = sc[0] + T.Cast("float32", q[b, 0, h * group + r, i]) * T.Cast(
-                                        "float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * CH + jj, i])
+                                    sc[0] = sc[0] + T.Cast("float32", q[b, r // group, h * group + r % group, i]) * \
+                                        T.Cast("float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * split + jj, i])
                                 online(m, lsum, acc, 0, sc[0] * T.float32(scale),
-                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * CH + jj, i],
+                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * split + jj, i],
                                        head_dim, lambda e: e)
                     ml[b, h, sp, r, 0] = m[0]
                     ml[b, h, sp, r, 1] = lsum[0]
                     for i in range(head_dim):
                         out[b, h, sp, r, i] = acc[0, i]
+        return cpu
+    if not rows_kernel_fits(head_dim, dtype):
+        raise ValueError(f"attention_rows_partial's GPU form needs bf16/fp16 and head_dim % 32 == 0, "
+                         f"not {dtype} / {head_dim}")
+    return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, split, scale)
+
+
+def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, split, scale):
+    W, KC = ROWS_WARPS, ROWS_KEYS
+    BR = 16 * W                      # query rows per block
+    P = d // 8                       # 16-byte pieces per row
+    # piece XOR f(row): rows 2i, 2i+1 differ in bit 2 (an 8-lane phase of the Q / K operand loads
+    # reads 4 pieces of two rows) and f(0..7) are distinct (ldmatrix reads one piece of 8 rows);
+    # masked to the largest power of two dividing P, so a row's pieces stay in the row
+    swm = min(8, P & -P) - 1
+    threads = 32 * W
+    q_rounds, kv_rounds = -(-BR * P // threads), -(-2 * KC * P // threads)
+    steps, tiles = d // 32, KC // 8          # 32-wide k steps of S; 8-key tiles of a chunk
+    ab = "bf16" if dtype == "bfloat16" else "fp16"
+    copy = "cp.async.cg.shared.global"
+
+    def sw(r, p):
+        return T.bitwise_xor(p, T.bitwise_and(T.bitwise_xor((r % 2) * 4, (r // 2) % 4), swm))
+
+    @T.macro
+    def issue(smem, kv, row, b, h, key0, stage, tid):
+        """Chunk keys key0 .. key0 + KC - 1 (clamped into the pool; masked later) -> stage."""
+        for rr in T.serial(kv_rounds):
+            if rr * threads + tid < 2 * KC * P:
+                i = T.meta_var(rr * threads + tid)
+                srow = T.meta_var(BR + (stage * 2 + i // (KC * P)) * KC + (i // P) % KC)
+                T.evaluate(T.ptx[copy](T.address_of(smem[srow, sw(srow, i % P) * 8]), T.address_of(
+                    kv[layer, i // (KC * P), T.Cast("int64", row[b]), h,
+                       T.min(key0 + (i // P) % KC, capacity - 1), (i % P) * 8]), 16))
+
+    @T.prim_func(private=True)
+    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
+               ml_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
+        batch, tokens, L = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (batch, tokens, n_kv * group, d), dtype)
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, d), dtype)
+        row = T.match_buffer(rows_h, (batch,), "int32")
+        mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
+        out = T.match_buffer(acc_h, (batch, n_kv, (L + split - 1) // split, tokens * group, d), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, (L + split - 1) // split, tokens * group, 2), "float32")
+        for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
+            for sp in T.thread_binding((L + split - 1) // split, thread="blockIdx.y"):
+                for rt in T.thread_binding((tokens * group + BR - 1) // BR, thread="blockIdx.z"):
+                    for w in T.thread_binding(W, thread="threadIdx.y"):
+                        for lane in T.thread_binding(32, thread="threadIdx.x"):
+                            # one buffer for everything cp.async writes (FACTS.md: the planner
+                            # does not see cp.async writes as uses): Q rows, then 2 stages x (K, V)
+                            smem = T.alloc_buffer((BR + 4 * KC, d), dtype, scope="shared.dyn")
+                            qa = T.alloc_buffer((2, 8), dtype, scope="local")
+                            af = T.alloc_buffer((2, 8), dtype, scope="local")
+                            kb = T.alloc_buffer((tiles, 8), dtype, scope="local")
+                            kf = T.alloc_buffer((tiles, 8), dtype, scope="local")
+                            sc = T.alloc_buffer((tiles, 4), "float32", scope="local")
+                            ok = T.alloc_buffer((tiles, 4), "int32", scope="local")
+                            pa = T.alloc_buffer((KC // 16, 8), dtype, scope="local")
+                            vb = T.alloc_buffer((8,), dtype, scope="local")
+                            o = T.alloc_buffer((d // 8, 4), "float32", scope="local")
+                            mrow = T.alloc_buffer((2,), "float32", scope="local")
+                            mnew = T.alloc_buffer((2,), "float32", scope="local")
+                            corr = T.alloc_buffer((2,), "float32", scope="local")
+                            lrow = T.alloc_buffer((2,), "float32", scope="local")
+                            b, h = T.meta_var(bh // n_kv), T.meta_var(bh % n_kv)
+                            R = T.meta_var(tokens * group)
+                            k0 = T.meta_var(sp * split)
+                            nk = T.meta_var(T.min(T.int64(split), L - sp * split))
+                            tid_ = T.meta_var(w * 32 + lane)
+                            for e in T.unroll(d // 8):
+                                for c in T.unroll(4):
+                                    o[e, c] = T.float32(0)
+                            for hh in T.unroll(2):
+                                mrow[hh] = T.float32(ATTN_FLOOR)
+                                lrow[hh] = T.float32(0)
+                            for rr in T.serial(q_rounds):
+                                if rr * threads + tid_ < BR * P:
+                                    i = T.meta_var(rr * threads + tid_)
+                                    gr = T.meta_var(T.min(rt * BR + i // P, R - 1))
+                                    T.evaluate(T.ptx[copy](T.address_of(smem[i // P, sw(i // P, i % P) * 8]),
+                                                           T.address_of(q[b, gr // group, h * group + gr % group,
+                                                                          (i % P) * 8]), 16))
+                            issue(smem, kv, row, b, h, k0, 0, tid_)
+                            T.evaluate(T.ptx["cp.async.commit_group"]())
+                            for c in T.serial((nk + KC - 1) // KC):
+                                if (c + 1) * KC < nk:
+                                    issue(smem, kv, row, b, h, k0 + (c + 1) * KC, (c + 1) % 2, tid_)
+                                T.evaluate(T.ptx["cp.async.commit_group"]())
+                                T.evaluate(T.ptx["cp.async.wait_group"](1))
+                                T.tvm_storage_sync("shared")
+                                base = T.meta_var(BR + (c % 2) * 2 * KC)
+                                # S = Q K^T for the warp's 16 rows x the chunk's keys
+                                for j in T.unroll(tiles):
+                                    for e in T.unroll(4):
+                                        sc[j, e] = T.float32(0)
+                                for s in T.unroll(steps):
+                                    for hh in T.unroll(2):
+                                        for v in T.vectorized(8):
+                                            qa[hh, v] = smem[w * 16 + hh * 8 + lane // 4,
+                                                             sw(w * 16 + hh * 8 + lane // 4, s * 4 + lane % 4) * 8 + v]
+                                    for j in T.unroll(tiles):
+                                        for v in T.vectorized(8):
+                                            kb[j, v] = smem[base + j * 8 + lane // 4,
+                                                            sw(base + j * 8 + lane // 4, s * 4 + lane % 4) * 8 + v]
+                                    for j in T.unroll(tiles):
+                                        for v in T.unroll(8):
+                                            kf[j, v] = kb[j, v]
+                                    for qq in T.unroll(2):
+                                        for h2 in T.unroll(2):
+                                            for hh in T.unroll(2):
+                                                for e in T.unroll(2):
+                                                    af[qq, h2 * 4 + hh * 2 + e] = qa[hh, qq * 4 + h2 * 2 + e]
+                                    for qq in T.unroll(2):
+                                        for j in T.unroll(tiles):
+                                            T.evaluate(T.ptx_legacy.mma(
+                                                "m16n8k16", "row", "col", ab, ab, "fp32", af.data, qq * 8,
+                                                kf.data, j * 8 + qq * 4, sc.data, j * 4, False, dtype="float32"))
+                                # mask and scale; running max per row (rows g, g + 8 of the warp)
+                                for hh in T.unroll(2):
+                                    mnew[hh] = mrow[hh]
+                                for j in T.unroll(tiles):
+                                    for e in T.unroll(4):
+                                        key = T.meta_var(k0 + c * KC + j * 8 + (lane % 4) * 2 + e % 2)
+                                        r = T.meta_var(T.min(rt * BR + w * 16 + (e // 2) * 8 + lane // 4, R - 1))
+                                        ok[j, e] = T.Cast("int32", key < k0 + nk)
+                                        if ok[j, e] > 0:
+                                            ok[j, e] = T.Cast("int32", mask[b, r // group, key])
+                                        sc[j, e] = T.if_then_else(ok[j, e] > 0, sc[j, e] * T.float32(scale),
+                                                                  T.float32(ATTN_FLOOR))
+                                        mnew[e // 2] = T.max(mnew[e // 2], sc[j, e])
+                                for hh in T.unroll(2):
+                                    for u in T.unroll(2):   # the quad of lanes sharing the row
+                                        mnew[hh] = T.max(mnew[hh], T.tvm_warp_shuffle_xor(
+                                            T.tvm_warp_activemask(), mnew[hh], u + 1, 32, 32))
+                                    corr[hh] = T.exp(mrow[hh] - mnew[hh])
+                                    lrow[hh] = lrow[hh] * corr[hh]
+                                for e in T.unroll(d // 8):
+                                    for cc in T.unroll(4):
+                                        o[e, cc] = o[e, cc] * corr[cc // 2]
+                                for hh in T.unroll(2):
+                                    mrow[hh] = mnew[hh]
+                                for j in T.unroll(tiles):
+                                    for e in T.unroll(4):
+                                        sc[j, e] = T.if_then_else(ok[j, e] > 0, T.exp(sc[j, e] - mrow[e // 2]),
+                                                                  T.float32(0))
+                                        lrow[e // 2] = lrow[e // 2] + sc[j, e]
+                                        # A fragments of P: 16-key step j // 2, half j % 2
+                                        pa[j // 2, (j % 2) * 4 + e] = T.Cast(dtype, sc[j, e])
+                                # O += P V: V's B operands (two 8-dim tiles per ldmatrix.x4.trans)
+                                for ks in T.unroll(KC // 16):
+                                    for dp in T.unroll(d // 16):
+                                        vrow = T.meta_var(base + KC + ks * 16 + (lane // 8) % 2 * 8 + lane % 8)
+                                        T.evaluate(T.ptx_legacy.ldmatrix(
+                                            True, 4, ".b16", vb.data, 0, smem.data,
+                                            vrow * d + sw(vrow, dp * 2 + lane // 16) * 8, dtype=dtype))
+                                        for half in T.unroll(2):
+                                            T.evaluate(T.ptx_legacy.mma(
+                                                "m16n8k16", "row", "col", ab, ab, "fp32", pa.data, ks * 8,
+                                                vb.data, half * 4, o.data, (dp * 2 + half) * 4, False,
+                                                dtype="float32"))
+                                # the stage the next issue overwrites was read above
+                                T.tvm_storage_sync("shared")
+                            for hh in T.unroll(2):
+                                for u in T.unroll(2):
+                                    lrow[hh] = lrow[hh] + T.tvm_warp_shuffle_xor(
+                                        T.tvm_warp_activemask(), lrow[hh], u + 1, 32, 32)
+                                r = T.meta_var(rt * BR + w * 16 + hh * 8 + lane // 4)
+                                if r < R:
+                                    if lane % 4 == 0:
+                                        ml[b, h, sp, r, 0] = mrow[hh]
+                                        ml[b, h, sp, r, 1] = lrow[hh]
+                                    for e in T.unroll(d // 8):
+                                        for x in T.unroll(2):
+                                            out[b, h, sp, r, e * 8 + (lane % 4) * 2 + x] = o[e, hh * 2 + x]
     return kernel
 
 
 @memo
-def attention_decode_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
-    """Second half of `attention_decode_partial`: merge the splits of each query head,
-    out[b, 0, h * group + r] = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s,
-    rounded once to ``dtype``."""
+def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
+    """Second half of `attention_decode_partial` / `attention_rows_partial`: merge the splits of
+    each query row r = t * group + g of KV head h, out[b, t, h * group + g] =
+    sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s, rounded once to ``dtype``."""
     threads = min(256, head_dim)
     rounds = (head_dim + threads - 1) // threads
 
@@ -272,25 +509,25 @@ def attention_decode_combine(n_kv: int, head_dim: int, group: int, dtype: str, g
         for sp in range(S):
             top[1] = top[1] + ml[b, h, sp, r, 1] * T.exp(ml[b, h, sp, r, 0] - top[0])
             top[2] = top[2] + acc[b, h, sp, r, i] * T.exp(ml[b, h, sp, r, 0] - top[0])
-        out[b, 0, h * group + r, i] = T.Cast(dtype, top[2] / top[1])
+        out[b, r // group, h * group + r % group, i] = T.Cast(dtype, top[2] / top[1])
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(acc_h: T.handle, ml_h: T.handle, out_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        batch, S = T.int64(), T.int64()
-        acc = T.match_buffer(acc_h, (batch, n_kv, S, group, head_dim), "float32")
-        ml = T.match_buffer(ml_h, (batch, n_kv, S, group, 2), "float32")
-        out = T.match_buffer(out_h, (batch, 1, n_kv * group, head_dim), dtype)
+        batch, S, tokens = T.int64(), T.int64(), T.int64()
+        out = T.match_buffer(out_h, (batch, tokens, n_kv * group, head_dim), dtype)
+        acc = T.match_buffer(acc_h, (batch, n_kv, S, tokens * group, head_dim), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, S, tokens * group, 2), "float32")
         with T.sblock("root"):
             if gpu:
-                for bhr in T.thread_binding(batch * n_kv * group, thread="blockIdx.x"):
+                for bhr in T.thread_binding(batch * n_kv * tokens * group, thread="blockIdx.x"):
                     for tx in T.thread_binding(threads, thread="threadIdx.x"):
                         for rr in range(rounds):
                             if rr * threads + tx < head_dim:
-                                merge(acc, ml, out, bhr // (n_kv * group), bhr // group % n_kv, bhr % group,
-                                      rr * threads + tx, S)
+                                merge(acc, ml, out, bhr // (n_kv * tokens * group), bhr // (tokens * group) % n_kv,
+                                      bhr % (tokens * group), rr * threads + tx, S)
             else:
-                for b, h, r, i in T.grid(batch, n_kv, group, head_dim):
+                for b, h, r, i in T.grid(batch, n_kv, tokens * group, head_dim):
                     merge(acc, ml, out, b, h, r, i, S)
     return kernel
 

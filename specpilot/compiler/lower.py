@@ -115,10 +115,14 @@ class StepInputs:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int, n_attn: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int, n_attn: int,
+                 pool_rows: bool | None = None):
         H, d = cfg.hidden_size, cfg.head_dim
         self.cfg, self.dtype, self.gpu, self.capacity, self.n_attn = cfg, dtype, gpu, capacity, n_attn
         self.n_rows = n_rows
+        # many query rows (prefill, verification) read the pool in place on GPUs the rows kernel
+        # serves; elsewhere they go through gathered keys and matmuls (the CPU's fast path)
+        self.pool_rows = (gpu and kernels.rows_kernel_fits(d, dtype)) if pool_rows is None else pool_rows
         q_out = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)
         self.q_proj = Linear(H, q_out, cfg.qkv_bias, dtype)
         self.k_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
@@ -156,27 +160,37 @@ class Attention(nn.Module):
         kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
                                      Tensor.placeholder(kv.shape, self.dtype))
         decode = isinstance(T_, int) and T_ == 1
-        out = self._attend_in_place(q, s, kv, layer) if decode else self._attend_gathered(q, s, kv, layer)
+        out = self._attend_in_place(q, s, kv, layer) if decode or self.pool_rows else \
+            self._attend_gathered(q, s, kv, layer)
         if gate is not None:
             out = out * op.sigmoid(gate)
         return self.o_proj(out), kv
 
     def _attend_in_place(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
-        """Decode (one query row per sequence): attention reads the pool in place, split over the
-        keys (flash decoding)."""
+        """Attention read straight from the pool, split over the keys (flash decoding): one query
+        row per sequence (decode; `kernels.attention_decode_partial` on the GPU) or many (prefill,
+        verification; `kernels.attention_rows_partial`), the splits merged by
+        `kernels.attention_combine`."""
         cfg = self.cfg
-        B, d, nh, nkv = s.batch, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         grp = nh // nkv
-        splits = (s.mask.shape[2] + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+        decode = isinstance(T_, int) and T_ == 1
+        if decode and self.gpu:
+            split = kernels.ATTN_CHUNK
+            partial = kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                       self.dtype)
+        else:   # verification splits the keys over blocks; prefill's many rows fill the GPU with one split
+            split = kernels.ATTN_CHUNK if decode else kernels.ROWS_SPLIT if s.parents is not None else self.capacity
+            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                     self.dtype, self.gpu, split)
+        splits = (s.mask.shape[2] + split - 1) // split
         acc, ml = op.tensor_ir_op(
-            kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                             self.dtype, self.gpu),
-            "attention_decode", [q, kv, s.rows, s.mask],
-            [Tensor.placeholder((B, nkv, splits, grp, d), "float32"),
-             Tensor.placeholder((B, nkv, splits, grp, 2), "float32")])
-        out = op.tensor_ir_op(kernels.attention_decode_combine(nkv, d, grp, self.dtype, self.gpu),
-                              "attention_combine", [acc, ml], Tensor.placeholder((B, 1, nh, d), self.dtype))
-        return op.reshape(out, (B, nh * d))
+            partial, "attention_decode" if decode else "attention_rows", [q, kv, s.rows, s.mask],
+            [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
+             Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")])
+        out = op.tensor_ir_op(kernels.attention_combine(nkv, d, grp, self.dtype, self.gpu),
+                              "attention_combine", [acc, ml], Tensor.placeholder((B, T_, nh, d), self.dtype))
+        return op.reshape(out, (B * T_, nh * d))
 
     def _attend_gathered(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
         """Attention over the sequence's live keys gathered from the pool, through matmuls
@@ -302,22 +316,23 @@ class GatedDeltaNet(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_rows: int,
-                 n_attn: int):
+                 n_attn: int, pool_rows: bool | None = None):
         eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
         if kind == "full_attention":
-            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_rows, n_attn)
+            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_rows, n_attn, pool_rows)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, gpu)
         self.mlp = MLP(cfg, dtype)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int,
+                 pool_rows: bool | None = None):
         n_attn = cfg.layer_types.count("full_attention")
         self.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_rows, n_attn)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_rows, n_attn, pool_rows)
                                      for kind in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
 
@@ -325,9 +340,10 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """One model's step functions; parameter names are its Hugging Face names."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int,
+                 pool_rows: bool | None = None):
         self.cfg, self.dtype, self.capacity, self.gpu = cfg, dtype, capacity, gpu
-        self.model = Backbone(cfg, dtype, gpu, capacity, n_rows)
+        self.model = Backbone(cfg, dtype, gpu, capacity, n_rows, pool_rows)
         self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype) if not cfg.tie_word_embeddings else None
         self.rope_inv_freq = nn.Parameter((len(range(0, int(cfg.head_dim * cfg.partial_rotary_factor), 2)),),
                                           "float32")
@@ -483,13 +499,16 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 
 
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
-                     gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1):
+                     gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1,
+                     pool_rows: bool | None = None):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
-    drafter that reads the target's weights (early exit), the names of those it does not."""
-    target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows)
-    drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows) if drafter_cfg is not None else None
+    drafter that reads the target's weights (early exit), the names of those it does not.
+    ``pool_rows``: prefill and verification attention read the pool in place
+    (`kernels.attention_rows_partial`); None: on GPUs where its GPU form serves the heads."""
+    target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows)
+    drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows, pool_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_own is not None:
         _share_parameters(drafter, target, drafter_own)
     spec = {}

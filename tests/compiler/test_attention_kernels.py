@@ -1,9 +1,12 @@
-"""Decode attention read straight from the KV pool (`kernels.attention_decode_partial` +
-`attention_decode_combine`): the CPU form against softmax(q k^T / sqrt(d)) v computed in numpy
-from the same pool rows, on odd sizes (head_dim 24, groups of 3, key counts that do not fill the
-last split), masked keys, sequences on other pool rows than their batch index, and outputs
-poisoned with NaN beforehand.  The GPU form compiles to sm_90 without a GPU; its numbers are
-checked on the H200 by bf16 token forcing of decode builds (bench/gpu_forcing.py)."""
+"""Attention read straight from the KV pool, split over the keys: `kernels.attention_rows_partial`
+(any number of query rows: decode on the CPU, prefill and verification) and `attention_combine`.
+The CPU form against softmax(q k^T / sqrt(d)) v computed in numpy from the same pool rows, on odd
+sizes (head_dim 24 / 10, groups of 3, key counts that do not fill the last split, splits of odd
+length), ancestor-style masks that differ per token, sequences on other pool rows than their
+batch index, and outputs poisoned with NaN beforehand.  The GPU forms (decode's, and the rows
+kernel's flash attention on tensor cores) compile to sm_90 without a GPU; their numbers are checked
+on the H200 by bench/attention_rows.py (against PyTorch) and by bf16 token forcing
+(bench/gpu_forcing.py)."""
 
 from __future__ import annotations
 
@@ -14,35 +17,62 @@ from specpilot.compiler import kernels
 from tests.kernel_helpers import run_cpu as _run, sm90_source
 
 
-@pytest.mark.parametrize("seed,L,d,group,masked", [(0, 70, 24, 3, 0.0), (1, 129, 16, 1, 0.3), (2, 5, 32, 4, 0.5),
-                                                   (3, 64, 24, 2, 0.0)])
-def test_decode_attention_from_the_pool_matches_softmax_attention(seed, L, d, group, masked):
+def _reference(q, kv, layer, row, mask, group):
+    B, T, nh, d = q.shape
+    out = np.zeros((B, T, nh, d))
+    for b in range(B):
+        for t in range(T):
+            for h in range(nh):
+                keys = kv[layer, 0, row[b], h // group, :mask.shape[2]].astype("float64")
+                values = kv[layer, 1, row[b], h // group, :mask.shape[2]].astype("float64")
+                scores = keys @ q[b, t, h].astype("float64") / np.sqrt(d)
+                scores[~mask[b, t]] = -np.inf
+                p = np.exp(scores - scores.max())
+                out[b, t, h] = (p / p.sum()) @ values
+    return out
+
+
+@pytest.mark.parametrize("seed,T,L,d,group,masked,split", [
+    (0, 1, 70, 24, 3, 0.0, kernels.ATTN_CHUNK),      # decode on the CPU: one token, decode's splits
+    (1, 1, 129, 16, 1, 0.3, kernels.ATTN_CHUNK),
+    (2, 5, 5, 32, 4, 0.5, kernels.ATTN_CHUNK),
+    (3, 7, 64, 24, 2, 0.0, 16),
+    (4, 17, 83, 10, 3, 0.6, 7),                       # a tree: each token its own set of keys
+    (5, 3, 40, 12, 2, 0.2, 400),                      # prefill: one split longer than the keys
+])
+def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split):
     rng = np.random.default_rng(seed)
     n_layers, layer, rows, n_kv, cap, B = 3, 1, 4, 2, 160, 3
     kv = rng.standard_normal((n_layers, 2, rows, n_kv, cap, d)).astype("float32")
-    q = rng.standard_normal((B, 1, n_kv * group, d)).astype("float32") * 2
+    q = rng.standard_normal((B, T, n_kv * group, d)).astype("float32") * 2
     row = np.array([2, 0, 3], "int32")              # sequence b lives in pool row row[b]
-    mask = rng.uniform(size=(B, 1, L)) >= masked
+    mask = rng.uniform(size=(B, T, L)) >= masked
     mask[:, :, 0] = True                            # every query sees at least one key
-    S = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
-    acc, ml = _run(kernels.attention_decode_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False),
-                   [q, kv, row, mask], [((B, n_kv, S, group, d), "float32"), ((B, n_kv, S, group, 2), "float32")])
+    S = (L + split - 1) // split
+    acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False,
+                                                  split), [q, kv, row, mask],
+                   [((B, n_kv, S, T * group, d), "float32"), ((B, n_kv, S, T * group, 2), "float32")])
     assert not np.isnan(acc).any() and not np.isnan(ml).any()
-    (out,) = _run(kernels.attention_decode_combine(n_kv, d, group, "float32", False), [acc, ml],
-                  [((B, 1, n_kv * group, d), "float32")])
-    for b in range(B):
-        for h in range(n_kv * group):
-            keys = kv[layer, 0, row[b], h // group, :L].astype("float64")
-            values = kv[layer, 1, row[b], h // group, :L].astype("float64")
-            scores = keys @ q[b, 0, h].astype("float64") / np.sqrt(d)
-            scores[~mask[b, 0]] = -np.inf
-            p = np.exp(scores - scores.max())
-            want = (p / p.sum()) @ values
-            np.testing.assert_allclose(out[b, 0, h], want, rtol=2e-5, atol=2e-6)
+    (out,) = _run(kernels.attention_combine(n_kv, d, group, "float32", False), [acc, ml],
+                  [((B, T, n_kv * group, d), "float32")])
+    np.testing.assert_allclose(out, _reference(q, kv, layer, row, mask, group), rtol=2e-5, atol=2e-6)
 
 
-def test_decode_attention_gpu_form_compiles_to_sm90_without_a_gpu(tmp_path):
+def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
+    assert kernels.rows_kernel_fits(256, "bfloat16") and kernels.rows_kernel_fits(32, "float16")
+    assert not kernels.rows_kernel_fits(24, "bfloat16") and not kernels.rows_kernel_fits(128, "float32")
+    with pytest.raises(ValueError, match="head_dim % 32"):
+        kernels.attention_rows_partial(1, 0, 1, 2, 64, 24, 2, "bfloat16", True, 256)
+
+
+def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
-                       "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16', True), "
-                       "'combine': kernels.attention_decode_combine(8, 128, 4, 'bfloat16', True)}")
+                       "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
+                       "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, 256), "
+                       "'combine': kernels.attention_combine(8, 128, 4, 'bfloat16', True)}")
     assert "__shfl_xor_sync" in text and "partial_kernel" in text and "combine_kernel" in text
+    rows = text[text.index("void __launch_bounds__(128) rows_kernel("):]
+    # d = 256, 32 keys per chunk: 2 x 8 x 4 mma for S, 2 x 16 x 2 for O; V through ldmatrix.trans
+    assert rows.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128
+    assert rows.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32
+    assert "ptx_cp_async_cg" in rows and "cp.async.cg.shared.global" in text

@@ -119,13 +119,24 @@ def test_illegal_pipelines_name_the_rule(text, context, reason):
         run_pipeline(parse(text), mod, context)
 
 
-def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path):
+@pytest.mark.parametrize("pool_rows", [False, True])
+def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path, monkeypatch, pool_rows):
+    """pool_rows: prefill and verification attention through `kernels.attention_rows_partial`
+    (the GPU's path; its CPU form here) instead of gathered keys and matmuls, with 16-key splits
+    so verification merges several."""
+    if pool_rows:
+        from functools import partial
+
+        from specpilot.compiler import build as build_module
+        monkeypatch.setattr(build_module, "lower_deployment", partial(lower_deployment, pool_rows=True))
+        monkeypatch.setattr(kernels, "ROWS_SPLIT", 16)
     data = {"target": {"architecture": HYBRID, "config": TINY_CONFIGS[HYBRID], "init": {"seed": 1}},
             "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3},
             "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
             "passes": "tree-verify{budget=16},gdn-path-recompute"}
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
     build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b")
+    assert ("attention_rows" in (tmp_path / "b" / "kernels.json").read_text()) == pool_rows
     system = from_build(tmp_path / "b")
     compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
     off_rank = 0
