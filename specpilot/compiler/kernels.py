@@ -600,20 +600,25 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             for i in range(dk):
                 st[at(1, b, 0, h, i, j)] = s[i]
 
-    # GPU form: a block per (sequence, head), dv x parts threads; thread (j, p) keeps rows
+    # GPU form: a block per (sequence, head, group of ``cols`` value columns) -- the columns of
+    # the state evolve independently, so 27B-class heads (dv = 128) take 4 blocks each and the
+    # per-token states stream out of 4x the SMs -- cols x parts threads; thread (j, p) keeps rows
     # p*R .. p*R+R-1 of column j of the state in registers (R = dk / parts), the two dot
     # products over d_k per token are summed through shared memory, and in the tree form a row
     # whose parent is the row before keeps the state in registers.  Sums over d_k come as
     # ``parts`` partial sums: float32 rounding apart, the CPU form's arithmetic.
     parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
     rows = dk // parts
+    cols = next(dv // c for c in (4, 2, 1) if dv % c == 0 and dv // c >= 32) if dv >= 32 else dv
+    col_blocks = dv // cols
 
     @T.macro
-    def blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, j):
-        """Sequence b, head h, value column j, rows p*R..p*R+R-1 of d_k: the whole token loop."""
+    def blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, jl, j):
+        """Sequence b, head h, value column j (jl within the block), rows p*R..p*R+R-1 of d_k: the
+        whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
         acc = T.alloc_buffer((2,), "float32", scope="local")
-        red = T.alloc_buffer((2, parts, dv), "float32", scope="shared")
+        red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
         for i in T.unroll(rows):
             s[i] = s0[b, h, p * rows + i, j]
         for t in range(n):
@@ -629,23 +634,23 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 for i in T.unroll(rows):
                     s[i] = s[i] * T.exp(g[b, t, h])
                     acc[0] = acc[0] + k[b, t, h, p * rows + i] * s[i]
-            red[0, p, j] = acc[0]
+            red[0, p, jl] = acc[0]
             T.tvm_storage_sync("shared")
             acc[0] = T.float32(0)
             for r in range(parts):
-                acc[0] = acc[0] + red[0, r, j]
+                acc[0] = acc[0] + red[0, r, jl]
             acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
             acc[1] = T.float32(0)
             if slots[b, t] >= 0:
                 for i in T.unroll(rows):
                     s[i] = s[i] + k[b, t, h, p * rows + i] * acc[0]
                     acc[1] = acc[1] + q[b, t, h, p * rows + i] * s[i]
-            red[1, p, j] = acc[1]
+            red[1, p, jl] = acc[1]
             T.tvm_storage_sync("shared")
             if p == 0:
                 acc[1] = T.float32(0)
                 for r in range(parts):
-                    acc[1] = acc[1] + red[1, r, j]
+                    acc[1] = acc[1] + red[1, r, jl]
                 o[b, t, h, j] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
             if keep_states:
                 for i in T.unroll(rows):
@@ -679,11 +684,12 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             st = T.decl_buffer(((batch * n if keep_states else batch) * G * n_heads * dk * dv,), "float32",
                                data=st_nd.data)
             if gpu:
-                for bh in T.thread_binding(batch * n_heads, thread="blockIdx.x"):
+                for bhc in T.thread_binding(batch * n_heads * col_blocks, thread="blockIdx.x"):
                     for p in T.thread_binding(parts, thread="threadIdx.y"):
-                        for j in T.thread_binding(dv, thread="threadIdx.x"):
-                            b, h = bh // n_heads, bh % n_heads
-                            blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, j)
+                        for jl in T.thread_binding(cols, thread="threadIdx.x"):
+                            b, h = bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads
+                            blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, jl,
+                                    bhc % col_blocks * cols + jl)
             else:
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):

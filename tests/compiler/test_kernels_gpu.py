@@ -18,6 +18,11 @@ def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
     assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 2
     parts = 4 if dk % 4 == 0 else 2 if dk % 2 == 0 else 1
     assert f"T.thread_binding({parts}, thread=\"threadIdx.y\")" in text
+    # value columns evolve independently: 27B-class heads (dv = 128) split over 4 blocks of 32
+    cols = 32 if dv == 128 else dv
+    assert f"T.thread_binding({cols}, thread=\"threadIdx.x\")" in text
+    blocks = f"batch * T.int64({3 * dv // cols})"
+    assert f"T.thread_binding({blocks}, thread=\"blockIdx.x\")" in text
     # the CPU form is untouched: a thread per value column, no shared memory
     cpu = gated_delta_rule(3, dk, dv, keep_states=True, gpu=False, tree=True).script()
     assert "shared" not in cpu and "thread_binding" not in cpu

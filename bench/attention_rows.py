@@ -1,0 +1,162 @@
+"""Attention of many query rows straight from the KV pool on the GPU, side by side in one run.
+
+    python bench/attention_rows.py build LIB.so     # on the CPU machine, with the stub driver
+    python bench/attention_rows.py run LIB.so [--out DIR]
+
+`kernels.attention_rows_partial` + `attention_combine` (what GPU builds run for prefill and
+verification) against what the builds ran before -- keys and values gathered out of the pool,
+bf16 matmuls, the mask applied to the (T x L) scores, a float32 softmax rounded to bf16 (here in
+PyTorch: cuBLAS matmuls, so a lower bound on the old TVM path) -- and PyTorch's
+scaled_dot_product_attention with the same boolean mask.  Heads of the 27B-style hybrid (4 KV
+heads x 6, d = 256), of Qwen3-8B (8 x 4, d = 128) and of the tiny test models (2 x 2, d = 32);
+query rows of a chain (7), a 64-node tree + root (65) and a prefill (causal, one split); every
+output checked against float32 attention over the same bf16 values.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HEADS = [(4, 6, 256), (8, 4, 128), (2, 2, 32)]     # (KV heads, query heads per KV head, head_dim)
+CAPACITY = 4352
+# (query tokens, keys incl. the new tokens, verification?) -- verification: tree masks, key splits
+CASES = [(7, 4096, True), (65, 4096, True), (65, 1000, True), (33, 77, True), (1, 4096, True), (512, 512, False)]
+
+
+def _name(kind: str, nkv: int, group: int, d: int, split: int = 0) -> str:
+    return f"{kind}_{nkv}_{group}_{d}" + (f"_{split}" if split else "")
+
+
+def build(out: Path) -> None:
+    import tvm
+
+    from specpilot.compiler import kernels
+    from specpilot.compiler.build import load_cuda_runtime
+    if not load_cuda_runtime():
+        sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    funcs = {}
+    for nkv, group, d in HEADS:
+        for split in (kernels.ROWS_SPLIT, CAPACITY):
+            funcs[_name("rows", nkv, group, d, split)] = kernels.attention_rows_partial(
+                1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", True, split)
+        funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
+    with target:
+        lib = tvm.compile(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target=target)
+    lib.export_library(str(out))
+    # the run side has the TVM runtime alone (no TVMScript to import kernels with): the split travels here
+    out.with_suffix(".json").write_text(json.dumps({"split": kernels.ROWS_SPLIT}))
+    print(f"wrote {out} ({len(funcs)} kernels)")
+
+
+def _mask(T: int, L: int, tree: bool, gen):
+    """(T, L) bool: every token sees the L - T cached keys; among the new ones a random tree's
+    ancestors (verification) or the causal triangle (prefill)."""
+    import torch
+    mask = torch.zeros(T, L, dtype=torch.bool)
+    mask[:, :L - T] = True
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)] if tree else \
+        list(range(-1, T - 1))
+    for i in range(T):
+        j = i
+        while j >= 0:
+            mask[i, L - T + j] = True
+            j = parents[j]
+    return mask
+
+
+def run(lib_path: Path, out_dir: Path | None) -> None:
+    import torch
+    import tvm
+
+    from bench._common import write
+    from specpilot.runtime.engine import _import_tvm_runtime
+    _import_tvm_runtime(gpu=True)
+    lib = tvm.runtime.load_module(str(lib_path))
+    to_tvm = tvm.runtime.from_dlpack
+    verify_split = json.loads(lib_path.with_suffix(".json").read_text())["split"]
+    rows = []
+
+    def timed(fn, rounds=7, iters=20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        samples = []
+        for _ in range(rounds):
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1000 / iters)
+        return samples
+
+    for nkv, group, d in HEADS:
+        gen = torch.Generator().manual_seed(nkv * 1000 + d)
+        nh = nkv * group
+        pool = (torch.randn(1, 2, 2, nkv, CAPACITY, d, generator=gen)).to(torch.bfloat16).cuda()
+        row = torch.tensor([1], dtype=torch.int32).cuda()
+        for T, L, tree in CASES:
+            split = verify_split if tree else CAPACITY
+            S = (L + split - 1) // split
+            q = torch.randn(1, T, nh, d, generator=gen).to(torch.bfloat16).cuda()
+            mask = _mask(T, L, tree, gen).cuda()
+            keys, values = pool[0, 0, 1, :, :L], pool[0, 1, 1, :, :L]                  # (nkv, L, d)
+            qh = q[0].transpose(0, 1).reshape(nkv, group * T, d)                           # rows g * T + t
+            scores = (qh.float() @ keys.float().transpose(1, 2)).view(nkv, group, T, L) * d ** -0.5
+            want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).view(nkv, group * T, L) @ values.float()
+            want = want.view(nh, T, d).transpose(0, 1)                                      # (T, nh, d)
+            acc = torch.full((1, nkv, S, T * group, d), float("nan"), device="cuda")
+            ml = torch.full((1, nkv, S, T * group, 2), float("nan"), device="cuda")
+            out = torch.full((1, T, nh, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            partial, combine = lib[_name("rows", nkv, group, d, split)], lib[_name("combine", nkv, group, d)]
+            args = [to_tvm(x) for x in (q, pool, row, mask.view(1, T, L), acc, ml)]
+            outs = [to_tvm(acc), to_tvm(ml), to_tvm(out)]
+
+            def ours():
+                partial(*args)
+                combine(*outs)
+
+            def gathered():      # what builds ran before, in PyTorch
+                k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
+                s = (qh @ k.transpose(1, 2)).view(nkv, group, T, L) * d ** -0.5
+                s = torch.where(mask, s, torch.tensor(float("-inf"), dtype=s.dtype, device="cuda"))
+                p = torch.softmax(s.float(), -1).to(torch.bfloat16).view(nkv, group * T, L)
+                return p @ v
+
+            def sdpa():
+                k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q[0].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                    attn_mask=mask)
+
+            ours()
+            torch.cuda.synchronize()
+            err = float(((out[0].float() - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
+            err_gathered = float((gathered().view(nh, T, d).transpose(0, 1).float() - want).abs().max()
+                                 / want.abs().max())
+            found = {"rows_kernel": timed(ours), "gathered_torch": timed(gathered), "sdpa_torch": timed(sdpa)}
+            base = statistics.median(found["rows_kernel"])
+            for name, samples in found.items():
+                med = statistics.median(samples)
+                rows.append({"kv_heads": nkv, "group": group, "head_dim": d, "tokens": T, "keys": L,
+                             "mask": "tree" if tree else "causal", "splits": S, "kernel": name, "median_us": med,
+                             "min_us": min(samples), "max_us": max(samples), "vs_rows_kernel": med / base,
+                             "max_rel_error": err if name == "rows_kernel" else
+                             err_gathered if name == "gathered_torch" else None})
+            print(f"  heads {nkv}x{group} d={d:3d} T={T:3d} L={L:4d} {'tree ' if tree else 'causal'}: rows kernel "
+                  f"{base:7.1f} us (err {err:.1e}; gathered err {err_gathered:.1e})  gathered "
+                  f"{statistics.median(found['gathered_torch']):7.1f}  sdpa {statistics.median(found['sdpa_torch']):7.1f}",
+                  flush=True)
+    path = write("attention-rows", {"heads": HEADS, "cases": CASES, "capacity": CAPACITY,
+                                    "split": verify_split, "results": rows}, out_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    from bench._common import build_or_run
+    build_or_run(build, run)
