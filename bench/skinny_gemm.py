@@ -24,10 +24,32 @@ SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SKINNY_SHAPES
     if os.environ.get("SKINNY_SHAPES") else [(5120, 17408), (17408, 5120), (5120, 5120), (4096, 14336), (5120, 248320)]
 # SKINNY_SHAPES=KxN,...: other (K, N) pairs, e.g. a tiny test model's (the same at build and run)
 MS = [int(m) for m in os.environ.get("SKINNY_MS", "1,2,4,8,16,32,65").split(",")]   # SKINNY_MS: a subset
+# SKINNY_SPLITS=2,4,...: also the shipped dispatch with K split over that many blocks (`Config.splits`)
+# wherever the configuration still tiles; SKINNY_VARIANTS=name,...: only these single variants
+SPLITS = [int(v) for v in os.environ.get("SKINNY_SPLITS", "").split(",") if v]
+ONLY = [v for v in os.environ.get("SKINNY_VARIANTS", "").split(",") if v]
 
 
 def variants():
     """name -> ((limit, Config), ...) for single configurations, plus the shipped dispatch (None)."""
+    every = _variants()
+    return {name: cfgs for name, cfgs in every.items() if not ONLY or name in ONLY or name == "mma"}
+
+
+def split_variants(n: int, k: int) -> dict:
+    """mma_s{S}: the shipped dispatch with each configuration's K split over S blocks where it tiles."""
+    from dataclasses import replace
+
+    from specpilot.schedules.skinny_mma import pick
+    out = {}
+    for splits in SPLITS:
+        cfgs = tuple((limit, replace(cfg, splits=splits) if replace(cfg, splits=splits).fits(n, k) else cfg)
+                     for limit, cfg in pick(n, k))
+        out[f"mma_s{splits}"] = cfgs
+    return out
+
+
+def _variants():
     from specpilot.schedules.skinny_mma import Config
     return {"mma": None,
             "mma_1x1x8": ((None, Config(1, 1, 1, 8, 4)),), "mma_1x2x4": ((None, Config(1, 2, 1, 4, 4)),),
@@ -58,14 +80,14 @@ def build(out: Path) -> None:
     funcs = {}
     with target:
         for k, n in SHAPES:
-            for name, cfgs in variants().items():
+            for name, cfgs in {**variants(), **split_variants(n, k)}.items():
                 try:
                     funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, cfgs)
                 except ValueError as e:
                     print(f"  {name} {k}x{n}: {e}")
-            for name, func, rule in (("lowbatch", nt_matmul(n, k), dl.gpu.LowBatchGEMV()),
-                                     ("tc", nt_matmul(n, k), BF16Matmul()),
-                                     ("gemv", nt_matmul(n, k, rows=1), dl.gpu.GEMV())):
+            for name, func, rule in () if ONLY else (("lowbatch", nt_matmul(n, k), dl.gpu.LowBatchGEMV()),
+                                                     ("tc", nt_matmul(n, k), BF16Matmul()),
+                                                     ("gemv", nt_matmul(n, k, rows=1), dl.gpu.GEMV())):
                 mod = dl.ApplyDefaultSchedule(rule, dl.gpu.Matmul(), dl.gpu.Fallback())(tvm.IRModule({"main": func}))
                 funcs[f"{name}_{k}_{n}"] = mod["main"]
         funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
@@ -96,7 +118,8 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             want = x.float() @ weights[0].float().T
             y = torch.full((m, n), float("nan"), device="cuda")    # a row left unwritten shows as NaN
             x_tvm, y_tvm = to_tvm(x), to_tvm(y)
-            names = [v for v in variants()] + (["lowbatch"] if m <= 8 else []) + ["tc"] + (["gemv"] if m == 1 else [])
+            names = [v for v in variants()] + [f"mma_s{s}" for s in SPLITS] + ([] if ONLY else
+                (["lowbatch"] if m <= 8 else []) + ["tc"] + (["gemv"] if m == 1 else []))
             found = []
             for name in names:
                 try:
@@ -116,7 +139,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                 rows.append({"K": k, "N": n, "M": m, "kernel": name, "median_us": med, "min_us": min(samples),
                              "max_us": max(samples), "tb_per_s": 2 * n * k / med / 1e6, "max_rel_error": err,
                              "speedup_vs_cublas": base / med})
-            best = min((r for r in rows[-len(found):] if r["kernel"].startswith(("mma_", "p"))),
+            best = min((r for r in rows[-len(found):] if r["kernel"].startswith(("mma", "p"))),
                        key=lambda r: r["median_us"], default=None)
             ship = next(r for r in rows[-len(found):] if r["kernel"] == "mma")
             print(f"  K={k:6d} N={n:6d} M={m:3d}  mma {ship['median_us']:8.1f} us ({ship['speedup_vs_cublas']:.2f}x cuBLAS, "

@@ -29,7 +29,7 @@ step) stay with dlight's GEMV, which reads W at cuBLAS speed there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 
@@ -41,6 +41,7 @@ class Config:
     wk: int         # warps along K (split-K inside the block)
     unroll: int = 4  # k steps whose loads are in flight together
     stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
+    splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -51,11 +52,12 @@ class Config:
     def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
         """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
         pipelined, its ring of chunks fits in a block's shared memory."""
-        if n_out % self.block_n() or k_in % (k_step * self.wk):
+        if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
             return False
-        # pipelined: at least two chunks (the regime the H200 runs checked; one chunk takes the
-        # register kernel) and a ring that fits in a block's shared memory
-        return not self.stages or (k_in >= 2 * self.chunk(k_in) and self.shared_bytes(k_in) <= MAX_SHARED)
+        # pipelined: at least two chunks per block (the regime the H200 runs checked; one chunk takes
+        # the register kernel) and a ring that fits in a block's shared memory
+        return not self.stages or (k_in // self.splits >= 2 * self.chunk(k_in)
+                                   and self.shared_bytes(k_in) <= MAX_SHARED)
 
     def chunk(self, k_in: int) -> int:
         """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32)."""
@@ -63,7 +65,7 @@ class Config:
 
     def unroll_for(self, k_in: int) -> int:
         """The k steps per warp per iteration: ``unroll``, or the largest of 2, 1 that divides."""
-        steps = k_in // (32 * self.wk)
+        steps = k_in // (32 * self.wk * self.splits)
         return next(u for u in (self.unroll, 2, 1) if steps % u == 0)
 
     def shared_bytes(self, k_in: int) -> int:
@@ -118,9 +120,25 @@ def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
     return out
 
 
+SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks stopped paying
+
+
+def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
+    """A pipelined configuration whose channel blocks alone leave SMs idle (fewer blocks than SMs,
+    at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
+    each.  H200, results/skinny-gemm-20261130-203456.json: N = 5120 at 65 rows, K = 17408 111 ->
+    76 us (8 splits), K = 6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with
+    more channel blocks than SMs (N >= 14336) did not gain and keep one."""
+    if not cfg.stages or n_out // cfg.block_n() >= SMS:
+        return cfg
+    splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
+    return replace(cfg, splits=max(splits)) if splits else cfg
+
+
 def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
     """One configuration per M range for this shape, or None when no configuration tiles it."""
-    return choose(configs(n_out), lambda c: c.fits(n_out, k_in))
+    chosen = choose(configs(n_out), lambda c: c.fits(n_out, k_in))
+    return None if chosen is None else [(limit, with_splits(cfg, n_out, k_in)) for limit, cfg in chosen]
 
 
 def applicable(n_out: int, k_in: int) -> bool:
@@ -138,7 +156,7 @@ def _split_k_store(cfg: Config):
     threads = 32 * WN * WK
 
     @T.macro
-    def store(red, acc, y, m, bx, by, kw, nw, lane):
+    def store(red, acc, y, m, bx, by, kw, nw, lane, row0):
         for a, t, c in T.grid(AT, MT, 4):
             red[kw, (((nw * AT + a) * MT + t) * 4 + c) * 32 + lane] = acc[a, t, c]
         T.tvm_storage_sync("shared")
@@ -151,7 +169,7 @@ def _split_k_store(cfg: Config):
                 o = T.meta_var(r * threads + (kw * WN + nw) * 32 + lane)
                 row = T.meta_var(by * BM + ((o // 128) % MT) * 8 + (o % 32) % 4 * 2 + (o // 32) % 2)
                 if row < m:
-                    y[row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8 + (o % 32) // 4] = total[0]
+                    y[row0 + row, bx * BN + (o // (128 * MT)) * 16 + ((o // 32) % 4) // 2 * 8 + (o % 32) // 4] = total[0]
     return store
 
 
@@ -206,7 +224,7 @@ def _kernel(n_out: int, k_in: int, cfg: Config):
                                             "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
                                             af.data, (q * AT + a) * 8, bf.data, (u * MT + t) * 8 + q * 4,
                                             acc.data, (a * MT + t) * 4, False, dtype="float32"))
-                            store(red, acc, y, m, bx, by, kw, nw, lane)
+                            store(red, acc, y, m, bx, by, kw, nw, lane, 0)
     return launch
 
 
@@ -220,11 +238,11 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     shared memory as in `_kernel` (`_split_k_store`)."""
     from tvm.script import tirx as T
 
-    MT, AT, WN, WK, S = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk, cfg.stages
+    MT, AT, WN, WK, S, SPL = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk, cfg.stages, cfg.splits
     BN, BM = cfg.block_n(), cfg.block_m()
     U = cfg.unroll_for(k_in)
     KC = cfg.chunk(k_in)                # k per chunk
-    chunks = k_in // KC
+    chunks = k_in // SPL // KC          # chunks per block
     VR = KC // 8                        # 16-byte pieces per row of a chunk
     SW = 4 if VR >= 8 else 0            # piece XOR (row & 1) * SW: rows g, g+1 of a read 64 bytes apart in banks
     threads = 32 * WN * WK
@@ -252,65 +270,91 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
                                        16))
 
     @T.macro
+    def block(x, w, y, m, bx, by, bz, kw, nw, lane, row0):
+        """One block's share: rows by * BM.., channels bx * BN.., chunks bz * chunks.. of K; its sums
+        go to y rows row0 + ..."""
+        # one buffer: TVM's shared-memory planner does not count the cp.async writes
+        # (addresses) as uses, so two buffers read in different statements (one chunk
+        # in all) were given the same bytes -- W rows first, then the rows of x
+        ring = T.alloc_buffer((S, BN + BM, KC), "bfloat16", scope="shared.dyn")
+        wa = T.alloc_buffer((AT, 2, 8), "bfloat16", scope="local")
+        af = T.alloc_buffer((2, AT, 8), "bfloat16", scope="local")
+        xb = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
+        bf = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
+        acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
+        tid = T.meta_var((kw * WN + nw) * 32 + lane)
+        for a, t, c in T.grid(AT, MT, 4):
+            acc[a, t, c] = T.float32(0)
+        for s in T.unroll(S - 1):
+            if s < chunks:
+                issue(ring, w, x, m, bx, by, tid, s, bz * chunks + s)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for c in T.serial(chunks):
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.tvm_storage_sync("shared")
+            for u in T.unroll(U):
+                for a, h in T.grid(AT, 2):
+                    for v in T.vectorized(8):
+                        wa[a, h, v] = ring[c % S, nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
+                                         piece(kw, u, lane) * 8 + v]
+                for t in T.serial(MT):
+                    for v in T.vectorized(8):
+                        xb[t, v] = ring[c % S, BN + t * 8 + lane // 4, piece(kw, u, lane) * 8 + v]
+                for t, v in T.grid(MT, 8):
+                    bf[t, v] = xb[t, v]
+                for q, a in T.grid(2, AT):
+                    for h2, h, e in T.grid(2, 2, 2):
+                        af[q, a, h2 * 4 + h * 2 + e] = wa[a, h, q * 4 + h2 * 2 + e]
+                for q, a, t in T.grid(2, AT, MT):
+                    T.evaluate(T.ptx_legacy.mma(
+                        "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                        af.data, (q * AT + a) * 8, bf.data, t * 8 + q * 4,
+                        acc.data, (a * MT + t) * 4, False, dtype="float32"))
+            # the ring slot the next chunk goes to was read in the previous
+            # iteration, which every thread finished before the barrier above
+            if c + S - 1 < chunks:
+                issue(ring, w, x, m, bx, by, tid, (c + S - 1) % S, bz * chunks + c + S - 1)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        if WK == 1:
+            # C fragment: channel g (+8 for c >= 2), row 2 (lane % 4) (+1 for odd c)
+            for a, t, c in T.grid(AT, MT, 4):
+                if by * BM + t * 8 + (lane % 4) * 2 + c % 2 < m:
+                    y[row0 + by * BM + t * 8 + (lane % 4) * 2 + c % 2,
+                      bx * BN + (nw * AT + a) * 16 + (c // 2) * 8 + lane // 4] = acc[a, t, c]
+        else:
+            red = T.alloc_buffer((WK, slots), "float32", scope="shared.dyn")
+            T.evaluate(T.ptx["cp.async.wait_group"](0))
+            T.tvm_storage_sync("shared")
+            store(red, acc, y, m, bx, by, kw, nw, lane, row0)
+
+    @T.macro
     def launch(x, w, y, m):
-        for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
-            for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
-                for kw in T.thread_binding(WK, thread="threadIdx.z"):
-                    for nw in T.thread_binding(WN, thread="threadIdx.y"):
-                        for lane in T.thread_binding(32, thread="threadIdx.x"):
-                            # one buffer: TVM's shared-memory planner does not count the cp.async writes
-                            # (addresses) as uses, so two buffers read in different statements (one chunk
-                            # in all) were given the same bytes -- W rows first, then the rows of x
-                            ring = T.alloc_buffer((S, BN + BM, KC), "bfloat16", scope="shared.dyn")
-                            wa = T.alloc_buffer((AT, 2, 8), "bfloat16", scope="local")
-                            af = T.alloc_buffer((2, AT, 8), "bfloat16", scope="local")
-                            xb = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
-                            bf = T.alloc_buffer((MT, 8), "bfloat16", scope="local")
-                            acc = T.alloc_buffer((AT, MT, 4), "float32", scope="local")
-                            tid = T.meta_var((kw * WN + nw) * 32 + lane)
-                            for a, t, c in T.grid(AT, MT, 4):
-                                acc[a, t, c] = T.float32(0)
-                            for s in T.unroll(S - 1):
-                                if s < chunks:
-                                    issue(ring, w, x, m, bx, by, tid, s, s)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                            for c in T.serial(chunks):
-                                T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
-                                T.tvm_storage_sync("shared")
-                                for u in T.unroll(U):
-                                    for a, h in T.grid(AT, 2):
-                                        for v in T.vectorized(8):
-                                            wa[a, h, v] = ring[c % S, nw * (16 * AT) + a * 16 + h * 8 + lane // 4,
-                                                             piece(kw, u, lane) * 8 + v]
-                                    for t in T.serial(MT):
-                                        for v in T.vectorized(8):
-                                            xb[t, v] = ring[c % S, BN + t * 8 + lane // 4, piece(kw, u, lane) * 8 + v]
-                                    for t, v in T.grid(MT, 8):
-                                        bf[t, v] = xb[t, v]
-                                    for q, a in T.grid(2, AT):
-                                        for h2, h, e in T.grid(2, 2, 2):
-                                            af[q, a, h2 * 4 + h * 2 + e] = wa[a, h, q * 4 + h2 * 2 + e]
-                                    for q, a, t in T.grid(2, AT, MT):
-                                        T.evaluate(T.ptx_legacy.mma(
-                                            "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                                            af.data, (q * AT + a) * 8, bf.data, t * 8 + q * 4,
-                                            acc.data, (a * MT + t) * 4, False, dtype="float32"))
-                                # the ring slot the next chunk goes to was read in the previous
-                                # iteration, which every thread finished before the barrier above
-                                if c + S - 1 < chunks:
-                                    issue(ring, w, x, m, bx, by, tid, (c + S - 1) % S, c + S - 1)
-                                T.evaluate(T.ptx["cp.async.commit_group"]())
-                            if WK == 1:
-                                # C fragment: channel g (+8 for c >= 2), row 2 (lane % 4) (+1 for odd c)
-                                for a, t, c in T.grid(AT, MT, 4):
-                                    if by * BM + t * 8 + (lane % 4) * 2 + c % 2 < m:
-                                        y[by * BM + t * 8 + (lane % 4) * 2 + c % 2,
-                                          bx * BN + (nw * AT + a) * 16 + (c // 2) * 8 + lane // 4] = acc[a, t, c]
-                            else:
-                                red = T.alloc_buffer((WK, slots), "float32", scope="shared.dyn")
-                                T.evaluate(T.ptx["cp.async.wait_group"](0))
-                                T.tvm_storage_sync("shared")
-                                store(red, acc, y, m, bx, by, kw, nw, lane)
+        if SPL == 1:
+            for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+                    for kw in T.thread_binding(WK, thread="threadIdx.z"):
+                        for nw in T.thread_binding(WN, thread="threadIdx.y"):
+                            for lane in T.thread_binding(32, thread="threadIdx.x"):
+                                block(x, w, y, m, bx, by, 0, kw, nw, lane, 0)
+        else:
+            # K over SPL blocks: each writes its partial sums to rows bz * m.. of a workspace, a
+            # second kernel adds them in a fixed order (deterministic, unlike atomics)
+            part = T.alloc_buffer((SPL * m, n_out), "float32")
+            for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+                    for bz in T.thread_binding(SPL, thread="blockIdx.z"):
+                        for kw in T.thread_binding(WK, thread="threadIdx.z"):
+                            for nw in T.thread_binding(WN, thread="threadIdx.y"):
+                                for lane in T.thread_binding(32, thread="threadIdx.x"):
+                                    block(x, w, part, m, bx, by, bz, kw, nw, lane, bz * m)
+            for bi in T.thread_binding((m * n_out + 255) // 256, thread="blockIdx.x"):
+                for tx in T.thread_binding(256, thread="threadIdx.x"):
+                    if bi * 256 + tx < m * n_out:
+                        total = T.alloc_buffer((1,), "float32", scope="local")
+                        total[0] = part[(bi * 256 + tx) // n_out, (bi * 256 + tx) % n_out]
+                        for z in T.unroll(SPL - 1):
+                            total[0] = total[0] + part[(z + 1) * m + (bi * 256 + tx) // n_out, (bi * 256 + tx) % n_out]
+                        y[(bi * 256 + tx) // n_out, (bi * 256 + tx) % n_out] = total[0]
     return launch
 
 

@@ -180,3 +180,33 @@ def test_pipelined_x_rows_never_share_bytes_with_the_weight_rows(tmp_path):
     assert text.count("extern __shared__") == 1
     x_reads = [line for line in text.splitlines() if "*(uint4*)(xb_ptr + " in line]
     assert x_reads and all(line.rstrip().endswith("+ 4096));") for line in x_reads), x_reads
+
+
+def test_k_splits_over_blocks_only_where_channel_blocks_leave_sms_idle():
+    """`with_splits`: N = 5120 (80 blocks of 64 channels on 132 SMs) splits K into the most pieces
+    of >= 2048 that the configuration tiles; N = 17408 and the lm_head (more blocks than SMs) and
+    short K keep one; the register kernel never splits."""
+    from specpilot.schedules.skinny_mma import with_splits
+    down = dict(pick(5120, 17408))
+    assert down[None].splits == 8 and down[8].splits == 8 and down[16].splits == 1   # 16-channel blocks: 320
+    assert dict(pick(5120, 6144))[None].splits == 3                  # 6144 / 4 < 2048; 3 divides it
+    assert all(cfg.splits == 1 for _, cfg in pick(17408, 5120) + pick(248320, 5120) + pick(5120, 2048))
+    assert with_splits(Config(9, 2, 2, 2, 2), 5120, 17408).splits == 1
+    # a split must leave every block whole k steps for its warps and at least two chunks
+    assert Config(9, 2, 2, 2, 2, stages=3, splits=8).fits(5120, 17408)
+    assert not Config(9, 2, 2, 2, 2, stages=3, splits=3).fits(5120, 17408)      # 17408 / 3 / 64: not whole
+    assert not Config(9, 2, 2, 2, 2, stages=3, splits=64).fits(5120, 17408)     # one chunk per block
+    assert not Config(9, 2, 2, 2, 2, splits=2).fits(5120, 17408)                # the register kernel
+
+
+def test_k_split_over_blocks_sums_partials_in_a_second_kernel(tmp_path):
+    """Config.splits > 1: the GEMM kernel runs over a z grid of K pieces and writes partial sums
+    to a float32 workspace; a second kernel adds the pieces in a fixed order into y."""
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+                       "{'spl': skinny_nt_matmul(128, 4096, ((None, Config(3, 1, 2, 2, 2, stages=3, splits=4)),))}")
+    bodies = dict(re.findall(r"void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{", text))
+    assert set(bodies) == {"spl_kernel", "spl_kernel_1"}
+    assert "part_ptr" in bodies["spl_kernel"] and "y_ptr" not in bodies["spl_kernel"]
+    assert "part_ptr" in bodies["spl_kernel_1"] and "y_ptr" in bodies["spl_kernel_1"]
+    gemm = re.search(r"spl_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    assert "blockIdx.z" in gemm and "mma.sync" in gemm
