@@ -64,7 +64,11 @@ def _variants():
             "p3_9x1x2x2": ((None, Config(9, 1, 2, 2, 2, stages=3)),),
             "p4_4x2x4x1": ((None, Config(4, 2, 4, 1, 2, stages=4)),),
             "p4_2x1x4x1": ((None, Config(2, 1, 4, 1, 4, stages=4)),),
-            "p4_2x1x1x8": ((None, Config(2, 1, 1, 8, 1, stages=4)),)}
+            "p4_2x1x1x8": ((None, Config(2, 1, 1, 8, 1, stages=4)),),
+            # wider channel blocks at many rows: x (re-read by every block) amortized over 128-256 channels
+            "p3_9x2x8x1": ((None, Config(9, 2, 8, 1, 2, stages=3)),),
+            "p3_9x4x4x1": ((None, Config(9, 4, 4, 1, 2, stages=3)),),
+            "p4_9x1x8x1": ((None, Config(9, 1, 8, 1, 2, stages=4)),)}
 
 
 def build(out: Path) -> None:

@@ -128,7 +128,10 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
     at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
     each.  H200, results/skinny-gemm-20261130-203456.json: N = 5120 at 65 rows, K = 17408 111 ->
     76 us (8 splits), K = 6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with
-    more channel blocks than SMs (N >= 14336) did not gain and keep one."""
+    more channel blocks than SMs (N >= 14336) did not gain and keep one.  `pick` splits only the
+    ranges beyond 16 rows: in decode batches of 4 / 8 (Qwen3-8B shapes) the second kernel's launch
+    cost more than the split saved (results/decode-20261130-204510.json: 3.17 -> 3.32 ms at batch 4,
+    3.32 -> 3.59 at 8), while tree verification gained (tree-verify-20261130-204330: 3495 -> 3319 us)."""
     if not cfg.stages or n_out // cfg.block_n() >= SMS:
         return cfg
     splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
@@ -138,7 +141,8 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
 def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
     """One configuration per M range for this shape, or None when no configuration tiles it."""
     chosen = choose(configs(n_out), lambda c: c.fits(n_out, k_in))
-    return None if chosen is None else [(limit, with_splits(cfg, n_out, k_in)) for limit, cfg in chosen]
+    return None if chosen is None else [(limit, cfg if limit is not None and limit <= 16 else
+                                         with_splits(cfg, n_out, k_in)) for limit, cfg in chosen]
 
 
 def applicable(n_out: int, k_in: int) -> bool:

@@ -185,10 +185,12 @@ def test_pipelined_x_rows_never_share_bytes_with_the_weight_rows(tmp_path):
 def test_k_splits_over_blocks_only_where_channel_blocks_leave_sms_idle():
     """`with_splits`: N = 5120 (80 blocks of 64 channels on 132 SMs) splits K into the most pieces
     of >= 2048 that the configuration tiles; N = 17408 and the lm_head (more blocks than SMs) and
-    short K keep one; the register kernel never splits."""
+    short K keep one; the register kernel never splits; `pick` splits only beyond 16 rows (decode
+    batches lost more to the second launch than they gained)."""
     from specpilot.schedules.skinny_mma import with_splits
     down = dict(pick(5120, 17408))
-    assert down[None].splits == 8 and down[8].splits == 8 and down[16].splits == 1   # 16-channel blocks: 320
+    assert down[None].splits == 8 and down[32].splits == 8 and down[8].splits == down[16].splits == 1
+    assert with_splits(down[8], 5120, 17408).splits == 8
     assert dict(pick(5120, 6144))[None].splits == 3                  # 6144 / 4 < 2048; 3 divides it
     assert all(cfg.splits == 1 for _, cfg in pick(17408, 5120) + pick(248320, 5120) + pick(5120, 2048))
     assert with_splits(Config(9, 2, 2, 2, 2), 5120, 17408).splits == 1
