@@ -1,12 +1,15 @@
-"""TIR kernels the lowering calls where Relax has no operator: the KV-cache write, the gated
-delta rule recurrence, and the per-token conv windows that rollback needs.
+"""TIR kernels the lowering calls where Relax has no operator: the KV-cache write, attention
+read straight from the KV pool (decode, and many rows: prefill, chain and tree verification),
+the gated delta rule recurrence, and the per-token conv windows that rollback needs.
 
 Each kernel comes in a CPU form (plain loops, the outer ones parallel) and a GPU form (the
 same loops bound to blocks and threads); both compute the same thing in the same order, so
-the reference comparisons in the tests hold for either.  ``gpu`` picks the form.  The one
-exception is the gated delta rule's GPU form, which splits d_k over threads and sums partial
-dot products (float32 rounding apart, the same arithmetic; checked against the PyTorch
-recurrence on the H200 by bench/tree_verify.py).
+the reference comparisons in the tests hold for either.  ``gpu`` picks the form.  The
+exceptions: the gated delta rule's GPU form splits d_k over threads and sums partial dot
+products (float32 rounding apart, the same arithmetic), and the GPU forms of attention are
+flash attention (decode: CUDA cores, one row; many rows: tensor cores, P rounded to the value
+dtype before P V) -- checked against PyTorch on the H200 (bench/tree_verify.py,
+bench/attention_rows.py) and by bf16 token forcing (bench/gpu_forcing.py).
 """
 
 from __future__ import annotations
@@ -606,7 +609,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # p*R .. p*R+R-1 of column j of the state in registers (R = dk / parts), the two dot
     # products over d_k per token are summed through shared memory, and in the tree form a row
     # whose parent is the row before keeps the state in registers.  Sums over d_k come as
-    # ``parts`` partial sums: float32 rounding apart, the CPU form's arithmetic.
+    # ``parts`` partial sums: float32 rounding apart, the CPU form's arithmetic.  (Measured and
+    # dropped: a column's parts on adjacent lanes summed by shuffles, no barriers -- 151 -> 211 us
+    # at 65 rows, the per-token state stores no longer one 128-byte run per warp;
+    # bench/results/tree-verify-20261130-204921.json.)
     parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
     rows = dk // parts
     cols = next(dv // c for c in (4, 2, 1) if dv % c == 0 and dv // c >= 32) if dv >= 32 else dv
