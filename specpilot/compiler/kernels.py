@@ -769,10 +769,10 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
         out = T.match_buffer(out_h, (batch, channels, n), "float32")
         states = T.match_buffer(st_h, (batch, n, channels, keep), dtype)
         with T.sblock("root"):
-            if gpu:
+            if gpu:   # a block per (token, 256 channels): 27B-class layers (10240 channels) fill the SMs
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
-                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        for r in range(rounds):
+                    for r in T.thread_binding(rounds, thread="blockIdx.y"):
+                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
                             if r * threads + tx < channels:
                                 one(state, x, weight, parents, out, states, bt // n, r * threads + tx, bt % n)
             else:
@@ -808,10 +808,10 @@ def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
         slots = T.match_buffer(slots_h, (batch, n), "int32")
         out = T.match_buffer(out_h, (batch, channels, keep), dtype)
         with T.sblock("root"):
-            if gpu:
+            if gpu:   # a block per (sequence, 256 channels)
                 for b in T.thread_binding(batch, thread="blockIdx.x"):
-                    for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                        for r in range(rounds):
+                    for r in T.thread_binding(rounds, thread="blockIdx.y"):
+                        for tx in T.thread_binding(threads, thread="threadIdx.x"):
                             if r * threads + tx < channels:
                                 copy(window, slots, out, n, b, r * threads + tx)
             else:

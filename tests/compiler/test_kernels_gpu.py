@@ -36,3 +36,19 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
                        "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1))}")
     for name in ("tree", "chain", "step", "stacked"):
         assert f"{name}_kernel" in text
+
+
+@pytest.mark.parametrize("make", ["gdn_conv_verify", "conv_window_states"])
+def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
+    """27B-class layers have 10240 conv channels: a block per (token or sequence, 256 channels),
+    not one block looping over all of them (one block per sequence in decode)."""
+    from specpilot.compiler import kernels
+    text = getattr(kernels, make)(10240, 4, "bfloat16", True).script()
+    assert 'T.thread_binding(40, thread="blockIdx.y")' in text and 'T.thread_binding(256, thread="threadIdx.x")' in text
+
+
+def test_gdn_conv_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
+    text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+                       "{'tree': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, True), "
+                       "'windows': kernels.conv_window_states(300, 4, 'bfloat16', True)}")
+    assert "tree_kernel" in text and "windows_kernel" in text and "blockIdx.y" in text
