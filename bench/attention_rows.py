@@ -42,15 +42,15 @@ def build(out: Path) -> None:
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
     funcs = {}
     for nkv, group, d in HEADS:
-        for split in (kernels.ROWS_SPLIT, CAPACITY):
-            funcs[_name("rows", nkv, group, d, split)] = kernels.attention_rows_partial(
-                1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", True, split)
+        for splits in (kernels.ROWS_SPLITS, 1):     # verification, prefill
+            funcs[_name("rows", nkv, group, d, splits)] = kernels.attention_rows_partial(
+                1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", True, splits=splits)
         funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
     with target:
         lib = tvm.compile(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target=target)
     lib.export_library(str(out))
     # the run side has the TVM runtime alone (no TVMScript to import kernels with): the split travels here
-    out.with_suffix(".json").write_text(json.dumps({"split": kernels.ROWS_SPLIT}))
+    out.with_suffix(".json").write_text(json.dumps({"splits": kernels.ROWS_SPLITS}))
     print(f"wrote {out} ({len(funcs)} kernels)")
 
 
@@ -79,7 +79,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     _import_tvm_runtime(gpu=True)
     lib = tvm.runtime.load_module(str(lib_path))
     to_tvm = tvm.runtime.from_dlpack
-    verify_split = json.loads(lib_path.with_suffix(".json").read_text())["split"]
+    verify_splits = json.loads(lib_path.with_suffix(".json").read_text())["splits"]
     rows = []
 
     def timed(fn, rounds=7, iters=20):
@@ -101,8 +101,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
         pool = (torch.randn(1, 2, 2, nkv, CAPACITY, d, generator=gen)).to(torch.bfloat16).cuda()
         row = torch.tensor([1], dtype=torch.int32).cuda()
         for T, L, tree in CASES:
-            split = verify_split if tree else CAPACITY
-            S = (L + split - 1) // split
+            S = verify_splits if tree else 1
             q = torch.randn(1, T, nh, d, generator=gen).to(torch.bfloat16).cuda()
             mask = _mask(T, L, tree, gen).cuda()
             keys, values = pool[0, 0, 1, :, :L], pool[0, 1, 1, :, :L]                  # (nkv, L, d)
@@ -113,7 +112,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             acc = torch.full((1, nkv, S, T * group, d), float("nan"), device="cuda")
             ml = torch.full((1, nkv, S, T * group, 2), float("nan"), device="cuda")
             out = torch.full((1, T, nh, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-            partial, combine = lib[_name("rows", nkv, group, d, split)], lib[_name("combine", nkv, group, d)]
+            partial, combine = lib[_name("rows", nkv, group, d, S)], lib[_name("combine", nkv, group, d)]
             args = [to_tvm(x) for x in (q, pool, row, mask.view(1, T, L), acc, ml)]
             outs = [to_tvm(acc), to_tvm(ml), to_tvm(out)]
 
@@ -153,7 +152,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                   f"{statistics.median(found['gathered_torch']):7.1f}  sdpa {statistics.median(found['sdpa_torch']):7.1f}",
                   flush=True)
     path = write("attention-rows", {"heads": HEADS, "cases": CASES, "capacity": CAPACITY,
-                                    "split": verify_split, "results": rows}, out_dir)
+                                    "splits": verify_splits, "results": rows}, out_dir)
     print(f"wrote {path}")
 
 

@@ -239,7 +239,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
 
 ROWS_WARPS = 4       # GPU form of `attention_rows_partial`: warps per block, 16 query rows each
 ROWS_KEYS = 32       # keys per shared-memory chunk (two chunks in flight)
-ROWS_SPLIT = 256     # keys per block when verifying (flash-decoding splits; prefill takes one split)
+ROWS_SPLITS = 16     # key splits of a verification (flash decoding: ~256 keys each at 4k; prefill: one)
 
 
 def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
@@ -250,16 +250,18 @@ def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
 
 @memo
 def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
-                           group: int, dtype: str, gpu: bool, split: int):
+                           group: int, dtype: str, gpu: bool, split: int = 0, splits: int = 0):
     """Attention of many query rows (prefill, chain and tree verification) straight from the KV
     pool, split over the keys, first half -- what `attention_decode_partial` does for one row.
 
     Inputs q (B, T, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
     rows (B,) and mask (B, T, L) (a tree's ancestor mask, or causal).  The query rows of KV head h
-    are r = t * group + g (token t, query head h * group + g).  For each split of ``split`` keys:
-    the running max m of the scaled scores (float32 dot products times d^-0.5) over the split's
-    keys that row's token may see, the sum l of exp(score - m), and sum of exp(score - m) * v --
-    outputs acc (B, n_kv, S, T * group, d) and ml (B, n_kv, S, T * group, 2), S = ceil(L / split);
+    are r = t * group + g (token t, query head h * group + g).  The keys go in S splits, either of
+    ``split`` keys each (S = ceil(L / split)) or ``splits`` of ceil(L / splits) keys (S fixed: the
+    workspace stays bounded at long contexts and short ones still fill the GPU).  Per split: the
+    running max m of the scaled scores (float32 dot products times d^-0.5) over the split's keys
+    that row's token may see, the sum l of exp(score - m), and sum of exp(score - m) * v --
+    outputs acc (B, n_kv, S, T * group, d) and ml (B, n_kv, S, T * group, 2);
     `attention_combine` merges the splits.  No step copies keys or values out of the pool, and
     no step materializes the (T x L) scores (the gathered form did both: bench/results/tree-verify-*).
 
@@ -277,6 +279,15 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     """
     scale = float(head_dim) ** -0.5
     online = _online(head_dim)
+    if (split > 0) == (splits > 0):
+        raise ValueError("attention_rows_partial: give keys per split (split) or the number of splits (splits)")
+
+    def n_splits(L):
+        return (L + split - 1) // split if split else splits
+
+    def keys(L):
+        return split if split else (L + splits - 1) // splits
+
     if not gpu:
         @T.prim_func(private=True, s_tir=True)
         def cpu(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
@@ -287,10 +298,10 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
             kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
             row = T.match_buffer(rows_h, (batch,), "int32")
             mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
-            out = T.match_buffer(acc_h, (batch, n_kv, (L + split - 1) // split, tokens * group, head_dim), "float32")
-            ml = T.match_buffer(ml_h, (batch, n_kv, (L + split - 1) // split, tokens * group, 2), "float32")
+            out = T.match_buffer(acc_h, (batch, n_kv, n_splits(L), tokens * group, head_dim), "float32")
+            ml = T.match_buffer(ml_h, (batch, n_kv, n_splits(L), tokens * group, 2), "float32")
             with T.sblock("root"):
-                for b, h, sp, r in T.grid(batch, n_kv, (L + split - 1) // split, tokens * group):
+                for b, h, sp, r in T.grid(batch, n_kv, n_splits(L), tokens * group):
                     acc = T.alloc_buffer((1, head_dim), "float32", scope="local")
                     m = T.alloc_buffer((1,), "float32", scope="local")
                     lsum = T.alloc_buffer((1,), "float32", scope="local")
@@ -299,15 +310,15 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
                         acc[0, i] = T.float32(0)
                     m[0] = T.float32(ATTN_FLOOR)
                     lsum[0] = T.float32(0)
-                    for jj in range(split):
-                        if sp * split + jj < L:
-                            if mask[b, r // group, sp * split + jj]:
+                    for jj in range(keys(L)):
+                        if sp * keys(L) + jj < L:
+                            if mask[b, r // group, sp * keys(L) + jj]:
                                 sc[0] = T.float32(0)
                                 for i in range(head_dim):
                                     sc[0] = sc[0] + T.Cast("float32", q[b, r // group, h * group + r % group, i]) * \
-                                        T.Cast("float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * split + jj, i])
+                                        T.Cast("float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * keys(L) + jj, i])
                                 online(m, lsum, acc, 0, sc[0] * T.float32(scale),
-                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * split + jj, i],
+                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * keys(L) + jj, i],
                                        head_dim, lambda e: e)
                     ml[b, h, sp, r, 0] = m[0]
                     ml[b, h, sp, r, 1] = lsum[0]
@@ -317,10 +328,10 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     if not rows_kernel_fits(head_dim, dtype):
         raise ValueError(f"attention_rows_partial's GPU form needs bf16/fp16 and head_dim % 32 == 0, "
                          f"not {dtype} / {head_dim}")
-    return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, split, scale)
+    return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, n_splits, keys, scale)
 
 
-def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, split, scale):
+def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, keys, scale):
     W, KC = ROWS_WARPS, ROWS_KEYS
     BR = 16 * W                      # query rows per block
     P = d // 8                       # 16-byte pieces per row
@@ -357,10 +368,10 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, split, sca
         kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, d), dtype)
         row = T.match_buffer(rows_h, (batch,), "int32")
         mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
-        out = T.match_buffer(acc_h, (batch, n_kv, (L + split - 1) // split, tokens * group, d), "float32")
-        ml = T.match_buffer(ml_h, (batch, n_kv, (L + split - 1) // split, tokens * group, 2), "float32")
+        out = T.match_buffer(acc_h, (batch, n_kv, n_splits(L), tokens * group, d), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, n_splits(L), tokens * group, 2), "float32")
         for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
-            for sp in T.thread_binding((L + split - 1) // split, thread="blockIdx.y"):
+            for sp in T.thread_binding(n_splits(L), thread="blockIdx.y"):
                 for rt in T.thread_binding((tokens * group + BR - 1) // BR, thread="blockIdx.z"):
                     for w in T.thread_binding(W, thread="threadIdx.y"):
                         for lane in T.thread_binding(32, thread="threadIdx.x"):
@@ -382,8 +393,8 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, split, sca
                             lrow = T.alloc_buffer((2,), "float32", scope="local")
                             b, h = T.meta_var(bh // n_kv), T.meta_var(bh % n_kv)
                             R = T.meta_var(tokens * group)
-                            k0 = T.meta_var(sp * split)
-                            nk = T.meta_var(T.min(T.int64(split), L - sp * split))
+                            k0 = T.meta_var(sp * keys(L))
+                            nk = T.meta_var(T.min(T.Cast("int64", keys(L)), L - sp * keys(L)))
                             tid_ = T.meta_var(w * 32 + lane)
                             for e in T.unroll(d // 8):
                                 for c in T.unroll(4):

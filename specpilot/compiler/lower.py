@@ -175,15 +175,19 @@ class Attention(nn.Module):
         B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         grp = nh // nkv
         decode = isinstance(T_, int) and T_ == 1
+        L = s.mask.shape[2]
         if decode and self.gpu:
-            split = kernels.ATTN_CHUNK
             partial = kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
                                                        self.dtype)
-        else:   # verification splits the keys over blocks; prefill's many rows fill the GPU with one split
-            split = kernels.ATTN_CHUNK if decode else kernels.ROWS_SPLIT if s.parents is not None else self.capacity
+            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+        elif decode:   # the CPU's decode: the rows kernel's loop, decode's splits
             partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, self.gpu, split)
-        splits = (s.mask.shape[2] + split - 1) // split
+                                                     self.dtype, False, split=kernels.ATTN_CHUNK)
+            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+        else:   # verification splits the keys over blocks; prefill's many rows fill the GPU with one split
+            splits = kernels.ROWS_SPLITS if s.parents is not None else 1
+            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                     self.dtype, self.gpu, splits=splits)
         acc, ml = op.tensor_ir_op(
             partial, "attention_decode" if decode else "attention_rows", [q, kv, s.rows, s.mask],
             [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),

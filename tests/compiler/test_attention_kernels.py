@@ -32,15 +32,17 @@ def _reference(q, kv, layer, row, mask, group):
     return out
 
 
-@pytest.mark.parametrize("seed,T,L,d,group,masked,split", [
-    (0, 1, 70, 24, 3, 0.0, kernels.ATTN_CHUNK),      # decode on the CPU: one token, decode's splits
-    (1, 1, 129, 16, 1, 0.3, kernels.ATTN_CHUNK),
-    (2, 5, 5, 32, 4, 0.5, kernels.ATTN_CHUNK),
-    (3, 7, 64, 24, 2, 0.0, 16),
-    (4, 17, 83, 10, 3, 0.6, 7),                       # a tree: each token its own set of keys
-    (5, 3, 40, 12, 2, 0.2, 400),                      # prefill: one split longer than the keys
+@pytest.mark.parametrize("seed,T,L,d,group,masked,split,splits", [
+    (0, 1, 70, 24, 3, 0.0, kernels.ATTN_CHUNK, 0),   # decode on the CPU: one token, decode's splits
+    (1, 1, 129, 16, 1, 0.3, kernels.ATTN_CHUNK, 0),
+    (2, 5, 5, 32, 4, 0.5, kernels.ATTN_CHUNK, 0),
+    (3, 7, 64, 24, 2, 0.0, 16, 0),
+    (4, 17, 83, 10, 3, 0.6, 7, 0),                    # a tree: each token its own set of keys
+    (5, 3, 40, 12, 2, 0.2, 0, 1),                     # prefill: one split of all the keys
+    (6, 9, 83, 24, 3, 0.4, 0, kernels.ROWS_SPLITS),   # verification: 16 splits of 6 keys, the last empty
+    (7, 5, 7, 16, 2, 0.3, 0, kernels.ROWS_SPLITS),    # fewer keys than splits: most splits empty
 ])
-def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split):
+def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split, splits):
     rng = np.random.default_rng(seed)
     n_layers, layer, rows, n_kv, cap, B = 3, 1, 4, 2, 160, 3
     kv = rng.standard_normal((n_layers, 2, rows, n_kv, cap, d)).astype("float32")
@@ -48,9 +50,9 @@ def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group,
     row = np.array([2, 0, 3], "int32")              # sequence b lives in pool row row[b]
     mask = rng.uniform(size=(B, T, L)) >= masked
     mask[:, :, 0] = True                            # every query sees at least one key
-    S = (L + split - 1) // split
+    S = (L + split - 1) // split if split else splits
     acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False,
-                                                  split), [q, kv, row, mask],
+                                                  split=split, splits=splits), [q, kv, row, mask],
                    [((B, n_kv, S, T * group, d), "float32"), ((B, n_kv, S, T * group, 2), "float32")])
     assert not np.isnan(acc).any() and not np.isnan(ml).any()
     (out,) = _run(kernels.attention_combine(n_kv, d, group, "float32", False), [acc, ml],
@@ -62,13 +64,16 @@ def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
     assert kernels.rows_kernel_fits(256, "bfloat16") and kernels.rows_kernel_fits(32, "float16")
     assert not kernels.rows_kernel_fits(24, "bfloat16") and not kernels.rows_kernel_fits(128, "float32")
     with pytest.raises(ValueError, match="head_dim % 32"):
-        kernels.attention_rows_partial(1, 0, 1, 2, 64, 24, 2, "bfloat16", True, 256)
+        kernels.attention_rows_partial(1, 0, 1, 2, 64, 24, 2, "bfloat16", True, splits=16)
+    with pytest.raises(ValueError, match="split"):
+        kernels.attention_rows_partial(1, 0, 1, 2, 64, 32, 2, "float32", False, split=16, splits=16)
 
 
 def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
                        "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
-                       "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, 256), "
+                       "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, splits=16), "
+
                        "'combine': kernels.attention_combine(8, 128, 4, 'bfloat16', True)}")
     assert "__shfl_xor_sync" in text and "partial_kernel" in text and "combine_kernel" in text
     rows = text[text.index("void __launch_bounds__(128) rows_kernel("):]
@@ -76,3 +81,7 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     assert rows.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128
     assert rows.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32
     assert "ptx_cp_async_cg" in rows and "cp.async.cg.shared.global" in text
+    # the float16 form (a module of its own: CUDA wants one type per extern shared array name)
+    half = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+                       "{'rows': kernels.attention_rows_partial(1, 0, 1, 2, 512, 64, 2, 'float16', True, splits=1)}")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in half and "ldmatrix" in half
