@@ -239,7 +239,8 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
 
 ROWS_WARPS = 4       # GPU form of `attention_rows_partial`: warps per block, 16 query rows each
 ROWS_KEYS = 32       # keys per shared-memory chunk (two chunks in flight)
-ROWS_SPLITS = 16     # key splits of a verification (flash decoding: ~256 keys each at 4k; prefill: one)
+ROWS_SPLIT = 256     # verification: keys per split (flash decoding) ...
+ROWS_SPLITS = 16     # ... and at most this many splits (longer contexts: longer splits); prefill: one
 
 
 def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
@@ -256,9 +257,10 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
 
     Inputs q (B, T, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
     rows (B,) and mask (B, T, L) (a tree's ancestor mask, or causal).  The query rows of KV head h
-    are r = t * group + g (token t, query head h * group + g).  The keys go in S splits, either of
-    ``split`` keys each (S = ceil(L / split)) or ``splits`` of ceil(L / splits) keys (S fixed: the
-    workspace stays bounded at long contexts and short ones still fill the GPU).  Per split: the
+    are r = t * group + g (token t, query head h * group + g).  The keys go in S splits: of ``split``
+    keys each (S = ceil(L / split)); with ``splits`` too, at most that many (S = min(splits,
+    ceil(L / split)), ceil(L / S) keys each: the workspace stays bounded at long contexts); with
+    ``splits`` alone, exactly that many (1: prefill, one split of all the keys).  Per split: the
     running max m of the scaled scores (float32 dot products times d^-0.5) over the split's keys
     that row's token may see, the sum l of exp(score - m), and sum of exp(score - m) * v --
     outputs acc (B, n_kv, S, T * group, d) and ml (B, n_kv, S, T * group, 2);
@@ -279,14 +281,16 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     """
     scale = float(head_dim) ** -0.5
     online = _online(head_dim)
-    if (split > 0) == (splits > 0):
-        raise ValueError("attention_rows_partial: give keys per split (split) or the number of splits (splits)")
+    if split <= 0 and splits <= 0:
+        raise ValueError("attention_rows_partial: give keys per split (split) and / or the number of splits (splits)")
 
     def n_splits(L):
-        return (L + split - 1) // split if split else splits
+        if not split:
+            return splits
+        return T.min(T.int64(splits), (L + split - 1) // split) if splits else (L + split - 1) // split
 
     def keys(L):
-        return split if split else (L + splits - 1) // splits
+        return split if split and not splits else (L + n_splits(L) - 1) // n_splits(L)
 
     if not gpu:
         @T.prim_func(private=True, s_tir=True)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax as rx
+from tvm import tirx as tir
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
@@ -184,10 +185,15 @@ class Attention(nn.Module):
             partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
                                                      self.dtype, False, split=kernels.ATTN_CHUNK)
             splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
-        else:   # verification splits the keys over blocks; prefill's many rows fill the GPU with one split
-            splits = kernels.ROWS_SPLITS if s.parents is not None else 1
+        elif s.parents is not None:   # verification: the keys split over blocks (at most ROWS_SPLITS)
             partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, self.gpu, splits=splits)
+                                                     self.dtype, self.gpu, split=kernels.ROWS_SPLIT,
+                                                     splits=kernels.ROWS_SPLITS)
+            splits = tir.min(tir.IntImm("int64", kernels.ROWS_SPLITS), (L + kernels.ROWS_SPLIT - 1) // kernels.ROWS_SPLIT)
+        else:   # prefill: its many rows fill the GPU with one split
+            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                     self.dtype, self.gpu, splits=1)
+            splits = 1
         acc, ml = op.tensor_ir_op(
             partial, "attention_decode" if decode else "attention_rows", [q, kv, s.rows, s.mask],
             [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),

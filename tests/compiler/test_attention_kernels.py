@@ -39,8 +39,10 @@ def _reference(q, kv, layer, row, mask, group):
     (3, 7, 64, 24, 2, 0.0, 16, 0),
     (4, 17, 83, 10, 3, 0.6, 7, 0),                    # a tree: each token its own set of keys
     (5, 3, 40, 12, 2, 0.2, 0, 1),                     # prefill: one split of all the keys
-    (6, 9, 83, 24, 3, 0.4, 0, kernels.ROWS_SPLITS),   # verification: 16 splits of 6 keys, the last empty
-    (7, 5, 7, 16, 2, 0.3, 0, kernels.ROWS_SPLITS),    # fewer keys than splits: most splits empty
+    (6, 9, 83, 24, 3, 0.4, 0, 16),                    # 16 splits of 6 keys, the last empty
+    (7, 5, 7, 16, 2, 0.3, 0, 16),                     # fewer keys than splits: most splits empty
+    (8, 9, 83, 24, 3, 0.4, 8, 4),                     # splits of >= 8 keys, at most 4: 4 of 21
+    (9, 9, 29, 24, 3, 0.4, 8, 16),                    # ... at most 16: 4 of 8
 ])
 def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split, splits):
     rng = np.random.default_rng(seed)
@@ -50,7 +52,7 @@ def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group,
     row = np.array([2, 0, 3], "int32")              # sequence b lives in pool row row[b]
     mask = rng.uniform(size=(B, T, L)) >= masked
     mask[:, :, 0] = True                            # every query sees at least one key
-    S = (L + split - 1) // split if split else splits
+    S = min(splits or L, (L + split - 1) // split) if split else splits
     acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False,
                                                   split=split, splits=splits), [q, kv, row, mask],
                    [((B, n_kv, S, T * group, d), "float32"), ((B, n_kv, S, T * group, 2), "float32")])
@@ -66,13 +68,13 @@ def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
     with pytest.raises(ValueError, match="head_dim % 32"):
         kernels.attention_rows_partial(1, 0, 1, 2, 64, 24, 2, "bfloat16", True, splits=16)
     with pytest.raises(ValueError, match="split"):
-        kernels.attention_rows_partial(1, 0, 1, 2, 64, 32, 2, "float32", False, split=16, splits=16)
+        kernels.attention_rows_partial(1, 0, 1, 2, 64, 32, 2, "float32", False)
 
 
 def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
                        "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
-                       "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, splits=16), "
+                       "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, split=256, splits=16), "
 
                        "'combine': kernels.attention_combine(8, 128, 4, 'bfloat16', True)}")
     assert "__shfl_xor_sync" in text and "partial_kernel" in text and "combine_kernel" in text
