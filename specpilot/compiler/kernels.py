@@ -731,11 +731,17 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
 
 @memo
-def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False):
+def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False,
+                    stack: tuple[int, int] | None = None):
     """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
     every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, C, T), the
     weight (C, 1, K), parents (B, T).  Outputs: conv (B, C, T) float32 (before SiLU) and the K-1
     inputs kept after every token (B, T, C, K-1).
+
+    ``stack`` = (G, g), as `gated_delta_rule`'s: the per-token states of all G layers go into one
+    (B, T, G, C, K-1) tensor, this layer's at index g, so no step concatenates them; layer 0
+    allocates it, layer g > 0 takes it after ``parents`` and writes its slice in place (returned
+    first: ``call_tir_inplace`` order).
 
     Token t's window is its K-1 predecessors then itself: the previous tokens (chain) or, with
     ``tree``, its ancestors along parents (gdn-path-recompute), continued into the state
@@ -744,6 +750,9 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
+    G, gi = stack if stack else (1, 0)
+    if stack and not 0 <= gi < G:
+        raise ValueError(f"stack={stack}: needs 0 <= g < G")
 
     @T.macro
     def one(state, x, weight, parents, out, states, b, c, t):
@@ -770,20 +779,26 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
             acc[0] = acc[0] + T.Cast("float32", window[k]) * T.Cast("float32", weight[c, 0, k])
         out[b, c, t] = acc[0]
         for k in range(keep):
-            states[b, t, c, k] = window[k + 1]
+            states[b, t, gi, c, k] = window[k + 1]
 
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, out_h: T.handle, st_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "conv",
-                     "gdn.tree": tree, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype})
+    attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "conv",
+             "gdn.tree": tree, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype}
+    if stack:
+        attrs["gdn.stack"] = [G, gi]
+    st_shape = lambda batch, n: (batch, n, G, channels, keep) if stack else (batch, n, channels, keep)  # noqa: E731
+
+    @T.macro
+    def body(s_h, x_h, w_h, p_h, out_h, st_h):
+        T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
         state = T.match_buffer(s_h, (batch, channels, keep), dtype)
         x = T.match_buffer(x_h, (batch, channels, n), dtype)
         weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
         parents = T.match_buffer(p_h, (batch, n), "int32")
         out = T.match_buffer(out_h, (batch, channels, n), "float32")
-        states = T.match_buffer(st_h, (batch, n, channels, keep), dtype)
+        st_nd = T.match_buffer(st_h, st_shape(batch, n), dtype)
         with T.sblock("root"):
+            states = T.decl_buffer((batch, n, G, channels, keep), dtype, data=st_nd.data)
             if gpu:   # a block per (token, 256 channels): 27B-class layers (10240 channels) fill the SMs
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for r in T.thread_binding(rounds, thread="blockIdx.y"):
@@ -793,6 +808,17 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
             else:
                 for b, c, t in T.grid(batch, channels, n):
                     one(state, x, weight, parents, out, states, b, c, t)
+
+    if gi > 0:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel_inplace(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, st_h: T.handle,
+                           out_h: T.handle):
+            body(s_h, x_h, w_h, p_h, out_h, st_h)
+        return kernel_inplace
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, out_h: T.handle, st_h: T.handle):
+        body(s_h, x_h, w_h, p_h, out_h, st_h)
     return kernel
 
 

@@ -269,11 +269,13 @@ class GatedDeltaNet(nn.Module):
                 self.in_proj_b(x), self.in_proj_a(x))
 
     def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool,
-                stack: tuple[int, int] | None = None, stacked: Tensor | None = None):
+                stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
+                stacked_conv: Tensor | None = None):
         """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
         and the new states: final (B, ...) or, with ``keep_states``, after every token (B, T, ...).
-        ``stack`` = (G, g): the per-token recurrent states go into slice g of the (B, T, G, ...)
-        tensor of all G layers (``stacked``, made by layer 0), returned in its place."""
+        ``stack`` = (G, g): the per-token recurrent and conv states go into slice g of the
+        (B, T, G, ...) tensors of all G layers (``stacked`` / ``stacked_conv``, made by layer 0),
+        returned in their place."""
         cfg = self.cfg
         B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
@@ -281,10 +283,15 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._projections(x)
         mixed = op.permute_dims(op.reshape(mixed, (B, T_, C)), [0, 2, 1])                # (B, C, T)
         if keep_states:   # verify: the window of every token follows its parents (a chain unless rewritten)
-            conv, new_conv = op.tensor_ir_op(kernels.gdn_conv_verify(C, K, self.dtype, self.gpu), "gdn_conv_verify",
-                                             [conv_state, mixed, self.conv1d.weight, s.parents],
-                                             [Tensor.placeholder((B, C, T_), "float32"),
-                                              Tensor.placeholder((B, T_, C, K - 1), self.dtype)])
+            conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack)
+            args = [conv_state, mixed, self.conv1d.weight, s.parents]
+            conv_type = Tensor.placeholder((B, C, T_), "float32")
+            states_type = Tensor.placeholder((B, T_, stack[0], C, K - 1) if stack else (B, T_, C, K - 1), self.dtype)
+            if stack and stack[1] > 0:
+                new_conv, conv = op.tensor_ir_inplace_op(conv_kernel, "gdn_conv_verify", [*args, stacked_conv],
+                                                         [len(args), -1], [states_type, conv_type])
+            else:
+                conv, new_conv = op.tensor_ir_op(conv_kernel, "gdn_conv_verify", args, [conv_type, states_type])
         else:
             window = op.concat([conv_state, mixed], dim=2)                               # (B, C, K-1+T)
             conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
@@ -386,7 +393,7 @@ class CausalLM(nn.Module):
                 conv_g = op.squeeze(_slice(conv, 1, g, g + 1, "conv_state"), 1)
                 rec_g = op.squeeze(_slice(rec, 1, g, g + 1, "rec_state"), 1)
                 x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states, (self.n_gdn, g),
-                                                    recs[-1] if recs else None)
+                                                    recs[-1] if recs else None, convs[-1] if convs else None)
                 convs.append(c_new)
                 recs.append(r_new)
                 g += 1
@@ -398,8 +405,8 @@ class CausalLM(nn.Module):
         outputs = [logits]
         if self.n_gdn:
             axis = 2 if keep_states else 1   # per-token states: (B, T, G, ...), final: (B, G, ...)
-            outputs += [op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
-                        # per-token recurrent states: the layers already share one stacked tensor
+            # per-token states: the layers already share one stacked tensor of each kind
+            outputs += [convs[-1] if keep_states else op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
                         recs[-1] if keep_states else op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
         return tuple(outputs) if len(outputs) > 1 else logits
 

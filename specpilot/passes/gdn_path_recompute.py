@@ -27,12 +27,12 @@ def _tree_form(func: tirx.PrimFunc):
     attrs = func.attrs
     gpu = bool(attrs["tirx.is_scheduled"])
     shape = [int(x) for x in attrs["gdn.shape"]]
+    stack = tuple(int(x) for x in attrs["gdn.stack"]) if "gdn.stack" in attrs else None
     if str(attrs["gdn.kernel"]) == "recurrence":
         if not bool(attrs["gdn.keep_states"]):
             return None            # prefill / decode: one sequence of tokens, nothing to follow
-        stack = tuple(int(x) for x in attrs["gdn.stack"]) if "gdn.stack" in attrs else None
         return kernels.gated_delta_rule(*shape, keep_states=True, gpu=gpu, tree=True, stack=stack)
-    return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True)
+    return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True, stack=stack)
 
 
 class GdnPathRecompute(Pass):

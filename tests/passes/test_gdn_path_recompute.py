@@ -87,22 +87,52 @@ def test_tree_conv_windows_follow_ancestors(K):
             np.testing.assert_array_equal(states[b, i], seq[:, -(K - 1):])
 
 
+def test_stacked_conv_states_write_their_own_slot_in_place():
+    """stack=(G, g): layer 0 makes the (B, T, G, C, K-1) tensor (its slot written), layer g > 0 takes
+    it and writes slot g in place, every other slot untouched -- equal to the unstacked kernel's."""
+    import tvm
+    rng = np.random.default_rng(9)
+    B, C, n, K, G = 2, 5, 13, 4, 3
+    parents = np.stack([_random_tree(n, 6, rng) for _ in range(B)]).astype("int32")
+    state = rng.standard_normal((B, C, K - 1)).astype("float32")
+    x = rng.standard_normal((B, C, n)).astype("float32")
+    w = rng.standard_normal((C, 1, K)).astype("float32")
+    out, alone = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents],
+                      [((B, C, n), "float32"), ((B, n, C, K - 1), "float32")])
+    out0, stacked = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 0)),
+                         [state, x, w, parents], [((B, C, n), "float32"), ((B, n, G, C, K - 1), "float32")])
+    np.testing.assert_array_equal(out0, out)
+    np.testing.assert_array_equal(stacked[:, :, 0], alone)
+    before = rng.standard_normal((B, n, G, C, K - 1)).astype("float32")
+    lib = tvm.compile(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 2))
+                      .with_attr("global_symbol", "k"), target="llvm")
+    st = tvm.runtime.tensor(before.copy())
+    o = tvm.runtime.tensor(np.full((B, C, n), np.nan, "float32"))
+    lib["k"](*(tvm.runtime.tensor(a) for a in (state, x, w, parents)), st, o)
+    np.testing.assert_array_equal(o.numpy(), out)
+    np.testing.assert_array_equal(st.numpy()[:, :, 2], alone)
+    np.testing.assert_array_equal(st.numpy()[:, :, :2], before[:, :, :2])
+    with pytest.raises(ValueError, match="stack"):
+        kernels.gdn_conv_verify(C, K, "float32", gpu=False, stack=(2, 2))
+
+
 def test_rewrites_the_verify_kernels_and_nothing_else():
     cfg = tiny_config(HYBRID)
     before, _ = lower_deployment(cfg, None, "float32", 64, gpu=False)
     ctx = PassContext(hybrid=True)
     after, records = run_pipeline(parse("tree-verify,gdn-path-recompute"), before, ctx)
-    # the verify conv, and the verify recurrence of each layer (each writes its own slot of the
-    # stacked per-token states: layer 0 makes the stack, the others write theirs in place)
+    # the verify conv and the verify recurrence of each layer (each writes its own slot of the
+    # stacked per-token states: layer 0 makes each stack, the others write theirs in place)
     n_gdn = cfg.layer_types.count("linear_attention")
-    assert n_gdn >= 2 and records[1].statistics["kernels_rewritten"] == 1 + n_gdn
+    assert n_gdn >= 2 and records[1].statistics["kernels_rewritten"] == 2 * n_gdn
     changed = [gv.name_hint for gv in before.get_global_vars()
                if not tvm_ffi.structural_equal(after[gv.name_hint], before[gv])]
-    assert len(changed) == 1 + n_gdn
-    assert sorted(str(after[name].attrs["gdn.kernel"]) for name in changed) == ["conv"] + ["recurrence"] * n_gdn
-    stacks = sorted(tuple(int(x) for x in after[name].attrs["gdn.stack"]) for name in changed
-                    if str(after[name].attrs["gdn.kernel"]) == "recurrence")
-    assert stacks == [(n_gdn, g) for g in range(n_gdn)]
+    assert len(changed) == 2 * n_gdn
+    assert sorted(str(after[name].attrs["gdn.kernel"]) for name in changed) == ["conv"] * n_gdn + ["recurrence"] * n_gdn
+    for kind in ("conv", "recurrence"):
+        stacks = sorted(tuple(int(x) for x in after[name].attrs["gdn.stack"]) for name in changed
+                        if str(after[name].attrs["gdn.kernel"]) == kind)
+        assert stacks == [(n_gdn, g) for g in range(n_gdn)]
     for name in changed:
         assert bool(after[name].attrs["gdn.tree"]) and not bool(before[name].attrs["gdn.tree"])
 
