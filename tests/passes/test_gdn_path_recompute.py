@@ -70,16 +70,22 @@ def test_tree_recurrence_matches_walking_every_path(seed, n, max_depth):
             np.testing.assert_allclose(st[b, i], ref_s.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("K", [4, 2])
-def test_tree_conv_windows_follow_ancestors(K):
-    rng = np.random.default_rng(K)
-    B, C, n = 2, 7, 40
-    parents = np.stack([_random_tree(n, 16, rng) for _ in range(B)]).astype("int32")
+def _conv_case(seed: int, B: int, C: int, n: int, K: int, max_depth: int):
+    """A random tree per sequence and the conv kernel's inputs, with the unstacked kernel's outputs."""
+    rng = np.random.default_rng(seed)
+    parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)]).astype("int32")
     state = rng.standard_normal((B, C, K - 1)).astype("float32")
     x = rng.standard_normal((B, C, n)).astype("float32")
     w = rng.standard_normal((C, 1, K)).astype("float32")
     out, states = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents],
                        [((B, C, n), "float32"), ((B, n, C, K - 1), "float32")])
+    return (state, x, w, parents), out, states, rng
+
+
+@pytest.mark.parametrize("K", [4, 2])
+def test_tree_conv_windows_follow_ancestors(K):
+    B, C, n = 2, 7, 40
+    (state, x, w, parents), out, states, _ = _conv_case(K, B, C, n, K, 16)
     for b in range(B):
         for i in range(n):
             seq = np.concatenate([state[b], x[b][:, _path(list(parents[b]), i)]], axis=1)   # (C, K-1+depth)
@@ -91,14 +97,8 @@ def test_stacked_conv_states_write_their_own_slot_in_place():
     """stack=(G, g): layer 0 makes the (B, T, G, C, K-1) tensor (its slot written), layer g > 0 takes
     it and writes slot g in place, every other slot untouched -- equal to the unstacked kernel's."""
     import tvm
-    rng = np.random.default_rng(9)
     B, C, n, K, G = 2, 5, 13, 4, 3
-    parents = np.stack([_random_tree(n, 6, rng) for _ in range(B)]).astype("int32")
-    state = rng.standard_normal((B, C, K - 1)).astype("float32")
-    x = rng.standard_normal((B, C, n)).astype("float32")
-    w = rng.standard_normal((C, 1, K)).astype("float32")
-    out, alone = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents],
-                      [((B, C, n), "float32"), ((B, n, C, K - 1), "float32")])
+    (state, x, w, parents), out, alone, rng = _conv_case(9, B, C, n, K, 6)
     out0, stacked = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 0)),
                          [state, x, w, parents], [((B, C, n), "float32"), ((B, n, G, C, K - 1), "float32")])
     np.testing.assert_array_equal(out0, out)
