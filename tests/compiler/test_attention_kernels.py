@@ -87,3 +87,38 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     half = sm90_source(tmp_path, "from specpilot.compiler import kernels",
                        "{'rows': kernels.attention_rows_partial(1, 0, 1, 2, 512, 64, 2, 'float16', True, splits=1)}")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in half and "ldmatrix" in half
+
+
+@pytest.mark.parametrize("head_dim,dtype,rows_kernel", [(32, "bfloat16", True), (24, "bfloat16", False),
+                                                        (32, "float32", False)])
+def test_gpu_lowering_reads_the_pool_in_place_where_the_rows_kernel_serves(head_dim, dtype, rows_kernel):
+    """GPU lowering: prefill and verify attention through `attention_rows_partial` (verify with capped
+    key splits, prefill with one) when its GPU form serves the heads (bf16 / fp16, head_dim % 32 == 0),
+    else through gathered keys and matmuls; decode through the decode kernel either way; the CPU
+    lowering keeps the gathered form for many rows."""
+    import tvm
+    from tvm import relax
+
+    from specpilot.compiler.lower import lower_deployment
+    from tests.conftest import DENSE, tiny_config
+    cfg = tiny_config(DENSE, head_dim=head_dim)
+
+    def called(mod, fn):
+        """The kernels (call_tir) and Relax operators a function calls."""
+        names = set()
+
+        def visit(e):
+            if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op):
+                names.add(e.args[0].name_hint if e.op.name.startswith("relax.call_tir") else e.op.name)
+        relax.analysis.post_order_visit(mod[fn].body, visit)
+        return names
+
+    gpu, _ = lower_deployment(cfg, None, dtype, 256, gpu=True)
+    for fn in ("target_prefill", "target_verify"):
+        names = called(gpu, fn)
+        assert any(n.startswith("attention_rows") for n in names) == rows_kernel, (fn, names)
+        assert ("relax.nn.softmax" in names) != rows_kernel, (fn, names)    # the gathered form's softmax
+    assert any(n.startswith("attention_decode") for n in called(gpu, "target_decode"))
+    cpu, _ = lower_deployment(cfg, None, dtype, 256, gpu=False)
+    assert not any(n.startswith("attention_rows") for n in called(cpu, "target_verify"))
+    assert any(n.startswith("attention_decode") for n in called(cpu, "target_decode"))   # the rows kernel's loop
