@@ -243,6 +243,16 @@ ROWS_SPLIT = 256     # verification: keys per split (flash decoding) ...
 ROWS_SPLITS = 16     # ... and at most this many splits (longer contexts: longer splits); prefill: one
 
 
+def key_splits(L, split: int = 0, splits: int = 0):
+    """How many splits a pool attention kernel cuts L keys into (its partial outputs' S): of
+    ``split`` keys each, at most ``splits`` of them when both are given; ``splits`` alone: exactly
+    that many.  The kernels' buffers and the lowering's placeholders both take it from here."""
+    from tvm import tirx
+    if not split:
+        return splits
+    return tirx.min(tirx.IntImm("int64", splits), (L + split - 1) // split) if splits else (L + split - 1) // split
+
+
 def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
     """Whether `attention_rows_partial` has a GPU form for these heads: 16-bit values (mma.sync)
     and head_dim a multiple of 32 (its k steps)."""
@@ -285,25 +295,14 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
         raise ValueError("attention_rows_partial: give keys per split (split) and / or the number of splits (splits)")
 
     def n_splits(L):
-        if not split:
-            return splits
-        return T.min(T.int64(splits), (L + split - 1) // split) if splits else (L + split - 1) // split
+        return key_splits(L, split, splits)
 
     def keys(L):
         return split if split and not splits else (L + n_splits(L) - 1) // n_splits(L)
 
     if not gpu:
-        @T.prim_func(private=True, s_tir=True)
-        def cpu(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
-                ml_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": False})
-            batch, tokens, L = T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(q_h, (batch, tokens, n_kv * group, head_dim), dtype)
-            kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
-            row = T.match_buffer(rows_h, (batch,), "int32")
-            mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
-            out = T.match_buffer(acc_h, (batch, n_kv, n_splits(L), tokens * group, head_dim), "float32")
-            ml = T.match_buffer(ml_h, (batch, n_kv, n_splits(L), tokens * group, 2), "float32")
+        @T.macro
+        def cpu_form(q, kv, row, mask, out, ml, batch, tokens, L):
             with T.sblock("root"):
                 for b, h, sp, r in T.grid(batch, n_kv, n_splits(L), tokens * group):
                     acc = T.alloc_buffer((1, head_dim), "float32", scope="local")
@@ -328,11 +327,33 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
                     ml[b, h, sp, r, 1] = lsum[0]
                     for i in range(head_dim):
                         out[b, h, sp, r, i] = acc[0, i]
+        body = _rows_signature(n_layers, rows, n_kv, capacity, head_dim, group, dtype, n_splits, False, cpu_form)
+
+        @T.prim_func(private=True, s_tir=True)
+        def cpu(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
+                ml_h: T.handle):
+            body(q_h, kv_h, rows_h, mask_h, acc_h, ml_h)
         return cpu
     if not rows_kernel_fits(head_dim, dtype):
         raise ValueError(f"attention_rows_partial's GPU form needs bf16/fp16 and head_dim % 32 == 0, "
                          f"not {dtype} / {head_dim}")
     return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, n_splits, keys, scale)
+
+
+def _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, scheduled, form):
+    """The rows kernel's parameters, as both forms declare them; ``form`` (a macro) gets the buffers."""
+    @T.macro
+    def body(q_h, kv_h, rows_h, mask_h, acc_h, ml_h):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": scheduled})
+        batch, tokens, L = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (batch, tokens, n_kv * group, d), dtype)
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, d), dtype)
+        row = T.match_buffer(rows_h, (batch,), "int32")
+        mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
+        out = T.match_buffer(acc_h, (batch, n_kv, n_splits(L), tokens * group, d), "float32")
+        ml = T.match_buffer(ml_h, (batch, n_kv, n_splits(L), tokens * group, 2), "float32")
+        form(q, kv, row, mask, out, ml, batch, tokens, L)
+    return body
 
 
 def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, keys, scale):
@@ -363,17 +384,8 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, 
                     kv[layer, i // (KC * P), T.Cast("int64", row[b]), h,
                        T.min(key0 + (i // P) % KC, capacity - 1), (i % P) * 8]), 16))
 
-    @T.prim_func(private=True)
-    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
-               ml_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
-        batch, tokens, L = T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (batch, tokens, n_kv * group, d), dtype)
-        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, d), dtype)
-        row = T.match_buffer(rows_h, (batch,), "int32")
-        mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
-        out = T.match_buffer(acc_h, (batch, n_kv, n_splits(L), tokens * group, d), "float32")
-        ml = T.match_buffer(ml_h, (batch, n_kv, n_splits(L), tokens * group, 2), "float32")
+    @T.macro
+    def gpu_form(q, kv, row, mask, out, ml, batch, tokens, L):
         for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
             for sp in T.thread_binding(n_splits(L), thread="blockIdx.y"):
                 for rt in T.thread_binding((tokens * group + BR - 1) // BR, thread="blockIdx.z"):
@@ -505,6 +517,12 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, 
                                     for e in T.unroll(d // 8):
                                         for x in T.unroll(2):
                                             out[b, h, sp, r, e * 8 + (lane % 4) * 2 + x] = o[e, hh * 2 + x]
+    body = _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, True, gpu_form)
+
+    @T.prim_func(private=True)
+    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
+               ml_h: T.handle):
+        body(q_h, kv_h, rows_h, mask_h, acc_h, ml_h)
     return kernel
 
 

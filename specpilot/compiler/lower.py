@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import relax as rx
-from tvm import tirx as tir
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
@@ -176,24 +175,17 @@ class Attention(nn.Module):
         B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         grp = nh // nkv
         decode = isinstance(T_, int) and T_ == 1
-        L = s.mask.shape[2]
+        # keys per split and most splits: decode's 64-key splits; verification's >= 256 keys, at most
+        # ROWS_SPLITS; prefill's many rows fill the GPU with one split
+        split, most = (kernels.ATTN_CHUNK, 0) if decode else \
+            (kernels.ROWS_SPLIT, kernels.ROWS_SPLITS) if s.parents is not None else (0, 1)
         if decode and self.gpu:
             partial = kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
                                                        self.dtype)
-            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
-        elif decode:   # the CPU's decode: the rows kernel's loop, decode's splits
+        else:   # the CPU's decode too: the rows kernel's loop
             partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, False, split=kernels.ATTN_CHUNK)
-            splits = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
-        elif s.parents is not None:   # verification: the keys split over blocks (at most ROWS_SPLITS)
-            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, self.gpu, split=kernels.ROWS_SPLIT,
-                                                     splits=kernels.ROWS_SPLITS)
-            splits = tir.min(tir.IntImm("int64", kernels.ROWS_SPLITS), (L + kernels.ROWS_SPLIT - 1) // kernels.ROWS_SPLIT)
-        else:   # prefill: its many rows fill the GPU with one split
-            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, self.gpu, splits=1)
-            splits = 1
+                                                     self.dtype, self.gpu, split=split, splits=most)
+        splits = kernels.key_splits(s.mask.shape[2], split, most)
         acc, ml = op.tensor_ir_op(
             partial, "attention_decode" if decode else "attention_rows", [q, kv, s.rows, s.mask],
             [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
