@@ -70,7 +70,27 @@ def _variants():
             # wider channel blocks at many rows: x (re-read by every block) amortized over 128-256 channels
             "p3_9x2x8x1": ((None, Config(9, 2, 8, 1, 2, stages=3)),),
             "p3_9x4x4x1": ((None, Config(9, 4, 4, 1, 2, stages=3)),),
-            "p4_9x1x8x1": ((None, Config(9, 1, 8, 1, 2, stages=4)),)}
+            "p4_9x1x8x1": ((None, Config(9, 1, 8, 1, 2, stages=4)),),
+            # sm_90a wgmma (Config.wgmma): per M range R = 8 / 16 / 32 / 72 rows of x as wgmma's N,
+            # wn warpgroups of 64 channels, S stages of 64 k; "k": K split where channel blocks < SMs
+            **{f"wg{wn}s{st}{'k' if split else ''}": _wgmma_ranges(wn, st, split)
+               for wn, st, split in ((1, 4, False), (1, 6, False), (2, 4, False), (1, 4, True), (2, 4, True))}}
+
+
+def _wgmma_ranges(wn: int, stages: int, split: bool):
+    from specpilot.schedules.skinny_mma import Config
+    return tuple((limit, Config(mt, 4, wn, 1, stages=stages, wgmma=True, splits=-1 if split else 1))
+                 for limit, mt in ((8, 1), (16, 2), (32, 4), (None, 9)))
+
+
+def resolve(cfgs, n: int, k: int):
+    """A variant's configurations for one shape: splits=-1 stands for `with_splits`' choice."""
+    from dataclasses import replace
+
+    from specpilot.schedules.skinny_mma import with_splits
+    if cfgs is None:
+        return None
+    return tuple((limit, with_splits(replace(cfg, splits=1), n, k) if cfg.splits == -1 else cfg) for limit, cfg in cfgs)
 
 
 def build(out: Path) -> None:
@@ -82,13 +102,13 @@ def build(out: Path) -> None:
     from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host={"kind": "llvm"})   # wgmma: sm_90a
     funcs = {}
     with target:
         for k, n in SHAPES:
             for name, cfgs in {**variants(), **split_variants(n, k)}.items():
                 try:
-                    funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, cfgs)
+                    funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, resolve(cfgs, n, k))
                 except ValueError as e:
                     print(f"  {name} {k}x{n}: {e}")
             for name, func, rule in () if ONLY else (("lowbatch", nt_matmul(n, k), dl.gpu.LowBatchGEMV()),

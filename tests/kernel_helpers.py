@@ -22,9 +22,10 @@ def run_cpu(kernel, args, outs):
     return [p.numpy() for p in poisoned]
 
 
-def sm90_source(tmp_path: Path, setup: str, funcs: str) -> str:
+def sm90_source(tmp_path: Path, setup: str, funcs: str, arch: str = "sm_90") -> str:
     """The CUDA source of ``funcs`` (a Python expression: dict name -> PrimFunc, after ``setup``)
-    compiled for sm_90 on this machine, no GPU or driver needed."""
+    compiled for ``arch`` (sm_90, or sm_90a for wgmma) on this machine, no GPU or driver needed;
+    nvcc assembles it, so PTX the architecture rejects fails here."""
     from specpilot.compiler.build import cuda_stub_env
     src = tmp_path / "kernels.cu"
     code = (
@@ -32,7 +33,7 @@ def sm90_source(tmp_path: Path, setup: str, funcs: str) -> str:
         "from specpilot.compiler.build import load_cuda_runtime\n"
         f"{setup}\n"
         "assert load_cuda_runtime()\n"
-        "t = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}, host={'kind': 'llvm'})\n"
+        f"t = tvm.target.Target({{'kind': 'cuda', 'arch': '{arch}'}}, host={{'kind': 'llvm'}})\n"
         f"funcs = {funcs}\n"
         "with t:\n"
         "    lib = tvm.compile(tvm.IRModule({n: f.with_attr('global_symbol', n) for n, f in funcs.items()}), target=t)\n"

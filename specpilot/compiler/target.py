@@ -60,12 +60,19 @@ class TargetSpec:
 
         if self.kind == "llvm":
             return tvm.target.Target("llvm")
-        return tvm.target.Target({"kind": "cuda", "arch": self.arch}, host={"kind": "llvm"})
+        return tvm.target.Target({"kind": "cuda", "arch": compile_arch(self.arch)}, host={"kind": "llvm"})
 
     def device_info(self) -> Device | None:
         if self.kind != "cuda":
             return None
         return DEVICES[self.device or DEFAULT_DEVICE[self.arch]]
+
+
+def compile_arch(arch: str) -> str:
+    """The arch TVM compiles for: sm_90 as sm_90a, whose architecture-specific instructions
+    (wgmma, used by `schedules.skinny_mma`) every compute-capability-9.0 GPU (H100, H200) runs;
+    code built for sm_90a runs on no other architecture, as sm_90 code runs on none either."""
+    return "sm_90a" if arch == "sm_90" else arch
 
 
 def _check_arch(arch: str | None, given: str) -> str:

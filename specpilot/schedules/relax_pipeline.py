@@ -79,11 +79,13 @@ def _decode_only(rule):
 _DecodeOnly = _decode_only
 
 
-def _skinny_mma() -> tvm.transform.Pass:
+def _skinny_mma(target: tvm.target.Target) -> tvm.transform.Pass:
+    wgmma = str(target.attrs.get("arch", "")) == "sm_90a"     # Hopper's warpgroup MMA
+
     @tvm.transform.module_pass(opt_level=0, name="specpilot.skinny_mma")
     def _substitute(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         from specpilot.schedules.skinny_mma import substitute
-        return substitute(mod)[0]
+        return substitute(mod, wgmma=wgmma)[0]
     return _substitute
 
 
@@ -103,7 +105,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     legalize = [
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
-        *([_skinny_mma()] if schedule == "skinny-mma" else []),
+        *([_skinny_mma(target)] if schedule == "skinny-mma" else []),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -42,6 +42,7 @@ class Config:
     unroll: int = 4  # k steps whose loads are in flight together
     stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
     splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
+    wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of 64 channels, a_tiles 4, wk 1
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -52,6 +53,12 @@ class Config:
     def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
         """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
         pipelined, its ring of chunks fits in a block's shared memory."""
+        if self.wgmma:
+            # 64 channels per warpgroup (the last block of a ragged N clamps its weight rows and
+            # stores only real channels), x rows as wgmma's N (a multiple of 8, <= 256), 64-k chunks
+            return (n_out % 8 == 0 and self.a_tiles == 4 and self.wk == 1 and self.stages >= 2
+                    and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
+                    and self.shared_bytes(k_in) <= MAX_SHARED)
         if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
             return False
         # pipelined: at least two chunks per block (the regime the H200 runs checked; one chunk takes
@@ -60,8 +67,9 @@ class Config:
                                    and self.shared_bytes(k_in) <= MAX_SHARED)
 
     def chunk(self, k_in: int) -> int:
-        """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32)."""
-        return 32 * self.wk * self.unroll_for(k_in)
+        """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32); wgmma:
+        one 128-byte swizzle atom per row."""
+        return WGMMA_K if self.wgmma else 32 * self.wk * self.unroll_for(k_in)
 
     def unroll_for(self, k_in: int) -> int:
         """The k steps per warp per iteration: ``unroll``, or the largest of 2, 1 that divides."""
@@ -71,6 +79,8 @@ class Config:
     def shared_bytes(self, k_in: int) -> int:
         """Pipelined: the ring of W and x chunks plus the split-K partial sums."""
         ring = self.stages * (self.block_n() + self.block_m()) * self.chunk(k_in) * 2
+        if self.wgmma:
+            return ring + SWIZZLE_ALIGN    # room to align the ring to the swizzle pattern's 1024 bytes
         return ring + (self.wk * self.slots() * 4 if self.wk > 1 else 0)
 
     def slots(self) -> int:
@@ -79,6 +89,8 @@ class Config:
 
 
 MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runtime raises the limit)
+WGMMA_K = 64                # wgmma kernel: k per chunk, 64 bf16 = one 128-byte swizzled row
+SWIZZLE_ALIGN = 1024        # the 128-byte swizzle repeats every 8 rows: tiles start 1024-byte aligned
 
 
 # (largest M the configuration serves, candidates in order of preference), from the H200 runs of
@@ -96,16 +108,31 @@ REGISTER = (
 SMS = 132    # H200 SMs: a 32-row tile of 128 channels paid from N = 14336 (112 blocks), not at 5120 (40)
 
 
-def configs(n_out: int) -> tuple:
-    """The (largest M, candidates) ranges for an N-channel GEMM."""
+def configs(n_out: int, wgmma: bool = False) -> tuple:
+    """The (largest M, candidates) ranges for an N-channel GEMM; ``wgmma`` (sm_90a): the
+    warpgroup kernel first wherever it tiles (N a multiple of 64)."""
     wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * SMS else ()
-    return (
+    mma = (
         (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
         (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),
         (32, wide + (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[1][1]),
         # N not a multiple of 64 (the 27B hybrid's stacked GDN projections: 16480): 32-channel blocks
         (None, (Config(9, 2, 2, 2, 2, stages=3), Config(9, 1, 2, 2, 2, stages=3)) + REGISTER[2][1]),
     )
+    if not wgmma:
+        return mma
+    # H200, results/skinny-gemm-20261130-223924.json (27B and 8B shapes, 1-65 rows, vs the mma
+    # kernels above): 65 rows 1.13-1.50x (lm_head 949 -> 661 us, cuBLAS 611; 17408 x 5120 88 -> 59,
+    # cuBLAS 47), 1-8 rows up to 1.5x where K is split (17408 -> 5120: 64 -> 47; cuBLAS 50).  One
+    # warpgroup of 64 channels with 6 stages up to 16 rows (4 where K is split: the measured form),
+    # two warpgroups beyond 32.  At 9-16 rows with few channel blocks mma's in-block K split led
+    # (17408 -> 5120: 45.8 vs 48.3 us) and stays.
+    few = n_out // 64 < SMS
+    wg = {8: (Config(1, 4, 1, 1, stages=4 if few else 6, wgmma=True),),
+          16: () if few else (Config(2, 4, 1, 1, stages=6, wgmma=True),),
+          32: (Config(4, 4, 1, 1, stages=4, wgmma=True),),
+          None: (Config(9, 4, 2, 1, stages=4, wgmma=True),)}
+    return tuple((limit, wg[limit] + candidates) for limit, candidates in mma)
 
 
 def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
@@ -138,15 +165,18 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
     return replace(cfg, splits=max(splits)) if splits else cfg
 
 
-def pick(n_out: int, k_in: int) -> list[tuple[int | None, Config]] | None:
-    """One configuration per M range for this shape, or None when no configuration tiles it."""
-    chosen = choose(configs(n_out), lambda c: c.fits(n_out, k_in))
-    return None if chosen is None else [(limit, cfg if limit is not None and limit <= 16 else
-                                         with_splits(cfg, n_out, k_in)) for limit, cfg in chosen]
+def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, Config]] | None:
+    """One configuration per M range for this shape, or None when no configuration tiles it.  K
+    is split over blocks beyond 16 rows, and by the wgmma kernel at any row count (its split
+    measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit, skinny-gemm-20261130-223924)."""
+    chosen = choose(configs(n_out, wgmma), lambda c: c.fits(n_out, k_in))
+    return None if chosen is None else [(limit, with_splits(cfg, n_out, k_in)
+                                         if cfg.wgmma or limit is None or limit > 16 else cfg)
+                                        for limit, cfg in chosen]
 
 
-def applicable(n_out: int, k_in: int) -> bool:
-    return pick(n_out, k_in) is not None
+def applicable(n_out: int, k_in: int, wgmma: bool = False) -> bool:
+    return pick(n_out, k_in, wgmma) is not None
 
 
 def _split_k_store(cfg: Config):
@@ -331,25 +361,133 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
             T.tvm_storage_sync("shared")
             store(red, acc, y, m, bx, by, kw, nw, lane, row0)
 
+    return _launch_blocks(n_out, cfg, block, 32)
+
+
+def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
+    """Hopper's warpgroup MMA (sm_90a): a block of ``wn`` warpgroups, each ``wgmma.m64nRk16``
+    with 64 channels of W as A and the block's R = ``block_m`` rows of x as B, both read by the
+    tensor cores straight from shared memory through matrix descriptors.  Every thread copies
+    chunks of 64 k (W's ``block_n`` rows, then x's R rows: 128 bytes a row) with ``cp.async``
+    into a ring of ``stages`` such tiles, laid out in the 128-byte swizzle (16-byte piece c of
+    row r at piece c ^ (r % 8), tiles 1024-byte aligned) that the descriptors name; a chunk is
+    four wgmma k steps (start address + 32 bytes each).  Where mma.sync needs a register load
+    per operand fragment and an instruction per 16 x 8 x 16 product (the register and pipelined
+    kernels: issue-bound at 65 rows on the H200, Nsight Compute: 'wait' stalls, 8 warps per SM),
+    one wgmma multiplies 64 x R x 16 and the accumulators (R / 2 floats a thread) are the only
+    registers it holds.  cp.async writes through the generic proxy and wgmma reads through the
+    async one: each thread fences the proxies between its copies landing and the barrier."""
+    from tvm.script import tirx as T
+
+    WG, MT, S = cfg.wn, cfg.m_tiles, cfg.stages
+    BN, BM = cfg.block_n(), cfg.block_m()
+    KC = WGMMA_K
+    chunks = k_in // cfg.splits // KC   # chunks per block
+    STAGE = (BN + BM) * KC              # bf16 elements per ring slot: W rows, then x rows
+    threads = 128 * WG
+    w_rounds, x_rounds = -(-BN * 8 // threads), -(-BM * 8 // threads)
+    NREG = BM // 2                      # accumulator floats per thread: 64 x R over 128 threads
+    copy = "cp.async.cg.shared.global"
+    mma = f"wgmma.mma_async.sync.aligned.m64n{BM}k16.f32.bf16.bf16"
+
+    def desc(addr):
+        """A K-major, 128-byte-swizzled operand at shared address ``addr``: 8-row groups 1024
+        bytes apart (stride offset 64 x 16 bytes; the leading offset is unused when swizzled)."""
+        # one literal for the constant fields: a constant expression would be hoisted out of the
+        # kernel as a uint64 launch argument, which TVM's runtime cannot pass
+        return T.bitwise_or(T.Cast("uint64", T.shift_right(T.bitwise_and(addr, T.uint32(0x3FFFF)), T.uint32(4))),
+                            T.uint64((1 << 62) | (64 << 32) | (1 << 16)))
+
+    def wgmma(acc, a_desc, b_desc):
+        return T.ptx[mma](*[acc[i] for i in range(NREG)], a_desc, b_desc, True, 1, 1, 0, 0)
+
+    def swizzled(row, piece):
+        """Element offset of 16-byte ``piece`` of tile ``row`` within a ring slot."""
+        return row * KC + T.bitwise_xor(piece, row % 8) * 8
+
+    @T.macro
+    def issue(ring, w, x, m, bx, by, tid, base, stage, chunk):
+        for r in T.serial(w_rounds):
+            if r * threads + tid < BN * 8:
+                i = T.meta_var(r * threads + tid)
+                T.evaluate(T.ptx[copy](T.address_of(ring[base + stage * STAGE + swizzled(i // 8, i % 8)]),
+                                       T.address_of(w[T.min(bx * BN + i // 8, n_out - 1), chunk * KC + (i % 8) * 8]),
+                                       16))
+        for r in T.serial(x_rounds):
+            if r * threads + tid < BM * 8:
+                i = T.meta_var(r * threads + tid)
+                T.evaluate(T.ptx[copy](T.address_of(ring[base + stage * STAGE + swizzled(BN + i // 8, i % 8)]),
+                                       T.address_of(x[T.min(by * BM + i // 8, m - 1), chunk * KC + (i % 8) * 8]), 16))
+
+    @T.macro
+    def block(x, w, y, m, bx, by, bz, kw, wg, lane, row0):
+        ring = T.alloc_buffer((S * STAGE + SWIZZLE_ALIGN // 2,), "bfloat16", scope="shared.dyn")
+        acc = T.alloc_buffer((NREG,), "float32", scope="local")
+        at = T.alloc_buffer((2,), "uint32", scope="local")     # the ring's shared address, aligned; its offset
+        tid = T.meta_var(wg * 128 + lane)
+        at[0] = T.cuda.cvta_generic_to_shared(T.address_of(ring[0]))
+        at[1] = T.bitwise_and(T.uint32(SWIZZLE_ALIGN) - T.bitwise_and(at[0], T.uint32(SWIZZLE_ALIGN - 1)),
+                              T.uint32(SWIZZLE_ALIGN - 1))
+        base = T.meta_var(T.Cast("int32", at[1]) // 2)        # bf16 elements up to the aligned start
+        for i in T.unroll(NREG):       # unrolled: the accumulators stay registers
+            acc[i] = T.float32(0)
+        for s in T.unroll(S - 1):
+            if s < chunks:
+                issue(ring, w, x, m, bx, by, tid, base, s, bz * chunks + s)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        for c in T.serial(chunks):
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
+            T.tvm_storage_sync("shared")
+            T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
+            for j in T.unroll(KC // 16):
+                T.evaluate(wgmma(acc, desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + wg * 64 * KC + j * 16) * 2)),
+                                 desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + BN * KC + j * 16) * 2))))
+            T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
+            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
+            # the slot the next chunk goes to was read by the wgmmas of the previous iteration,
+            # which every warpgroup waited for before the barrier above
+            if c + S - 1 < chunks:
+                issue(ring, w, x, m, bx, by, tid, base, (c + S - 1) % S, bz * chunks + c + S - 1)
+            T.evaluate(T.ptx["cp.async.commit_group"]())
+        # D fragment of m64nRk16: warp q of the warpgroup holds channels 16 q.., register i is
+        # channel g (+8 for i % 4 >= 2) and row 8 (i // 4) + 2 t (+1 for odd i); g, t = lane // 4, lane % 4
+        for i in T.unroll(NREG):
+            if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
+                    and bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4 < n_out):
+                y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
+                  bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4] = acc[i]
+
+    return _launch_blocks(n_out, cfg, block, 128)
+
+
+def _launch_blocks(n_out: int, cfg: Config, block, lanes: int):
+    """A macro launching ``block`` over (channel blocks, row blocks) with threads (wk, wn,
+    ``lanes``) as threadIdx (z, y, x); with ``cfg.splits`` > 1 over K pieces too (blockIdx.z),
+    each writing its partial sums to rows bz * m.. of a float32 workspace that a second kernel
+    adds in a fixed order (deterministic, unlike atomics)."""
+    from tvm.script import tirx as T
+
+    WN, WK, SPL = cfg.wn, cfg.wk, cfg.splits
+    BN, BM = cfg.block_n(), cfg.block_m()
+
     @T.macro
     def launch(x, w, y, m):
         if SPL == 1:
-            for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+            for bx in T.thread_binding((n_out + BN - 1) // BN, thread="blockIdx.x"):
                 for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
                     for kw in T.thread_binding(WK, thread="threadIdx.z"):
                         for nw in T.thread_binding(WN, thread="threadIdx.y"):
-                            for lane in T.thread_binding(32, thread="threadIdx.x"):
+                            for lane in T.thread_binding(lanes, thread="threadIdx.x"):
                                 block(x, w, y, m, bx, by, 0, kw, nw, lane, 0)
         else:
-            # K over SPL blocks: each writes its partial sums to rows bz * m.. of a workspace, a
-            # second kernel adds them in a fixed order (deterministic, unlike atomics)
             part = T.alloc_buffer((SPL * m, n_out), "float32")
-            for bx in T.thread_binding(n_out // BN, thread="blockIdx.x"):
+            for bx in T.thread_binding((n_out + BN - 1) // BN, thread="blockIdx.x"):
                 for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
                     for bz in T.thread_binding(SPL, thread="blockIdx.z"):
                         for kw in T.thread_binding(WK, thread="threadIdx.z"):
                             for nw in T.thread_binding(WN, thread="threadIdx.y"):
-                                for lane in T.thread_binding(32, thread="threadIdx.x"):
+                                for lane in T.thread_binding(lanes, thread="threadIdx.x"):
                                     block(x, w, part, m, bx, by, bz, kw, nw, lane, bz * m)
             for bi in T.thread_binding((m * n_out + 255) // 256, thread="blockIdx.x"):
                 for tx in T.thread_binding(256, thread="threadIdx.x"):
@@ -363,19 +501,20 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
 
 
 @lru_cache(maxsize=None)
-def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None):
+def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma: bool = False):
     """x[m, k] . W[n, k]^T -> float32 y[m, n] (m symbolic) on tensor cores, one configuration per
     range of m chosen at run time.  ``configs``: ((largest m or None, Config), ...), ascending,
-    the last unbounded, to use instead of `pick`'s (benchmarks)."""
+    the last unbounded, to use instead of `pick`'s (benchmarks); ``wgmma``: `pick` may choose the
+    sm_90a warpgroup kernel (build for sm_90a then)."""
     from specpilot.compiler.fast_frames import quick_stack
     with quick_stack():
-        return _skinny_nt_matmul(n_out, k_in, configs)
+        return _skinny_nt_matmul(n_out, k_in, configs, wgmma)
 
 
-def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None):
+def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool = False):
     from tvm.script import tirx as T
 
-    chosen = list(configs) if configs else pick(n_out, k_in)
+    chosen = list(configs) if configs else pick(n_out, k_in, wgmma)
     if chosen is None:
         raise ValueError(f"no skinny tensor-core configuration tiles N={n_out}, K={k_in}")
     if chosen[-1][0] is not None or any(limit is None for limit, _ in chosen[:-1]):
@@ -385,7 +524,8 @@ def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None):
             raise ValueError(f"{cfg}: a pipelined configuration needs stages >= 2 (0: the register kernel)")
         if not cfg.fits(n_out, k_in):
             raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
-    launches = [(limit, (_pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg)) for limit, cfg in chosen]
+    launches = [(limit, (_wgmma_kernel if cfg.wgmma else _pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg))
+                for limit, cfg in chosen]
     N, K = T.int64(n_out), T.int64(k_in)
 
     def dispatch(i: int):
@@ -473,7 +613,7 @@ def _is_plain_product(block, x, w, y) -> bool:
     return loads[0].same_as(x) and loads[1].same_as(w)
 
 
-def substitute(mod):
+def substitute(mod, wgmma: bool = False):
     """Point every call_tir of a plain bf16 NT matmul whose shape a configuration tiles at the
     tensor-core kernel (one PrimFunc per (N, K), marked scheduled so dlight leaves it alone, and
     opaque so FuseOps fuses no epilogue into it: casts and residual adds stay separate kernels)."""
@@ -482,7 +622,7 @@ def substitute(mod):
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     shapes = {gv: nt_matmul_shape(f) for gv, f in mod.functions.items()}
-    shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s)}
+    shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s, wgmma)}
     if not shapes:
         return mod, 0
     call_tir = tvm.ir.Op.get("relax.call_tir")
@@ -498,7 +638,7 @@ def substitute(mod):
             if call.op.same_as(call_tir) and call.args[0] in shapes:
                 shape = shapes[call.args[0]]
                 if shape not in self.kernels:
-                    kernel = skinny_nt_matmul(*shape).with_attr("op_pattern", 8)   # kOpaque
+                    kernel = skinny_nt_matmul(*shape, wgmma=wgmma).with_attr("op_pattern", 8)   # kOpaque
                     self.kernels[shape] = self.builder_.add_func(kernel, f"skinny_mma_{shape[0]}_{shape[1]}")
                 args = call.args[1].fields[:2] if isinstance(call.args[1], relax.Tuple) else call.args[1:3]
                 self.swapped += 1

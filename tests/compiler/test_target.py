@@ -9,21 +9,22 @@ from specpilot.compiler.target import DEVICES, parse_target
 from specpilot.errors import SpecPilotError
 
 
-@pytest.mark.parametrize("text,kind,arch,device", [
-    ("llvm", "llvm", None, None),
-    ("cuda -arch=sm_90", "cuda", "sm_90", None),
-    ("cuda -arch=sm_90 -device=h200", "cuda", "sm_90", "H200"),
-    ("cuda -arch=sm_120", "cuda", "sm_120", None),
-    ('{"kind": "cuda", "arch": "sm_80"}', "cuda", "sm_80", None),
+@pytest.mark.parametrize("text,kind,arch,device,compiled", [
+    ("llvm", "llvm", None, None, None),
+    # Hopper builds compile for sm_90a (wgmma): the same GPUs, their architecture-specific instructions
+    ("cuda -arch=sm_90", "cuda", "sm_90", None, "sm_90a"),
+    ("cuda -arch=sm_90 -device=h200", "cuda", "sm_90", "H200", "sm_90a"),
+    ("cuda -arch=sm_120", "cuda", "sm_120", None, "sm_120"),
+    ('{"kind": "cuda", "arch": "sm_80"}', "cuda", "sm_80", None, "sm_80"),
 ])
-def test_parse(text, kind, arch, device):
+def test_parse(text, kind, arch, device, compiled):
     t = parse_target(text)
     assert (t.kind, t.arch, t.device) == (kind, arch, device)
     assert parse_target(t.text()) == t
     tvm_target = t.tvm_target()
     assert tvm_target.kind.name == kind
     if arch:
-        assert str(tvm_target.attrs["arch"]) == arch
+        assert str(tvm_target.attrs["arch"]) == compiled
 
 
 @pytest.mark.parametrize("text,message", [

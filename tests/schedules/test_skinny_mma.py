@@ -212,3 +212,63 @@ def test_k_split_over_blocks_sums_partials_in_a_second_kernel(tmp_path):
     assert "part_ptr" in bodies["spl_kernel_1"] and "y_ptr" in bodies["spl_kernel_1"]
     gemm = re.search(r"spl_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
     assert "blockIdx.z" in gemm and "mma.sync" in gemm
+
+
+def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
+    """sm_90a (`pick(wgmma=True)`): the warpgroup kernel in every M range of a 64-channel-multiple
+    shape, R = 8 / 16 / 32 / 72 rows of x as wgmma's N; K split over blocks where the channel blocks
+    leave SMs idle, at any row count; at 9-16 rows such shapes keep mma's in-block K split (it led
+    there on the H200); N = 16480 (not a multiple of 64: the 27B hybrid's GDN in-projections) takes
+    it with a partial last block; other archs never get it."""
+    wide = dict(pick(17408, 5120, wgmma=True))
+    assert all(cfg.wgmma for cfg in wide.values())
+    assert [wide[k].block_m() for k in (8, 16, 32, None)] == [8, 16, 32, 72]
+    assert wide[None].block_n() == 128 and wide[8].block_n() == 64 and wide[8].stages == 6
+    assert all(cfg.splits == 1 for cfg in wide.values())          # 272 blocks of 64 channels: no split
+    down = dict(pick(5120, 17408, wgmma=True))
+    assert down[8].wgmma and down[8].splits == 8 and down[8].stages == 4     # split even at 1-8 rows
+    assert not down[16].wgmma and down[16] == Config(2, 1, 1, 8, 1, stages=4)
+    assert down[32].wgmma and down[32].splits == 8 and down[None].splits == 8
+    assert all(cfg.wgmma for _, cfg in pick(16480, 5120, wgmma=True))
+    assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(100, 128)      # N a multiple of 8
+    assert not any(cfg.wgmma for _, cfg in pick(17408, 5120))
+    # a wgmma configuration: 64 channels a warpgroup, one warp along K, N = R <= 256, 64-k chunks
+    assert Config(9, 4, 2, 1, stages=4, wgmma=True).fits(128, 128)
+    assert not Config(9, 2, 2, 1, stages=4, wgmma=True).fits(128, 128)      # a_tiles must be 4
+    assert not Config(33, 4, 1, 1, stages=4, wgmma=True).fits(64, 128)      # 264 rows > wgmma's N
+    assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(64, 96)        # K not whole 64-k chunks
+    assert not Config(9, 4, 1, 1, stages=1, wgmma=True).fits(64, 128)
+
+
+def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
+    """The warpgroup kernel through nvcc for sm_90a (ptxas checks the wgmma operands): one
+    m64nRk16 wgmma per 16 k of a 64-k chunk from descriptors (128-byte swizzle, 1024-byte groups),
+    cp.async copies, the proxy fence before the barrier, a wgmma wait per chunk; K split over blocks
+    adds the fixed-order sum kernel.  No launch argument is 64-bit unsigned (TVM's runtime cannot
+    pass one: an earlier form's hoisted descriptor constant failed on the H200).  Its numbers are
+    checked on the H200 (bench/skinny_gemm.py: results/skinny-gemm-20261130-223924, <= 2.5e-5 of
+    the float32 product at 1-65 rows)."""
+    text = sm90_source(
+        tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+        "{'wg': skinny_nt_matmul(256, 512, ((8, Config(1, 4, 1, 1, stages=6, wgmma=True)),"
+        " (None, Config(9, 4, 2, 1, stages=4, wgmma=True)))),"
+        " 'wgk': skinny_nt_matmul(200, 1024, ((None, Config(4, 4, 1, 1, stages=4, wgmma=True, splits=2)),))}",
+        arch="sm_90a")
+    heads = {name: (int(threads), params) for threads, name, params in
+             re.findall(r"void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{", text)}
+    assert set(heads) == {"wg_kernel", "wg_kernel_1", "wgk_kernel", "wgk_kernel_1"}
+    assert heads["wg_kernel"][0] == 128 and heads["wg_kernel_1"][0] == 256     # one / two warpgroups
+    assert not any("uint64" in params for _, params in heads.values())
+    for shape in ("m64n8k16", "m64n72k16", "m64n32k16"):
+        assert f"wgmma.mma_async.sync.aligned.{shape}.f32.bf16.bf16" in text
+    body = re.search(r"wg_kernel_1\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    assert body.count("wgmma_bf16_ss_mma_async") == 4            # 64 k = four k16 steps
+    fence, barrier = body.index("fence_proxy_proxy_async_shared__cta()"), body.index("__syncthreads()")
+    assert body.index("cp_async_wait_group") < fence < barrier < body.index("wgmma_fence")
+    assert "wgmma_wait_group_wait_group_sync_aligned_0()" in body and "cvta_generic_to_shared" in body
+    # N = 200: four blocks of 64 channels, the last clamping its weight rows to row 199 and storing
+    # channels < 200 only
+    ragged = re.search(r"wgk_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    assert "blockIdx.z" in ragged and ", 199)" in ragged
+    assert ragged.count(") < m) && (") == 16          # each of the 16 accumulators: row and channel checked
+
