@@ -35,7 +35,7 @@ PROFILE = os.environ.get("SKINNY_PROFILE") == "1"
 def variants():
     """name -> ((limit, Config), ...) for single configurations, plus the shipped dispatch (None)."""
     every = _variants()
-    return {name: cfgs for name, cfgs in every.items() if not ONLY or name in ONLY or name == "mma"}
+    return {name: cfgs for name, cfgs in every.items() if not ONLY or name in ONLY or name in ("mma", "hopper")}
 
 
 def split_variants(n: int, k: int) -> dict:
@@ -53,7 +53,8 @@ def split_variants(n: int, k: int) -> dict:
 
 def _variants():
     from specpilot.schedules.skinny_mma import Config
-    return {"mma": None,
+    # "mma": the dispatch of `pick` for GPUs before Hopper; "hopper": `pick(wgmma=True)` (sm_90a)
+    return {"mma": None, "hopper": None,
             "mma_1x1x8": ((None, Config(1, 1, 1, 8, 4)),), "mma_1x2x4": ((None, Config(1, 2, 1, 4, 4)),),
             "mma_2x1x8": ((None, Config(2, 1, 1, 8, 4)),), "mma_4x2x2": ((None, Config(4, 2, 2, 2, 2)),),
             "mma_9x2x2": ((None, Config(9, 2, 2, 2, 2)),), "mma_9x1x2": ((None, Config(9, 1, 2, 2, 2)),),
@@ -73,13 +74,16 @@ def _variants():
             "p4_9x1x8x1": ((None, Config(9, 1, 8, 1, 2, stages=4)),),
             # sm_90a wgmma (Config.wgmma): per M range R = 8 / 16 / 32 / 72 rows of x as wgmma's N,
             # wn warpgroups of 64 channels, S stages of 64 k; "k": K split where channel blocks < SMs
-            **{f"wg{wn}s{st}{'k' if split else ''}": _wgmma_ranges(wn, st, split)
-               for wn, st, split in ((1, 4, False), (1, 6, False), (2, 4, False), (1, 4, True), (2, 4, True))}}
+            **{f"wg{wn}s{st}{'k' if split else ''}{'o' if ov else ''}": _wgmma_ranges(wn, st, split, ov)
+               for wn, st, split, ov in ((1, 4, False, 0), (1, 6, False, 0), (2, 4, False, 0), (1, 4, True, 0),
+                                         (2, 4, True, 0), (1, 4, True, 1), (2, 4, True, 1), (1, 6, True, 1),
+                                         (2, 6, True, 1))}}
 
 
-def _wgmma_ranges(wn: int, stages: int, split: bool):
+def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):
+    """"o": one wgmma group left in flight past the next barrier (`Config.overlap`)."""
     from specpilot.schedules.skinny_mma import Config
-    return tuple((limit, Config(mt, 4, wn, 1, stages=stages, wgmma=True, splits=-1 if split else 1))
+    return tuple((limit, Config(mt, 4, wn, 1, stages=stages, wgmma=True, splits=-1 if split else 1, overlap=overlap))
                  for limit, mt in ((8, 1), (16, 2), (32, 4), (None, 9)))
 
 
@@ -108,7 +112,7 @@ def build(out: Path) -> None:
         for k, n in SHAPES:
             for name, cfgs in {**variants(), **split_variants(n, k)}.items():
                 try:
-                    funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, resolve(cfgs, n, k))
+                    funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, resolve(cfgs, n, k), wgmma=name == "hopper")
                 except ValueError as e:
                     print(f"  {name} {k}x{n}: {e}")
             for name, func, rule in () if ONLY else (("lowbatch", nt_matmul(n, k), dl.gpu.LowBatchGEMV()),

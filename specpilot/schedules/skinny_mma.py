@@ -43,6 +43,7 @@ class Config:
     stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
     splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
     wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of 64 channels, a_tiles 4, wk 1
+    overlap: int = 0     # wgmma: groups left in flight past the next barrier (1: copies run stages - 2 ahead)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -56,7 +57,7 @@ class Config:
         if self.wgmma:
             # 64 channels per warpgroup (the last block of a ragged N clamps its weight rows and
             # stores only real channels), x rows as wgmma's N (a multiple of 8, <= 256), 64-k chunks
-            return (n_out % 8 == 0 and self.a_tiles == 4 and self.wk == 1 and self.stages >= 2
+            return (n_out % 8 == 0 and self.a_tiles == 4 and self.wk == 1 and self.stages >= 2 + self.overlap
                     and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
                     and self.shared_bytes(k_in) <= MAX_SHARED)
         if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
@@ -121,18 +122,35 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
     )
     if not wgmma:
         return mma
-    # H200, results/skinny-gemm-20261130-223924.json (27B and 8B shapes, 1-65 rows, vs the mma
-    # kernels above): 65 rows 1.13-1.50x (lm_head 949 -> 661 us, cuBLAS 611; 17408 x 5120 88 -> 59,
-    # cuBLAS 47), 1-8 rows up to 1.5x where K is split (17408 -> 5120: 64 -> 47; cuBLAS 50).  One
-    # warpgroup of 64 channels with 6 stages up to 16 rows (4 where K is split: the measured form),
-    # two warpgroups beyond 32.  At 9-16 rows with few channel blocks mma's in-block K split led
-    # (17408 -> 5120: 45.8 vs 48.3 us) and stays.
+    # H200, results/skinny-gemm-20261130-223924 and -225704 (27B and 8B shapes, 4-65 rows): the
+    # wgmma kernel 1.1-1.5x the mma kernels (lm_head at 65 rows 931 -> 657 us, cuBLAS 610; 17408 x
+    # 5120 88 -> 59, cuBLAS 48).  Per range two wgmma candidates; `pick` takes the one whose blocks
+    # fill the GPU's block slots best (`wave_efficiency`): 6 stages with one wgmma group in flight
+    # past the barrier led in most shapes, 4 stages (more blocks per SM) or two warpgroups (fewer
+    # blocks) where 6 stages would leave a nearly empty last wave (17408 channels at 65 rows: 272
+    # blocks for 264 slots, 69 us vs 59).  At 9-16 rows with few channel blocks mma's in-block K
+    # split led (17408 -> 5120: 46.7 vs 48.1 us) and stays.
     few = n_out // 64 < SMS
-    wg = {8: (Config(1, 4, 1, 1, stages=4 if few else 6, wgmma=True),),
-          16: () if few else (Config(2, 4, 1, 1, stages=6, wgmma=True),),
-          32: (Config(4, 4, 1, 1, stages=4, wgmma=True),),
-          None: (Config(9, 4, 2, 1, stages=4, wgmma=True),)}
-    return tuple((limit, wg[limit] + candidates) for limit, candidates in mma)
+
+    def wg(mt, wn, stages, overlap=1):
+        return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=overlap)
+    hopper = {8: (wg(1, 1, 6), wg(1, 1, 4)),
+              16: () if few else (wg(2, 1, 6), wg(2, 1, 4)),
+              32: (wg(4, 1, 6), wg(4, 1, 4)),
+              None: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
+    return tuple((limit, hopper[limit] + candidates) for limit, candidates in mma)
+
+
+SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
+
+
+def wave_efficiency(cfg: Config, n_out: int, k_in: int) -> float:
+    """How well one row block of ``cfg``'s blocks fills the GPU's block slots (SMs x blocks per SM
+    by shared memory and threads): 1 when they fit in one wave, else waves / whole waves (a last
+    wave with few blocks runs nearly alone)."""
+    per_sm = min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // (32 * cfg.wn * cfg.wk * (4 if cfg.wgmma else 1)))
+    waves = -(-n_out // cfg.block_n()) * cfg.splits / (SMS * max(per_sm, 1))
+    return 1.0 if waves <= 1 else waves / -(-waves // 1)
 
 
 def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
@@ -169,10 +187,17 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
     """One configuration per M range for this shape, or None when no configuration tiles it.  K
     is split over blocks beyond 16 rows, and by the wgmma kernel at any row count (its split
     measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit, skinny-gemm-20261130-223924)."""
-    chosen = choose(configs(n_out, wgmma), lambda c: c.fits(n_out, k_in))
-    return None if chosen is None else [(limit, with_splits(cfg, n_out, k_in)
-                                         if cfg.wgmma or limit is None or limit > 16 else cfg)
-                                        for limit, cfg in chosen]
+    out = []
+    for limit, candidates in configs(n_out, wgmma):
+        fitting = [with_splits(c, n_out, k_in) if c.wgmma or limit is None or limit > 16 else c
+                   for c in candidates if c.fits(n_out, k_in)]
+        if not fitting:
+            return None
+        hopper = [c for c in fitting if c.wgmma]
+        # the wgmma candidate that fills the block slots best (the first of equals), else the
+        # first configuration that tiles
+        out.append((limit, max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)) if hopper else fitting[0]))
+    return out
 
 
 def applicable(n_out: int, k_in: int, wgmma: bool = False) -> bool:
@@ -379,7 +404,8 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
     async one: each thread fences the proxies between its copies landing and the barrier."""
     from tvm.script import tirx as T
 
-    WG, MT, S = cfg.wn, cfg.m_tiles, cfg.stages
+    WG, MT, S, OV = cfg.wn, cfg.m_tiles, cfg.stages, cfg.overlap
+    D = S - 1 - OV                      # chunks the copies run ahead of the wgmmas
     BN, BM = cfg.block_n(), cfg.block_m()
     KC = WGMMA_K
     chunks = k_in // cfg.splits // KC   # chunks per block
@@ -431,12 +457,12 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
         base = T.meta_var(T.Cast("int32", at[1]) // 2)        # bf16 elements up to the aligned start
         for i in T.unroll(NREG):       # unrolled: the accumulators stay registers
             acc[i] = T.float32(0)
-        for s in T.unroll(S - 1):
+        for s in T.unroll(D):
             if s < chunks:
                 issue(ring, w, x, m, bx, by, tid, base, s, bz * chunks + s)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         for c in T.serial(chunks):
-            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.evaluate(T.ptx["cp.async.wait_group"](D - 1))
             T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
             T.tvm_storage_sync("shared")
             T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
@@ -444,12 +470,14 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
                 T.evaluate(wgmma(acc, desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + wg * 64 * KC + j * 16) * 2)),
                                  desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + BN * KC + j * 16) * 2))))
             T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
-            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
-            # the slot the next chunk goes to was read by the wgmmas of the previous iteration,
-            # which every warpgroup waited for before the barrier above
-            if c + S - 1 < chunks:
-                issue(ring, w, x, m, bx, by, tid, base, (c + S - 1) % S, bz * chunks + c + S - 1)
+            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](OV))
+            # the slot chunk c + D goes to held chunk c + D - S = c - 1 - OV, whose wgmmas every
+            # warpgroup waited for before the barrier above
+            if c + D < chunks:
+                issue(ring, w, x, m, bx, by, tid, base, (c + D) % S, bz * chunks + c + D)
             T.evaluate(T.ptx["cp.async.commit_group"]())
+        if OV > 0:
+            T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
         # D fragment of m64nRk16: warp q of the warpgroup holds channels 16 q.., register i is
         # channel g (+8 for i % 4 >= 2) and row 8 (i // 4) + 2 t (+1 for odd i); g, t = lane // 4, lane % 4
         for i in T.unroll(NREG):

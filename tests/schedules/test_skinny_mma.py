@@ -7,6 +7,7 @@ skinny-mma builds (bench/gpu_forcing.py)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import tvm
@@ -232,6 +233,11 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     assert all(cfg.wgmma for _, cfg in pick(16480, 5120, wgmma=True))
     assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(100, 128)      # N a multiple of 8
     assert not any(cfg.wgmma for _, cfg in pick(17408, 5120))
+    # of a range's two candidates, the one whose blocks fill the block slots best: 34816 channels
+    # at <= 8 rows are 544 blocks -- 6 stages fit 4 a SM (528 slots: a last wave of 16), 4 stages 6
+    wider = dict(pick(34816, 5120, wgmma=True))
+    assert wider[8].stages == 4 and wider[None] == Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
+    assert wide[None] == Config(9, 4, 2, 1, stages=4, wgmma=True)        # 272 one-warpgroup blocks: 264 slots
     # a wgmma configuration: 64 channels a warpgroup, one warp along K, N = R <= 256, 64-k chunks
     assert Config(9, 4, 2, 1, stages=4, wgmma=True).fits(128, 128)
     assert not Config(9, 2, 2, 1, stages=4, wgmma=True).fits(128, 128)      # a_tiles must be 4
@@ -272,3 +278,13 @@ def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     assert "blockIdx.z" in ragged and ", 199)" in ragged
     assert ragged.count(") < m) && (") == 16          # each of the 16 accumulators: row and channel checked
 
+
+
+def test_wave_efficiency_counts_blocks_against_slots():
+    from specpilot.schedules.skinny_mma import SMS, wave_efficiency
+    one = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)          # ~105 KB: 2 blocks a SM
+    assert one.shared_bytes(5120) == 6 * (64 + 72) * 128 + 1024
+    assert wave_efficiency(one, 64 * 2 * SMS, 5120) == 1.0                  # exactly one wave
+    assert wave_efficiency(one, 64 * 2 * SMS + 64, 5120) == (2 * SMS + 1) / (2 * SMS) / 2
+    assert wave_efficiency(one, 64 * 10, 5120) == 1.0                       # a partial single wave
+    assert wave_efficiency(replace(one, splits=3), 64 * 2 * SMS, 5120) == 1.0    # 3 whole waves
