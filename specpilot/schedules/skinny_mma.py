@@ -10,7 +10,9 @@ memory straight into registers, 16 bytes per lane per load, rows of x from L1/L2
 tiles it holds ~200 registers, 8 warps per SM, and waits on DRAM every iteration (latency-bound:
 ~116 us for a 17408 x 5120 weight even at M = 1).  The pipelined kernel (`_pipelined_kernel`,
 ``Config.stages``) copies chunks of W and x into a ring in shared memory with ``cp.async``,
-``stages - 1`` chunks ahead, so the weight stream stays in flight without registers.
+``stages - 1`` chunks ahead, so the weight stream stays in flight without registers.  On
+Hopper (sm_90a) a third, `_wgmma_kernel` (``Config.wgmma``), reads the same kind of ring with
+warpgroup MMAs straight from shared memory: the mma kernels were issue-bound at 65 rows.
 
 The K permutation: the dot product over K does not care about the order of its terms, so
 a lane's four k-slots of one mma ({2t, 2t+1, 2t+8, 2t+9}, t = lane % 4) may stand for any
@@ -401,7 +403,10 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
     kernels: issue-bound at 65 rows on the H200, Nsight Compute: 'wait' stalls, 8 warps per SM),
     one wgmma multiplies 64 x R x 16 and the accumulators (R / 2 floats a thread) are the only
     registers it holds.  cp.async writes through the generic proxy and wgmma reads through the
-    async one: each thread fences the proxies between its copies landing and the barrier."""
+    async one: each thread fences the proxies between its copies landing and the barrier.  With
+    ``overlap`` = 1 a chunk's wgmmas are waited for one iteration later (after the next chunk's
+    are issued) and the copies run ``stages - 2`` chunks ahead, so no slot is refilled before
+    every warpgroup has finished reading it."""
     from tvm.script import tirx as T
 
     WG, MT, S, OV = cfg.wn, cfg.m_tiles, cfg.stages, cfg.overlap
