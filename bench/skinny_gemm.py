@@ -77,7 +77,11 @@ def _variants():
             **{f"wg{wn}s{st}{'k' if split else ''}{'o' if ov else ''}": _wgmma_ranges(wn, st, split, ov)
                for wn, st, split, ov in ((1, 4, False, 0), (1, 6, False, 0), (2, 4, False, 0), (1, 4, True, 0),
                                          (2, 4, True, 0), (1, 4, True, 1), (2, 4, True, 1), (1, 6, True, 1),
-                                         (2, 6, True, 1))}}
+                                         (2, 6, True, 1))},
+            # many rows (prefill): 256 rows of x per block (wgmma's largest N), W re-read once per
+            # 256 rows instead of per 72 -- not in the shipped dispatch until measured (SKINNY_MS=256,...)
+            "wg2s3r256": ((None, Config(32, 4, 2, 1, stages=3, wgmma=True)),),
+            "wg1s4r128": ((None, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),)}
 
 
 def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):
