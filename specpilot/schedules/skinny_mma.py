@@ -86,6 +86,10 @@ class Config:
             return ring + SWIZZLE_ALIGN    # room to align the ring to the swizzle pattern's 1024 bytes
         return ring + (self.wk * self.slots() * 4 if self.wk > 1 else 0)
 
+    def threads(self) -> int:
+        """Threads per block: wn x wk warps, or wn warpgroups of four warps (wgmma)."""
+        return 32 * self.wn * self.wk * (4 if self.wgmma else 1)
+
     def slots(self) -> int:
         """Accumulator values per block per k share (the split-K partial sums)."""
         return self.wn * self.a_tiles * self.m_tiles * 4 * 32
@@ -113,7 +117,7 @@ SMS = 132    # H200 SMs: a 32-row tile of 128 channels paid from N = 14336 (112 
 
 def configs(n_out: int, wgmma: bool = False) -> tuple:
     """The (largest M, candidates) ranges for an N-channel GEMM; ``wgmma`` (sm_90a): the
-    warpgroup kernel first wherever it tiles (N a multiple of 64)."""
+    warpgroup kernel's candidates first (any N a multiple of 8: a ragged last block of channels)."""
     wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * SMS else ()
     mma = (
         (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
@@ -150,7 +154,7 @@ def wave_efficiency(cfg: Config, n_out: int, k_in: int) -> float:
     """How well one row block of ``cfg``'s blocks fills the GPU's block slots (SMs x blocks per SM
     by shared memory and threads): 1 when they fit in one wave, else waves / whole waves (a last
     wave with few blocks runs nearly alone)."""
-    per_sm = min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // (32 * cfg.wn * cfg.wk * (4 if cfg.wgmma else 1)))
+    per_sm = min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // cfg.threads())
     waves = -(-n_out // cfg.block_n()) * cfg.splits / (SMS * max(per_sm, 1))
     return 1.0 if waves <= 1 else waves / -(-waves // 1)
 
@@ -175,10 +179,11 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
     at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
     each.  H200, results/skinny-gemm-20261130-203456.json: N = 5120 at 65 rows, K = 17408 111 ->
     76 us (8 splits), K = 6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with
-    more channel blocks than SMs (N >= 14336) did not gain and keep one.  `pick` splits only the
-    ranges beyond 16 rows: in decode batches of 4 / 8 (Qwen3-8B shapes) the second kernel's launch
-    cost more than the split saved (results/decode-20261130-204510.json: 3.17 -> 3.32 ms at batch 4,
-    3.32 -> 3.59 at 8), while tree verification gained (tree-verify-20261130-204330: 3495 -> 3319 us)."""
+    more channel blocks than SMs (N >= 14336) did not gain and keep one.  `pick` splits the mma
+    kernels only beyond 16 rows: in decode batches of 4 / 8 (Qwen3-8B shapes) the second kernel's
+    launch cost more than the split saved (results/decode-20261130-204510.json: 3.17 -> 3.32 ms at
+    batch 4, 3.32 -> 3.59 at 8), while tree verification gained (tree-verify-20261130-204330: 3495 ->
+    3319 us); the wgmma kernel's split paid at every row count (see `pick`)."""
     if not cfg.stages or n_out // cfg.block_n() >= SMS:
         return cfg
     splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
@@ -214,7 +219,7 @@ def _split_k_store(cfg: Config):
     MT, AT, WN, WK = cfg.m_tiles, cfg.a_tiles, cfg.wn, cfg.wk
     BN, BM = cfg.block_n(), cfg.block_m()
     slots = cfg.slots()
-    threads = 32 * WN * WK
+    threads = cfg.threads()
 
     @T.macro
     def store(red, acc, y, m, bx, by, kw, nw, lane, row0):
@@ -306,7 +311,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     chunks = k_in // SPL // KC          # chunks per block
     VR = KC // 8                        # 16-byte pieces per row of a chunk
     SW = 4 if VR >= 8 else 0            # piece XOR (row & 1) * SW: rows g, g+1 of a read 64 bytes apart in banks
-    threads = 32 * WN * WK
+    threads = cfg.threads()
     w_rounds, x_rounds = -(-BN * VR // threads), -(-BM * VR // threads)
     slots = cfg.slots()
     copy = "cp.async.cg.shared.global"
@@ -415,7 +420,7 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
     KC = WGMMA_K
     chunks = k_in // cfg.splits // KC   # chunks per block
     STAGE = (BN + BM) * KC              # bf16 elements per ring slot: W rows, then x rows
-    threads = 128 * WG
+    threads = cfg.threads()
     w_rounds, x_rounds = -(-BN * 8 // threads), -(-BM * 8 // threads)
     NREG = BM // 2                      # accumulator floats per thread: 64 x R over 128 threads
     copy = "cp.async.cg.shared.global"
