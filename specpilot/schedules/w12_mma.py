@@ -74,8 +74,8 @@ def _kernel(n_out: int, k_in: int, cfg: Config, hi_only: bool):
     blocks = k_in // (BLOCK * WK)        # 64-wide k blocks per warp
     U = next(u for u in (cfg.unroll, 2, 1) if blocks % u == 0)
     k_share = k_in // WK
-    slots = WN * AT * MT * 4 * 32
-    threads = 32 * WN * WK
+    slots = cfg.slots()
+    threads = cfg.threads()
 
     @T.macro
     def launch(x, hi, lo, base, ptr, col, bits, y, m):
