@@ -14,7 +14,9 @@
 2. The Gated DeltaNet recurrence alone, at the same head shapes: the path-recompute kernel
    (every node from its parent's state, all 65 rows in one launch) vs per-node sequential
    recurrence -- (a) node by node, one launch per node from its parent's saved state, and
-   (b) each node's root path walked again from the root.  Outputs and states are compared.
+   (b) each node's root path walked again from the root -- and commit rebuilding the deepest
+   node's state from the kernel's records.  Outputs, and every node's state as commit
+   rebuilds it, are compared with the PyTorch recurrence and with (a) and (b).
 
 The tree shape comes from `runtime.tree.best_first` on a synthetic drafter (top-4 per node,
 log-probabilities from a seeded softmax): a realistic bushy-near-the-root, chain-below shape.
@@ -87,11 +89,12 @@ def build(out: Path) -> None:
     import tvm
 
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.compiler.kernels import gated_delta_rule
+    from specpilot.compiler.kernels import gated_delta_rule, gdn_commit
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {"gdn_tree": gated_delta_rule(HEADS, DK, DV, keep_states=True, gpu=True, tree=True),
-             "gdn_step": gated_delta_rule(HEADS, DK, DV, keep_states=False, gpu=True)}
+             "gdn_step": gated_delta_rule(HEADS, DK, DV, keep_states=False, gpu=True),
+             "gdn_commit": gdn_commit(1, HEADS, DK, DV, gpu=True)}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
     from tvm.s_tir import dlight as dl
 
@@ -196,7 +199,8 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     import tvm
 
     lib = tvm.runtime.load_module(str(lib_path))
-    tree_fn, step_fn = lib["gdn_tree"], lib["gdn_step"]
+    tree_fn, step_fn, commit_fn = lib["gdn_tree"], lib["gdn_step"], lib["gdn_commit"]
+    from specpilot.compiler.kernels import record_width
     dev = torch.device("cuda")
     to_tvm = tvm.runtime.from_dlpack
     parents = [-1] + [p + 1 for p in tree.parents]        # row 0: the root (the last accepted token)
@@ -212,8 +216,15 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     slots = torch.arange(n, dtype=torch.int32, device=dev)[None]
     par = torch.tensor([parents], dtype=torch.int32, device=dev)
     o_tree = torch.zeros(1, n, HEADS, DV, device=dev)
+    rec = torch.zeros(1, n, 1, HEADS, record_width(DK, DV), device=dev)
+    scratch = torch.full((1, n, HEADS, DK, DV), float("nan"), device=dev)   # a state read back unstored: NaN
+    args_tree = [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_tree, rec[:, :, 0], scratch)]
+    # every node's state as commit rebuilds it from the tree kernel's records (root path, root first)
     st_tree = torch.zeros(1, n, HEADS, DK, DV, device=dev)
-    args_tree = [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_tree, st_tree)]
+    commit_args = [[to_tvm(rec), to_tvm(s0[:, None]),
+                    to_tvm(torch.tensor([_root_path(parents, t)], dtype=torch.int32, device=dev)),
+                    to_tvm(st_tree[:, t:t + 1])] for t in range(n)]
+    deepest = max(range(n), key=lambda t: len(_root_path(parents, t)))
 
     # (a) node by node: one launch per row, from its parent's saved state
     o_node = torch.zeros(1, n, HEADS, DV, device=dev)
@@ -245,8 +256,13 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
         for a, _ in path_args:
             step_fn(*a)
 
+    def run_commit():   # the deepest node's state, as commit keeps an accepted path
+        commit_fn(*commit_args[deepest])
+
     for f in (run_tree, run_nodes, run_paths):
         f()
+    for a in commit_args:
+        commit_fn(*a)
     torch.cuda.synchronize()
     for t, (_, o_buf) in enumerate(path_args):
         o_path[:, t] = o_buf[:, -1]
@@ -259,7 +275,8 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
         out, after, _ = recurrent_gated_delta_rule(q[0, idx], k[0, idx], v[0, idx], g[0, idx], beta[0, idx], s0[0])
         ref_o[0, t], ref_st[0, t] = out[-1], after
     errors = {"vs_reference_out": float((o_tree - ref_o).abs().max() / ref_o.abs().max()),
-              "vs_reference_state": float((st_tree - ref_st).abs().max() / ref_st.abs().max()),"node_by_node_state": float((st_node[:, 0] - st_tree[0]).abs().max()) / scale,
+              "vs_reference_state": float((st_tree - ref_st).abs().max() / ref_st.abs().max()),
+              "node_by_node_state": float((st_node[:, 0] - st_tree[0]).abs().max()) / scale,
               "node_by_node_out": float((o_node - o_tree).abs().max() / o_tree.abs().max()),
               "path_walk_state": float((st_path[:, 0] - st_tree[0]).abs().max()) / scale,
               "path_walk_out": float((o_path - o_tree).abs().max() / o_tree.abs().max())}
@@ -267,7 +284,9 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     rows = [_row(f"GDN path recompute, one launch ({n} rows)", _timed(run_tree)),
             _row(f"GDN node by node ({n} launches)", _timed(run_nodes, iters=5)),
             _row(f"GDN root paths walked ({n} launches, {sum(o.shape[1] for _, o in path_args)} token steps)",
-                 _timed(run_paths, iters=5))]
+                 _timed(run_paths, iters=5)),
+            _row(f"GDN commit: the state at depth {len(_root_path(parents, deepest))} rebuilt (1 launch)",
+                 _timed(run_commit))]
     fast = rows[0]["median_us"]
     for r in rows:
         r["vs_path_recompute"] = r["median_us"] / fast

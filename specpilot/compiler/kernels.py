@@ -568,6 +568,20 @@ def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: boo
     return kernel
 
 
+def _gdn_blocking(dk: int, dv: int) -> tuple[int, int, int, int]:
+    """The GPU forms' split of a head's (dk, dv) state: (parts, rows, cols, col_blocks) -- d_k in
+    ``parts`` groups of ``rows`` over threadIdx.y, value columns ``cols`` a block over threadIdx.x
+    (32 where dv allows: 27B-class heads, dv = 128, take 4 blocks), ``col_blocks`` blocks a head."""
+    parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
+    cols = next(dv // c for c in (4, 2, 1) if dv % c == 0 and dv // c >= 32) if dv >= 32 else dv
+    return parts, dk // parts, cols, dv // cols
+
+
+def record_width(dk: int, dv: int) -> int:
+    """Floats a head and token in a verify's Gated DeltaNet record: k (dk), v (dv), g, beta."""
+    return dk + dv + 2
+
+
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
                      stack: tuple[int, int] | None = None):
@@ -576,37 +590,63 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     form: d_k split over threads too (see ``blocked``).
 
     Inputs q, k (B, T, H, dk) normalized (q scaled), v (B, T, H, dv), g, beta (B, T, H),
-    s0 (B, H, dk, dv), all float32, and slots (B, T): a token with slot < 0 is padding and
-    leaves the state as it is (its output is 0).  Outputs o (B, T, H, dv) and either the final
-    state (B, H, dk, dv) or, with ``keep_states``, the state after every token (B, T, H, dk, dv).
+    s0 (B, H, dk, dv), all float32, slots (B, T) -- a token with slot < 0 is padding and leaves
+    the state as it is (its output is 0) -- and parents (B, T).  Without ``keep_states``
+    (prefill, decode: parents is not read) the outputs are o (B, T, H, dv) and the final state
+    (B, H, dk, dv).
 
-    With ``keep_states`` the kernel also takes parents (B, T): with ``tree`` each token starts
-    from its parent's state (parent -1: s0) -- the gdn-path-recompute form, every root path of
-    a draft tree walked as a chain would walk it; without, tokens follow each other and
-    parents is not read.  Parents come before their children, so one pass in token order
-    sees every parent's state written.
+    With ``keep_states`` (verify) the kernel hands back, instead of a state, what `gdn_commit`
+    needs to rebuild the state after any token: the record (B, T, H, W), W = `record_width`, of
+    each token's k, v, g and beta.  (Until session 12 it wrote the state after every token: at
+    64 tree nodes and 27B-class heads 200 MB a layer, most of the kernel's time.)  With ``tree``
+    each token starts from its parent's state (parent -1: s0) -- the gdn-path-recompute form,
+    every root path of a draft tree walked as a chain would walk it; without, tokens follow
+    each other and parents is not read.  Parents come before their children, so one pass in
+    token order meets every parent first: a token whose parent is the token before continues
+    from the state in registers, the others read their parent's state back from ``scratch``
+    (B, T, H, dk, dv), where the kernel stores only the states of tokens that such a later
+    token branches from (a third of the nodes of a best-first tree of 64).  Outputs: o, record,
+    scratch (nothing in scratch is for the caller).
 
-    ``stack`` = (G, g), with ``keep_states``: the per-token states of all G Gated DeltaNet layers of
-    a verify go into one (B, T, G, H, dk, dv) tensor, this layer's at index g, so no step
-    concatenates them (at 64 tree nodes and 27B-class heads that copy moved 1.2 GB).  Layer 0
-    allocates it (its other layers' slices left to them); layer g > 0 writes its slice in place:
-    the kernel then takes the stack after ``parents`` and returns it first (``call_tir_inplace``
-    order: in-place operand, then o).
+    ``stack`` = (G, g), with ``keep_states``: the records of all G Gated DeltaNet layers of a
+    verify go into one (B, T, G, H, W) tensor, this layer's at index g, so no step concatenates
+    them.  Layer 0 allocates it (its other layers' slices left to them); layer g > 0 writes its
+    slice in place: the kernel then takes the stack after ``parents`` and returns it first
+    (``call_tir_inplace`` order: in-place operand, then o and scratch).
     """
     G, gi = stack if stack else (1, 0)
     if stack and (not keep_states or not 0 <= gi < G):
         raise ValueError(f"stack={stack}: needs keep_states and 0 <= g < G")
     inplace = gi > 0
+    W = record_width(dk, dv)
 
     def at(n, b, t, h, i, j):
-        """Flat index of state[b, t, (layer,) h, i, j]: the stacked and unstacked layouts alike."""
-        return ((((b * n + t) * G + gi) * n_heads + h) * dk + i) * dv + j
+        """Flat index of scratch[b, t, h, i, j]; at(1, b, 0, h, i, j): of the final state[b, h, i, j]."""
+        return (((b * n + t) * n_heads + h) * dk + i) * dv + j
+
+    def rat(n, b, t, h, w):
+        """Flat index of record[b, t, (layer,) h, w]: the stacked and unstacked layouts alike."""
+        return (((b * n + t) * G + gi) * n_heads + h) * W + w
 
     @T.macro
-    def column(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, j):
+    def keep_record(k, v, g, beta, rec, n, b, t, h, j, first, lane, lanes):
+        """Token t's k, v, g, beta into the record: value column j writes v[j]; the ``lanes``
+        threads holding ``first`` (column 0) share k and write g, beta."""
+        rec[rat(n, b, t, h, dk + j)] = v[b, t, h, j]
+        if first:
+            for r in range((dk + lanes - 1) // lanes):
+                if r * lanes + lane < dk:
+                    rec[rat(n, b, t, h, r * lanes + lane)] = k[b, t, h, r * lanes + lane]
+            if lane == 0:
+                rec[rat(n, b, t, h, dk + dv)] = g[b, t, h]
+                rec[rat(n, b, t, h, dk + dv + 1)] = beta[b, t, h]
+
+    @T.macro
+    def column(q, k, v, g, beta, s0, slots, parents, o, rec, st, n, b, h, j):
         """CPU form.  Sequence b, head h, value column j: the whole token loop."""
         s = T.alloc_buffer((dk,), "float32", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
+        kept = T.alloc_buffer((1,), "int32", scope="local")
         for i in range(dk):
             s[i] = s0[b, h, i, j]
         for t in range(n):
@@ -615,7 +655,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 if parents[b, t] < 0:
                     for i in range(dk):
                         s[i] = s0[b, h, i, j]
-                else:
+                elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
                     for i in range(dk):
                         s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, i, j)]
             if slots[b, t] >= 0:
@@ -630,44 +670,74 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     acc[0] = acc[0] + q[b, t, h, i] * s[i]
             o[b, t, h, j] = acc[0]
             if keep_states:
-                for i in range(dk):
-                    st[at(n, b, t, h, i, j)] = s[i]
+                keep_record(k, v, g, beta, rec, n, b, t, h, j, j == 0, 0, 1)
+            if tree:   # a later token (not the next) branching from t: scanned for here
+                kept[0] = 0
+                for c in range(t + T.int64(2), n):
+                    if T.Cast("int64", parents[b, c]) == t:
+                        kept[0] = 1
+                if kept[0] != 0:
+                    for i in range(dk):
+                        st[at(n, b, t, h, i, j)] = s[i]
         if not keep_states:
             for i in range(dk):
                 st[at(1, b, 0, h, i, j)] = s[i]
 
     # GPU form: a block per (sequence, head, group of ``cols`` value columns) -- the columns of
-    # the state evolve independently, so 27B-class heads (dv = 128) take 4 blocks each and the
-    # per-token states stream out of 4x the SMs -- cols x parts threads; thread (j, p) keeps rows
-    # p*R .. p*R+R-1 of column j of the state in registers (R = dk / parts), the two dot
-    # products over d_k per token are summed through shared memory, and in the tree form a row
-    # whose parent is the row before keeps the state in registers.  Sums over d_k come as
-    # ``parts`` partial sums: float32 rounding apart, the CPU form's arithmetic.  (Measured and
-    # dropped: a column's parts on adjacent lanes summed by shuffles, no barriers -- 151 -> 211 us
-    # at 65 rows, the per-token state stores no longer one 128-byte run per warp;
-    # bench/results/tree-verify-20261130-204921.json.)
-    parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
-    rows = dk // parts
-    cols = next(dv // c for c in (4, 2, 1) if dv % c == 0 and dv // c >= 32) if dv >= 32 else dv
-    col_blocks = dv // cols
+    # the state evolve independently, so 27B-class heads (dv = 128) take 4 blocks each -- cols x
+    # parts threads; thread (j, p) keeps rows p*R .. p*R+R-1 of column j of the state in
+    # registers (R = dk / parts), the two dot products over d_k per token are summed through
+    # shared memory.  Sums over d_k come as ``parts`` partial sums: float32 rounding apart, the
+    # CPU form's arithmetic.  Tree form: which tokens' states go to scratch is found once (a
+    # flag in shared memory per token, set by its branching children; tokens past ``cap``
+    # always store), and a token's parent state, when it is not the one in registers, is
+    # loaded while the token before is computed (each thread reads back only what it stored).
+    # (Measured and dropped: a column's parts on adjacent lanes summed by shuffles, no barriers
+    # -- 151 -> 211 us at 65 rows, the per-token state stores no longer one 128-byte run per
+    # warp; bench/results/tree-verify-20261130-204921.json.)
+    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
+    threads = parts * cols
+    cap = 1024
 
     @T.macro
-    def blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, jl, j):
-        """Sequence b, head h, value column j (jl within the block), rows p*R..p*R+R-1 of d_k: the
+    def blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n, b, h, p, jl, cb):
+        """Sequence b, head h, value column j = cb * cols + jl, rows p*R..p*R+R-1 of d_k: the
         whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
+        pre = T.alloc_buffer((rows,), "float32", scope="local")   # the next token's parent state
         acc = T.alloc_buffer((2,), "float32", scope="local")
         red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
+        stored = T.alloc_buffer((cap,), "int32", scope="shared")
+        flag = T.alloc_buffer((1,), "int32", scope="local")
         for i in T.unroll(rows):
-            s[i] = s0[b, h, p * rows + i, j]
+            s[i] = s0[b, h, p * rows + i, cb * cols + jl]
+        if tree:
+            for r in range((cap + threads - 1) // threads):
+                if r * threads + p * cols + jl < cap:
+                    stored[r * threads + p * cols + jl] = 0
+            T.tvm_storage_sync("shared")
+            for r in range((n + threads - 1) // threads):
+                if r * threads + p * cols + jl < n:
+                    if parents[b, r * threads + p * cols + jl] >= 0:
+                        if parents[b, r * threads + p * cols + jl] < cap:
+                            if T.Cast("int64", parents[b, r * threads + p * cols + jl]) != \
+                                    r * threads + p * cols + jl - 1:
+                                stored[parents[b, r * threads + p * cols + jl]] = 1
+            T.tvm_storage_sync("shared")
         for t in range(n):
-            if tree:   # the parent's state (still in registers when it is the previous row)
-                if parents[b, t] < 0:
+            if tree:
+                if T.Cast("int64", parents[b, t]) != t - T.int64(1):
                     for i in T.unroll(rows):
-                        s[i] = s0[b, h, p * rows + i, j]
-                elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
-                    for i in T.unroll(rows):
-                        s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, p * rows + i, j)]
+                        s[i] = pre[i]
+                if t + 1 < n:
+                    if T.Cast("int64", parents[b, t + 1]) != t:
+                        if parents[b, t + 1] < 0:
+                            for i in T.unroll(rows):
+                                pre[i] = s0[b, h, p * rows + i, cb * cols + jl]
+                        else:
+                            for i in T.unroll(rows):
+                                pre[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i,
+                                               cb * cols + jl)]
             acc[0] = T.float32(0)
             if slots[b, t] >= 0:
                 for i in T.unroll(rows):
@@ -678,7 +748,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             acc[0] = T.float32(0)
             for r in range(parts):
                 acc[0] = acc[0] + red[0, r, jl]
-            acc[0] = (v[b, t, h, j] - acc[0]) * beta[b, t, h]
+            acc[0] = (v[b, t, h, cb * cols + jl] - acc[0]) * beta[b, t, h]
             acc[1] = T.float32(0)
             if slots[b, t] >= 0:
                 for i in T.unroll(rows):
@@ -690,23 +760,27 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 acc[1] = T.float32(0)
                 for r in range(parts):
                     acc[1] = acc[1] + red[1, r, jl]
-                o[b, t, h, j] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
+                o[b, t, h, cb * cols + jl] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
             if keep_states:
-                for i in T.unroll(rows):
-                    st[at(n, b, t, h, p * rows + i, j)] = s[i]
+                if p == 0:
+                    keep_record(k, v, g, beta, rec, n, b, t, h, cb * cols + jl, cb == 0, jl, cols)
+            if tree:   # (the flag goes through a register: TVM's barrier pass rejects shared loads in conditions)
+                flag[0] = T.if_then_else(t >= cap, 1, stored[T.min(t, cap - 1)])
+                if flag[0] != 0:
+                    for i in T.unroll(rows):
+                        st[at(n, b, t, h, p * rows + i, cb * cols + jl)] = s[i]
         if not keep_states:
             for i in T.unroll(rows):
-                st[at(1, b, 0, h, p * rows + i, j)] = s[i]
+                st[at(1, b, 0, h, p * rows + i, cb * cols + jl)] = s[i]
 
     attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
              "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]}
     if stack:
         attrs["gdn.stack"] = [G, gi]
-    st_shape = lambda batch, n: ((batch, n, n_heads, dk, dv) if not stack else (batch, n, G, n_heads, dk, dv)) \
-        if keep_states else (batch, n_heads, dk, dv)
+    rec_shape = lambda batch, n: (batch, n, G, n_heads, W) if stack else (batch, n, n_heads, W)  # noqa: E731
 
     @T.macro
-    def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h):
+    def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h):
         T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
         q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
@@ -718,33 +792,127 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         slots = T.match_buffer(slots_h, (batch, n), "int32")
         parents = T.match_buffer(parents_h, (batch, n), "int32")
         o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
-        st_nd = T.match_buffer(st_h, st_shape(batch, n), "float32")
+        if keep_states:
+            rec_nd = T.match_buffer(rec_h, rec_shape(batch, n), "float32")
+            st_nd = T.match_buffer(st_h, (batch, n, n_heads, dk, dv), "float32")
+        else:
+            st_nd = T.match_buffer(st_h, (batch, n_heads, dk, dv), "float32")
         with T.sblock("root"):
-            st = T.decl_buffer(((batch * n if keep_states else batch) * G * n_heads * dk * dv,), "float32",
+            st = T.decl_buffer(((batch * n if keep_states else batch) * n_heads * dk * dv,), "float32",
                                data=st_nd.data)
+            if keep_states:
+                rec = T.decl_buffer((batch * n * G * n_heads * W,), "float32", data=rec_nd.data)
+            else:
+                rec = st   # not written: prefill / decode keep no record
             if gpu:
                 for bhc in T.thread_binding(batch * n_heads * col_blocks, thread="blockIdx.x"):
                     for p in T.thread_binding(parts, thread="threadIdx.y"):
                         for jl in T.thread_binding(cols, thread="threadIdx.x"):
-                            b, h = bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads
-                            blocked(q, k, v, g, beta, s0, slots, parents, o, st, n, b, h, p, jl,
-                                    bhc % col_blocks * cols + jl)
+                            blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n,
+                                    bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads, p, jl,
+                                    bhc % col_blocks)
             else:
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
-                        column(q, k, v, g, beta, s0, slots, parents, o, st, n, bh // n_heads, bh % n_heads, j)
+                        column(q, k, v, g, beta, s0, slots, parents, o, rec, st, n, bh // n_heads, bh % n_heads, j)
+
+    if not keep_states:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel_final(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+                         s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
+            body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, None, st_h)
+        return kernel_final
 
     if inplace:
         @T.prim_func(private=True, s_tir=True)
         def kernel_inplace(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-                           s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, st_h: T.handle, o_h: T.handle):
-            body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h)
+                           s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, rec_h: T.handle,
+                           o_h: T.handle, st_h: T.handle):
+            body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h)
         return kernel_inplace
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
-               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, st_h: T.handle):
-        body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, st_h)
+               s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, o_h: T.handle, rec_h: T.handle,
+               st_h: T.handle):
+        body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h)
+    return kernel
+
+
+@memo
+def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
+    """commit's recurrent states: the state after each sequence's accepted token, rebuilt from
+    the state before the verify pass along the token's root path with the records the verify
+    kept (`gated_delta_rule` with ``keep_states``) -- the same update in the same order, so the
+    state is the one verify computed for that token.
+
+    Inputs: record (B, T, G, H, W), s0 (B, G, H, dk, dv) float32, path (B, D) int32 -- the
+    accepted token's root path among the T tokens, root first (entries < 0 are skipped: shorter
+    paths of a batch padded).  Output: (B, G, H, dk, dv).  CPU form: a thread per (sequence,
+    layer, head, value column); GPU form: the recurrence's blocks and threads (d_k in ``parts``
+    partial sums, summed in the same order)."""
+    G, W = n_layers, record_width(dk, dv)
+    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(r_h: T.handle, s0_h: T.handle, path_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, n, depth = T.int64(), T.int64(), T.int64()
+        rec = T.match_buffer(r_h, (batch, n, G, n_heads, W), "float32")
+        s0 = T.match_buffer(s0_h, (batch, G, n_heads, dk, dv), "float32")
+        path = T.match_buffer(path_h, (batch, depth), "int32")
+        out = T.match_buffer(out_h, (batch, G, n_heads, dk, dv), "float32")
+        with T.sblock("root"):
+            if gpu:
+                for bghc in T.thread_binding(batch * G * n_heads * col_blocks, thread="blockIdx.x"):
+                    for p in T.thread_binding(parts, thread="threadIdx.y"):
+                        for jl in T.thread_binding(cols, thread="threadIdx.x"):
+                            s = T.alloc_buffer((rows,), "float32", scope="local")
+                            acc = T.alloc_buffer((1,), "float32", scope="local")
+                            red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
+                            b = bghc // (G * n_heads * col_blocks)
+                            gl = bghc // (n_heads * col_blocks) % G
+                            h = bghc // col_blocks % n_heads
+                            j = bghc % col_blocks * cols + jl
+                            for i in T.unroll(rows):
+                                s[i] = s0[b, gl, h, p * rows + i, j]
+                            for d in range(depth):
+                                if path[b, d] >= 0:
+                                    acc[0] = T.float32(0)
+                                    for i in T.unroll(rows):
+                                        s[i] = s[i] * T.exp(rec[b, path[b, d], gl, h, dk + dv])
+                                        acc[0] = acc[0] + rec[b, path[b, d], gl, h, p * rows + i] * s[i]
+                                    red[d % 2, p, jl] = acc[0]
+                                    T.tvm_storage_sync("shared")
+                                    acc[0] = T.float32(0)
+                                    for r in range(parts):
+                                        acc[0] = acc[0] + red[d % 2, r, jl]
+                                    acc[0] = (rec[b, path[b, d], gl, h, dk + j] - acc[0]) * \
+                                        rec[b, path[b, d], gl, h, dk + dv + 1]
+                                    for i in T.unroll(rows):
+                                        s[i] = s[i] + rec[b, path[b, d], gl, h, p * rows + i] * acc[0]
+                            for i in T.unroll(rows):
+                                out[b, gl, h, p * rows + i, j] = s[i]
+            else:
+                for bgh in T.parallel(batch * G * n_heads):
+                    for j in range(dv):
+                        s = T.alloc_buffer((dk,), "float32", scope="local")
+                        acc = T.alloc_buffer((1,), "float32", scope="local")
+                        b, gl, h = bgh // (G * n_heads), bgh // n_heads % G, bgh % n_heads
+                        for i in range(dk):
+                            s[i] = s0[b, gl, h, i, j]
+                        for d in range(depth):
+                            if path[b, d] >= 0:
+                                acc[0] = T.float32(0)
+                                for i in range(dk):
+                                    s[i] = s[i] * T.exp(rec[b, path[b, d], gl, h, dk + dv])
+                                    acc[0] = acc[0] + rec[b, path[b, d], gl, h, i] * s[i]
+                                acc[0] = (rec[b, path[b, d], gl, h, dk + j] - acc[0]) * \
+                                    rec[b, path[b, d], gl, h, dk + dv + 1]
+                                for i in range(dk):
+                                    s[i] = s[i] + rec[b, path[b, d], gl, h, i] * acc[0]
+                        for i in range(dk):
+                            out[b, gl, h, i, j] = s[i]
     return kernel
 
 

@@ -8,13 +8,15 @@ sequences with T new tokens each (shorter requests padded):
     decode (tokens[B, 1], ...)  same, one token per sequence (GPU builds: B = 1 static, so the
                                 projections get GEMV schedules; decode_batch takes any B)
     verify (tokens[B, T], ..., rows[B], parents[B, T], caches...)  -> logits[B, T, V], the Gated
-                                DeltaNet conv / recurrent state after *every* token (so any
-                                accepted prefix can be kept); parents[b, t] is token t's parent
+                                DeltaNet conv state after *every* token and every token's
+                                recurrence record (k, v, g, beta: commit rebuilds the recurrent
+                                state after any token from them); parents[b, t] is token t's parent
                                 among the new tokens (-1: the cache); attention follows the mask,
                                 Gated DeltaNet layers follow the previous token unless the
                                 gdn-path-recompute pass makes them follow parents
-    commit (conv_states[B, T, ...], rec_states[B, T, ...], index[B])  -> the states after
-                                token index[b] of each sequence
+    commit (conv_states[B, T, ...], rec_records[B, T, ...], rec_state[B, ...], path[B, D], index[B])
+                                -> the states after token index[b] of each sequence (path: its
+                                root path among the T tokens; rec_state: before the pass)
 
 ``positions`` are rotary positions, ``slots`` the cache positions the new tokens are written to
 (slot < 0: padding, written nowhere), ``mask[b, t, j]`` says whether token t may attend cache
@@ -264,8 +266,9 @@ class GatedDeltaNet(nn.Module):
                 stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
                 stacked_conv: Tensor | None = None):
         """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
-        and the new states: final (B, ...) or, with ``keep_states``, after every token (B, T, ...).
-        ``stack`` = (G, g): the per-token recurrent and conv states go into slice g of the
+        and the new states: final (B, ...) or, with ``keep_states``, the conv state after every
+        token and every token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).
+        ``stack`` = (G, g): the per-token records and conv states go into slice g of the
         (B, T, G, ...) tensors of all G layers (``stacked`` / ``stacked_conv``, made by layer 0),
         returned in their place."""
         cfg = self.cfg
@@ -303,17 +306,21 @@ class GatedDeltaNet(nn.Module):
         g = op.reshape(g, (B, T_, nv))
         stack = stack if keep_states else None
         kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu, stack=stack)
-        state_shape = ((B, T_, stack[0], nv, dk, dv) if stack else (B, T_, nv, dk, dv)) if keep_states \
-            else (B, nv, dk, dv)
         # prefill / decode follow the previous token: parents is not read there
         args = [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots]
         o_type = Tensor.placeholder((B, T_, nv, dv), "float32")
-        if stack and stack[1] > 0:
-            new_rec, o = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked], [len(args), -1],
-                                                 [Tensor.placeholder(state_shape, "float32"), o_type])
+        if keep_states:   # verify: the per-token records commit rebuilds states from (+ the kernel's scratch)
+            width = kernels.record_width(dk, dv)
+            rec_type = Tensor.placeholder((B, T_, stack[0], nv, width) if stack else (B, T_, nv, width), "float32")
+            scratch = Tensor.placeholder((B, T_, nv, dk, dv), "float32")
+            if stack and stack[1] > 0:
+                new_rec, o, _ = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked],
+                                                        [len(args), -1, -1], [rec_type, o_type, scratch])
+            else:
+                o, new_rec, _ = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, rec_type, scratch])
         else:
             o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args,
-                                         [o_type, Tensor.placeholder(state_shape, "float32")])
+                                         [o_type, Tensor.placeholder((B, nv, dk, dv), "float32")])
         if not keep_states:
             new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
                                        "conv_window_states", [window, s.slots],
@@ -396,25 +403,30 @@ class CausalLM(nn.Module):
         logits = op.reshape(op.astype(_matmul(h, op.permute_dims(head)), "float32"), (B, T_, cfg.vocab_size))
         outputs = [logits]
         if self.n_gdn:
-            axis = 2 if keep_states else 1   # per-token states: (B, T, G, ...), final: (B, G, ...)
-            # per-token states: the layers already share one stacked tensor of each kind
+            axis = 2 if keep_states else 1   # per-token states / records: (B, T, G, ...), final: (B, G, ...)
+            # per-token: the layers already share one stacked tensor of each kind
             outputs += [convs[-1] if keep_states else op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
                         recs[-1] if keep_states else op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
         return tuple(outputs) if len(outputs) > 1 else logits
 
-    def commit(self, conv_states, rec_states, index):
-        """The recurrent states after token ``index[b]`` of each sequence's verify pass."""
-        out = []
-        for states in (conv_states, rec_states):
-            B, T_, *rest = states.shape
-            width = 1
-            for r in rest:
-                width *= int(r)
-            kernel = kernels.select_token(width, states.dtype, self.gpu)
-            flat = op.tensor_ir_op(kernel, "select_token", [op.reshape(states, (B, T_, width)), index],
-                                   Tensor.placeholder((B, width), states.dtype))
-            out.append(op.reshape(flat, (B, *rest)))
-        return tuple(out)
+    def commit(self, conv_states, rec_records, rec_state, path, index):
+        """The recurrent states after token ``index[b]`` of each sequence's verify pass: its conv
+        window as verify kept it, its recurrent state rebuilt from ``rec_state`` (before the
+        pass) along ``path[b]`` (the token's root path, root first; -1 pads) with the pass's
+        records (`kernels.gdn_commit`)."""
+        B, T_, *rest = conv_states.shape
+        width = 1
+        for r in rest:
+            width *= int(r)
+        kernel = kernels.select_token(width, conv_states.dtype, self.gpu)
+        flat = op.tensor_ir_op(kernel, "select_token", [op.reshape(conv_states, (B, T_, width)), index],
+                               Tensor.placeholder((B, width), conv_states.dtype))
+        conv = op.reshape(flat, (B, *rest))
+        cfg = self.cfg
+        G, nv, dk, dv = self.n_gdn, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        rec = op.tensor_ir_op(kernels.gdn_commit(G, nv, dk, dv, self.gpu), "gdn_commit", [rec_records, rec_state, path],
+                              Tensor.placeholder((B, G, nv, dk, dv), "float32"))
+        return conv, rec
 
     # the exported entry points; the cache arguments exist only where the model has such layers
     def prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
@@ -444,8 +456,8 @@ class Deployment(nn.Module):
     def target_verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
         return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
 
-    def target_commit(self, conv_states, rec_states, index):
-        return self.target.commit(conv_states, rec_states, index)
+    def target_commit(self, conv_states, rec_records, rec_state, path, index):
+        return self.target.commit(conv_states, rec_records, rec_state, path, index)
 
     def drafter_prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.drafter.prefill(tokens, positions, slots, mask, rows, kv, conv, rec)
@@ -459,8 +471,8 @@ class Deployment(nn.Module):
     def drafter_verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
         return self.drafter.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
 
-    def drafter_commit(self, conv_states, rec_states, index):
-        return self.drafter.commit(conv_states, rec_states, index)
+    def drafter_commit(self, conv_states, rec_records, rec_state, path, index):
+        return self.drafter.commit(conv_states, rec_records, rec_state, path, index)
 
 
 def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) -> None:
@@ -499,9 +511,12 @@ def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens,
 def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> dict:
     caches = cache_shapes(cfg, capacity, n_rows, dtype)
     (conv_shape, conv_dtype), (rec_shape, _) = caches["conv"], caches["rec"]
+    G, H, dk, dv = rec_shape
     return {
         "conv_states": nn.spec.Tensor(["batch", "n", *conv_shape], conv_dtype),
-        "rec_states": nn.spec.Tensor(["batch", "n", *rec_shape], "float32"),
+        "rec_records": nn.spec.Tensor(["batch", "n", G, H, kernels.record_width(dk, dv)], "float32"),
+        "rec_state": nn.spec.Tensor(["batch", *rec_shape], "float32"),
+        "path": nn.spec.Tensor(["batch", "depth"], "int32"),
         "index": nn.spec.Tensor(["batch"], "int32"),
         "$": {"param_mode": "none", "effect_mode": "none"},
     }

@@ -5,8 +5,9 @@ the decoding loops in `runtime.decoding` run unchanged on either.
 Device state: one KV-cache pool per model with deployment.max_batch sequence rows (written in
 place by the step functions); each sequence holds a row while it lives.  For Gated DeltaNet
 layers each sequence also has its conv / recurrent states (values: each call returns new ones).
-A verify pass returns the states after every token; ``truncate`` keeps the accepted prefix by
-calling the build's ``commit`` function.  ``forward_batch`` runs several sequences, each at its
+A verify pass returns the conv states after every token and the recurrence's per-token
+records; ``truncate`` / ``accept_path`` keep the accepted prefix or path by calling the build's
+``commit`` function (which rebuilds the recurrent state along the kept token's root path).  ``forward_batch`` runs several sequences, each at its
 own length, in one call of the step functions (padded to the longest; padding writes nothing).
 """
 
@@ -191,9 +192,18 @@ class _Pass:
     start: int
     length: int
     conv_states: object       # (1, T, G, C, K-1) on the device
-    rec_states: object        # (1, T, G, H, dk, dv)
+    rec_records: object       # (1, T, G, H, dk + dv + 2): each token's k, v, g, beta
     conv_before: object
     rec_before: object
+    parents: np.ndarray       # (T,) on the host: each token's parent in the pass (-1: before it)
+
+    def path(self, index: int) -> np.ndarray:
+        """Token ``index``'s root path in the pass, root first."""
+        out = []
+        while index >= 0:
+            out.append(index)
+            index = int(self.parents[index])
+        return np.array([out[::-1]], "int32")
 
 
 class CompiledState:
@@ -312,8 +322,7 @@ class CompiledModel:
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
                 raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")
-            index = self.module.tensor(np.array([rows[-1]], "int32"))
-            state.conv, state.rec = self._commit(p.conv_states, p.rec_states, index)
+            state.conv, state.rec = self._commit_at(p, rows[-1])
         state.length = base + len(rows)
         state.history.clear()
 
@@ -362,19 +371,26 @@ class CompiledModel:
         for all.  Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
         fn, args, toks, states = self.step_call(items, record)
         out = fn(*args)
-        m = self.module
         logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
+        parents = args[5].numpy() if record else None
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
             if self.has_gdn:
                 if record:
-                    conv_states, rec_states = (self._row(out[i], b, n) for i in (1, 2))
-                    st.history.append(_Pass(start, n, conv_states, rec_states, st.conv, st.rec))
-                    st.conv, st.rec = self._commit(conv_states, rec_states, m.tensor(np.array([n - 1], "int32")))
+                    p = _Pass(start, n, self._row(out[1], b, n), self._row(out[2], b, n), st.conv, st.rec,
+                              parents[b, :n].copy())
+                    st.history.append(p)
+                    st.conv, st.rec = self._commit_at(p, n - 1)
                 else:
                     st.conv, st.rec = self._row(out[1], b), self._row(out[2], b)
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
+
+    def _commit_at(self, p: _Pass, index: int):
+        """The conv / recurrent states after token ``index`` of recorded pass ``p``."""
+        m = self.module
+        return self._commit(p.conv_states, p.rec_records, p.rec_before, m.tensor(p.path(index)),
+                            m.tensor(np.array([index], "int32")))
 
     def _stack(self, arrays):
         """(1, ...) arrays of the sequences -> one (B, ...) array on the device."""
@@ -400,8 +416,7 @@ class CompiledModel:
                     state.conv, state.rec = p.conv_before, p.rec_before
                     break
                 if p.start < length <= p.start + p.length:
-                    index = self.module.tensor(np.array([length - p.start - 1], "int32"))
-                    state.conv, state.rec = self._commit(p.conv_states, p.rec_states, index)
+                    state.conv, state.rec = self._commit_at(p, length - p.start - 1)
                     break
             else:
                 raise SpecPilotError(f"recurrent state at length {length} was not recorded; "

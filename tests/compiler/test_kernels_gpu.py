@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.compiler.kernels import gated_delta_rule
+from specpilot.compiler.kernels import gated_delta_rule, gdn_commit
 from tests.kernel_helpers import sm90_source
 
 
@@ -15,7 +15,10 @@ from tests.kernel_helpers import sm90_source
 def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
     text = gated_delta_rule(3, dk, dv, keep_states=True, gpu=True, tree=True).script()
     assert '"threadIdx.y"' in text and '"threadIdx.x"' in text and '"blockIdx.x"' in text
-    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 2
+    # two barriers a token, and two before the loop around the flags of the states to store
+    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 4
+    assert text.count('tvm_storage_sync("shared"') - 2 == \
+        gated_delta_rule(3, dk, dv, keep_states=True, gpu=True).script().count('tvm_storage_sync("shared"')
     parts = 4 if dk % 4 == 0 else 2 if dk % 2 == 0 else 1
     assert f"T.thread_binding({parts}, thread=\"threadIdx.y\")" in text
     # value columns evolve independently: 27B-class heads (dv = 128) split over 4 blocks of 32
@@ -29,12 +32,13 @@ def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
 
 
 def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
-    text = sm90_source(tmp_path, "from specpilot.compiler.kernels import gated_delta_rule",
+    text = sm90_source(tmp_path, "from specpilot.compiler.kernels import gated_delta_rule, gdn_commit",
                        "{'tree': gated_delta_rule(4, 16, 12, True, True, True), "
                        "'chain': gated_delta_rule(4, 16, 12, True, True), "
                        "'step': gated_delta_rule(4, 16, 12, False, True), "
-                       "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1))}")
-    for name in ("tree", "chain", "step", "stacked"):
+                       "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1)), "
+                       "'commit': gdn_commit(3, 4, 16, 12, True)}")
+    for name in ("tree", "chain", "step", "stacked", "commit"):
         assert f"{name}_kernel" in text
 
 

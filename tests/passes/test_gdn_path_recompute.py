@@ -47,7 +47,10 @@ def _path(parents, i):
 
 
 @pytest.mark.parametrize("seed,n,max_depth", [(0, 64, 16), (1, 64, 4), (2, 17, 16)])
-def test_tree_recurrence_matches_walking_every_path(seed, n, max_depth):
+def test_tree_recurrence_and_commit_match_walking_every_path(seed, n, max_depth):
+    """Every node's output from the tree kernel, and the state commit rebuilds for it from the
+    kernel's records, equal the reference walking that node's root path alone.  Scratch starts
+    NaN: a state read back that the kernel did not store would poison the outputs."""
     rng = np.random.default_rng(seed)
     B, H, dk, dv = 2, 3, 8, 5
     parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)]).astype("int32")
@@ -58,16 +61,52 @@ def test_tree_recurrence_matches_walking_every_path(seed, n, max_depth):
     beta = rng.uniform(0.1, 0.9, (B, n, H)).astype("float32")
     s0 = rng.standard_normal((B, H, dk, dv)).astype("float32")
     slots = np.zeros((B, n), "int32")
-    o, st = _run(kernels.gated_delta_rule(H, dk, dv, keep_states=True, gpu=False, tree=True),
-                 [q, k, v, g, beta, s0, slots, parents], [((B, n, H, dv), "float32"), ((B, n, H, dk, dv), "float32")])
-    assert not np.isnan(o).any() and not np.isnan(st).any()
-    for b in range(B):
-        for i in range(n):
-            path = _path(list(parents[b]), i)
-            t = lambda x: torch.from_numpy(x[b, path])   # noqa: E731
+    W = kernels.record_width(dk, dv)
+    o, rec, scratch = _run(kernels.gated_delta_rule(H, dk, dv, keep_states=True, gpu=False, tree=True),
+                           [q, k, v, g, beta, s0, slots, parents],
+                           [((B, n, H, dv), "float32"), ((B, n, H, W), "float32"), ((B, n, H, dk, dv), "float32")])
+    assert not np.isnan(o).any() and not np.isnan(rec).any()
+    # only nodes a later (not the next) node branches from are stored
+    branched = [[any(parents[b, c] == t for c in range(t + 2, n)) for t in range(n)] for b in range(B)]
+    np.testing.assert_array_equal(~np.isnan(scratch).all(axis=(2, 3, 4)), np.array(branched))
+    np.testing.assert_array_equal(rec[..., :dk], k)
+    np.testing.assert_array_equal(rec[..., dk:dk + dv], v)
+    np.testing.assert_array_equal(rec[..., dk + dv], g)
+    np.testing.assert_array_equal(rec[..., dk + dv + 1], beta)
+    # commit: every node of both sequences at once (paths padded with -1 to the longest)
+    commit = kernels.gdn_commit(1, H, dk, dv, gpu=False)
+    for i in range(n):
+        paths = [_path(list(parents[b]), i) for b in range(B)]
+        depth = max(len(p) for p in paths)
+        padded = np.array([[-1] * (depth - len(p)) + p for p in paths], "int32")
+        (state,) = _run(commit, [rec[:, :, None], s0[:, None], padded], [((B, 1, H, dk, dv), "float32")])
+        for b in range(B):
+            t = lambda x: torch.from_numpy(x[b, paths[b]])   # noqa: E731
             ref_o, ref_s, _ = recurrent_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta), torch.from_numpy(s0[b]))
             np.testing.assert_allclose(o[b, i], ref_o[-1].numpy(), rtol=1e-5, atol=1e-5)
-            np.testing.assert_allclose(st[b, i], ref_s.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(state[b, 0], ref_s.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_commit_keeps_each_layers_state_apart():
+    """gdn_commit over a stack of G layers: layer g's state from layer g's records and s0 alone."""
+    rng = np.random.default_rng(5)
+    B, n, G, H, dk, dv = 1, 9, 3, 2, 6, 7
+    W = kernels.record_width(dk, dv)
+    rec = rng.standard_normal((B, n, G, H, W)).astype("float32")
+    rec[..., :dk] /= np.linalg.norm(rec[..., :dk], axis=-1, keepdims=True)
+    rec[..., dk + dv] = -np.abs(rec[..., dk + dv]) * 0.3
+    rec[..., dk + dv + 1] = 0.5
+    s0 = rng.standard_normal((B, G, H, dk, dv)).astype("float32")
+    path = np.array([[0, 2, 5]], "int32")
+    (both,) = _run(kernels.gdn_commit(G, H, dk, dv, gpu=False), [rec, s0, path], [((B, G, H, dk, dv), "float32")])
+    for gl in range(G):
+        (alone,) = _run(kernels.gdn_commit(1, H, dk, dv, gpu=False), [rec[:, :, gl:gl + 1].copy(), s0[:, gl:gl + 1].copy(),
+                        path], [((B, 1, H, dk, dv), "float32")])
+        np.testing.assert_array_equal(both[:, gl], alone[:, 0])
+        r = torch.from_numpy(rec[0, path[0], gl])
+        _, ref, _ = recurrent_gated_delta_rule(torch.zeros(3, H, dk), r[..., :dk], r[..., dk:dk + dv], r[..., dk + dv],
+                                               r[..., dk + dv + 1], torch.from_numpy(s0[0, gl]))
+        np.testing.assert_allclose(both[0, gl], ref.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def _conv_case(seed: int, B: int, C: int, n: int, K: int, max_depth: int):
