@@ -200,7 +200,6 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
 
     lib = tvm.runtime.load_module(str(lib_path))
     tree_fn, step_fn, commit_fn = lib["gdn_tree"], lib["gdn_step"], lib["gdn_commit"]
-    from specpilot.compiler.kernels import record_width
     dev = torch.device("cuda")
     to_tvm = tvm.runtime.from_dlpack
     parents = [-1] + [p + 1 for p in tree.parents]        # row 0: the root (the last accepted token)
@@ -216,7 +215,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     slots = torch.arange(n, dtype=torch.int32, device=dev)[None]
     par = torch.tensor([parents], dtype=torch.int32, device=dev)
     o_tree = torch.zeros(1, n, HEADS, DV, device=dev)
-    rec = torch.zeros(1, n, 1, HEADS, record_width(DK, DV), device=dev)
+    rec = torch.zeros(1, n, 1, HEADS, DK + DV + 2, device=dev)   # kernels.record_width (no compiler here)
     scratch = torch.full((1, n, HEADS, DK, DV), float("nan"), device=dev)   # a state read back unstored: NaN
     args_tree = [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_tree, rec[:, :, 0], scratch)]
     # every node's state as commit rebuilds it from the tree kernel's records (root path, root first)

@@ -688,87 +688,119 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # parts threads; thread (j, p) keeps rows p*R .. p*R+R-1 of column j of the state in
     # registers (R = dk / parts), the two dot products over d_k per token are summed through
     # shared memory.  Sums over d_k come as ``parts`` partial sums: float32 rounding apart, the
-    # CPU form's arithmetic.  Tree form: which tokens' states go to scratch is found once (a
-    # flag in shared memory per token, set by its branching children; tokens past ``cap``
-    # always store), and a token's parent state, when it is not the one in registers, is
-    # loaded while the token before is computed (each thread reads back only what it stored).
-    # (Measured and dropped: a column's parts on adjacent lanes summed by shuffles, no barriers
-    # -- 151 -> 211 us at 65 rows, the per-token state stores no longer one 128-byte run per
-    # warp; bench/results/tree-verify-20261130-204921.json.)
+    # CPU form's arithmetic.  The token loop is a chain of dependent steps, so everything a step
+    # reads from memory is loaded one step ahead: the next token's k, q, v, g, beta and slot,
+    # and, in the tree form, its parent's state when that is not the one in registers (tokens
+    # go two at a time, so the double buffers have fixed register indices).  The records are
+    # written before the loop, and which tokens' states go to scratch is found once: a bit per
+    # token in shared memory (tokens past ``cap`` always store).  (Measured and dropped: a
+    # column's parts on adjacent lanes summed by shuffles, no barriers -- 151 -> 211 us at 65
+    # rows, the per-token state stores no longer one 128-byte run per warp;
+    # bench/results/tree-verify-20261130-204921.json.)
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
     threads = parts * cols
     cap = 1024
+
+    @T.macro
+    def fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t, h, p, j, u):
+        """Token t's operands into buffer u of the registers (t < n)."""
+        for i in T.unroll(rows):
+            kx[u, i] = k[b, t, h, p * rows + i]
+            qx[u, i] = q[b, t, h, p * rows + i]
+        sx[u, 0] = v[b, t, h, j]
+        sx[u, 1] = g[b, t, h]
+        sx[u, 2] = beta[b, t, h]
+        ix[u] = slots[b, t]
+
+    @T.macro
+    def step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t, h, p, jl, cb,
+             s, ps, kx, qx, sx, ix, acc, red, stored, u):
+        """Token t, its operands in buffer u (a Python int), the next token's fetched into 1 - u.
+        The loop goes in pairs, so t may be n: a step that changes nothing (TVM inserts barriers
+        where a condition around the step would forbid them)."""
+        if t >= n:
+            ix[u] = -1
+        if tree:
+            if t < n:
+                if T.Cast("int64", parents[b, t]) != t - T.int64(1):
+                    for i in T.unroll(rows):
+                        s[i] = ps[i]
+        if t + 1 < n:
+            fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, 1 - u)
+            if tree:
+                if T.Cast("int64", parents[b, t + 1]) != t:
+                    if parents[b, t + 1] < 0:
+                        for i in T.unroll(rows):
+                            ps[i] = s0[b, h, p * rows + i, cb * cols + jl]
+                    else:
+                        for i in T.unroll(rows):
+                            ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
+        acc[0] = T.float32(0)
+        if ix[u] >= 0:
+            for i in T.unroll(rows):
+                s[i] = s[i] * T.exp(sx[u, 1])
+                acc[0] = acc[0] + kx[u, i] * s[i]
+        red[0, p, jl] = acc[0]
+        T.tvm_storage_sync("shared")
+        acc[0] = T.float32(0)
+        for r in range(parts):
+            acc[0] = acc[0] + red[0, r, jl]
+        acc[0] = (sx[u, 0] - acc[0]) * sx[u, 2]
+        acc[1] = T.float32(0)
+        if ix[u] >= 0:
+            for i in T.unroll(rows):
+                s[i] = s[i] + kx[u, i] * acc[0]
+                acc[1] = acc[1] + qx[u, i] * s[i]
+        red[1, p, jl] = acc[1]
+        T.tvm_storage_sync("shared")
+        if p == 0:
+            if t < n:
+                acc[1] = T.float32(0)
+                for r in range(parts):
+                    acc[1] = acc[1] + red[1, r, jl]
+                o[b, t, h, cb * cols + jl] = T.if_then_else(ix[u] >= 0, acc[1], T.float32(0))
+        if tree:   # (the bit goes through a register: TVM's barrier pass rejects shared loads in conditions)
+            acc[0] = T.Cast("float32", T.if_then_else(t >= cap, 1, (stored[T.min(t, cap - 1) // 32] >> (t % 32)) & 1))
+            if t < n:
+                if acc[0] != T.float32(0):
+                    for i in T.unroll(rows):
+                        st[at(n, b, t, h, p * rows + i, cb * cols + jl)] = s[i]
 
     @T.macro
     def blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n, b, h, p, jl, cb):
         """Sequence b, head h, value column j = cb * cols + jl, rows p*R..p*R+R-1 of d_k: the
         whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
-        pre = T.alloc_buffer((rows,), "float32", scope="local")   # the next token's parent state
+        ps = T.alloc_buffer((rows,), "float32", scope="local")        # the next token's parent state
+        kx = T.alloc_buffer((2, rows), "float32", scope="local")      # k, q of this token and the next
+        qx = T.alloc_buffer((2, rows), "float32", scope="local")
+        sx = T.alloc_buffer((2, 3), "float32", scope="local")         # v[j], g, beta
+        ix = T.alloc_buffer((2,), "int32", scope="local")             # slot
         acc = T.alloc_buffer((2,), "float32", scope="local")
+        word = T.alloc_buffer((1,), "int32", scope="local")
         red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
-        stored = T.alloc_buffer((cap,), "int32", scope="shared")
-        flag = T.alloc_buffer((1,), "int32", scope="local")
+        stored = T.alloc_buffer((cap // 32,), "int32", scope="shared")
+        if keep_states:   # the records first: nothing in the token loop waits for them
+            for r in range((n + parts - 1) // parts):
+                if r * parts + p < n:
+                    keep_record(k, v, g, beta, rec, n, b, r * parts + p, h, cb * cols + jl, cb == 0, jl, cols)
+        if tree:   # bit t of stored: a token after t + 1 starts from t's state
+            if p * cols + jl < cap // 32:
+                word[0] = 0
+                for c in range(n):
+                    if parents[b, c] >= 0:
+                        if T.Cast("int64", parents[b, c]) != c - 1:
+                            if parents[b, c] // 32 == p * cols + jl:
+                                word[0] = word[0] | (1 << (parents[b, c] % 32))
+                stored[p * cols + jl] = word[0]
+            T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
             s[i] = s0[b, h, p * rows + i, cb * cols + jl]
-        if tree:
-            for r in range((cap + threads - 1) // threads):
-                if r * threads + p * cols + jl < cap:
-                    stored[r * threads + p * cols + jl] = 0
-            T.tvm_storage_sync("shared")
-            for r in range((n + threads - 1) // threads):
-                if r * threads + p * cols + jl < n:
-                    if parents[b, r * threads + p * cols + jl] >= 0:
-                        if parents[b, r * threads + p * cols + jl] < cap:
-                            if T.Cast("int64", parents[b, r * threads + p * cols + jl]) != \
-                                    r * threads + p * cols + jl - 1:
-                                stored[parents[b, r * threads + p * cols + jl]] = 1
-            T.tvm_storage_sync("shared")
-        for t in range(n):
-            if tree:
-                if T.Cast("int64", parents[b, t]) != t - T.int64(1):
-                    for i in T.unroll(rows):
-                        s[i] = pre[i]
-                if t + 1 < n:
-                    if T.Cast("int64", parents[b, t + 1]) != t:
-                        if parents[b, t + 1] < 0:
-                            for i in T.unroll(rows):
-                                pre[i] = s0[b, h, p * rows + i, cb * cols + jl]
-                        else:
-                            for i in T.unroll(rows):
-                                pre[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i,
-                                               cb * cols + jl)]
-            acc[0] = T.float32(0)
-            if slots[b, t] >= 0:
-                for i in T.unroll(rows):
-                    s[i] = s[i] * T.exp(g[b, t, h])
-                    acc[0] = acc[0] + k[b, t, h, p * rows + i] * s[i]
-            red[0, p, jl] = acc[0]
-            T.tvm_storage_sync("shared")
-            acc[0] = T.float32(0)
-            for r in range(parts):
-                acc[0] = acc[0] + red[0, r, jl]
-            acc[0] = (v[b, t, h, cb * cols + jl] - acc[0]) * beta[b, t, h]
-            acc[1] = T.float32(0)
-            if slots[b, t] >= 0:
-                for i in T.unroll(rows):
-                    s[i] = s[i] + k[b, t, h, p * rows + i] * acc[0]
-                    acc[1] = acc[1] + q[b, t, h, p * rows + i] * s[i]
-            red[1, p, jl] = acc[1]
-            T.tvm_storage_sync("shared")
-            if p == 0:
-                acc[1] = T.float32(0)
-                for r in range(parts):
-                    acc[1] = acc[1] + red[1, r, jl]
-                o[b, t, h, cb * cols + jl] = T.if_then_else(slots[b, t] >= 0, acc[1], T.float32(0))
-            if keep_states:
-                if p == 0:
-                    keep_record(k, v, g, beta, rec, n, b, t, h, cb * cols + jl, cb == 0, jl, cols)
-            if tree:   # (the flag goes through a register: TVM's barrier pass rejects shared loads in conditions)
-                flag[0] = T.if_then_else(t >= cap, 1, stored[T.min(t, cap - 1)])
-                if flag[0] != 0:
-                    for i in T.unroll(rows):
-                        st[at(n, b, t, h, p * rows + i, cb * cols + jl)] = s[i]
+        fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, 0)
+        for t2 in range((n + 1) // 2):
+            for u in T.unroll(2):
+                step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t2 * 2 + u, h, p, jl, cb,
+                     s, ps, kx, qx, sx, ix, acc, red, stored, u)
         if not keep_states:
             for i in T.unroll(rows):
                 st[at(1, b, 0, h, p * rows + i, cb * cols + jl)] = s[i]
