@@ -9,7 +9,7 @@
    Qwen3.5-27B-style hybrid cut to a few layers, seeded bf16 weights) after a context of
    ``--context`` tokens: one autoregressive step (`decode`, 1 token) vs one verification of a
    64-node best-first tree (65 rows: the root and the nodes; ancestor mask, depth positions,
-   parents), and a 65-token chain for reference.  The step function is called with prepared
+   parents), and a 65-token chain for reference; and a 1024-token prefill chunk (empty cache).  The step function is called with prepared
    device arguments, so the times are the module's own (no logits copied to the host).
 2. The Gated DeltaNet recurrence alone, at the same head shapes: the path-recompute kernel
    (every node from its parent's state, all 65 rows in one launch) vs per-node sequential
@@ -143,7 +143,11 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
     model = module.model("target")
     gen = torch.Generator().manual_seed(1)
     state = model.new_state(model.capacity)
-    prompt = torch.randint(0, model.vocab_size, (context,), generator=gen).tolist()
+    prompt = torch.randint(0, model.vocab_size, (max(context, 1024),), generator=gen).tolist()
+    rows = []
+    fn, args, _, _ = model.step_call([(prompt[:1024], state)], False)   # a 1024-token prefill chunk
+    rows.append(_row("prefill (1024 tokens)", _timed(lambda: fn(*args), iters=5), context=0, tokens=1024))
+    print(f"  {'prefill (1024 tokens)':34s} {rows[-1]['median_us'] / 1e3:8.3f} ms", flush=True)
     for i in range(0, context, 1024):                 # prefill in chunks
         model.forward(prompt[i:i + 1024], state)
     base = state.length
@@ -159,7 +163,6 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
         f"chain verify ({n + 1} tokens)": ([tokens, state], True),
         "chain verify (7 tokens)": ([tokens[:7], state], True),
     }
-    rows = []
     for name, (item, record) in items.items():
         fn, args, _, _ = model.step_call([item], record)
         samples = _timed(lambda fn=fn, args=args: fn(*args))
@@ -178,7 +181,7 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
         print(f"  {name}: per kernel (instrumented, {prof.kernel_seconds * 1e3:.2f} ms)")
         for k, s, c in kernels[:12]:
             print(f"    {k[:56]:56s} x{c:<3d} {s * 1e6:9.1f} us")
-    ar = rows[0]["median_us"]
+    ar = next(r for r in rows if r["case"] == "AR step (1 token)")["median_us"]
     for r in rows:
         r["vs_ar_step"] = r["median_us"] / ar
     state.close()

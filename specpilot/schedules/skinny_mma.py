@@ -143,8 +143,16 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
     hopper = {8: (wg(1, 1, 6), wg(1, 1, 4)),
               16: () if few else (wg(2, 1, 6), wg(2, 1, 4)),
               32: (wg(4, 1, 6), wg(4, 1, 4)),
-              None: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
-    return tuple((limit, hopper[limit] + candidates) for limit, candidates in mma)
+              72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
+    # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
+    # 256 rows of x a block, unsplit (results/skinny-gemm-20261201-005512, 27B gate/up and down at
+    # 128-1024 rows: 1.3-1.9x the 72-row dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us;
+    # cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
+    # rows (17408 -> 5120 at 128 rows: 113 us vs 145).
+    r128, r256 = wg(16, 1, 4), Config(32, 4, 2, 1, stages=3, wgmma=True)
+    ranges = [(limit or 72, hopper[limit or 72] + candidates) for limit, candidates in mma]
+    rest = hopper[72] + mma[-1][1]
+    return tuple(ranges) + ((128, (rest if few else (r128,) + rest)), (256, (r128,) + rest), (None, (r256,) + rest))
 
 
 SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
@@ -196,13 +204,14 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
     measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit, skinny-gemm-20261130-223924)."""
     out = []
     for limit, candidates in configs(n_out, wgmma):
-        fitting = [with_splits(c, n_out, k_in) if c.wgmma or limit is None or limit > 16 else c
+        fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72) or
+                   (not c.wgmma and (limit is None or limit > 16)) else c
                    for c in candidates if c.fits(n_out, k_in)]
         if not fitting:
             return None
-        hopper = [c for c in fitting if c.wgmma]
-        # the wgmma candidate that fills the block slots best (the first of equals), else the
-        # first configuration that tiles
+        # the wgmma candidate that fills the block slots best (the first of equals) among those
+        # with the first one's rows a block, else the first configuration that tiles
+        hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
         out.append((limit, max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)) if hopper else fitting[0]))
     return out
 

@@ -223,27 +223,45 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     it with a partial last block; other archs never get it."""
     wide = dict(pick(17408, 5120, wgmma=True))
     assert all(cfg.wgmma for cfg in wide.values())
-    assert [wide[k].block_m() for k in (8, 16, 32, None)] == [8, 16, 32, 72]
-    assert wide[None].block_n() == 128 and wide[8].block_n() == 64 and wide[8].stages == 6
+    assert [wide[k].block_m() for k in (8, 16, 32, 72)] == [8, 16, 32, 72]
+    assert wide[72].block_n() == 128 and wide[8].block_n() == 64 and wide[8].stages == 6
     assert all(cfg.splits == 1 for cfg in wide.values())          # 272 blocks of 64 channels: no split
     down = dict(pick(5120, 17408, wgmma=True))
     assert down[8].wgmma and down[8].splits == 8 and down[8].stages == 4     # split even at 1-8 rows
     assert not down[16].wgmma and down[16] == Config(2, 1, 1, 8, 1, stages=4)
-    assert down[32].wgmma and down[32].splits == 8 and down[None].splits == 8
+    assert down[32].wgmma and down[32].splits == 8 and down[72].splits == 8
     assert all(cfg.wgmma for _, cfg in pick(16480, 5120, wgmma=True))
     assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(100, 128)      # N a multiple of 8
     assert not any(cfg.wgmma for _, cfg in pick(17408, 5120))
     # of a range's two candidates, the one whose blocks fill the block slots best: 34816 channels
     # at <= 8 rows are 544 blocks -- 6 stages fit 4 a SM (528 slots: a last wave of 16), 4 stages 6
     wider = dict(pick(34816, 5120, wgmma=True))
-    assert wider[8].stages == 4 and wider[None] == Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
-    assert wide[None] == Config(9, 4, 2, 1, stages=4, wgmma=True)        # 272 one-warpgroup blocks: 264 slots
+    assert wider[8].stages == 4 and wider[72] == Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
+    assert wide[72] == Config(9, 4, 2, 1, stages=4, wgmma=True)        # 272 one-warpgroup blocks: 264 slots
     # a wgmma configuration: 64 channels a warpgroup, one warp along K, N = R <= 256, 64-k chunks
     assert Config(9, 4, 2, 1, stages=4, wgmma=True).fits(128, 128)
     assert not Config(9, 2, 2, 1, stages=4, wgmma=True).fits(128, 128)      # a_tiles must be 4
     assert not Config(33, 4, 1, 1, stages=4, wgmma=True).fits(64, 128)      # 264 rows > wgmma's N
     assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(64, 96)        # K not whole 64-k chunks
     assert not Config(9, 4, 1, 1, stages=1, wgmma=True).fits(64, 128)
+
+
+def test_hopper_takes_128_and_256_rows_a_block_beyond_72_rows():
+    """Prefill-sized M: 72-row blocks would re-read W once per 72 rows; beyond 72 rows blocks of 128
+    (up to 256 rows) and 256 rows of x, K unsplit (a split's float32 partials grow with M) -- except
+    up to 128 rows where few channel blocks leave SMs idle: the split 72-row blocks stay."""
+    for n, k in ((34816, 5120), (17408, 5120), (248320, 5120), (16480, 5120), (5120, 17408), (5120, 6144)):
+        ranges = pick(n, k, wgmma=True)
+        assert [limit for limit, _ in ranges] == [8, 16, 32, 72, 128, 256, None]
+        chosen = dict(ranges)
+        few = n // 64 < 132
+        assert chosen[256] == Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)
+        assert chosen[None] == Config(32, 4, 2, 1, stages=3, wgmma=True)
+        assert chosen[128] == (chosen[72] if few else chosen[256])
+        assert chosen[256].splits == chosen[None].splits == 1 and (not few or chosen[72].splits > 1)
+        assert all(cfg.fits(n, k) for cfg in chosen.values())
+    # other archs keep their four ranges (the last one open)
+    assert [limit for limit, _ in pick(34816, 5120)] == [8, 16, 32, None]
 
 
 def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
