@@ -9,8 +9,9 @@
    Qwen3.5-27B-style hybrid cut to a few layers, seeded bf16 weights) after a context of
    ``--context`` tokens: one autoregressive step (`decode`, 1 token) vs one verification of a
    64-node best-first tree (65 rows: the root and the nodes; ancestor mask, depth positions,
-   parents), and a 65-token chain for reference; and a 1024-token prefill chunk (empty cache).  The step function is called with prepared
-   device arguments, so the times are the module's own (no logits copied to the host).
+   parents), and a 65-token chain for reference; and a 1024-token prefill chunk (empty cache).
+   The step function is called with prepared device arguments, so the times are the module's
+   own (no logits copied to the host).
 2. The Gated DeltaNet recurrence alone, at the same head shapes: the path-recompute kernel
    (every node from its parent's state, all 65 rows in one launch) vs per-node sequential
    recurrence -- (a) node by node, one launch per node from its parent's saved state, and

@@ -695,8 +695,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # written before the loop, and which tokens' states go to scratch is found once: a bit per
     # token in shared memory (tokens past ``cap`` always store).  (Measured and dropped: a
     # column's parts on adjacent lanes summed by shuffles, no barriers -- 151 -> 211 us at 65
-    # rows, the per-token state stores no longer one 128-byte run per warp;
-    # bench/results/tree-verify-20261130-204921.json.)
+    # rows with per-token state stores (tree-verify-20261130-204921), and still 102.5 -> 147 us
+    # with them gone (tree-verify-20261201-011634); a shared buffer per sum and token parity, two
+    # barriers a token instead of TVM's four: 102.5 -> 103.4 us (-012313).)
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
     threads = parts * cols
     cap = 1024

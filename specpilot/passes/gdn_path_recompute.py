@@ -3,11 +3,12 @@
 What it rewrites: in a tree, a node's recurrent and conv state is the state after its own
 root path, not after the token before it in the batch.  The lowering gives every verify a
 ``parents`` input; its Gated DeltaNet kernels (``gdn.kernel`` = recurrence with per-token
-states, and conv) are the chain forms, which do not read it.  This pass swaps each for its
+records, and conv) are the chain forms, which do not read it.  This pass swaps each for its
 tree form (same signature): every node starts from its parent's state (parent -1: the state
 before the pass) and its conv window is its ancestors' inputs, continued into the conv state
 when the path is shorter.  Nodes come parents-first, so one pass in node order recomputes
-every path, sharing each common prefix once.  ``commit`` then keeps the accepted node's state.
+every path, sharing each common prefix once.  ``commit`` then rebuilds the accepted node's
+recurrent state along its root path from the pass's records (`kernels.gdn_commit`).
 Every verify's kernels are swapped, the drafter's too: a hybrid drafter then scores a whole
 level of a draft tree in one pass (`runtime.drafters.ModelDrafter` batched expansion).
 

@@ -318,7 +318,7 @@ class CompiledModel:
             src = np.array([[s for s, _ in moves]], "int32")
             dst = np.array([[d for _, d in moves]], "int32")
             self._compact_kv(self.kv, m.tensor(np.array([state.row], "int32")), m.tensor(src), m.tensor(dst))
-        if self.has_gdn and rows:   # the recorded per-token states of the tree pass: keep the path's last
+        if self.has_gdn and rows:   # the tree pass's records: the state after the path's last token
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
                 raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")

@@ -161,7 +161,7 @@ def test_rewrites_the_verify_kernels_and_nothing_else():
     ctx = PassContext(hybrid=True)
     after, records = run_pipeline(parse("tree-verify,gdn-path-recompute"), before, ctx)
     # the verify conv and the verify recurrence of each layer (each writes its own slot of the
-    # stacked per-token states: layer 0 makes each stack, the others write theirs in place)
+    # stacked per-token conv states / records: layer 0 makes each stack, the others write in place)
     n_gdn = cfg.layer_types.count("linear_attention")
     assert n_gdn >= 2 and records[1].statistics["kernels_rewritten"] == 2 * n_gdn
     changed = [gv.name_hint for gv in before.get_global_vars()
