@@ -687,8 +687,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # the state evolve independently, so 27B-class heads (dv = 128) take 4 blocks each -- cols x
     # parts threads; thread (j, p) keeps rows p*R .. p*R+R-1 of column j of the state in
     # registers (R = dk / parts), the two dot products over d_k per token are summed through
-    # shared memory.  Sums over d_k come as ``parts`` partial sums: float32 rounding apart, the
-    # CPU form's arithmetic.  The token loop is a chain of dependent steps, so everything a step
+    # shared memory.  Sums over d_k come as ``parts`` partial sums of 4 interleaved partial sums
+    # each (short dependency chains: ncu found the kernel waiting on them once its loads were
+    # hidden): float32 rounding apart, the CPU form's arithmetic; `gdn_commit` adds in the same
+    # order.  The token loop is a chain of dependent steps, so everything a step
     # reads from memory is loaded one step ahead: the next token's k, q, v, g, beta and slot,
     # and, in the tree form, its parent's state when that is not the one in registers (tokens
     # go two at a time, so the double buffers have fixed register indices).  The records are
@@ -715,7 +717,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
     @T.macro
     def step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t, h, p, jl, cb,
-             s, ps, kx, qx, sx, ix, acc, red, stored, u):
+             s, ps, kx, qx, sx, ix, acc, part, red, stored, u):
         """Token t, its operands in buffer u (a Python int), the next token's fetched into 1 - u.
         The loop goes in pairs, so t may be n: a step that changes nothing (TVM inserts barriers
         where a condition around the step would forbid them)."""
@@ -736,23 +738,25 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     else:
                         for i in T.unroll(rows):
                             ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
-        acc[0] = T.float32(0)
+        for c in T.unroll(4):
+            part[c] = T.float32(0)
         if ix[u] >= 0:
             for i in T.unroll(rows):
                 s[i] = s[i] * T.exp(sx[u, 1])
-                acc[0] = acc[0] + kx[u, i] * s[i]
-        red[0, p, jl] = acc[0]
+                part[i % 4] = part[i % 4] + kx[u, i] * s[i]
+        red[0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
         T.tvm_storage_sync("shared")
         acc[0] = T.float32(0)
         for r in range(parts):
             acc[0] = acc[0] + red[0, r, jl]
         acc[0] = (sx[u, 0] - acc[0]) * sx[u, 2]
-        acc[1] = T.float32(0)
+        for c in T.unroll(4):
+            part[c] = T.float32(0)
         if ix[u] >= 0:
             for i in T.unroll(rows):
                 s[i] = s[i] + kx[u, i] * acc[0]
-                acc[1] = acc[1] + qx[u, i] * s[i]
-        red[1, p, jl] = acc[1]
+                part[i % 4] = part[i % 4] + qx[u, i] * s[i]
+        red[1, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
         T.tvm_storage_sync("shared")
         if p == 0:
             if t < n:
@@ -778,6 +782,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         sx = T.alloc_buffer((2, 3), "float32", scope="local")         # v[j], g, beta
         ix = T.alloc_buffer((2,), "int32", scope="local")             # slot
         acc = T.alloc_buffer((2,), "float32", scope="local")
+        part = T.alloc_buffer((4,), "float32", scope="local")         # a dot product's 4 partial sums
         word = T.alloc_buffer((1,), "int32", scope="local")
         red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
         stored = T.alloc_buffer((cap // 32,), "int32", scope="shared")
@@ -801,7 +806,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         for t2 in range((n + 1) // 2):
             for u in T.unroll(2):
                 step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t2 * 2 + u, h, p, jl, cb,
-                     s, ps, kx, qx, sx, ix, acc, red, stored, u)
+                     s, ps, kx, qx, sx, ix, acc, part, red, stored, u)
         if not keep_states:
             for i in T.unroll(rows):
                 st[at(1, b, 0, h, p * rows + i, cb * cols + jl)] = s[i]
@@ -902,6 +907,7 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
                         for jl in T.thread_binding(cols, thread="threadIdx.x"):
                             s = T.alloc_buffer((rows,), "float32", scope="local")
                             acc = T.alloc_buffer((1,), "float32", scope="local")
+                            part = T.alloc_buffer((4,), "float32", scope="local")
                             red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
                             b = bghc // (G * n_heads * col_blocks)
                             gl = bghc // (n_heads * col_blocks) % G
@@ -911,11 +917,12 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
                                 s[i] = s0[b, gl, h, p * rows + i, j]
                             for d in range(depth):
                                 if path[b, d] >= 0:
-                                    acc[0] = T.float32(0)
+                                    for c in T.unroll(4):
+                                        part[c] = T.float32(0)
                                     for i in T.unroll(rows):
                                         s[i] = s[i] * T.exp(rec[b, path[b, d], gl, h, dk + dv])
-                                        acc[0] = acc[0] + rec[b, path[b, d], gl, h, p * rows + i] * s[i]
-                                    red[d % 2, p, jl] = acc[0]
+                                        part[i % 4] = part[i % 4] + rec[b, path[b, d], gl, h, p * rows + i] * s[i]
+                                    red[d % 2, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
                                     T.tvm_storage_sync("shared")
                                     acc[0] = T.float32(0)
                                     for r in range(parts):
