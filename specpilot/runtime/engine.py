@@ -207,16 +207,43 @@ class _Pass:
 
 
 class CompiledState:
-    """One sequence: its row of the model's KV pool and its recurrent states (1, G, ...)."""
+    """One sequence: its row of the model's KV pool and its recurrent states (1, G, ...).
+
+    After a recorded verification the states are those after its last token, rebuilt by
+    ``commit`` only when first read: a tree or a rejected draft sets them from another token
+    first (`CompiledModel.accept_path` / `truncate`), and that pass's commit is never run."""
 
     def __init__(self, model: "CompiledModel", row: int, capacity: int):
         self.model, self.row, self.capacity, self.length = model, row, capacity, 0
         module, shapes = model.module, model.shapes
         placeholder = module.zeros((1,), "float32")
-        self.conv = module.zeros((1, *shapes["conv"][0]), shapes["conv"][1]) if "conv" in shapes else placeholder
-        self.rec = module.zeros((1, *shapes["rec"][0]), "float32") if "rec" in shapes else placeholder
+        self._pending: _Pass | None = None
+        self.set_states(module.zeros((1, *shapes["conv"][0]), shapes["conv"][1]) if "conv" in shapes else placeholder,
+                        module.zeros((1, *shapes["rec"][0]), "float32") if "rec" in shapes else placeholder)
         self.history: list[_Pass] = []
         self._release = weakref.finalize(self, model.free_rows.append, row)
+
+    def set_states(self, conv, rec) -> None:
+        self._conv, self._rec, self._pending = conv, rec, None
+
+    def set_after(self, p: "_Pass") -> None:
+        """The states after recorded pass ``p``'s last token, committed when first read."""
+        self._pending = p
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            self._conv, self._rec = self.model._commit_at(p, p.length - 1)
+
+    @property
+    def conv(self):
+        self._settle()
+        return self._conv
+
+    @property
+    def rec(self):
+        self._settle()
+        return self._rec
 
     def close(self) -> None:
         """Give the cache row back now (otherwise when the state is garbage)."""
@@ -232,7 +259,8 @@ class CompiledState:
 
     def restore(self, snap, keep_history: bool = False) -> None:
         """Back to ``snap``; ``keep_history``: keep the passes recorded before it (see the reference state)."""
-        self.length, self.conv, self.rec = snap
+        self.length = snap[0]
+        self.set_states(snap[1], snap[2])
         self.history = [p for p in self.history if keep_history and p.start + p.length <= self.length]
 
     def drop_history(self) -> None:
@@ -322,7 +350,7 @@ class CompiledModel:
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
                 raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")
-            state.conv, state.rec = self._commit_at(p, rows[-1])
+            state.set_states(*self._commit_at(p, rows[-1]))
         state.length = base + len(rows)
         state.history.clear()
 
@@ -380,9 +408,9 @@ class CompiledModel:
                     p = _Pass(start, n, self._row(out[1], b, n), self._row(out[2], b, n), st.conv, st.rec,
                               parents[b, :n].copy())
                     st.history.append(p)
-                    st.conv, st.rec = self._commit_at(p, n - 1)
+                    st.set_after(p)
                 else:
-                    st.conv, st.rec = self._row(out[1], b), self._row(out[2], b)
+                    st.set_states(self._row(out[1], b), self._row(out[2], b))
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 
@@ -413,10 +441,10 @@ class CompiledModel:
         if self.has_gdn:
             for p in state.history:
                 if length == p.start:
-                    state.conv, state.rec = p.conv_before, p.rec_before
+                    state.set_states(p.conv_before, p.rec_before)
                     break
                 if p.start < length <= p.start + p.length:
-                    state.conv, state.rec = self._commit_at(p, length - p.start - 1)
+                    state.set_states(*self._commit_at(p, length - p.start - 1))
                     break
             else:
                 raise SpecPilotError(f"recurrent state at length {length} was not recorded; "

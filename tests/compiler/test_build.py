@@ -121,6 +121,33 @@ def test_batched_step_equals_single_steps(built):
     c.close()
 
 
+def test_recorded_pass_is_committed_only_where_kept(built):
+    """A recorded verification's recurrent states are committed lazily: truncating into the pass
+    runs one commit (the kept token's), never the pass's last-token commit; a pass kept whole is
+    committed when its states are next read.  Models without Gated DeltaNet layers have no commit."""
+    out, _ = built
+    model = from_build(out).engines["compiled"].model
+    if not model.has_gdn:
+        assert model._commit is None
+        return
+    calls, real = [], model._commit
+    model._commit = lambda *args: calls.append(args) or real(*args)
+    a, b = model.new_state(400), model.new_state(400)
+    model.forward(list(range(40, 53)), a)
+    model.forward([60, 61, 62, 63], a, record=True)
+    assert calls == []
+    a.truncate(15)
+    assert len(calls) == 1
+    model.forward(list(range(40, 53)) + [60, 61], b)        # as if the rejected tokens never came
+    torch.testing.assert_close(model.forward([5], a), model.forward([5], b), rtol=1e-6, atol=1e-6)
+    model.forward([70, 71], a, record=True)
+    assert len(calls) == 1
+    model.forward([72], a)                                    # reads the states: commits the pass
+    assert len(calls) == 2
+    a.close()
+    b.close()
+
+
 def test_runtime_only_load(built):
     """A fresh process with TVM forced onto its runtime library (no compiler) runs the build."""
     out, _ = built
