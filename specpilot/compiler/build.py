@@ -38,7 +38,7 @@ from specpilot.compiler.spec import Spec
 from specpilot.compiler.target import TargetSpec
 from specpilot.errors import SpecPilotError
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3   # 3: verify returns Gated DeltaNet records, commit takes (conv, records, state, path, index)
 
 
 def _versions() -> dict:

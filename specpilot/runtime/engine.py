@@ -26,7 +26,7 @@ from specpilot.compiler.config import ModelConfig, cache_shapes
 from specpilot.errors import SpecPilotError
 
 BUILD_FORMAT = "specpilot-build"
-BUILD_VERSION = 2   # compiler.build.MANIFEST_VERSION (not imported: the engine runs without the compiler)
+BUILD_VERSION = 3   # compiler.build.MANIFEST_VERSION (not imported: the engine runs without the compiler)
 
 
 def _import_tvm_runtime(gpu: bool):

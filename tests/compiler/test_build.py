@@ -179,6 +179,10 @@ def test_corrupt_build_is_refused(built, tmp_path):
     params.write_bytes(bytes(data))
     with pytest.raises(SpecPilotError, match="content hash differs"):
         from_build(copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))   # an older build format
+    with pytest.raises(SpecPilotError, match="build format version 2.*rebuild"):
+        from_build(copy)
     (copy / "manifest.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="not a SpecPilot build manifest"):
         from_build(copy)
