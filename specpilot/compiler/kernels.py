@@ -790,15 +790,16 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             for r in range((n + parts - 1) // parts):
                 if r * parts + p < n:
                     keep_record(k, v, g, beta, rec, n, b, r * parts + p, h, cb * cols + jl, cb == 0, jl, cols)
-        if tree:   # bit t of stored: a token after t + 1 starts from t's state
-            if p * cols + jl < cap // 32:
-                word[0] = 0
-                for c in range(n):
-                    if parents[b, c] >= 0:
-                        if T.Cast("int64", parents[b, c]) != c - 1:
-                            if parents[b, c] // 32 == p * cols + jl:
-                                word[0] = word[0] | (1 << (parents[b, c] % 32))
-                stored[p * cols + jl] = word[0]
+        if tree:   # bit t of stored: a token after t + 1 starts from t's state (a word per thread and round)
+            for r in range((cap // 32 + threads - 1) // threads):
+                if r * threads + p * cols + jl < cap // 32:
+                    word[0] = 0
+                    for c in range(n):
+                        if parents[b, c] >= 0:
+                            if T.Cast("int64", parents[b, c]) != c - 1:
+                                if parents[b, c] // 32 == r * threads + p * cols + jl:
+                                    word[0] = word[0] | (1 << (parents[b, c] % 32))
+                    stored[r * threads + p * cols + jl] = word[0]
             T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
             s[i] = s0[b, h, p * rows + i, cb * cols + jl]

@@ -39,8 +39,10 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
                        "'chain': gated_delta_rule(4, 16, 12, True, True), "
                        "'step': gated_delta_rule(4, 16, 12, False, True), "
                        "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1)), "
-                       "'commit': gdn_commit(3, 4, 16, 12, True)}")
-    for name in ("tree", "chain", "step", "stacked", "commit"):
+                       "'commit': gdn_commit(3, 4, 16, 12, True), "
+                       # fewer threads (4 x 5) than words of store bits (32): a round per 20 words
+                       "'narrow': gated_delta_rule(3, 8, 5, True, True, True)}")
+    for name in ("tree", "chain", "step", "stacked", "commit", "narrow"):
         assert f"{name}_kernel" in text
 
 
