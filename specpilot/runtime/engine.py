@@ -7,8 +7,9 @@ place by the step functions); each sequence holds a row while it lives.  For Gat
 layers each sequence also has its conv / recurrent states (values: each call returns new ones).
 A verify pass returns the conv states after every token and the recurrence's per-token
 records; ``truncate`` / ``accept_path`` keep the accepted prefix or path by calling the build's
-``commit`` function (which rebuilds the recurrent state along the kept token's root path).  ``forward_batch`` runs several sequences, each at its
-own length, in one call of the step functions (padded to the longest; padding writes nothing).
+``commit`` function (which rebuilds the recurrent state along the kept token's root path).
+``forward_batch`` runs several sequences, each at its own length, in one call of the step
+functions (padded to the longest; padding writes nothing).
 """
 
 from __future__ import annotations
