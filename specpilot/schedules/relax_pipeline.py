@@ -17,8 +17,9 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   few rows (decode batches, chain and tree verification) and taking prefill's symbolic rows
   too: weights streamed once per launch through a shared-memory ring (``wgmma`` on sm_90a,
   ``mma.sync`` elsewhere; on sm_90a 128- and 256-row blocks beyond 72 rows), one kernel choice
-  by row count at run time.  Epilogues (casts,
-  residual adds) run as their own elementwise kernels.
+  by row count at run time.  Elementwise epilogues (casts, residual adds, the logits' bf16
+  rounding) are fused into the kernel's stores (`schedules.epilogue`); slices, transposes and
+  repeats of its output stay kernels of their own.
 - ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
   no step transposes a weight matrix at run time.
 
@@ -91,6 +92,14 @@ def _skinny_mma(target: tvm.target.Target) -> tvm.transform.Pass:
     return _substitute
 
 
+def _fuse_epilogues() -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.fuse_epilogues")
+    def _fuse(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        from specpilot.schedules.epilogue import fuse_epilogues
+        return fuse_epilogues(mod)[0]
+    return _fuse
+
+
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
@@ -112,6 +121,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
+        *([_fuse_epilogues()] if schedule == "skinny-mma" else []),
         dl.ApplyDefaultSchedule(_DecodeOnly(dl.gpu.LowBatchGEMV()), BF16Matmul(), dl.gpu.Matmul(), dl.gpu.GEMV(),
                                 dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
                                 dl.gpu.Fallback()),

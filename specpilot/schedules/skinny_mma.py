@@ -663,11 +663,12 @@ def _is_plain_product(block, x, w, y) -> bool:
 def substitute(mod, wgmma: bool = False):
     """Point every call_tir of a plain bf16 NT matmul whose shape a configuration tiles at the
     tensor-core kernel (one PrimFunc per (N, K), marked scheduled so dlight leaves it alone, and
-    opaque so FuseOps fuses no epilogue into it: casts and residual adds stay separate kernels)."""
+    opaque so FuseOps fuses nothing into it; `epilogue.fuse_epilogues` fuses elementwise consumers after FuseTIR)."""
     import tvm
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
+    from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT
     shapes = {gv: nt_matmul_shape(f) for gv, f in mod.functions.items()}
     shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s, wgmma)}
     if not shapes:
@@ -686,6 +687,7 @@ def substitute(mod, wgmma: bool = False):
                 shape = shapes[call.args[0]]
                 if shape not in self.kernels:
                     kernel = skinny_nt_matmul(*shape, wgmma=wgmma).with_attr("op_pattern", 8)   # kOpaque
+                    kernel = kernel.with_attr(EPILOGUE_OUTPUT, 2)    # y: `epilogue.fuse_epilogues` may fuse its consumer
                     self.kernels[shape] = self.builder_.add_func(kernel, f"skinny_mma_{shape[0]}_{shape[1]}")
                 args = call.args[1].fields[:2] if isinstance(call.args[1], relax.Tuple) else call.args[1:3]
                 self.swapped += 1
