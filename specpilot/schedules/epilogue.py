@@ -1,18 +1,21 @@
 """Elementwise epilogues fused into the skinny GEMM kernels' stores.
 
-`skinny_mma.substitute` keeps its kernels opaque to FuseOps, so the cast to bf16 after every
-projection, the residual add after the output projections and the logits' bf16 rounding ran as
-kernels of their own: a float32 [m, N] written, read back and rewritten in bf16, one launch each
-(16-19 of a 27B-style hybrid's tree verification's ~150 kernels).  The decode GEMVs (dlight)
-always fused them.  `fuse_epilogues` runs after FuseTIR: where a skinny kernel's float32 output
-has one user, and that user is an elementwise PrimFunc over the same [m, N] -- every block a
-spatial map ``buf[i, j] = f(...)`` whose reads of the GEMM output and of its own intermediates
-are at exactly [i, j] (other inputs, e.g. the residual, at any index of i, j) -- the user's
-expression is composed into one, and every store ``y[r, c] = acc`` of the kernel becomes
-``out[r, c] = f(acc, r, c)``.  The arithmetic is the consumer's own expression tree, with the
-same dtypes and casts; only where it runs changes (TVM's bf16 legalization then lowers it the
-same way), so the fused build computes bit for bit what the unfused one does.  Consumers that
-move elements (slices, transposes, repeats) stay separate kernels.
+`skinny_mma.substitute` keeps its kernels opaque to FuseOps, so what follows a projection ran as
+kernels of their own: the cast to bf16, the residual add, the logits' bf16 rounding, and the
+column slices a fused projection's output is cut into (a Gated DeltaNet layer's stacked
+input projection: q/k/v, z, the gate's b and a, each sliced and mapped; attention's q/k/v) -- a
+float32 [m, N] written, read back, one launch each.  The decode GEMVs (dlight) always fused
+theirs.  `fuse_epilogues` runs after FuseTIR: where every user of a skinny kernel's float32
+output is an elementwise map over [rows, width] -- every block a spatial ``buf[i, j] = f(...)``
+reading the GEMM output at [i, j + offset] for one constant offset (a slice; 0 and the full
+width: the plain map) and its own intermediates at exactly [i, j], other inputs (residual,
+biases) anywhere -- each user's blocks are composed into one expression, and every store
+``y[r, c] = acc`` of the kernel becomes, per user whose columns hold c, ``out[r, c - offset] =
+f(acc, r, c - offset)``; the fused kernel has one output per user.  The arithmetic is the
+users' own expression trees with the same dtypes and casts; only where it runs changes (TVM's
+bf16 legalization then lowers it the same way), so a fused build computes bit for bit what the
+unfused one does.  If any user is not such a map (a transpose, a repeat, two columns in one
+expression as SwiGLU over a fused gate/up output), nothing of that output fuses.
 
 Producers are PrimFuncs carrying the ``specpilot.epilogue_output`` attribute: the index of the
 parameter they only ever store to (the skinny kernels: 2).
@@ -29,10 +32,12 @@ ATTR = "specpilot.epilogue_output"
 class Epilogue:
     params: list        # the consumer's parameters without the GEMM output (its output last)
     out: object         # the consumer's output buffer (its last parameter)
-    expr: object        # the composed value: over ROW, COL, ACC
+    expr: object        # the composed value: over ROW, COL (the consumer's column), ACC
     row: object
     col: object
     acc: object
+    offset: int = 0     # the consumer's column c is the GEMM's column c + offset (a slice) ...
+    width: int = 0      # ... for c < width
 
 
 def _sblocks(func) -> list:
@@ -65,10 +70,13 @@ def _same_vars(indices, row, col) -> bool:
 
 def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     """The consumer's computation as one expression of the GEMM's accumulator, when it is an
-    elementwise map over [rows, ``n_out``] reading parameter ``source`` (the GEMM output) only at
-    its own element; else None."""
+    elementwise map over [rows, width] reading parameter ``source`` (the GEMM output, [rows,
+    ``n_out``]) only at its own element -- or, a column slice, at [row, col + offset] for one
+    constant offset (offset + width <= n_out); else None."""
+    import tvm_ffi
     from tvm import tirx
     from tvm.ir.expr import TensorLoad
+    from tvm.sym.analyzer import Analyzer
 
     params = list(consumer.params)
     if not 0 <= source < len(params) - 1:
@@ -81,7 +89,9 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     blocks = _sblocks(consumer)
     if not blocks:
         return None
-    final = None
+    analyzer = Analyzer()
+    offsets: set[int] = set()
+    width, final = None, None
     for n, realize in enumerate(blocks):
         block = realize.block
         ivs = list(block.iter_vars)
@@ -90,20 +100,27 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
                 or int(realize.predicate.value) != 1:
             return None
         if any(not isinstance(iv.dom.min, tirx.IntImm) or int(iv.dom.min.value) != 0 for iv in ivs) or \
-                not isinstance(ivs[1].dom.extent, tirx.IntImm) or int(ivs[1].dom.extent.value) != n_out:
+                not isinstance(ivs[1].dom.extent, tirx.IntImm) or int(ivs[1].dom.extent.value) != (width or
+                                                                                                int(ivs[1].dom.extent.value)):
             return None
+        width = int(ivs[1].dom.extent.value)
         store = block.body
         if not isinstance(store, tirx.BufferStore) or not _same_vars(store.indices, ivs[0].var, ivs[1].var):
             return None
         bad = []
 
-        def loads(load, mut, ivs=ivs, bad=bad):
-            if load.source.same_as(src) or any(load.source.same_as(b) for b, _ in known):
+        def loads(load, mut, bad=bad, block=block):
+            if load.source.same_as(src):
+                shift = analyzer.simplify(load.indices[1] - col) if len(load.indices) == 2 else None
+                if shift is None or not load.indices[0].same_as(row) or not isinstance(shift, tirx.IntImm):
+                    bad.append(load)
+                    return None
+                offsets.add(int(shift.value))
+                return acc
+            if any(load.source.same_as(b) for b, _ in known):
                 if not _same_vars(load.indices, row, col):
                     bad.append(load)
                     return None
-                if load.source.same_as(src):
-                    return acc
                 return next(e for b, e in known if load.source.same_as(b))
             if any(load.source.same_as(b) for b in block.alloc_buffers):
                 bad.append(load)
@@ -121,50 +138,68 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
             return None      # writes another parameter: not an elementwise map
         else:
             known.append((store.buffer, value))
-    if final is None:
+    if final is None or len(offsets) != 1:
+        return None
+    offset = offsets.pop()
+    if offset < 0 or offset + width > n_out:
         return None
     # nothing of the GEMM output or of intermediates may survive in the expression
-    import tvm_ffi
     left = []
     tvm_ffi.structural_walk(final, [(TensorLoad, lambda load: left.append(load) if load.source.same_as(src)
                                      or any(load.source.same_as(b) for b, _ in known) else None)])
     if left:
         return None
-    return Epilogue([p for i, p in enumerate(params) if i != source], out, final, row, col, acc)
+    return Epilogue([p for i, p in enumerate(params) if i != source], out, final, row, col, acc, offset, width)
 
 
-def fuse(producer, epilogue: Epilogue):
-    """``producer`` (stores only to its parameter ``ATTR``) with each store ``y[r, c] = v`` made
-    ``out[r, c] = epilogue(v, r, c)``; parameters: the producer's without y, then the epilogue's."""
+def fuse(producer, epilogues: list[Epilogue]):
+    """``producer`` (stores only to its parameter ``ATTR``, [m, N]) with each store
+    ``y[r, c] = v`` made, for every epilogue, ``out[r, c - offset] = epilogue(v, r, c - offset)``
+    where its columns hold c (all of them when it reads y whole); parameters: the producer's
+    without y, each epilogue's inputs, then each epilogue's output."""
     import tvm_ffi
     from tvm import tirx
     from tvm.ir.expr import TensorLoad
 
     index = int(producer.attrs[ATTR])
     y = producer.params[index]
+    n_out = int(y.ty.shape[1])
     read = []
     tvm_ffi.structural_walk(producer.body, [(TensorLoad, lambda load: read.append(load) if load.source.same_as(y) else None)])
     if read:
         raise ValueError("the producer reads its output: it cannot take an epilogue")
 
+    def int64(e):
+        return tirx.Cast("int64", e) if str(e.ty) != "int64" else e
+
     def on_store(store, mut):
         if not store.buffer.same_as(y):
             return mut.default_mutate(store)
-        r, c = store.indices
-        r, c = (tirx.Cast("int64", r) if str(r.ty) != "int64" else r), (tirx.Cast("int64", c) if str(c.ty) != "int64" else c)
+        r, c = (int64(i) for i in store.indices)
         value = mut.mutate(store.value)
-        expr = _substitute(epilogue.expr, [(epilogue.row, r), (epilogue.col, c), (epilogue.acc, value)],
-                           lambda load, m: None)
-        return tirx.BufferStore(epilogue.out, expr, list(store.indices))
+        stores = []
+        for epi in epilogues:
+            col = c - tirx.const(epi.offset, "int64") if epi.offset else c
+            expr = _substitute(epi.expr, [(epi.row, r), (epi.col, col), (epi.acc, value)], lambda load, m: None)
+            put = tirx.BufferStore(epi.out, expr, [r, col])
+            if epi.offset or epi.width != n_out:
+                put = tirx.IfThenElse(tirx.all(tirx.const(epi.offset, "int64") <= c,
+                                               c < tirx.const(epi.offset + epi.width, "int64")), put, None)
+            stores.append(put)
+        return stores[0] if len(stores) == 1 else tirx.SeqStmt(stores)
     body = tvm_ffi.structural_mutate(producer.body, [(tirx.BufferStore, on_store)])
-    params = [p for i, p in enumerate(producer.params) if i != index] + list(epilogue.params)
+    # destination-passing order: every input (the producer's, then each consumer's), then the outputs
+    params = [p for i, p in enumerate(producer.params) if i != index] + \
+        [p for e in epilogues for p in e.params[:-1]] + [e.out for e in epilogues]
     attrs = {k: v for k, v in producer.attrs.items() if k != ATTR}
     return tirx.PrimFunc(params, body).with_attrs(attrs)
 
 
 def fuse_epilogues(mod):
-    """Every call of an epilogue producer whose output one elementwise call_tir consumes, fused
-    into one kernel (see the module docstring).  Returns (module, number fused)."""
+    """Every call of an epilogue producer whose output only elementwise maps and column slices
+    of it consume, fused with them into one kernel (one output per consumer; see the module
+    docstring).  The fused call takes the first consumer's place, so every other input of the
+    consumers must be defined before it.  Returns (module, number of consumers fused)."""
     import tvm
     import tvm_ffi
     from tvm import relax, tirx
@@ -180,7 +215,8 @@ def fuse_epilogues(mod):
             return value.args[0], list(value.args[1].fields)
         return None
 
-    plan = {}        # consumer binding var -> (producer binding var, producer gv, producer args, consumer gv)
+    # per producer call: [(consumer binding var, consumer gv, consumer args, source index)], by position
+    plans: list[tuple] = []
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function):
             continue
@@ -188,54 +224,85 @@ def fuse_epilogues(mod):
             if not isinstance(block, relax.DataflowBlock):
                 continue
             users = relax.analysis.udchain(block)
+            order = {b.var: i for i, b in enumerate(block.bindings)}
             values = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
             for var, value in values.items():
                 call = tir_call(value)
                 if call is None or call[0] not in producers or not isinstance(var, relax.DataflowVar):
                     continue
-                use = list(users.get(var, []))
-                if len(use) != 1 or use[0] not in values or use[0] in plan:
+                use = sorted(set(users.get(var, [])), key=lambda u: order.get(u, -1))
+                if not use or any(u not in values for u in use):
                     continue
-                consumer = tir_call(values[use[0]])
-                if consumer is None or not isinstance(mod[consumer[0]], tirx.PrimFunc) or consumer[0] in producers:
-                    continue
-                if sum(1 for a in consumer[1] if a.same_as(var)) != 1:
-                    continue
-                plan[use[0]] = (var, call[0], call[1], consumer[0], consumer[1])
-    if not plan:
+                consumers = []
+                for u in use:
+                    c = tir_call(values[u])
+                    if c is None or not isinstance(mod[c[0]], tirx.PrimFunc) or c[0] in producers or \
+                            sum(1 for a in c[1] if a.same_as(var)) != 1:
+                        break
+                    consumers.append((u, c[0], c[1], next(i for i, a in enumerate(c[1]) if a.same_as(var))))
+                else:
+                    first = order[consumers[0][0]]
+                    ready = all(order.get(a, -1) < first for _, _, args, _ in consumers for a in args
+                                if isinstance(a, relax.Var) and not a.same_as(var))
+                    if ready:
+                        plans.append((var, call[0], call[1], consumers))
+    if not plans:
         return mod, 0
+    at_first = {p[3][0][0]: p for p in plans}                   # first consumer var -> plan
+    later = {u for p in plans for u, *_ in p[3][1:]}             # the other consumers: bound by the fused call
 
     @mutator
     class _Fuse(PyExprMutator):
         def __init__(self, m):
             super().__init__(m)
-            self.kernels, self.fused = {}, 0
+            self.kernels, self.fused, self.done = [], 0, set()
+
+        def kernel(self, prod_gv, consumers):
+            """The fused PrimFunc's global var (one per producer and consumers alike in structure:
+            prefill and verify share theirs), or None where a consumer is not an epilogue."""
+            funcs = [mod[c_gv].without_attr("global_symbol") for _, c_gv, _, _ in consumers]
+            sources = [src for *_, src in consumers]
+            for key, gv in self.kernels:
+                if key[0].same_as(prod_gv) and key[2] == sources and len(key[1]) == len(funcs) and \
+                        all(tvm_ffi.structural_equal(a, b) for a, b in zip(key[1], funcs)):
+                    return gv
+            producer = mod[prod_gv]
+            shape = producer.params[int(producer.attrs[ATTR])].ty.shape
+            epis = None
+            if len(shape) == 2 and isinstance(shape[1], tirx.IntImm):
+                epis = [elementwise_epilogue(f, src, int(shape[1])) for f, src in zip(funcs, sources)]
+                epis = None if any(e is None for e in epis) else epis
+            gv = None if epis is None else self.builder_.add_func(
+                fuse(producer, epis), "_".join([prod_gv.name_hint] + [c_gv.name_hint for _, c_gv, _, _ in consumers]))
+            self.kernels.append(((prod_gv, funcs, sources), gv))
+            return gv
 
         def visit_var_binding_(self, binding):
-            entry = plan.get(binding.var)
-            if entry is None:
-                return super().visit_var_binding_(binding)
-            var, prod_gv, prod_args, cons_gv, cons_args = entry
-            source = next(i for i, a in enumerate(cons_args) if a.same_as(var))
-            # one kernel per (producer, consumer up to structure): prefill and verify share theirs
-            consumer = mod[cons_gv].without_attr("global_symbol")
-            key = next((k for k in self.kernels if k[0].same_as(prod_gv) and k[2] == source
-                        and tvm_ffi.structural_equal(k[1], consumer)), None) or (prod_gv, consumer, source)
-            if key not in self.kernels:
-                producer = mod[prod_gv]
-                shape = producer.params[int(producer.attrs[ATTR])].ty.shape
-                n_out = int(shape[1]) if len(shape) == 2 and isinstance(shape[1], tirx.IntImm) else None
-                epi = elementwise_epilogue(consumer, source, n_out) if n_out is not None else None
-                self.kernels[key] = None if epi is None else self.builder_.add_func(
-                    fuse(producer, epi), f"{prod_gv.name_hint}_{cons_gv.name_hint}")
-            fused = self.kernels[key]
+            if binding.var in later and binding.var in self.done:
+                return                                   # bound by the fused call already
+            plan = at_first.get(binding.var)
+            fused = self.kernel(plan[1], plan[3]) if plan is not None else None
             if fused is None:
                 return super().visit_var_binding_(binding)
+            _, _, prod_args, consumers = plan
             args = [self.visit_expr(a) for a in prod_args] + \
-                [self.visit_expr(a) for i, a in enumerate(cons_args) if i != source]
-            self.fused += 1
-            new = self.builder_.normalize(relax.call_tir(fused, args, binding.value.ty))
-            self.builder_.emit_normalized(relax.VarBinding(binding.var, new))
+                [self.visit_expr(a) for _, _, c_args, src in consumers for i, a in enumerate(c_args) if i != src]
+            self.fused += len(consumers)
+            outs = [mod_value(u).ty for u, *_ in consumers]
+            if len(consumers) == 1:
+                new = self.builder_.normalize(relax.call_tir(fused, args, outs[0]))
+                self.builder_.emit_normalized(relax.VarBinding(binding.var, new))
+                return
+            tup = self.builder_.emit(relax.call_tir(fused, args, outs))
+            for i, (u, *_) in enumerate(consumers):
+                self.builder_.emit_normalized(relax.VarBinding(u, self.builder_.normalize(relax.TupleGetItem(tup, i))))
+                self.done.add(u)
+
+    values = {b.var: b.value for gv, f in mod.functions.items() if isinstance(f, relax.Function)
+              for block in f.body.blocks for b in block.bindings}
+
+    def mod_value(var):
+        return values[var]
 
     fuser = _Fuse(mod)
     for gv, func in mod.functions.items():
