@@ -1,21 +1,23 @@
 """Elementwise epilogues fused into the skinny GEMM kernels' stores.
 
 `skinny_mma.substitute` keeps its kernels opaque to FuseOps, so what follows a projection ran as
-kernels of their own: the cast to bf16, the residual add, the logits' bf16 rounding, and the
-column slices a fused projection's output is cut into (a Gated DeltaNet layer's stacked
-input projection: q/k/v, z, the gate's b and a, each sliced and mapped; attention's q/k/v) -- a
-float32 [m, N] written, read back, one launch each.  The decode GEMVs (dlight) always fused
-theirs.  `fuse_epilogues` runs after FuseTIR: where every user of a skinny kernel's float32
-output is an elementwise map over [rows, width] -- every block a spatial ``buf[i, j] = f(...)``
-reading the GEMM output at [i, j + offset] for one constant offset (a slice; 0 and the full
-width: the plain map) and its own intermediates at exactly [i, j], other inputs (residual,
-biases) anywhere -- each user's blocks are composed into one expression, and every store
-``y[r, c] = acc`` of the kernel becomes, per user whose columns hold c, ``out[r, c - offset] =
-f(acc, r, c - offset)``; the fused kernel has one output per user.  The arithmetic is the
-users' own expression trees with the same dtypes and casts; only where it runs changes (TVM's
-bf16 legalization then lowers it the same way), so a fused build computes bit for bit what the
-unfused one does.  If any user is not such a map (a transpose, a repeat, two columns in one
-expression as SwiGLU over a fused gate/up output), nothing of that output fuses.
+kernels of their own: the cast to bf16, the residual add, the logits' bf16 rounding -- a float32
+[m, N] written, read back and rewritten, one launch each (16 of a 27B-style hybrid's tree
+verification's ~147 kernels).  The decode GEMVs (dlight) always fused theirs.  `fuse_epilogues`
+runs after FuseTIR: where the one user of a skinny kernel's float32 output is an elementwise map
+of all of it -- every block a spatial ``buf[i, j] = f(...)`` reading the GEMM output at exactly
+[i, j], earlier blocks' intermediates inlined where read, other inputs (the residual, biases) at
+any index -- the user's blocks are composed into one expression and every store ``y[r, c] = acc``
+of the kernel becomes ``out[r, c] = f(acc, r, c)``.  The arithmetic is the user's own expression
+tree with the same dtypes and casts; only where it runs changes (TVM's bf16 legalization then
+lowers it the same way), so a fused build computes bit for bit what the unfused one does (on the
+H200: the 27B-style hybrid's prefill, AR step and tree-verify logits, conv states and records
+bit-identical; bench/results/tree-verify-20261201-040129..).  Users that move elements (a
+transpose, a repeat, SwiGLU's two columns of a fused gate/up output) keep the float32 output.
+
+With ``slices`` an output with several users fuses too when each is a map or a column slice
+(``out[r, c - offset]`` for the columns it holds; one kernel output per user: a Gated DeltaNet
+layer's stacked input projection cut into q/k/v, z, b and a) -- correct, but measured no faster.
 
 Producers are PrimFuncs carrying the ``specpilot.epilogue_output`` attribute: the index of the
 parameter they only ever store to (the skinny kernels: 2).
@@ -72,7 +74,9 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     """The consumer's computation as one expression of the GEMM's accumulator, when it is an
     elementwise map over [rows, width] reading parameter ``source`` (the GEMM output, [rows,
     ``n_out``]) only at its own element -- or, a column slice, at [row, col + offset] for one
-    constant offset (offset + width <= n_out); else None."""
+    constant offset (offset + width <= n_out); else None.  Blocks before the last may compute
+    intermediates over any spatial domain (e.g. -exp(A) per head from a parameter): each is
+    inlined where it is read."""
     import tvm_ffi
     from tvm import tirx
     from tvm.ir.expr import TensorLoad
@@ -85,68 +89,71 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     if any(p.same_as(src) for i, p in enumerate(params) if i != source):
         return None
     row, col, acc = tirx.Var("row", "int64"), tirx.Var("col", "int64"), tirx.Var("acc", "float32")
-    known: list[tuple] = []          # (intermediate buffer, its expression over row, col, acc)
+    known: list[tuple] = []          # (intermediate buffer, its iterators, its expression over them)
     blocks = _sblocks(consumer)
     if not blocks:
         return None
-    analyzer = Analyzer()
-    offsets: set[int] = set()
-    width, final = None, None
+    final, width = None, None
     for n, realize in enumerate(blocks):
         block = realize.block
         ivs = list(block.iter_vars)
-        if len(ivs) != 2 or any(int(iv.iter_type) != 0 for iv in ivs) or block.init is not None \
+        if not ivs or any(int(iv.iter_type) != 0 for iv in ivs) or block.init is not None \
                 or block.match_buffers or not isinstance(realize.predicate, tirx.IntImm) \
-                or int(realize.predicate.value) != 1:
+                or int(realize.predicate.value) != 1 or \
+                any(not isinstance(iv.dom.min, tirx.IntImm) or int(iv.dom.min.value) != 0 for iv in ivs):
             return None
-        if any(not isinstance(iv.dom.min, tirx.IntImm) or int(iv.dom.min.value) != 0 for iv in ivs) or \
-                not isinstance(ivs[1].dom.extent, tirx.IntImm) or int(ivs[1].dom.extent.value) != (width or
-                                                                                                int(ivs[1].dom.extent.value)):
-            return None
-        width = int(ivs[1].dom.extent.value)
         store = block.body
-        if not isinstance(store, tirx.BufferStore) or not _same_vars(store.indices, ivs[0].var, ivs[1].var):
+        if not isinstance(store, tirx.BufferStore) or len(store.indices) != len(ivs) or \
+                not all(i.same_as(iv.var) for i, iv in zip(store.indices, ivs)):
             return None
         bad = []
 
         def loads(load, mut, bad=bad, block=block):
-            if load.source.same_as(src):
-                shift = analyzer.simplify(load.indices[1] - col) if len(load.indices) == 2 else None
-                if shift is None or not load.indices[0].same_as(row) or not isinstance(shift, tirx.IntImm):
+            hit = next(((vs, e) for b, vs, e in known if load.source.same_as(b)), None)
+            if hit is not None:           # an intermediate: its expression at these indices
+                vs, e = hit
+                if len(vs) != len(load.indices):
                     bad.append(load)
                     return None
-                offsets.add(int(shift.value))
-                return acc
-            if any(load.source.same_as(b) for b, _ in known):
-                if not _same_vars(load.indices, row, col):
-                    bad.append(load)
-                    return None
-                return next(e for b, e in known if load.source.same_as(b))
+                return _substitute(e, list(zip(vs, [mut.mutate(i) for i in load.indices])), lambda l, m: None)
             if any(load.source.same_as(b) for b in block.alloc_buffers):
                 bad.append(load)
-            return None
-        # rename the block's iterators to (row, col) first, then inline loads
-        value = _substitute(store.value, [(ivs[0].var, row), (ivs[1].var, col)], lambda load, mut: None)
-        value = _substitute(value, [], loads)
+            return None                   # the GEMM output or a parameter: kept (indices mutated)
+        value = _substitute(store.value, [], loads)
         if bad:
             return None
         if store.buffer.same_as(out):
-            if n != len(blocks) - 1:
+            if n != len(blocks) - 1 or len(ivs) != 2 or not isinstance(ivs[1].dom.extent, tirx.IntImm):
                 return None
-            final = value
+            width = int(ivs[1].dom.extent.value)
+            final = _substitute(value, [(ivs[0].var, row), (ivs[1].var, col)], lambda l, m: None)
         elif any(store.buffer.same_as(p) for p in params):
             return None      # writes another parameter: not an elementwise map
         else:
-            known.append((store.buffer, value))
-    if final is None or len(offsets) != 1:
+            known.append((store.buffer, [iv.var for iv in ivs], value))
+    if final is None:
+        return None
+    # every read of the GEMM output at [row, col + offset], one constant offset
+    analyzer, offsets, bad = Analyzer(), set(), []
+
+    def src_loads(load, mut):
+        if not load.source.same_as(src):
+            return None
+        shift = analyzer.simplify(load.indices[1] - col) if len(load.indices) == 2 else None
+        if shift is None or not load.indices[0].same_as(row) or not isinstance(shift, tirx.IntImm):
+            bad.append(load)
+            return None
+        offsets.add(int(shift.value))
+        return acc
+    final = _substitute(final, [], src_loads)
+    if bad or len(offsets) != 1:
         return None
     offset = offsets.pop()
     if offset < 0 or offset + width > n_out:
         return None
-    # nothing of the GEMM output or of intermediates may survive in the expression
     left = []
     tvm_ffi.structural_walk(final, [(TensorLoad, lambda load: left.append(load) if load.source.same_as(src)
-                                     or any(load.source.same_as(b) for b, _ in known) else None)])
+                                     or any(load.source.same_as(b) for b, _, _ in known) else None)])
     if left:
         return None
     return Epilogue([p for i, p in enumerate(params) if i != source], out, final, row, col, acc, offset, width)
@@ -195,11 +202,14 @@ def fuse(producer, epilogues: list[Epilogue]):
     return tirx.PrimFunc(params, body).with_attrs(attrs)
 
 
-def fuse_epilogues(mod):
-    """Every call of an epilogue producer whose output only elementwise maps and column slices
-    of it consume, fused with them into one kernel (one output per consumer; see the module
-    docstring).  The fused call takes the first consumer's place, so every other input of the
-    consumers must be defined before it.  Returns (module, number of consumers fused)."""
+def fuse_epilogues(mod, slices: bool = False):
+    """Every call of an epilogue producer whose one user is an elementwise map of its whole
+    output, fused with it into one kernel (see the module docstring).  ``slices``: also outputs
+    with several users, each a map or a column slice (one kernel output per user; the fused call
+    takes the first user's place, so every other input of the users must be defined before it).
+    Off by default: on the H200 it computed bit-identical results but gained nothing in tree
+    verification and cost prefill ~1.1 ms per 1024 tokens (bench/results/tree-verify-20261201-
+    040205 / -040313 vs -040240, 27B-style hybrid).  Returns (module, number of users fused)."""
     import tvm
     import tvm_ffi
     from tvm import relax, tirx
@@ -231,7 +241,7 @@ def fuse_epilogues(mod):
                 if call is None or call[0] not in producers or not isinstance(var, relax.DataflowVar):
                     continue
                 use = sorted(set(users.get(var, [])), key=lambda u: order.get(u, -1))
-                if not use or any(u not in values for u in use):
+                if not use or any(u not in values for u in use) or (len(use) > 1 and not slices):
                     continue
                 consumers = []
                 for u in use:
@@ -271,7 +281,8 @@ def fuse_epilogues(mod):
             epis = None
             if len(shape) == 2 and isinstance(shape[1], tirx.IntImm):
                 epis = [elementwise_epilogue(f, src, int(shape[1])) for f, src in zip(funcs, sources)]
-                epis = None if any(e is None for e in epis) else epis
+                whole = all(e is not None and e.offset == 0 and e.width == int(shape[1]) for e in epis)
+                epis = None if any(e is None for e in epis) or not (slices or whole) else epis
             gv = None if epis is None else self.builder_.add_func(
                 fuse(producer, epis), "_".join([prod_gv.name_hint] + [c_gv.name_hint for _, c_gv, _, _ in consumers]))
             self.kernels.append(((prod_gv, funcs, sources), gv))

@@ -93,7 +93,10 @@ def _run(mod, n_out: int, rows: int, producers: int, seed: int) -> torch.Tensor:
 def test_fused_epilogue_is_bit_identical_to_the_separate_kernel(name):
     n_out = 40
     mod = _module(n_out, TAILS[name])
-    fused, count = fuse_epilogues(mod)
+    slices = "slice" in name          # a column slice fuses only when asked (`fuse_epilogues`' slices)
+    if slices:
+        assert fuse_epilogues(mod)[1] == 0
+    fused, count = fuse_epilogues(mod, slices=slices)
     assert count == 1
     calls = [b.value.args[0].name_hint for blk in fused["main"].body.blocks for b in blk.bindings
              if isinstance(b.value, relax.Call)]
@@ -131,11 +134,14 @@ def test_several_column_slices_fuse_into_one_kernel_with_an_output_each():
         gate = bb.emit(relax.op.sigmoid(bb.emit(relax.op.add(
             bb.emit(relax.op.strided_slice(ys[0], axes=[1], begin=[20], end=[33])),
             bb.emit(relax.op.astype(bb.emit(relax.op.strided_slice(r, axes=[1], begin=[5], end=[18])), "float32"))))))
-        decay = bb.emit(relax.op.negative(bb.emit(relax.op.exp(
-            bb.emit(relax.op.strided_slice(ys[0], axes=[1], begin=[40], end=[48]))))))
+        # a parameter-only intermediate over its own domain (as -exp(A_log) per head), inlined where read
+        decay = bb.emit(relax.op.multiply(bb.emit(relax.op.strided_slice(ys[0], axes=[1], begin=[40], end=[48])),
+                                          bb.emit(relax.op.negative(bb.emit(relax.op.exp(
+                                              bb.emit(relax.op.strided_slice(b, axes=[0], begin=[3], end=[11]))))))))
         return relax.Tuple([qkv, gate, decay])
     mod = _module(n_out, split)
-    fused, count = fuse_epilogues(mod)
+    assert fuse_epilogues(mod)[1] == 0                   # off by default (measured no gain: see fuse_epilogues)
+    fused, count = fuse_epilogues(mod, slices=True)
     assert count == 3
     calls = [b.value.args[0].name_hint for blk in fused["main"].body.blocks for b in blk.bindings
              if isinstance(b.value, relax.Call) and b.value.args and isinstance(b.value.args[0], tvm.ir.GlobalVar)]
@@ -157,7 +163,7 @@ def test_consumers_that_are_not_elementwise_stay_separate(name):
         "row reduction": lambda bb, ys, r, b: relax.op.sum(ys[0], axis=[1], keepdims=True),
     }
     mod = _module(n_out, tails[name])
-    fused, count = fuse_epilogues(mod)
+    fused, count = fuse_epilogues(mod, slices=True)
     assert count == 0
     tvm.ir.assert_structural_equal(fused, mod)
 
