@@ -582,6 +582,39 @@ def record_width(dk: int, dv: int) -> int:
     return dk + dv + 2
 
 
+def _delta_rule(rows: int, parts: int):
+    """The GPU forms' token update, one macro for the recurrence (`gated_delta_rule`) and
+    `gdn_commit`, so the state commit rebuilds is the one verify computed, bit for bit: the
+    thread's ``rows`` rows of state column decayed by exp(g), S^T k as 4 interleaved partial sums
+    summed over the ``parts`` thread groups through shared memory (``red[slot]``), delta = (v -
+    S^T k) beta, then S += k delta -- with ``query``, S^T q after it in the same 4-sum order (its
+    partial sums left in ``part``).  ``key(i)`` / ``query(i)``: row i's k / q; ``live``: False
+    leaves the state as it is (padding; a Python True adds no condition)."""
+    @T.macro
+    def update(s, part, acc, red, slot, p, jl, key, query, decay, value, beta, live):
+        for c in T.unroll(4):
+            part[c] = T.float32(0)
+        if live:
+            for i in T.unroll(rows):
+                s[i] = s[i] * T.exp(decay)
+                part[i % 4] = part[i % 4] + key(i) * s[i]
+        red[slot, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
+        T.tvm_storage_sync("shared")
+        acc[0] = T.float32(0)
+        for r in range(parts):
+            acc[0] = acc[0] + red[slot, r, jl]
+        acc[0] = (value - acc[0]) * beta
+        if query is not None:
+            for c in T.unroll(4):
+                part[c] = T.float32(0)
+        if live:
+            for i in T.unroll(rows):
+                s[i] = s[i] + key(i) * acc[0]
+                if query is not None:
+                    part[i % 4] = part[i % 4] + query(i) * s[i]
+    return update
+
+
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
                      stack: tuple[int, int] | None = None):
@@ -689,8 +722,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # registers (R = dk / parts), the two dot products over d_k per token are summed through
     # shared memory.  Sums over d_k come as ``parts`` partial sums of 4 interleaved partial sums
     # each (short dependency chains: ncu found the kernel waiting on them once its loads were
-    # hidden): float32 rounding apart, the CPU form's arithmetic; `gdn_commit` adds in the same
-    # order.  The token loop is a chain of dependent steps, so everything a step
+    # hidden): float32 rounding apart, the CPU form's arithmetic; `gdn_commit` runs the same
+    # update (`_delta_rule`).  The token loop is a chain of dependent steps, so everything a step
     # reads from memory is loaded one step ahead: the next token's k, q, v, g, beta and slot,
     # and, in the tree form, its parent's state when that is not the one in registers (tokens
     # go two at a time, so the double buffers have fixed register indices).  The records are
@@ -703,6 +736,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
     threads = parts * cols
     cap = 1024
+    update = _delta_rule(rows, parts)
 
     @T.macro
     def fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t, h, p, j, u):
@@ -738,24 +772,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     else:
                         for i in T.unroll(rows):
                             ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
-        for c in T.unroll(4):
-            part[c] = T.float32(0)
-        if ix[u] >= 0:
-            for i in T.unroll(rows):
-                s[i] = s[i] * T.exp(sx[u, 1])
-                part[i % 4] = part[i % 4] + kx[u, i] * s[i]
-        red[0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
-        T.tvm_storage_sync("shared")
-        acc[0] = T.float32(0)
-        for r in range(parts):
-            acc[0] = acc[0] + red[0, r, jl]
-        acc[0] = (sx[u, 0] - acc[0]) * sx[u, 2]
-        for c in T.unroll(4):
-            part[c] = T.float32(0)
-        if ix[u] >= 0:
-            for i in T.unroll(rows):
-                s[i] = s[i] + kx[u, i] * acc[0]
-                part[i % 4] = part[i % 4] + qx[u, i] * s[i]
+        update(s, part, acc, red, 0, p, jl, lambda i: kx[u, i], lambda i: qx[u, i], sx[u, 1], sx[u, 0], sx[u, 2],
+               ix[u] >= 0)
         red[1, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
         T.tvm_storage_sync("shared")
         if p == 0:
@@ -889,9 +907,10 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
     accepted token's root path among the T tokens, root first (entries < 0 are skipped: shorter
     paths of a batch padded).  Output: (B, G, H, dk, dv).  CPU form: a thread per (sequence,
     layer, head, value column); GPU form: the recurrence's blocks and threads (d_k in ``parts``
-    partial sums, summed in the same order)."""
+    partial sums: the recurrence's own update, `_delta_rule`)."""
     G, W = n_layers, record_width(dk, dv)
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
+    update = _delta_rule(rows, parts)
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(r_h: T.handle, s0_h: T.handle, path_h: T.handle, out_h: T.handle):
@@ -918,20 +937,10 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
                                 s[i] = s0[b, gl, h, p * rows + i, j]
                             for d in range(depth):
                                 if path[b, d] >= 0:
-                                    for c in T.unroll(4):
-                                        part[c] = T.float32(0)
-                                    for i in T.unroll(rows):
-                                        s[i] = s[i] * T.exp(rec[b, path[b, d], gl, h, dk + dv])
-                                        part[i % 4] = part[i % 4] + rec[b, path[b, d], gl, h, p * rows + i] * s[i]
-                                    red[d % 2, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
-                                    T.tvm_storage_sync("shared")
-                                    acc[0] = T.float32(0)
-                                    for r in range(parts):
-                                        acc[0] = acc[0] + red[d % 2, r, jl]
-                                    acc[0] = (rec[b, path[b, d], gl, h, dk + j] - acc[0]) * \
-                                        rec[b, path[b, d], gl, h, dk + dv + 1]
-                                    for i in T.unroll(rows):
-                                        s[i] = s[i] + rec[b, path[b, d], gl, h, p * rows + i] * acc[0]
+                                    update(s, part, acc, red, d % 2, p, jl,
+                                           lambda i: rec[b, path[b, d], gl, h, p * rows + i], None,
+                                           rec[b, path[b, d], gl, h, dk + dv], rec[b, path[b, d], gl, h, dk + j],
+                                           rec[b, path[b, d], gl, h, dk + dv + 1], True)
                             for i in T.unroll(rows):
                                 out[b, gl, h, p * rows + i, j] = s[i]
             else:
