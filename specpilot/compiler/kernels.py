@@ -970,9 +970,11 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
 def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False,
                     stack: tuple[int, int] | None = None):
     """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
-    every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, C, T), the
-    weight (C, 1, K), parents (B, T).  Outputs: conv (B, C, T) float32 (before SiLU) and the K-1
-    inputs kept after every token (B, T, C, K-1).
+    every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, T, C) -- the
+    projection's own layout: channels contiguous, so a block's threads (one channel each) read
+    and write consecutive addresses, and no transpose runs around the kernel -- the weight
+    (C, 1, K), parents (B, T).  Outputs: conv (B, T, C) float32 (before SiLU) and the K-1 inputs
+    kept after every token (B, T, C, K-1).
 
     ``stack`` = (G, g), as `gated_delta_rule`'s: the per-token states of all G layers go into one
     (B, T, G, C, K-1) tensor, this layer's at index g, so no step concatenates them; layer 0
@@ -996,7 +998,7 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
         cur = T.alloc_buffer((1,), "int64", scope="local")
         cs = T.alloc_buffer((1,), "int64", scope="local")
         acc = T.alloc_buffer((1,), "float32", scope="local")
-        window[keep] = x[b, c, t]
+        window[keep] = x[b, t, c]
         cur[0] = t
         cs[0] = T.int64(keep - 1)
         for kk in range(keep):
@@ -1006,14 +1008,14 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
                 else:
                     cur[0] = cur[0] - 1
             if cur[0] >= 0:
-                window[keep - 1 - kk] = x[b, c, cur[0]]
+                window[keep - 1 - kk] = x[b, cur[0], c]
             else:
                 window[keep - 1 - kk] = state[b, c, cs[0]]
                 cs[0] = cs[0] - 1
         acc[0] = T.float32(0)
         for k in range(kernel_size):
             acc[0] = acc[0] + T.Cast("float32", window[k]) * T.Cast("float32", weight[c, 0, k])
-        out[b, c, t] = acc[0]
+        out[b, t, c] = acc[0]
         for k in range(keep):
             states[b, t, gi, c, k] = window[k + 1]
 
@@ -1028,10 +1030,10 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
         T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
         state = T.match_buffer(s_h, (batch, channels, keep), dtype)
-        x = T.match_buffer(x_h, (batch, channels, n), dtype)
+        x = T.match_buffer(x_h, (batch, n, channels), dtype)
         weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
         parents = T.match_buffer(p_h, (batch, n), "int32")
-        out = T.match_buffer(out_h, (batch, channels, n), "float32")
+        out = T.match_buffer(out_h, (batch, n, channels), "float32")
         st_nd = T.match_buffer(st_h, st_shape(batch, n), dtype)
         with T.sblock("root"):
             states = T.decl_buffer((batch, n, G, channels, keep), dtype, data=st_nd.data)

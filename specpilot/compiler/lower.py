@@ -276,11 +276,11 @@ class GatedDeltaNet(nn.Module):
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         C = self.conv_dim
         mixed, z, b, a = self._projections(x)
-        mixed = op.permute_dims(op.reshape(mixed, (B, T_, C)), [0, 2, 1])                # (B, C, T)
+        mixed = op.reshape(mixed, (B, T_, C))
         if keep_states:   # verify: the window of every token follows its parents (a chain unless rewritten)
             conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack)
-            args = [conv_state, mixed, self.conv1d.weight, s.parents]
-            conv_type = Tensor.placeholder((B, C, T_), "float32")
+            args = [conv_state, mixed, self.conv1d.weight, s.parents]            # (B, T, C): no transposes
+            conv_type = Tensor.placeholder((B, T_, C), "float32")
             states_type = Tensor.placeholder((B, T_, stack[0], C, K - 1) if stack else (B, T_, C, K - 1), self.dtype)
             if stack and stack[1] > 0:
                 new_conv, conv = op.tensor_ir_inplace_op(conv_kernel, "gdn_conv_verify", [*args, stacked_conv],
@@ -288,11 +288,11 @@ class GatedDeltaNet(nn.Module):
             else:
                 conv, new_conv = op.tensor_ir_op(conv_kernel, "gdn_conv_verify", args, [conv_type, states_type])
         else:
-            window = op.concat([conv_state, mixed], dim=2)                               # (B, C, K-1+T)
+            window = op.concat([conv_state, op.permute_dims(mixed, [0, 2, 1])], dim=2)   # (B, C, K-1+T)
             conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
                                                out_dtype="float32"), "conv1d")             # (B, C, T)
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
-        mixed = op.permute_dims(op.silu(conv), [0, 2, 1])                                 # (B, T, C)
+        mixed = op.silu(conv) if keep_states else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
         q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
         k = op.astype(op.reshape(_slice(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
         v = op.astype(op.reshape(_slice(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")

@@ -114,10 +114,10 @@ def _conv_case(seed: int, B: int, C: int, n: int, K: int, max_depth: int):
     rng = np.random.default_rng(seed)
     parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)]).astype("int32")
     state = rng.standard_normal((B, C, K - 1)).astype("float32")
-    x = rng.standard_normal((B, C, n)).astype("float32")
+    x = rng.standard_normal((B, n, C)).astype("float32")
     w = rng.standard_normal((C, 1, K)).astype("float32")
     out, states = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents],
-                       [((B, C, n), "float32"), ((B, n, C, K - 1), "float32")])
+                       [((B, n, C), "float32"), ((B, n, C, K - 1), "float32")])
     return (state, x, w, parents), out, states, rng
 
 
@@ -127,8 +127,8 @@ def test_tree_conv_windows_follow_ancestors(K):
     (state, x, w, parents), out, states, _ = _conv_case(K, B, C, n, K, 16)
     for b in range(B):
         for i in range(n):
-            seq = np.concatenate([state[b], x[b][:, _path(list(parents[b]), i)]], axis=1)   # (C, K-1+depth)
-            np.testing.assert_allclose(out[b, :, i], (seq[:, -K:] * w[:, 0]).sum(1), rtol=1e-5, atol=1e-6)
+            seq = np.concatenate([state[b], x[b][_path(list(parents[b]), i)].T], axis=1)   # (C, K-1+depth)
+            np.testing.assert_allclose(out[b, i], (seq[:, -K:] * w[:, 0]).sum(1), rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(states[b, i], seq[:, -(K - 1):])
 
 
@@ -139,14 +139,14 @@ def test_stacked_conv_states_write_their_own_slot_in_place():
     B, C, n, K, G = 2, 5, 13, 4, 3
     (state, x, w, parents), out, alone, rng = _conv_case(9, B, C, n, K, 6)
     out0, stacked = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 0)),
-                         [state, x, w, parents], [((B, C, n), "float32"), ((B, n, G, C, K - 1), "float32")])
+                         [state, x, w, parents], [((B, n, C), "float32"), ((B, n, G, C, K - 1), "float32")])
     np.testing.assert_array_equal(out0, out)
     np.testing.assert_array_equal(stacked[:, :, 0], alone)
     before = rng.standard_normal((B, n, G, C, K - 1)).astype("float32")
     lib = tvm.compile(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 2))
                       .with_attr("global_symbol", "k"), target="llvm")
     st = tvm.runtime.tensor(before.copy())
-    o = tvm.runtime.tensor(np.full((B, C, n), np.nan, "float32"))
+    o = tvm.runtime.tensor(np.full((B, n, C), np.nan, "float32"))
     lib["k"](*(tvm.runtime.tensor(a) for a in (state, x, w, parents)), st, o)
     np.testing.assert_array_equal(o.numpy(), out)
     np.testing.assert_array_equal(st.numpy()[:, :, 2], alone)
