@@ -213,3 +213,27 @@ def test_skinny_kernel_with_epilogue_compiles_for_sm90a(tmp_path):
     assert heads and all("float* __restrict__" not in p.split(",")[-1] for p in heads.values())
     assert "wgmma.mma_async.sync.aligned" in text and "nv_bfloat16* __restrict__ r" in text
 
+
+
+def test_the_skinny_mma_pipeline_fuses_epilogues():
+    """The schedule set wires the pass in: through `relax_pipeline.pipeline(sm_90a, "skinny-mma")` the
+    projection's cast and residual add run inside the skinny kernel, no kernel of their own left."""
+    from tvm import tirx
+
+    from specpilot.schedules.relax_pipeline import pipeline
+    bb = relax.BlockBuilder()
+    m = tvm.tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType([m, 128], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([256, 128], "bfloat16"))
+    r = relax.Var("r", relax.TensorType([m, 256], "bfloat16"))
+    with bb.function("main", [x, w, r]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32"))
+            out = bb.emit_output(relax.op.add(bb.emit(relax.op.astype(y, "bfloat16")), r))
+        bb.emit_func_output(out)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        mod = pipeline(target, "skinny-mma")(bb.get())
+    kernels = sorted(gv.name_hint for gv, f in mod.functions.items()
+                     if isinstance(f, tirx.PrimFunc) and not gv.name_hint.startswith("shape_func"))
+    assert kernels == ["skinny_mma_256_128_fused_cast_add"], kernels
