@@ -51,7 +51,7 @@ def _sblocks(func) -> list:
     return [r for r in found if r.block.name_hint != "root" or r.block.iter_vars]
 
 
-def _substitute(expr, vars_: dict, loads):
+def _substitute(expr, vars_: list, loads):
     """``expr`` with Vars replaced (by identity, ``vars_``: [(var, value)]) and every TensorLoad
     passed to ``loads(load, mutator)`` (returns its replacement, or None to keep it)."""
     import tvm_ffi
@@ -64,10 +64,6 @@ def _substitute(expr, vars_: dict, loads):
         out = loads(load, mut)
         return out if out is not None else mut.default_mutate(load)
     return tvm_ffi.structural_mutate(expr, [(TensorLoad, on_load), (Var, on_var)])
-
-
-def _same_vars(indices, row, col) -> bool:
-    return len(indices) == 2 and indices[0].same_as(row) and indices[1].same_as(col)
 
 
 def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
@@ -299,7 +295,7 @@ def fuse_epilogues(mod, slices: bool = False):
             args = [self.visit_expr(a) for a in prod_args] + \
                 [self.visit_expr(a) for _, _, c_args, src in consumers for i, a in enumerate(c_args) if i != src]
             self.fused += len(consumers)
-            outs = [mod_value(u).ty for u, *_ in consumers]
+            outs = [bound[u].ty for u, *_ in consumers]
             if len(consumers) == 1:
                 new = self.builder_.normalize(relax.call_tir(fused, args, outs[0]))
                 self.builder_.emit_normalized(relax.VarBinding(binding.var, new))
@@ -309,12 +305,8 @@ def fuse_epilogues(mod, slices: bool = False):
                 self.builder_.emit_normalized(relax.VarBinding(u, self.builder_.normalize(relax.TupleGetItem(tup, i))))
                 self.done.add(u)
 
-    values = {b.var: b.value for gv, f in mod.functions.items() if isinstance(f, relax.Function)
-              for block in f.body.blocks for b in block.bindings}
-
-    def mod_value(var):
-        return values[var]
-
+    bound = {b.var: b.value for f in mod.functions.values() if isinstance(f, relax.Function)
+             for block in f.body.blocks for b in block.bindings}   # each consumer's call: its output type
     fuser = _Fuse(mod)
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function):
