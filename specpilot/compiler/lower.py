@@ -293,9 +293,16 @@ class GatedDeltaNet(nn.Module):
                                                out_dtype="float32"), "conv1d")             # (B, C, T)
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
         mixed = op.silu(conv) if keep_states else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
-        q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
-        k = op.astype(op.reshape(_slice(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
-        v = op.astype(op.reshape(_slice(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
+        if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
+            # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
+            heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
+            q = op.astype(_slice(heads, 2, 0, nk, "q"), "float32")
+            k = op.astype(_slice(heads, 2, nk, 2 * nk, "k"), "float32")
+            v = op.astype(_slice(heads, 2, 2 * nk, 2 * nk + nv, "v"), "float32")
+        else:
+            q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
+            k = op.astype(op.reshape(_slice(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
+            v = op.astype(op.reshape(_slice(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
         if nv != nk:
             q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
         q = q / op.sqrt(op.sum(q * q, axis=-1, keepdims=True) + 1e-6) * (dk ** -0.5)
