@@ -2,7 +2,7 @@
 
 `skinny_mma.substitute` keeps its kernels opaque to FuseOps, so what follows a projection ran as
 kernels of their own: the cast to bf16, the residual add, the logits' bf16 rounding -- a float32
-[m, N] written, read back and rewritten, one launch each (16 of a 27B-style hybrid's tree
+[m, N] written, read back and rewritten, one launch each (9 of a 27B-style hybrid's tree
 verification's ~147 kernels).  The decode GEMVs (dlight) always fused theirs.  `fuse_epilogues`
 runs after FuseTIR: where the one user of a skinny kernel's float32 output is an elementwise map
 of all of it -- every block a spatial ``buf[i, j] = f(...)``, the last over the output's own
