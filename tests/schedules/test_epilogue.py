@@ -150,45 +150,30 @@ def test_consumers_that_are_not_elementwise_maps_stay_separate(name):
     tvm.ir.assert_structural_equal(fused, mod)
 
 
-def test_epilogue_refuses_a_consumer_reading_the_output_elsewhere():
-    """A consumer reading y at a shifted column (a hand-made stencil), or only some of its rows,
-    is not an epilogue."""
+def _hand_map(rows: int | None, shift: int):
+    """o[i, j] = 2 y[i, (j + shift) % 16] over o's rows: all of y's (rows None) or its first ``rows``."""
     from tvm.script import tirx as T
 
     @T.prim_func(private=True, s_tir=True)
-    def shifted(y_h: T.handle, o_h: T.handle):
+    def f(y_h: T.handle, o_h: T.handle):
         m = T.int64()
         y = T.match_buffer(y_h, (m, T.int64(16)), "float32")
-        o = T.match_buffer(o_h, (m, T.int64(16)), "float32")
-        for i, j in T.grid(m, T.int64(16)):
+        o = T.match_buffer(o_h, (m if rows is None else T.int64(rows), T.int64(16)), "float32")
+        for i, j in T.grid(m if rows is None else T.int64(rows), T.int64(16)):
             with T.sblock("o"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                o[vi, vj] = y[vi, (vj + T.int64(1)) % T.int64(16)]
-    assert elementwise_epilogue(shifted, 0, 16) is None
-    assert elementwise_epilogue(shifted, 0, 8) is None      # wrong width
+                o[vi, vj] = y[vi, (vj + T.int64(shift)) % T.int64(16) if shift != 0 else vj] * T.float32(2)
+    return f
 
-    @T.prim_func(private=True, s_tir=True)
-    def first_rows(y_h: T.handle, o_h: T.handle):     # a map of y's first 4 rows only
-        m = T.int64()
-        y = T.match_buffer(y_h, (m, T.int64(16)), "float32")
-        o = T.match_buffer(o_h, (T.int64(4), T.int64(16)), "float32")
-        for i, j in T.grid(T.int64(4), T.int64(16)):
-            with T.sblock("o"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                o[vi, vj] = y[vi, vj] * T.float32(2)
 
-    @T.prim_func(private=True, s_tir=True)
-    def all_rows(y_h: T.handle, o_h: T.handle):
-        m = T.int64()
-        y = T.match_buffer(y_h, (m, T.int64(16)), "float32")
-        o = T.match_buffer(o_h, (m, T.int64(16)), "float32")
-        for i, j in T.grid(m, T.int64(16)):
-            with T.sblock("o"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                o[vi, vj] = y[vi, vj] * T.float32(2)
-    # the fused kernel stores every row of y: a user of fewer rows would be written past its end
-    assert elementwise_epilogue(first_rows, 0, 16) is None
-    assert elementwise_epilogue(all_rows, 0, 16) is not None
+def test_epilogue_refuses_a_consumer_reading_the_output_elsewhere():
+    """A consumer reading y at a shifted column (a hand-made stencil), or only some of its rows,
+    is not an epilogue: the fused kernel stores every element of y once, so a user of fewer rows
+    would be written past its end."""
+    assert elementwise_epilogue(_hand_map(None, 1), 0, 16) is None
+    assert elementwise_epilogue(_hand_map(None, 0), 0, 8) is None      # wrong width
+    assert elementwise_epilogue(_hand_map(4, 0), 0, 16) is None         # y's first 4 rows only
+    assert elementwise_epilogue(_hand_map(None, 0), 0, 16) is not None
 
 
 def test_skinny_kernel_with_epilogue_compiles_for_sm90a(tmp_path):
