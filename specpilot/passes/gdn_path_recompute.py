@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from specpilot.compiler import kernels
-from specpilot.passes.base import Pass, PassContext
+from specpilot.compiler import gdn_tree, kernels
+from specpilot.passes.base import Option, Pass, PassContext
 
 
-def _tree_form(func: tirx.PrimFunc):
+def _tree_form(func: tirx.PrimFunc, form: str, budget: int):
     attrs = func.attrs
     gpu = bool(attrs["tirx.is_scheduled"])
     shape = [int(x) for x in attrs["gdn.shape"]]
@@ -32,6 +32,10 @@ def _tree_form(func: tirx.PrimFunc):
     if str(attrs["gdn.kernel"]) == "recurrence":
         if not bool(attrs["gdn.keep_states"]):
             return None            # prefill / decode: one sequence of tokens, nothing to follow
+        if form == "chunked" and budget + 1 <= gdn_tree.NMAX_LIMIT:
+            # as many tokens as it can hold, not just the budget's nodes + root: an engine may verify
+            # larger trees or longer chains with the same build (more than NMAX_LIMIT: a clear error)
+            return gdn_tree.gated_delta_rule_tree(*shape, gpu=gpu, stack=stack, nmax=gdn_tree.NMAX_LIMIT)
         return kernels.gated_delta_rule(*shape, keep_states=True, gpu=gpu, tree=True, stack=stack)
     return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True, stack=stack)
 
@@ -39,6 +43,9 @@ def _tree_form(func: tirx.PrimFunc):
 class GdnPathRecompute(Pass):
     name = "gdn-path-recompute"
     doc = "Gated DeltaNet state of every tree node recomputed along its root path (verify kernels follow parents)"
+    options = (Option("form", str, "chunked", "recurrence over the tree: chunked (every node in closed form, "
+                      "solved level by level: compiler/gdn_tree.py) or sequential (node after node)",
+                      ("chunked", "sequential")),)
     requires = ("tree-verify",)
     statistics = ("kernels_rewritten",)
 
@@ -50,11 +57,12 @@ class GdnPathRecompute(Pass):
     def apply(self, mod, context: PassContext):
         out = mod.clone() if hasattr(mod, "clone") else mod
         rewritten = 0
+        budget = int(context.statistics.get("tree-verify", {}).get("budget", 64))
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "gdn.kernel" not in func.attrs \
                     or bool(func.attrs["gdn.tree"]):
                 continue
-            tree = _tree_form(func)
+            tree = _tree_form(func, self["form"], budget)
             if tree is None:
                 continue
             out[gv] = tree

@@ -1,0 +1,144 @@
+"""The chunked tree form of the gated delta rule (compiler/gdn_tree.py): its CPU form against a
+reference that walks every node's root path on its own (PyTorch recurrence), on random trees,
+chains, odd head sizes and padding tokens, outputs NaN-poisoned; its records feed commit; too
+many tokens is a clear error; the GPU form compiles to sm_90 with its dynamic shared memory;
+gdn-path-recompute picks the form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.compiler import gdn_tree, kernels
+from specpilot.compiler.lower import lower_deployment
+from specpilot.passes.base import PassContext
+from specpilot.passes.pipeline import parse
+from specpilot.passes.runner import run_pipeline
+from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
+from tests.conftest import HYBRID, tiny_config
+from tests.kernel_helpers import run_cpu, sm90_source
+from tests.passes.test_gdn_path_recompute import _path, _random_tree
+
+
+def _case(rng, B, n, H, dk, dv, parents):
+    q = rng.standard_normal((B, n, H, dk)).astype("float32") * dk ** -0.5
+    k = rng.standard_normal((B, n, H, dk)).astype("float32")
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, n, H, dv)).astype("float32")
+    g = (-np.abs(rng.standard_normal((B, n, H))) * 0.3).astype("float32")
+    beta = rng.uniform(0.05, 0.95, (B, n, H)).astype("float32")
+    s0 = rng.standard_normal((B, H, dk, dv)).astype("float32")
+    return q, k, v, g, beta, s0, np.asarray(parents, "int32")
+
+
+def _reference(q, k, v, g, beta, s0, slots, parents, b, i):
+    """Node i of sequence b: its root path walked alone, padding tokens skipped (they leave the
+    state as it is); its output (0 for padding) and the state after it."""
+    path = [t for t in _path(list(parents[b]), i) if slots[b, t] >= 0]
+    if not path:
+        return np.zeros(v.shape[-2:], "float32"), s0[b]
+    t = lambda x: torch.from_numpy(x[b, path])   # noqa: E731
+    out, state, _ = recurrent_gated_delta_rule(t(q), t(k), t(v), t(g), t(beta), torch.from_numpy(s0[b]))
+    return (out[-1].numpy() if slots[b, i] >= 0 else np.zeros(v.shape[-2:], "float32")), state.numpy()
+
+
+@pytest.mark.parametrize("seed,n,max_depth,H,dk,dv", [
+    (0, 65, 16, 3, 8, 5),        # a best-first-sized tree, odd value width
+    (1, 64, 3, 2, 16, 12),       # wide and shallow
+    (2, 17, 16, 1, 6, 7),        # odd key width
+    (3, 40, 40, 2, 8, 8),        # a chain (every node the child of the one before)
+    (4, 104, 12, 1, 8, 4),       # as many tokens as the form holds
+])
+def test_chunked_tree_form_matches_walking_every_path(seed, n, max_depth, H, dk, dv):
+    rng = np.random.default_rng(seed)
+    B = 2
+    if max_depth >= n:
+        parents = np.tile(np.arange(-1, n - 1), (B, 1))
+    else:
+        parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)])
+    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, parents)
+    slots = np.zeros((B, n), "int32")
+    slots[1, rng.choice(n, size=max(1, n // 8), replace=False)] = -1     # padding inside sequence 1's tree
+    W = kernels.record_width(dk, dv)
+    o, rec, _ = run_cpu(gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False),
+                        [q, k, v, g, beta, s0, slots, parents],
+                        [((B, n, H, dv), "float32"), ((B, n, H, W), "float32"), ((B, n, H, dk, dv), "float32")])
+    assert not np.isnan(o).any() and not np.isnan(rec).any()
+    np.testing.assert_array_equal(rec[..., :dk], k)
+    np.testing.assert_array_equal(rec[..., dk:dk + dv], v)
+    np.testing.assert_array_equal(rec[..., dk + dv], g)
+    np.testing.assert_array_equal(rec[..., dk + dv + 1], beta)
+    scale = np.abs(o).max()
+    for b in range(B):
+        for i in range(n):
+            ref_o, _ = _reference(q, k, v, g, beta, s0, slots, parents, b, i)
+            np.testing.assert_allclose(o[b, i], ref_o, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{b} {i}")
+    assert (o[1][slots[1] < 0] == 0).all()
+    # commit rebuilds a deep node's state from these records (no padding in sequence 0)
+    deepest = max(range(n), key=lambda i: len(_path(list(parents[0]), i)))
+    path = np.array([_path(list(parents[0]), deepest)], "int32")
+    (state,) = run_cpu(kernels.gdn_commit(1, H, dk, dv, gpu=False), [rec[:1, :, None], s0[:1, None], path],
+                       [((1, 1, H, dk, dv), "float32")])
+    _, ref_s = _reference(q, k, v, g, beta, s0, slots, parents, 0, deepest)
+    np.testing.assert_allclose(state[0, 0], ref_s, rtol=1e-5, atol=1e-5 * np.abs(ref_s).max())
+
+
+def test_stacked_records_go_to_their_layer_in_place():
+    rng = np.random.default_rng(5)
+    B, n, H, dk, dv, G = 1, 12, 2, 8, 4, 3
+    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, [_random_tree(n, 5, rng)])
+    W = kernels.record_width(dk, dv)
+    import tvm
+    lib = tvm.compile(gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, stack=(G, 1)).with_attr("global_symbol", "k"),
+                      target="llvm")
+    stack = np.full((B, n, G, H, W), 7.0, "float32")
+    arrays = [tvm.runtime.tensor(a) for a in (q, k, v, g, beta, s0, np.zeros((B, n), "int32"), parents, stack)]
+    o, scratch = tvm.runtime.tensor(np.zeros((B, n, H, dv), "float32")), \
+        tvm.runtime.tensor(np.zeros((B, n, H, dk, dv), "float32"))
+    lib["k"](*arrays, o, scratch)
+    out = arrays[-1].numpy()
+    np.testing.assert_array_equal(out[:, :, 1, :, :dk], k)
+    np.testing.assert_array_equal(out[:, :, [0, 2]], 7.0)          # the other layers' slots untouched
+
+
+def test_more_tokens_than_the_form_holds_is_a_clear_error():
+    B, H, dk, dv, n = 1, 2, 8, 5, 17
+    kern = gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, nmax=16)
+    args = [np.zeros((B, n, H, dk), "float32")] * 2 + [np.zeros((B, n, H, dv), "float32")] + \
+        [np.zeros((B, n, H), "float32")] * 2 + [np.zeros((B, H, dk, dv), "float32"), np.zeros((B, n), "int32"),
+                                                np.full((B, n), -1, "int32")]
+    with pytest.raises(Exception, match=r"more tokens than its nmax \(16\)"):
+        run_cpu(kern, args, [((B, n, H, dv), "float32"), ((B, n, H, dk + dv + 2), "float32"),
+                             ((B, n, H, dk, dv), "float32")])
+    with pytest.raises(ValueError, match="nmax"):
+        gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, nmax=gdn_tree.NMAX_LIMIT + 8)
+
+
+def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
+    """27B-class heads (2 blocks of 64 value columns a head, 8 warps), a narrow head and a
+    stacked layer; the k / q rows, S_0 block and deltas in dynamic shared memory (> 48 KB at
+    27B-class heads: TVM raises the kernel's limit at launch)."""
+    text = sm90_source(tmp_path, "from specpilot.compiler.gdn_tree import gated_delta_rule_tree as f",
+                       "{'big': f(48, 128, 128, True), 'narrow': f(3, 8, 5, True), "
+                       "'stacked': f(4, 16, 12, True, stack=(3, 1))}")
+    for name in ("big", "narrow", "stacked"):
+        assert f"{name}_kernel" in text
+    assert "extern __shared__" in text and "__shfl_xor_sync" in text
+    script = gdn_tree.gated_delta_rule_tree(48, 128, 128, True).script()
+    assert 'T.thread_binding(8, thread="threadIdx.y")' in script and "batch * T.int64(96)" in script
+
+
+@pytest.mark.parametrize("text,form", [
+    ("tree-verify,gdn-path-recompute", "chunked"),
+    ("tree-verify,gdn-path-recompute{form=sequential}", None),
+    ("tree-verify{budget=200},gdn-path-recompute", None),          # more nodes than the chunked form holds
+])
+def test_the_pass_picks_the_form(text, form):
+    before, _ = lower_deployment(tiny_config(HYBRID), None, "float32", 64, gpu=False)
+    after, _ = run_pipeline(parse(text), before, PassContext(hybrid=True))
+    forms = {str(f.attrs["gdn.form"]) if "gdn.form" in f.attrs else None
+             for _, f in after.functions.items()
+             if f.attrs is not None and "gdn.kernel" in f.attrs and str(f.attrs["gdn.kernel"]) == "recurrence"
+             and bool(f.attrs["gdn.tree"])}
+    assert forms == {form}
