@@ -14,10 +14,29 @@ delta_t = beta_t (v_t - alpha_t S_p^T k_t) unrolls to
     o_t     = S_t^T q_t = exp(G_t) S_0^T q_t + sum_{j in A(t)} exp(G_t - G_j) (q_t . k_j) delta_j
 
 -- a unit lower-triangular system over the tree's ancestor pairs (chunked DeltaNet's
-(I + beta K K^T)^-1 with the tree's mask), solved level by level: every node of a depth needs
-only shallower ones, so the chain of dependent steps is the tree's depth, not its size, and
-each step is a short sum.  The dense parts (S_0^T k, S_0^T q over all nodes) are small GEMMs
-with no dependency at all.  float32 throughout; exp(G_t - G_j) <= 1 for an ancestor j.
+(I + beta K K^T)^-1 with the tree's mask).  Phases of a GPU block (sequence, head, 64 value
+columns; 8 warps), each ended by a barrier:
+  1. G by walking each node's path; L and P for every ancestor pair (a warp a node, lanes over
+     d_k, two ancestors a round; L below the diagonal of one n x n array, P above, zeros
+     elsewhere, so later sums run dense over j);
+  2. the right-hand sides: S_0^T k for all nodes as register tiles (9 tokens x 2 columns a
+     thread, 16-byte shared loads of the k rows: the phase is shared-load bound);
+  3. the deltas: one thread a column, forward substitution in token order (parents come first)
+     in its own L1-resident local memory -- no barrier at all;
+  4. the outputs: S_0^T q as in 2, plus P times the deltas as a dense masked product.
+float32 throughout; exp(G_t - G_j) <= 1 for an ancestor j.  The CPU form does the same
+arithmetic in plain loops (tested against the PyTorch recurrence walking every root path).
+
+H200, 27B-class heads (48 x 128 x 128), a best-first tree of 64 nodes + root: 70.0 us vs the
+sequential form's 100.8, agreeing with the PyTorch recurrence to 2e-7 (tree-verify-20261201-
+065929); in the model's tree verification 2436 -> 2340-2359 us (1.45x -> 1.41x the AR step).
+Measured and dropped: solving level by level (nodes of a depth in parallel, two barriers a
+level, paths walked for the sums: 59.8 us but slow chains), every thread of the block solving
+(its local memory then spilled past L1: 100 us), a solve over each node's ancestor list only
+(69.8 us: the solve is not the cost), 8 tokens a thread (93.7 us: a second pass for token 64).
+A long chain costs more than in the sequential form (every pair of its n nodes is an ancestor
+pair: chain verify of 65 tokens 2337 -> 2637-2661 us in the model); trees are the case this
+form is for (gdn-path-recompute{form=sequential} keeps the old kernel).
 
 Same inputs, outputs and records as the sequential tree form (commit rebuilds the accepted
 node's state from the records with `kernels.gdn_commit`, unchanged); the scratch output is
@@ -34,18 +53,19 @@ from specpilot.compiler.kernels import memo, record_width
 
 WARPS = 8       # GPU form: warps a block
 NMAX_LIMIT = 104   # the n x n coefficients and four n-vectors fit 48 KB of static shared memory
-TOKENS = 8      # tokens a thread carries through the S_0 products (its register tile's rows)
+TOKENS = 9      # tokens a thread carries through the S_0 products: 8 warps x 9 >= 65 (64 nodes + root) in one pass
 
 
 def column_block(dv: int) -> int:
-    """Value columns a GPU block: the columns' deltas and outputs are independent given the
-    tree's coefficients, which every block of a head computes for itself."""
-    return next((c for c in (64, 32) if dv % c == 0), dv)
+    """Value columns a GPU block (at most 64: a thread each solves them): the columns' deltas and
+    outputs are independent given the tree's coefficients, which every block of a head computes
+    for itself."""
+    return next(c for c in range(64, 0, -1) if dv % c == 0)
 
 
 @memo
 def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tuple[int, int] | None = None,
-                          nmax: int = NMAX_LIMIT, sparse: bool = False):
+                          nmax: int = NMAX_LIMIT, tokens: int = TOKENS):
     """The chunked tree form; signature, attributes and records those of
     ``kernels.gated_delta_rule(n_heads, dk, dv, keep_states=True, gpu, tree=True, stack)``
     (``gdn.form`` = "chunked").  Parents must come before their children (the CPU form solves
@@ -62,15 +82,20 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     CPT = (CB + 31) // 32          # columns a lane
     DL = (dk + 31) // 32           # d_k elements a lane (the warp-wide dot products)
     THREADS = 32 * WARPS
-    KP = dk + 1                    # padded rows of k / q in shared memory: column reads conflict-free
+    TK = tokens                    # tokens a thread carries through the S_0 products
+    VEC = 4 if dk % 4 == 0 else 1  # d_k elements a shared load of the S_0 products
+    KP = dk                        # k / q rows in shared memory (16-byte aligned where VEC = 4)
     # TVM raises a kernel's dynamic shared memory limit only once the dynamic part reaches 48 KB, and
     # static + dynamic past 48 KB fails at launch otherwise (CUDA_ERROR_INVALID_VALUE, seen on the H200
     # with a tiny hybrid's heads): then the k / q rows' buffer grows until the dynamic part is 48 KB.
-    static_bytes = ((5 if sparse else 4) * nmax + nmax * nmax) * 4
-    KS = nmax * KP
-    dynamic_bytes = (KS + dk * CB + nmax * CB + (nmax * nmax if sparse else 0)) * 4
+    # Each dynamic buffer a multiple of 4 floats: TVM packs them into one, in an order of its own,
+    # and the 16-byte row loads need every offset aligned.
+    r4 = lambda x: (x + 3) // 4 * 4   # noqa: E731
+    static_bytes = (4 * nmax + nmax * nmax) * 4
+    KS, S0S, DS = r4(nmax * KP), r4(dk * CB), r4((nmax + 1) * CB)
+    dynamic_bytes = (KS + S0S + DS) * 4
     if static_bytes + dynamic_bytes > 48 * 1024 > dynamic_bytes - 1:
-        KS += (48 * 1024 - dynamic_bytes) // 4 + 32
+        KS += r4((48 * 1024 - dynamic_bytes) // 4 + 32)
 
     def rat(n, b, t, h, w):
         return (((b * n + t) * G + gi) * n_heads + h) * W + w
@@ -111,18 +136,22 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
 
     @T.macro
     def s0_tile(tile, sc, kx, rows, s0s, n, ty, tx, mg):
-        """tile[m, u] = sum_i S_0[i, c_u] rows[t_m, i]: tokens t_m = ty + 8 (mg * TOKENS + m), columns
-        c_u = tx + 32 u of the block (the rows and S_0 block in shared memory)."""
-        for mm, u in T.grid(TOKENS, CPT):
+        """tile[m, u] = sum_i S_0[i, c_u] rows[t_m, i]: tokens t_m = ty + 8 (mg * TK + m), columns
+        c_u = tx + 32 u of the block (the rows and S_0 block in shared memory).  Shared-load bound:
+        a token's row is read 4 elements at a time (one 16-byte load, the same for the warp)."""
+        for mm, u in T.grid(TK, CPT):
             tile[mm, u] = T.float32(0)
-        for i in range(dk):
+        for i4 in range(dk // VEC):
             for u in T.unroll(CPT):
-                sc[u] = s0s[i, T.min(tx + 32 * u, CB - 1)]
-            for mm in T.unroll(TOKENS):
-                kx[mm] = rows[T.min(ty + WARPS * (mg * TOKENS + mm), nmax - 1), i]
-            for mm in T.unroll(TOKENS):
+                for e in T.unroll(VEC):
+                    sc[u, e] = s0s[i4 * VEC + e, T.min(tx + 32 * u, CB - 1)]
+            for mm in T.unroll(TK):
+                for e in T.vectorized(VEC):
+                    kx[mm, e] = rows[T.min(ty + WARPS * (mg * TK + mm), nmax - 1), i4 * VEC + e]
+            for mm in T.unroll(TK):
                 for u in T.unroll(CPT):
-                    tile[mm, u] = tile[mm, u] + kx[mm] * sc[u]
+                    for e in T.unroll(VEC):
+                        tile[mm, u] = tile[mm, u] + kx[mm, e] * sc[u, e]
 
     @T.macro
     def cpu_head(q, k, v, g, beta, s0, slots, parents, o, rec, n, b, h):
@@ -190,23 +219,19 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         # touch, a size in terms of the loop counts, which the host / device split then loses)
         lp_flat = T.alloc_buffer((nmax * nmax,), "float32", scope="shared")
         ks = T.alloc_buffer((KS,), "float32", scope="shared.dyn")    # k rows, then q rows (KP apart)
-        s0s = T.alloc_buffer((dk, CB), "float32", scope="shared.dyn")
-        ds_flat = T.alloc_buffer((nmax * CB,), "float32", scope="shared.dyn")
+        s0s_flat = T.alloc_buffer((S0S,), "float32", scope="shared.dyn")
+        ds_flat = T.alloc_buffer((DS,), "float32", scope="shared.dyn")   # (nmax + a spare row) x CB
+        s0s = T.decl_buffer((dk, CB), "float32", data=s0s_flat.data, scope="shared.dyn")
         lp = T.decl_buffer((nmax, nmax), "float32", data=lp_flat.data, scope="shared")
-        ds = T.decl_buffer((nmax, CB), "float32", data=ds_flat.data, scope="shared.dyn")
+        ds = T.decl_buffer((nmax + 1, CB), "float32", data=ds_flat.data, scope="shared.dyn")
         rows = T.decl_buffer((nmax, KP), "float32", data=ks.data, scope="shared.dyn")
-        if sparse:   # each node's strict ancestors, nearest first, and how many
-            anc_flat = T.alloc_buffer((nmax * nmax,), "int32", scope="shared.dyn")
-            anc = T.decl_buffer((nmax, nmax), "int32", data=anc_flat.data, scope="shared.dyn")
-            dcnt = T.alloc_buffer((nmax,), "int32", scope="shared")
-        ci = T.alloc_buffer((1,), "int32", scope="local")
         cur = T.alloc_buffer((4,), "int64", scope="local")
         acc = T.alloc_buffer((8,), "float32", scope="local")
         kt = T.alloc_buffer((DL,), "float32", scope="local")
         qr = T.alloc_buffer((DL,), "float32", scope="local")
-        tile = T.alloc_buffer((TOKENS, CPT), "float32", scope="local")
-        sc = T.alloc_buffer((CPT,), "float32", scope="local")
-        kx = T.alloc_buffer((TOKENS,), "float32", scope="local")
+        tile = T.alloc_buffer((TK, CPT), "float32", scope="local")
+        sc = T.alloc_buffer((CPT, VEC), "float32", scope="local")
+        kx = T.alloc_buffer((TK, VEC), "float32", scope="local")
         dl_flat = T.alloc_buffer((nmax,), "float32", scope="local")   # a column's deltas (local memory)
         dl = T.decl_buffer((nmax, 1), "float32", data=dl_flat.data, scope="local")
         tid = ty * 32 + tx
@@ -238,14 +263,9 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                 cur[1] = 0
                 while cur[0] >= 0 and cur[1] < n:
                     acc[0] = acc[0] + ge[cur[0]]
-                    if sparse:
-                        if cur[1] > 0:
-                            anc[r * THREADS + tid, cur[1] - 1] = T.Cast("int32", cur[0])
                     cur[0] = T.Cast("int64", par[cur[0]])
                     cur[1] = cur[1] + 1
                 gs[r * THREADS + tid] = acc[0]
-                if sparse:
-                    dcnt[r * THREADS + tid] = T.Cast("int32", cur[1]) - 1
         T.tvm_storage_sync("shared")
         # L[t, j] and P[t, j] (at [j, t]) for every ancestor j of t: warp ty takes nodes ty, ty + 8, ..,
         # each lane DL elements of d_k; two ancestors a round (two independent shuffle trees)
@@ -280,62 +300,53 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                 cur[3] = cur[3] + 2
         T.tvm_storage_sync("shared")
         # the right-hand sides r = beta (v - exp(G) S_0^T k) into ds
-        for mg in range(cdiv(cdiv(n, WARPS), TOKENS)):   # the same count in every warp: a barrier may go inside
+        for mg in range(cdiv(cdiv(n, WARPS), TK)):   # the same count in every warp: a barrier may go inside
             s0_tile(tile, sc, kx, rows, s0s, n, ty, tx, mg)
-            for mm in T.unroll(TOKENS):
+            for mm in T.unroll(TK):
                 for u in T.unroll(CPT):
-                    if ty + WARPS * (mg * TOKENS + mm) < n and tx + 32 * u < CB:
-                        ds[ty + WARPS * (mg * TOKENS + mm), tx + 32 * u] = T.if_then_else(
-                            slots[b, ty + WARPS * (mg * TOKENS + mm)] >= 0,
-                            be[ty + WARPS * (mg * TOKENS + mm)] * (
-                                v[b, ty + WARPS * (mg * TOKENS + mm), h, cb * CB + tx + 32 * u]
-                                - T.exp(gs[ty + WARPS * (mg * TOKENS + mm)]) * tile[mm, u]),
+                    if ty + WARPS * (mg * TK + mm) < n and tx + 32 * u < CB:
+                        ds[ty + WARPS * (mg * TK + mm), tx + 32 * u] = T.if_then_else(
+                            slots[b, ty + WARPS * (mg * TK + mm)] >= 0,
+                            be[ty + WARPS * (mg * TK + mm)] * (
+                                v[b, ty + WARPS * (mg * TK + mm), h, cb * CB + tx + 32 * u]
+                                - T.exp(gs[ty + WARPS * (mg * TK + mm)]) * tile[mm, u]),
                             T.float32(0))
         T.tvm_storage_sync("shared")
-        # the deltas: a forward substitution per column, no barrier -- every thread solves column
-        # tid % CB in its own (local) memory, the threads of a column alike; then q rows over the k rows
-        for t in range(n):
-            dl[t, 0] = ds[t, tid % CB]
-        for t in range(n):
-            if sparse:   # the sum over t's ancestors only, from their list
-                ci[0] = dcnt[t]
-                acc[0] = T.float32(0)
-                acc[1] = T.float32(0)
-                for a2 in range(ci[0] // 2):
-                    acc[0] = acc[0] + lp[t, anc[t, a2 * 2]] * dl[anc[t, a2 * 2], 0]
-                    acc[1] = acc[1] + lp[t, anc[t, a2 * 2 + 1]] * dl[anc[t, a2 * 2 + 1], 0]
-                if ci[0] % 2 == 1:
-                    acc[0] = acc[0] + lp[t, anc[t, ci[0] - 1]] * dl[anc[t, ci[0] - 1], 0]
-                dl[t, 0] = dl[t, 0] - (acc[0] + acc[1])
-            else:
+        # the deltas: a forward substitution per column in token order, no barrier -- thread c < CB
+        # solves column c in its own (local, L1-resident) memory; then q rows over the k rows
+        if tid < CB:
+            for t in range(n):
+                dl[t, 0] = ds[t, tid]
+            for t in range(n):
                 solve_step(lambda j: lp[t, j], lambda j: dl[j, 0], dl, t, 0, acc)
         for r in range(cdiv(n * dk, THREADS)):
             if r * THREADS + tid < n * dk:
                 rows[(r * THREADS + tid) // dk, (r * THREADS + tid) % dk] = \
                     q[b, (r * THREADS + tid) // dk, h, (r * THREADS + tid) % dk]
-        for t in range(n):
-            ds[t, tid % CB] = dl[t, 0]
+        for t in range(n):   # every thread stores (no barrier in a condition): the others to a spare row
+            ds[T.if_then_else(tid < CB, t, nmax), T.min(tid, CB - 1)] = \
+                T.if_then_else(tid < CB, dl[t, 0], T.float32(0))
         T.tvm_storage_sync("shared")
         # outputs exp(G) S_0^T q + sum_{j <= t} P[t, j] delta_j (P zero off t's root path)
-        for mg in range(cdiv(cdiv(n, WARPS), TOKENS)):
+        for mg in range(cdiv(cdiv(n, WARPS), TK)):
             s0_tile(tile, sc, kx, rows, s0s, n, ty, tx, mg)
-            for mm in T.unroll(TOKENS):
+            for mm in T.unroll(TK):
                 for u in T.unroll(CPT):
-                    tile[mm, u] = T.exp(gs[T.min(ty + WARPS * (mg * TOKENS + mm), nmax - 1)]) * tile[mm, u]
+                    tile[mm, u] = T.exp(gs[T.min(ty + WARPS * (mg * TK + mm), nmax - 1)]) * tile[mm, u]
             for j in range(n):
                 for u in T.unroll(CPT):
-                    sc[u] = ds[j, T.min(tx + 32 * u, CB - 1)]
-                for mm in T.unroll(TOKENS):
-                    kx[mm] = T.if_then_else(j <= ty + WARPS * (mg * TOKENS + mm),
-                                            lp[j, T.min(ty + WARPS * (mg * TOKENS + mm), nmax - 1)], T.float32(0))
-                for mm in T.unroll(TOKENS):
+                    sc[u, 0] = ds[j, T.min(tx + 32 * u, CB - 1)]
+                for mm in T.unroll(TK):
+                    kx[mm, 0] = T.if_then_else(j <= ty + WARPS * (mg * TK + mm),
+                                            lp[j, T.min(ty + WARPS * (mg * TK + mm), nmax - 1)], T.float32(0))
+                for mm in T.unroll(TK):
                     for u in T.unroll(CPT):
-                        tile[mm, u] = tile[mm, u] + kx[mm] * sc[u]
-            for mm in T.unroll(TOKENS):
+                        tile[mm, u] = tile[mm, u] + kx[mm, 0] * sc[u, 0]
+            for mm in T.unroll(TK):
                 for u in T.unroll(CPT):
-                    if ty + WARPS * (mg * TOKENS + mm) < n and tx + 32 * u < CB:
-                        o[b, ty + WARPS * (mg * TOKENS + mm), h, cb * CB + tx + 32 * u] = T.if_then_else(
-                            slots[b, ty + WARPS * (mg * TOKENS + mm)] >= 0, tile[mm, u], T.float32(0))
+                    if ty + WARPS * (mg * TK + mm) < n and tx + 32 * u < CB:
+                        o[b, ty + WARPS * (mg * TK + mm), h, cb * CB + tx + 32 * u] = T.if_then_else(
+                            slots[b, ty + WARPS * (mg * TK + mm)] >= 0, tile[mm, u], T.float32(0))
 
     attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
              "gdn.tree": True, "gdn.keep_states": True, "gdn.shape": [n_heads, dk, dv], "gdn.form": "chunked"}

@@ -6,8 +6,11 @@ root path, not after the token before it in the batch.  The lowering gives every
 records, and conv) are the chain forms, which do not read it.  This pass swaps each for its
 tree form (same signature): every node starts from its parent's state (parent -1: the state
 before the pass) and its conv window is its ancestors' inputs, continued into the conv state
-when the path is shorter.  Nodes come parents-first, so one pass in node order recomputes
-every path, sharing each common prefix once.  ``commit`` then rebuilds the accepted node's
+when the path is shorter.  The recurrence's tree form is ``form``: ``chunked`` (default) computes
+every node in closed form at once (`compiler.gdn_tree`: path sums of the gates, the delta
+system over ancestor pairs; trees of up to 103 nodes + root, a larger budget falls back), and
+``sequential`` walks the nodes in order (parents come first), reading a branch's parent state
+back from scratch.  ``commit`` then rebuilds the accepted node's
 recurrent state along its root path from the pass's records (`kernels.gdn_commit`).
 Every verify's kernels are swapped, the drafter's too: a hybrid drafter then scores a whole
 level of a draft tree in one pass (`runtime.drafters.ModelDrafter` batched expansion).
