@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HEADS, DK, DV = 48, 128, 128       # Qwen3.5-27B's Gated DeltaNet value heads and head dims
 # variants of the chunked tree form timed side by side ("": the form the pass builds)
-CHUNKED = {"": {}, "_tokens8": {"tokens": 8}}
+CHUNKED = {"": {}}
 
 
 def make_tree(budget: int = 64, max_depth: int = 16, seed: int = 0):

@@ -33,7 +33,12 @@ sequential form's 100.8, agreeing with the PyTorch recurrence to 2e-7 (tree-veri
 Measured and dropped: solving level by level (nodes of a depth in parallel, two barriers a
 level, paths walked for the sums: 59.8 us but slow chains), every thread of the block solving
 (its local memory then spilled past L1: 100 us), a solve over each node's ancestor list only
-(69.8 us: the solve is not the cost), 8 tokens a thread (93.7 us: a second pass for token 64).
+(69.8 us; 73.4 with the list read 4 at a time, -071529: the solve is not the cost), 8 tokens a
+thread (93.7 us: a second pass for token 64).  Nsight Compute (ncu-gdn-chunked-20261201.csv):
+74 us, 12.5 % occupancy (one block of 8 warps an SM), stalls on barriers, 'wait' and long
+scoreboard about equally -- latency, not throughput; kernels stopped after a phase (22.6 / 31.2
+/ 55.9 us after L and P / the right-hand sides / the solve) are no reliable guide: with the
+later phases gone nothing reads some earlier results, which the compiler may drop (not checked).
 A long chain costs more than in the sequential form (every pair of its n nodes is an ancestor
 pair: chain verify of 65 tokens 2337 -> 2637-2661 us in the model); trees are the case this
 form is for (gdn-path-recompute{form=sequential} keeps the old kernel).
