@@ -27,7 +27,7 @@ from specpilot.compiler import gdn_tree, kernels
 from specpilot.passes.base import Option, Pass, PassContext
 
 
-def _tree_form(func: tirx.PrimFunc, form: str, budget: int):
+def _tree_form(func: tirx.PrimFunc, chunked: bool):
     attrs = func.attrs
     gpu = bool(attrs["tirx.is_scheduled"])
     shape = [int(x) for x in attrs["gdn.shape"]]
@@ -35,9 +35,10 @@ def _tree_form(func: tirx.PrimFunc, form: str, budget: int):
     if str(attrs["gdn.kernel"]) == "recurrence":
         if not bool(attrs["gdn.keep_states"]):
             return None            # prefill / decode: one sequence of tokens, nothing to follow
-        if form == "chunked" and budget + 1 <= gdn_tree.NMAX_LIMIT:
+        if chunked:
             # as many tokens as it can hold, not just the budget's nodes + root: an engine may verify
-            # larger trees or longer chains with the same build (more than NMAX_LIMIT: a clear error)
+            # larger trees or longer chains with the same build (more: the engine refuses, with the
+            # limit from manifest_entry)
             return gdn_tree.gated_delta_rule_tree(*shape, gpu=gpu, stack=stack, nmax=gdn_tree.NMAX_LIMIT)
         return kernels.gated_delta_rule(*shape, keep_states=True, gpu=gpu, tree=True, stack=stack)
     return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True, stack=stack)
@@ -46,10 +47,11 @@ def _tree_form(func: tirx.PrimFunc, form: str, budget: int):
 class GdnPathRecompute(Pass):
     name = "gdn-path-recompute"
     doc = "Gated DeltaNet state of every tree node recomputed along its root path (verify kernels follow parents)"
-    options = (Option("form", str, "chunked", "recurrence over the tree: chunked (every node in closed form, "
-                      "solved level by level: compiler/gdn_tree.py) or sequential (node after node)",
+    options = (Option("form", str, "chunked", "recurrence over the tree: chunked (every node in closed form at once, "
+                      "up to 104 tokens: compiler/gdn_tree.py) or sequential (node after node)",
                       ("chunked", "sequential")),)
     requires = ("tree-verify",)
+    manifest_key = "gdn_verify"   # the engine's limit on tokens a recording pass (verify) may take
     statistics = ("kernels_rewritten",)
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
@@ -57,15 +59,23 @@ class GdnPathRecompute(Pass):
             return False, "only for targets with Gated DeltaNet layers"
         return True, ""
 
+    def chunked(self, context: PassContext) -> bool:
+        """Whether the recurrence gets the chunked form (it holds NMAX_LIMIT tokens)."""
+        budget = int(context.statistics.get("tree-verify", {}).get("budget", 64))
+        return self["form"] == "chunked" and budget + 1 <= gdn_tree.NMAX_LIMIT
+
+    def manifest_entry(self, context: PassContext):
+        return {"form": "chunked", "max_tokens": gdn_tree.NMAX_LIMIT} if self.chunked(context) else None
+
     def apply(self, mod, context: PassContext):
         out = mod.clone() if hasattr(mod, "clone") else mod
         rewritten = 0
-        budget = int(context.statistics.get("tree-verify", {}).get("budget", 64))
+        chunked = self.chunked(context)
         for gv, func in list(mod.functions.items()):
             if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "gdn.kernel" not in func.attrs \
                     or bool(func.attrs["gdn.tree"]):
                 continue
-            tree = _tree_form(func, self["form"], budget)
+            tree = _tree_form(func, chunked)
             if tree is None:
                 continue
             out[gv] = tree

@@ -287,6 +287,9 @@ class CompiledModel:
         self._commit = fns.get(f"{which}_commit")
         self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
         self.path_recompute = "gdn-path-recompute" in module.manifest["pipeline"]   # every GDN verify kernel, drafter too
+        # tokens a recording (verify) pass may take: the chunked GDN tree form holds a fixed number
+        limit = (module.manifest.get("gdn_verify") or {}).get("max_tokens") if self.has_gdn else None
+        self.max_verify_tokens = int(limit) if limit else None
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
@@ -398,6 +401,10 @@ class CompiledModel:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence
         at its own length and with its own number of new tokens; one call of the step function
         for all.  Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
+        if record and self.max_verify_tokens and max(len(it[0]) for it in items) > self.max_verify_tokens:
+            raise SpecPilotError(f"{self.module.dir}: a verification of {max(len(it[0]) for it in items)} tokens; this "
+                                 f"build's Gated DeltaNet tree kernel takes at most {self.max_verify_tokens} "
+                                 "(gdn-path-recompute{form=sequential} has no limit)")
         fn, args, toks, states = self.step_call(items, record)
         out = fn(*args)
         logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
