@@ -39,6 +39,18 @@ DENSE = "Qwen3ForCausalLM"
 HYBRID = "Qwen3_5ForCausalLM"
 
 
+def build_spec(tmp_path, data: dict, out: str = "b"):
+    """``data`` written as tmp_path/model.yaml and built for llvm into tmp_path/out (returned)."""
+    import yaml
+
+    from specpilot.compiler.build import build
+    from specpilot.compiler.spec import load_spec
+    from specpilot.compiler.target import parse_target
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
+    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / out)
+    return tmp_path / out
+
+
 def tiny_config(arch: str, **overrides):
     return config_from_hf({**TINY_CONFIGS[arch], **overrides}, architecture=arch)
 

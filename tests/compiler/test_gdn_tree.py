@@ -147,23 +147,16 @@ def test_the_pass_picks_the_form(text, form):
 def test_a_chunked_build_verifies_at_most_its_limit(tmp_path, monkeypatch):
     """The limit travels in the manifest: within it tree decoding is exact, past it the engine
     says so before calling the kernel (the kernel's own check is the backstop)."""
-    import yaml
-
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
     from specpilot.errors import SpecPilotError
     from specpilot.runtime.decoding import speculative_tree
     from specpilot.runtime.systems import from_build
-    from tests.conftest import TINY_CONFIGS
+    from tests.conftest import TINY_CONFIGS, build_spec
     monkeypatch.setattr(gdn_tree, "NMAX_LIMIT", 8)
     data = {"target": {"architecture": HYBRID, "config": TINY_CONFIGS[HYBRID], "init": {"seed": 3}},
             "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3},
             "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 2},
             "passes": "tree-verify{budget=7},gdn-path-recompute"}
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
-    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b")
-    system = from_build(tmp_path / "b")
+    system = from_build(build_spec(tmp_path, data))
     compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
     assert compiled.max_verify_tokens == 8
     prompt = [(5 * i + 2) % 301 for i in range(11)]

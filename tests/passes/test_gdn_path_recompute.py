@@ -9,13 +9,9 @@ import numpy as np
 import pytest
 import torch
 import tvm_ffi
-import yaml
 
 from specpilot.compiler import kernels
-from specpilot.compiler.build import build
 from specpilot.compiler.lower import lower_deployment
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
 from specpilot.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
@@ -23,7 +19,7 @@ from specpilot.passes.runner import run_pipeline
 from specpilot.runtime.decoding import speculative_tree
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
 from specpilot.runtime.systems import from_build
-from tests.conftest import DENSE, HYBRID, TINY_CONFIGS, tiny_config
+from tests.conftest import DENSE, HYBRID, TINY_CONFIGS, build_spec, tiny_config
 from tests.kernel_helpers import run_cpu as _run
 
 
@@ -202,10 +198,9 @@ def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path, monkeypatc
             "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3},
             "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
             "passes": "tree-verify{budget=16},gdn-path-recompute"}
-    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
-    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b")
-    assert ("attention_rows" in (tmp_path / "b" / "kernels.json").read_text()) == pool_rows
-    system = from_build(tmp_path / "b")
+    out = build_spec(tmp_path, data)
+    assert ("attention_rows" in (out / "kernels.json").read_text()) == pool_rows
+    system = from_build(out)
     compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
     off_rank = 0
     for r in range(2):
