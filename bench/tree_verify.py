@@ -33,8 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HEADS, DK, DV = 48, 128, 128       # Qwen3.5-27B's Gated DeltaNet value heads and head dims
-# variants of the chunked tree form timed side by side ("": the form the pass builds)
-CHUNKED = {"": {}}
 
 
 def make_tree(budget: int = 64, max_depth: int = 16, seed: int = 0):
@@ -97,8 +95,7 @@ def build(out: Path) -> None:
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {"gdn_tree": gated_delta_rule(HEADS, DK, DV, keep_states=True, gpu=True, tree=True),
-             **{f"gdn_tree_chunked{suffix}": gated_delta_rule_tree(HEADS, DK, DV, gpu=True, **kw)
-                for suffix, kw in CHUNKED.items()},
+             "gdn_tree_chunked": gated_delta_rule_tree(HEADS, DK, DV, gpu=True),
              "gdn_step": gated_delta_rule(HEADS, DK, DV, keep_states=False, gpu=True),
              "gdn_commit": gdn_commit(1, HEADS, DK, DV, gpu=True)}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
@@ -209,7 +206,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
 
     lib = tvm.runtime.load_module(str(lib_path))
     tree_fn, step_fn, commit_fn = lib["gdn_tree"], lib["gdn_step"], lib["gdn_commit"]
-    chunked_fns = {suffix: lib[f"gdn_tree_chunked{suffix}"] for suffix in CHUNKED}
+    chunked_fn = lib["gdn_tree_chunked"]
     dev = torch.device("cuda")
     to_tvm = tvm.runtime.from_dlpack
     parents = [-1] + [p + 1 for p in tree.parents]        # row 0: the root (the last accepted token)
@@ -229,10 +226,8 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     scratch = torch.full((1, n, HEADS, DK, DV), float("nan"), device=dev)   # a state read back unstored: NaN
     args_tree = [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_tree, rec[:, :, 0], scratch)]
     # the chunked form (compiler/gdn_tree.py): same inputs, its own outputs and records
-    o_chunk = {suffix: torch.full_like(o_tree, float("nan")) for suffix in CHUNKED}
-    rec_chunk = torch.full_like(rec, float("nan"))
-    args_chunk = {suffix: [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_chunk[suffix], rec_chunk[:, :, 0],
-                                               scratch)] for suffix in CHUNKED}
+    o_chunk, rec_chunk = torch.full_like(o_tree, float("nan")), torch.full_like(rec, float("nan"))
+    args_chunk = [to_tvm(t) for t in (q, k, v, g, beta, s0, slots, par, o_chunk, rec_chunk[:, :, 0], scratch)]
     # every node's state as commit rebuilds it from the tree kernel's records (root path, root first)
     st_tree = torch.zeros(1, n, HEADS, DK, DV, device=dev)
     commit_args = [[to_tvm(rec), to_tvm(s0[:, None]),
@@ -262,8 +257,8 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     def run_tree():
         tree_fn(*args_tree)
 
-    def run_chunked(suffix=""):
-        chunked_fns[suffix](*args_chunk[suffix])
+    def run_chunked():
+        chunked_fn(*args_chunk)
 
     def run_nodes():
         for a in node_args:
@@ -276,10 +271,8 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     def run_commit():   # the deepest node's state, as commit keeps an accepted path
         commit_fn(*commit_args[deepest])
 
-    for f in (run_tree, run_nodes, run_paths):
+    for f in (run_tree, run_chunked, run_nodes, run_paths):
         f()
-    for suffix in CHUNKED:
-        run_chunked(suffix)
     for a in commit_args:
         commit_fn(*a)
     torch.cuda.synchronize()
@@ -299,14 +292,12 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
               "node_by_node_out": float((o_node - o_tree).abs().max() / o_tree.abs().max()),
               "path_walk_state": float((st_path[:, 0] - st_tree[0]).abs().max()) / scale,
               "path_walk_out": float((o_path - o_tree).abs().max() / o_tree.abs().max()),
-              "chunked_vs_sequential_out": float((o_chunk[""] - o_tree).abs().max() / o_tree.abs().max()),
+              "chunked_vs_sequential_out": float((o_chunk - o_tree).abs().max() / o_tree.abs().max()),
               "chunked_records_equal": bool(torch.equal(rec_chunk, rec)),
-              **{f"chunked{suffix}_vs_reference_out": float((o_chunk[suffix] - ref_o).abs().max() / ref_o.abs().max())
-                 for suffix in CHUNKED}}
+              "chunked_vs_reference_out": float((o_chunk - ref_o).abs().max() / ref_o.abs().max())}
     print(f"  GDN agreement (max relative): {errors}", flush=True)
     rows = [_row(f"GDN path recompute, one launch ({n} rows)", _timed(run_tree)),
-            *[_row(f"GDN path recompute, chunked{suffix} ({n} rows)", _timed(lambda s=suffix: run_chunked(s)))
-              for suffix in CHUNKED],
+            _row(f"GDN path recompute, chunked ({n} rows)", _timed(run_chunked)),
             _row(f"GDN node by node ({n} launches)", _timed(run_nodes, iters=5)),
             _row(f"GDN root paths walked ({n} launches, {sum(o.shape[1] for _, o in path_args)} token steps)",
                  _timed(run_paths, iters=5)),

@@ -70,7 +70,7 @@ def column_block(dv: int) -> int:
 
 @memo
 def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tuple[int, int] | None = None,
-                          nmax: int = NMAX_LIMIT, tokens: int = TOKENS):
+                          nmax: int = NMAX_LIMIT):
     """The chunked tree form; signature, attributes and records those of
     ``kernels.gated_delta_rule(n_heads, dk, dv, keep_states=True, gpu, tree=True, stack)``
     (``gdn.form`` = "chunked").  Parents must come before their children (the CPU form solves
@@ -87,7 +87,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     CPT = (CB + 31) // 32          # columns a lane
     DL = (dk + 31) // 32           # d_k elements a lane (the warp-wide dot products)
     THREADS = 32 * WARPS
-    TK = tokens                    # tokens a thread carries through the S_0 products
+    TK = TOKENS
     VEC = 4 if dk % 4 == 0 else 1  # d_k elements a shared load of the S_0 products
     KP = dk                        # k / q rows in shared memory (16-byte aligned where VEC = 4)
     # TVM raises a kernel's dynamic shared memory limit only once the dynamic part reaches 48 KB, and

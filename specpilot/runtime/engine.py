@@ -401,9 +401,10 @@ class CompiledModel:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence
         at its own length and with its own number of new tokens; one call of the step function
         for all.  Returns each sequence's float32 logits (T_b, vocab) and advances each state."""
-        if record and self.max_verify_tokens and max(len(it[0]) for it in items) > self.max_verify_tokens:
-            raise SpecPilotError(f"{self.module.dir}: a verification of {max(len(it[0]) for it in items)} tokens; this "
-                                 f"build's Gated DeltaNet tree kernel takes at most {self.max_verify_tokens} "
+        longest = max(len(it[0]) for it in items)
+        if record and self.max_verify_tokens and longest > self.max_verify_tokens:
+            raise SpecPilotError(f"{self.module.dir}: a verification of {longest} tokens; this build's Gated "
+                                 f"DeltaNet tree kernel takes at most {self.max_verify_tokens} "
                                  "(gdn-path-recompute{form=sequential} has no limit)")
         fn, args, toks, states = self.step_call(items, record)
         out = fn(*args)
