@@ -26,6 +26,8 @@ HEADS = [(4, 6, 256), (8, 4, 128), (2, 2, 32)]     # (KV heads, query heads per 
 CAPACITY = 4352
 # (query tokens, keys incl. the new tokens, verification?) -- verification: tree masks, key splits
 CASES = [(7, 4096, True), (65, 4096, True), (65, 1000, True), (33, 77, True), (1, 4096, True), (512, 512, False)]
+DECODE_HEADS = HEADS + [(2, 3, 24)]
+DECODE_KEYS = (77, 512, 4096)
 
 
 def _name(kind: str, nkv: int, group: int, d: int, split: int = 0) -> str:
@@ -45,12 +47,16 @@ def build(out: Path) -> None:
         for split, splits in ((kernels.ROWS_SPLIT, kernels.ROWS_SPLITS), (0, 1)):     # verification, prefill
             funcs[_name("rows", nkv, group, d, splits)] = kernels.attention_rows_partial(
                 1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", True, split=split, splits=splits)
+    for nkv, group, d in DECODE_HEADS:
+        funcs[_name("decode", nkv, group, d)] = kernels.attention_decode_partial(1, 0, 2, nkv, CAPACITY, d, group,
+                                                                                 "bfloat16")
         funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
     with target:
         lib = tvm.compile(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target=target)
     lib.export_library(str(out))
     # the run side has the TVM runtime alone (no TVMScript to import kernels with): the split travels here
-    out.with_suffix(".json").write_text(json.dumps({"split": kernels.ROWS_SPLIT, "splits": kernels.ROWS_SPLITS}))
+    out.with_suffix(".json").write_text(json.dumps({"split": kernels.ROWS_SPLIT, "splits": kernels.ROWS_SPLITS,
+                                                       "chunk": kernels.ATTN_CHUNK}))
     print(f"wrote {out} ({len(funcs)} kernels)")
 
 
@@ -80,7 +86,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     lib = tvm.runtime.load_module(str(lib_path))
     to_tvm = tvm.runtime.from_dlpack
     sidecar = json.loads(lib_path.with_suffix(".json").read_text())
-    verify_split, verify_splits = sidecar["split"], sidecar["splits"]
+    verify_split, verify_splits, chunk = sidecar["split"], sidecar["splits"], sidecar["chunk"]
     rows = []
 
     for nkv, group, d in HEADS:
@@ -141,9 +147,68 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                   f"{base:7.1f} us (err {err:.1e}; gathered err {err_gathered:.1e})  gathered "
                   f"{statistics.median(found['gathered_torch']):7.1f}  sdpa {statistics.median(found['sdpa_torch']):7.1f}",
                   flush=True)
+    decode = _decode(lib, to_tvm, chunk)
     path = write("attention-rows", {"heads": HEADS, "cases": CASES, "capacity": CAPACITY,
-                                    "split": verify_split, "splits": verify_splits, "results": rows}, out_dir)
+                                    "split": verify_split, "splits": verify_splits, "results": rows,
+                                    "decode_heads": DECODE_HEADS, "decode_keys": DECODE_KEYS, "chunk": chunk,
+                                    "decode": decode}, out_dir)
     print(f"wrote {path}")
+
+
+def _decode(lib, to_tvm, chunk: int) -> list[dict]:
+    """Decode's kernel: one query row per sequence, the keys split in ``chunk``s, a random quarter
+    masked (the first key always visible), the sequence in pool row 1 of 2."""
+    import torch
+
+    from bench._common import timed_rotating
+    rows = []
+    for nkv, group, d in DECODE_HEADS:
+        gen = torch.Generator().manual_seed(nkv * 7 + d)
+        nh = nkv * group
+        pool = torch.randn(1, 2, 2, nkv, CAPACITY, d, generator=gen).to(torch.bfloat16).cuda()
+        row = torch.tensor([1], dtype=torch.int32).cuda()
+        for L in DECODE_KEYS:
+            S = (L + chunk - 1) // chunk
+            q = (torch.randn(1, 1, nh, d, generator=gen) * 2).to(torch.bfloat16).cuda()
+            mask = torch.rand(L, generator=gen) >= 0.25
+            mask[0] = True
+            mask = mask.cuda()
+            keys, values = pool[0, 0, 1, :, :L].float(), pool[0, 1, 1, :, :L].float()        # (nkv, L, d)
+            qh = q[0, 0].view(nkv, group, d).float()
+            scores = (qh @ keys.transpose(1, 2)) * d ** -0.5                                  # (nkv, group, L)
+            want = (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ values).view(nh, d)
+            acc = torch.full((1, nkv, S, group, d), float("nan"), device="cuda")
+            ml = torch.full((1, nkv, S, group, 2), float("nan"), device="cuda")
+            out = torch.full((1, 1, nh, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            partial, combine = lib[_name("decode", nkv, group, d)], lib[_name("combine", nkv, group, d)]
+            args = [to_tvm(x) for x in (q, pool, row, mask.view(1, 1, L), acc, ml)]
+            outs = [to_tvm(acc), to_tvm(ml), to_tvm(out)]
+
+            def ours():
+                partial(*args)
+                combine(*outs)
+
+            def sdpa():
+                k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q[0].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                    attn_mask=mask.view(1, L))
+
+            ours()
+            torch.cuda.synchronize()
+            err = float(((out[0, 0].float() - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
+            found = {name: timed_rotating(lambda r, fn=fn: fn(), 1) for name, fn in (("decode_kernel", ours),
+                                                                                      ("sdpa_torch", sdpa))}
+            base = statistics.median(found["decode_kernel"])
+            for name, samples in found.items():
+                med = statistics.median(samples)
+                rows.append({"kv_heads": nkv, "group": group, "head_dim": d, "keys": L, "splits": S, "kernel": name,
+                             "median_us": med, "min_us": min(samples), "max_us": max(samples),
+                             "vs_decode_kernel": med / base,
+                             "max_rel_error": err if name == "decode_kernel" else None})
+            print(f"  decode heads {nkv}x{group} d={d:3d} L={L:4d}: decode kernel {base:6.1f} us (err {err:.1e})  "
+                  f"sdpa {statistics.median(found['sdpa_torch']):6.1f}", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -69,6 +69,30 @@ def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: in
     return tokens, times
 
 
+def step_function_ms(model, prompt: list[int], capacity: int, iters: int = 32, rounds: int = 7) -> list[float]:
+    """The compiled batch-1 decode step function alone, called back to back on the same inputs
+    (`CompiledModel.step_call`: it recomputes the same step): ms per call, CUDA events around
+    ``iters`` calls, ``rounds`` samples -- the step without the engine's per-step host work (its
+    inputs copied in, its logits copied out), what a server driving the module directly pays."""
+    state = model.new_state(capacity)
+    model.forward(prompt, state)
+    fn, args, _, _ = model.step_call([([0], state)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn(*args)
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    state.close()
+    return samples
+
+
 def batched_decode_steps(model, prompts: list[list[int]], steps: int, capacity: int, warmup: int = 3):
     """B sequences decoding together (`CompiledModel.forward_batch`): per-step seconds, and each
     sequence's tokens."""
@@ -207,6 +231,11 @@ def main() -> None:
                          "tokens": tokens})
         engines.pop("torch eager, W12 (Triton)", None)
         compiled = system.engines["compiled"].model
+        samples = step_function_ms(compiled, prompt, capacity)
+        med, q = statistics.median(samples) / 1e3, statistics.quantiles(samples, n=10)
+        rows.append({"build": build.name, "engine": "compiled step function", "batch": 1, "median_ms": med * 1e3,
+                     "p10_ms": q[0], "p90_ms": q[-1], "tokens_per_s": 1 / med, "weight_bytes": nbytes,
+                     "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth})
         print(f"  cuda graphs: {compiled.module.manifest.get('cuda_graph', False)}", flush=True)
         if args.profile:
             profiles[build.name] = kernel_profile(compiled, prompt, args.profile, capacity)

@@ -12,7 +12,8 @@
 #                                        nt-gemv vs the default (skinny-mma) build
 #   bash bench/h200_session.sh compare   builds under $STAGE (.gpu/stage; one carried folder): compiled decode of
 #                                        $DECODE_BUILDS (and with eager/torch.compile: $DECODE_FULL_BUILDS),
-#                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS
+#                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS,
+#                                        the attention kernels of $ATTN_LIB (bench/attention_rows.py build)
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
 export PYTHONPATH=/tmp/rt/site:$PWD PYTHONUNBUFFERED=1 TVM_USE_RUNTIME_LIB=1
@@ -39,6 +40,8 @@ mma)
   done ;;
 compare)
   st=${STAGE:-.gpu/stage}
+  [ -n "${ATTN_LIB:-}" ] && timeout "${ATTN_S:-120}" python3 bench/attention_rows.py run "$ATTN_LIB" --out "$out" 2>&1 \
+    | grep -v Warning | tail -40
   [ -n "${FORCING_BUILDS:-}" ] && timeout "${FORCING_S:-150}" python3 bench/gpu_forcing.py \
     $(for x in $FORCING_BUILDS; do echo $st/$x; done) --max-new-tokens 128 --out "$out" 2>&1 | tail -12
   for t in ${TREE_BUILDS:-}; do

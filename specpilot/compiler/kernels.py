@@ -118,7 +118,6 @@ def compact_kv(n_layers: int, rows: int, n_kv: int, capacity: int, head_dim: int
 
 
 ATTN_CHUNK = 64     # keys per split of a decode attention (a block of the GPU form)
-ATTN_WARPS = 2
 ATTN_FLOOR = -1e30  # the running max before any key: finite, so exp(floor - m) is 0, never NaN
 
 
@@ -137,6 +136,24 @@ def _online(head_dim: int):
     return online
 
 
+DECODE_THREADS = 128   # GPU form of `attention_decode_partial`: threads per block (one split of keys)
+
+
+def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
+    """How a decode block covers a key row: (VEC elements per load, lanes per key, pieces per
+    lane, keys in flight per thread round).  A row is ``head_dim / VEC`` pieces of one 16-byte
+    load each (VEC = 8 for 16-bit values) where head_dim allows, taken by LPK lanes (a power of
+    two, at most a warp; PPL pieces each); the block's DECODE_THREADS / LPK key groups take the
+    split's keys in turn."""
+    vec = next(v for v in (8, 4, 2, 1) if head_dim % v == 0)
+    pieces = head_dim // vec
+    lpk = 1
+    while lpk < min(pieces, 32):
+        lpk *= 2
+    ppl = (pieces + lpk - 1) // lpk
+    return vec, lpk, ppl, DECODE_THREADS // lpk
+
+
 @memo
 def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
                              group: int, dtype: str):
@@ -147,19 +164,28 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
     ``ATTN_CHUNK`` keys, each sequence, KV head and query head of its group: the running max m of
     the scaled scores (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l
     of exp(score - m), and sum of exp(score - m) * v -- outputs acc (B, n_kv, S, group, d) and
-    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK).  `attention_combine` merges
-    the splits.  No step copies keys or values out of the pool.
+    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK); a split without a visible key has
+    m = ATTN_FLOOR, l = 0, acc = 0.  `attention_combine` merges the splits.  No step copies keys
+    or values out of the pool.
 
     GPU only (the CPU form of every step is `attention_rows_partial`'s, which with one token and
-    ``ATTN_CHUNK`` keys per split computes exactly this).  A block per (sequence, KV head, split),
-    ``ATTN_WARPS`` warps taking its keys in turn, lane i holding dims i, i+32, ... of q and of its running sums; the dot products are
-    summed across the warp with shuffles, the warps' partial results merged in shared memory.
+    ``ATTN_CHUNK`` keys per split computes exactly this).  A block of DECODE_THREADS per (sequence,
+    KV head, split), in three phases with no dependent load inside any: (1) scores -- key groups of
+    LPK lanes (`_decode_tiling`) each take keys j = g, g + groups, ... (a warp's groups read
+    consecutive rows), every key row loaded before any product, q in registers, each dot product
+    summed across its lanes by shuffles, into shared memory; (2) a warp per query head: the split's
+    max, p = exp(score - m) (0 where masked), l; (3) P V the same way round (value rows loaded
+    first, then weighted by p), the key groups' partial sums added in shared memory.
     """
-    E = (head_dim + 31) // 32
-    W, CH = ATTN_WARPS, ATTN_CHUNK
+    vec, lpk, ppl, groups = _decode_tiling(head_dim)
+    CH, NT = ATTN_CHUNK, DECODE_THREADS
+    kpg = (CH + groups - 1) // groups          # keys a group takes (the last round may run past CH)
+    pieces = head_dim // vec
+    NW = NT // 32
+    lanes_keys = (CH + 31) // 32
     scale = float(head_dim) ** -0.5
-
-    online = _online(head_dim)
+    shuffles = lpk.bit_length() - 1            # butterfly over lpk / 2, ..., 1 lanes apart
+    outs = (group * head_dim + NT - 1) // NT
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
@@ -175,65 +201,109 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
         with T.sblock("root"):
             for bh in T.thread_binding(batch * n_kv, thread="blockIdx.x"):
                 for sp in T.thread_binding((L + CH - 1) // CH, thread="blockIdx.y"):
-                    for w in T.thread_binding(W, thread="threadIdx.y"):
-                        for lane in T.thread_binding(32, thread="threadIdx.x"):
-                            b, h = bh // n_kv, bh % n_kv
-                            qr = T.alloc_buffer((group, E), "float32", scope="local")
-                            acc = T.alloc_buffer((group, E), "float32", scope="local")
-                            m = T.alloc_buffer((group,), "float32", scope="local")
-                            lsum = T.alloc_buffer((group,), "float32", scope="local")
-                            sc = T.alloc_buffer((group,), "float32", scope="local")
-                            sm = T.alloc_buffer((W, group, 2), "float32", scope="shared")
-                            sacc = T.alloc_buffer((W, group, E * 32), "float32", scope="shared")
-                            for r, e in T.grid(group, E):
-                                acc[r, e] = T.float32(0)
-                                qr[r, e] = T.if_then_else(e * 32 + lane < head_dim, T.Cast(
-                                    "float32", q[b, 0, h * group + r, T.min(e * 32 + lane, head_dim - 1)]),
-                                    T.float32(0))
-                            for r in range(group):
-                                m[r] = T.float32(ATTN_FLOOR)
-                                lsum[r] = T.float32(0)
-                            for it in range(CH // W):
-                                j = sp * CH + it * W + w
-                                if j < L:
-                                    if mask[b, 0, j]:
-                                        for r in range(group):
-                                            sc[r] = T.float32(0)
-                                            for e in range(E):
-                                                if e * 32 + lane < head_dim:
-                                                    sc[r] = sc[r] + qr[r, e] * T.Cast("float32", kv[
-                                                        layer, 0, T.Cast("int64", row[b]), h, j, e * 32 + lane])
-                                            for u in T.unroll(5):   # butterfly over lanes 16, 8, 4, 2, 1 apart
-                                                sc[r] = sc[r] + T.tvm_warp_shuffle_xor(
-                                                    T.tvm_warp_activemask(), sc[r], T.shift_right(16, u), 32, 32)
-                                            online(m, lsum, acc, r, sc[r] * T.float32(scale),
-                                                   lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, j, i],
-                                                   E, lambda e: e * 32 + lane)
-                            for r in range(group):
-                                sm[w, r, 0] = m[r]
-                                sm[w, r, 1] = lsum[r]
-                                for e in range(E):
-                                    sacc[w, r, e * 32 + lane] = acc[r, e]
-                            T.tvm_storage_sync("shared")
-                            if w == 0:
-                                for r in range(group):
-                                    mm = T.alloc_buffer((2,), "float32", scope="local")
-                                    mm[0] = T.float32(ATTN_FLOOR)
-                                    for ww in range(W):
-                                        mm[0] = T.max(mm[0], sm[ww, r, 0])
-                                    mm[1] = T.float32(0)
-                                    for ww in range(W):
-                                        mm[1] = mm[1] + sm[ww, r, 1] * T.exp(sm[ww, r, 0] - mm[0])
-                                    if lane == 0:
-                                        ml[b, h, sp, r, 0] = mm[0]
-                                        ml[b, h, sp, r, 1] = mm[1]
-                                    for e in range(E):
-                                        if e * 32 + lane < head_dim:
-                                            acc[r, e] = T.float32(0)
-                                            for ww in range(W):
-                                                acc[r, e] = acc[r, e] + sacc[ww, r, e * 32 + lane] * T.exp(
-                                                    sm[ww, r, 0] - mm[0])
-                                            out[b, h, sp, r, e * 32 + lane] = acc[r, e]
+                    for tid in T.thread_binding(NT, thread="threadIdx.x"):
+                        b, h = bh // n_kv, bh % n_kv
+                        g, ll = tid // lpk, tid % lpk
+                        seq = T.Cast("int64", row[b])
+                        qr = T.alloc_buffer((group, ppl, vec), "float32", scope="local")
+                        raw = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
+                        rows_ = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
+                        acc = T.alloc_buffer((group, ppl, vec), "float32", scope="local")
+                        sc = T.alloc_buffer((group,), "float32", scope="local")
+                        red = T.alloc_buffer((2,), "float32", scope="local")
+                        ps = T.alloc_buffer((group, kpg * groups), "float32", scope="shared")   # scores
+                        pw = T.alloc_buffer((group, CH), "float32", scope="shared")             # weights p
+                        part = T.alloc_buffer((groups, group, head_dim), "float32", scope="shared")
+                        for r in T.unroll(group):
+                            for p in T.unroll(ppl):
+                                for e in T.unroll(vec):
+                                    qr[r, p, e] = T.if_then_else(ll + p * lpk < pieces, T.Cast(
+                                        "float32", q[b, 0, h * group + r, T.min(ll + p * lpk, pieces - 1) * vec + e]),
+                                        T.float32(0))
+                        # (1) scores: the rows first (clamped inside the pool), then the products
+                        for u in T.unroll(kpg):
+                            for p in T.unroll(ppl):
+                                for e in T.vectorized(vec):
+                                    raw[u, p, e] = kv[layer, 0, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
+                                                      T.min(ll + p * lpk, pieces - 1) * vec + e]
+                        for u in T.unroll(kpg):
+                            for p in T.unroll(ppl):
+                                for e in T.unroll(vec):
+                                    rows_[u, p, e] = raw[u, p, e]
+                        for u in T.unroll(kpg):
+                            for r in T.unroll(group):
+                                sc[r] = T.float32(0)
+                                for p in T.unroll(ppl):
+                                    for e in T.unroll(vec):
+                                        sc[r] = sc[r] + qr[r, p, e] * T.Cast("float32", rows_[u, p, e])
+                                for s in T.unroll(shuffles):
+                                    sc[r] = sc[r] + T.tvm_warp_shuffle_xor(
+                                        T.tvm_warp_activemask(), sc[r], T.shift_right(lpk // 2, s), 32, 32)
+                                if ll == 0:
+                                    ps[r, u * groups + g] = sc[r] * T.float32(scale)
+                        T.tvm_storage_sync("shared")
+                        # (2) a warp per query head: max, p (0 where no key is visible), l
+                        for rr in range((group + NW - 1) // NW):
+                            r = rr * NW + tid // 32
+                            if r < group:
+                                red[0] = T.float32(ATTN_FLOOR)
+                                for i in range(lanes_keys):
+                                    j = sp * CH + i * 32 + tid % 32
+                                    if i * 32 + tid % 32 < CH and j < L:
+                                        if mask[b, 0, j]:
+                                            red[0] = T.max(red[0], ps[r, i * 32 + tid % 32])
+                                for s in T.unroll(5):
+                                    red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(
+                                        T.tvm_warp_activemask(), red[0], T.shift_right(16, s), 32, 32))
+                                red[1] = T.float32(0)
+                                for i in range(lanes_keys):
+                                    j = sp * CH + i * 32 + tid % 32
+                                    if i * 32 + tid % 32 < CH:
+                                        sc[0] = T.if_then_else(j < L and mask[b, 0, T.min(j, L - 1)],
+                                                               T.exp(ps[r, i * 32 + tid % 32] - red[0]), T.float32(0))
+                                        pw[r, i * 32 + tid % 32] = sc[0]
+                                        red[1] = red[1] + sc[0]
+                                for s in T.unroll(5):
+                                    red[1] = red[1] + T.tvm_warp_shuffle_xor(
+                                        T.tvm_warp_activemask(), red[1], T.shift_right(16, s), 32, 32)
+                                if tid % 32 == 0:
+                                    ml[b, h, sp, r, 0] = red[0]
+                                    ml[b, h, sp, r, 1] = red[1]
+                        T.tvm_storage_sync("shared")
+                        # (3) P V: the value rows first, then weighted by p (keys past CH or L weigh 0)
+                        for u in T.unroll(kpg):
+                            for p in T.unroll(ppl):
+                                for e in T.vectorized(vec):
+                                    raw[u, p, e] = kv[layer, 1, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
+                                                      T.min(ll + p * lpk, pieces - 1) * vec + e]
+                        for u in T.unroll(kpg):
+                            for p in T.unroll(ppl):
+                                for e in T.unroll(vec):
+                                    rows_[u, p, e] = raw[u, p, e]
+                        for r in T.unroll(group):
+                            for p in T.unroll(ppl):
+                                for e in T.unroll(vec):
+                                    acc[r, p, e] = T.float32(0)
+                        for u in T.unroll(kpg):
+                            if u * groups + g < CH:
+                                for r in T.unroll(group):
+                                    for p in T.unroll(ppl):
+                                        for e in T.unroll(vec):
+                                            acc[r, p, e] = acc[r, p, e] + T.if_then_else(
+                                                pw[r, u * groups + g] > T.float32(0),
+                                                pw[r, u * groups + g] * T.Cast("float32", rows_[u, p, e]), T.float32(0))
+                        for r in T.unroll(group):
+                            for p in T.unroll(ppl):
+                                for e in T.unroll(vec):
+                                    if ll + p * lpk < pieces:
+                                        part[g, r, (ll + p * lpk) * vec + e] = acc[r, p, e]
+                        T.tvm_storage_sync("shared")
+                        for o in range(outs):
+                            if o * NT + tid < group * head_dim:
+                                red[0] = T.float32(0)
+                                for gg in range(groups):
+                                    red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
+                                out[b, h, sp, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim] = red[0]
     return kernel
 
 

@@ -82,16 +82,143 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last axis as one kernel: h = float32(x), h / sqrt(sum(h * h) / n + eps),
+    then ``dtype(h) * w`` (or ``dtype(h * (w + 1))`` zero-centered, Qwen3-Next / Qwen3.5) -- the
+    reference's arithmetic, operation for operation.  Written as Relax operators it was three
+    kernels a norm (the cast, the sum of squares, the scaling: x feeds both of the last two, and
+    FuseOps fuses no reduction with what reads its result); one tensor expression (the sum's
+    block and the elementwise block that reads it) is one PrimFunc, which dlight's
+    GeneralReduction rule schedules on GPUs as one kernel."""
+
     def __init__(self, dim: int, eps: float, zero_centered: bool, dtype: str):
         self.weight = nn.Parameter((dim,), dtype)
         self.eps, self.zero_centered, self.dtype = eps, zero_centered, dtype
 
     def forward(self, x: Tensor) -> Tensor:
-        h = op.astype(x, "float32")
-        h = h / op.sqrt(op.sum(h * h, axis=-1, keepdims=True) / float(x.shape[-1]) + self.eps)
-        if self.zero_centered:  # Qwen3-Next / Qwen3.5: (x * (1 + w)) then cast
-            return op.astype(h * (op.astype(self.weight, "float32") + 1.0), self.dtype)
-        return op.astype(h, self.dtype) * self.weight
+        return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype), "rms_norm",
+                                 [x, self.weight])
+
+
+def rms_norm_te(eps: float, zero_centered: bool, dtype: str):
+    """The tensor expression of `RMSNorm`: (x[..., n], w[n]) -> [..., n] in ``dtype``."""
+    from tvm import te, tirx
+
+    def f32(v):
+        return tirx.Cast("float32", v)
+
+    def compute(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+        n = x.shape[-1]
+        k = te.reduce_axis((0, n), "k")
+        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(f32(x[(*i, k)]) * f32(x[(*i, k)]), axis=k),
+                             name="sum_squares")
+
+        def scaled(*i):
+            h = f32(x[i]) / tirx.sqrt(squares[i[:-1]] / tirx.const(float(int(n)), "float32")
+                                      + tirx.const(eps, "float32"))
+            if zero_centered:
+                return tirx.Cast(dtype, h * (f32(w[i[-1]]) + tirx.const(1.0, "float32")))
+            return round_to(dtype, h) * w[i[-1]]
+        return te.compute(tuple(x.shape), scaled, name="rms_norm")
+    return compute
+
+
+def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int):
+    """q / k RMSNorm per head followed by rotary embedding, one tensor expression:
+    (x[B, T, H, d], w[d], cos[B, T, rot], sin[B, T, rot]) -> [B, T, H, d] in ``dtype``, the first
+    ``rot`` dims rotated (x * cos + rotate_half(x) * sin), the rest passed through.  Every value
+    the operators rounded to ``dtype`` is rounded here (`round_to`), so the result is theirs bit
+    for bit: the norm's two roundings, each product's, the sum's."""
+    from tvm import te, tirx
+
+    def f32(v):
+        return tirx.Cast("float32", v)
+
+    def r(v):       # float32 -> dtype -> float32
+        return f32(round_to(dtype, v))
+
+    half = rot // 2
+
+    def compute(x: te.Tensor, w: te.Tensor, cos: te.Tensor, sin: te.Tensor) -> te.Tensor:
+        n = x.shape[-1]
+        k = te.reduce_axis((0, n), "k")
+        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(f32(x[(*i, k)]) * f32(x[(*i, k)]), axis=k),
+                             name="sum_squares")
+
+        def normed(b, t, h, j):
+            v = f32(x[b, t, h, j]) / tirx.sqrt(squares[b, t, h] / tirx.const(float(int(n)), "float32")
+                                               + tirx.const(eps, "float32"))
+            if zero_centered:
+                return r(v * (f32(w[j]) + tirx.const(1.0, "float32")))
+            return r(r(v) * f32(w[j]))
+
+        def rotary(b, t, h, i):
+            if rot == 0:
+                return tirx.Cast(dtype, normed(b, t, h, i))
+            ci = tirx.min(i, rot - 1)
+            partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
+                                  normed(b, t, h, tirx.max(i - half, 0)))
+            turned = r(r(normed(b, t, h, i) * f32(cos[b, t, ci])) + r(partner * f32(sin[b, t, ci])))
+            return tirx.Cast(dtype, tirx.Select(i < rot, turned, normed(b, t, h, i)))
+        return te.compute(tuple(x.shape), rotary, name="norm_rope")
+    return compute
+
+
+def l2norm_te(scale: float | None):
+    """x / sqrt(sum(x * x) + 1e-6) over the last axis (float32), times ``scale`` when given: the
+    Gated DeltaNet q / k normalisation as one kernel (the operators were two: the sum, then the
+    scaling that reads it)."""
+    from tvm import te, tirx
+
+    def compute(x: te.Tensor) -> te.Tensor:
+        k = te.reduce_axis((0, x.shape[-1]), "k")
+        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(x[(*i, k)] * x[(*i, k)], axis=k),
+                             name="sum_squares")
+
+        def scaled(*i):
+            v = x[i] / tirx.sqrt(squares[i[:-1]] + tirx.const(1e-6, "float32"))
+            return v * tirx.const(scale, "float32") if scale is not None else v
+        return te.compute(tuple(x.shape), scaled, name="l2norm")
+    return compute
+
+
+def gated_norm_te(eps: float, dtype: str):
+    """The Gated DeltaNet output gate as one kernel: o (float32) rounded to ``dtype``, RMSNorm per
+    value head (`rms_norm_te`'s arithmetic), times silu(z) in float32, rounded to ``dtype``:
+    (o[..., dv], w[dv], z[..., dv]) -> [..., dv]."""
+    from tvm import te, tirx
+
+    def f32(v):
+        return tirx.Cast("float32", v)
+
+    def compute(o: te.Tensor, w: te.Tensor, z: te.Tensor) -> te.Tensor:
+        n = o.shape[-1]
+        k = te.reduce_axis((0, n), "k")
+
+        def x(*i):      # o as the dtype value the norm reads
+            return f32(round_to(dtype, o[i]))
+        squares = te.compute(tuple(o.shape[:-1]), lambda *i: te.sum(x(*i, k) * x(*i, k), axis=k), name="sum_squares")
+
+        def gated(*i):
+            h = x(*i) / tirx.sqrt(squares[i[:-1]] / tirx.const(float(int(n)), "float32") + tirx.const(eps, "float32"))
+            normed = f32(round_to(dtype, f32(round_to(dtype, h)) * f32(w[i[-1]])))
+            zf = f32(z[i])
+            return tirx.Cast(dtype, normed * (zf * tirx.sigmoid(zf)))
+        return te.compute(tuple(o.shape), gated, name="gated_norm")
+    return compute
+
+
+def round_to(dtype: str, v):
+    """float32 ``v`` rounded to ``dtype`` inside an expression.  For bfloat16 the rounding (to
+    nearest even, NaN kept) is spelled out: TVM's CPU legalization computes bf16 arithmetic in
+    float32 and drops a bf16 cast whose value only feeds more bf16 arithmetic, which would skip
+    this rounding (the reference rounds here: ``weight * h.to(bf16)``)."""
+    from tvm import tirx
+    if dtype != "bfloat16":
+        return tirx.Cast(dtype, v)
+    bits = tirx.reinterpret("uint32", v)
+    rounded = (bits + tirx.const(0x7FFF, "uint32") + ((bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32"))) \
+        & tirx.const(0xFFFF0000, "uint32")
+    return tirx.Cast("bfloat16", tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), bits, rounded)))
 
 
 class MLP(nn.Module):
@@ -143,6 +270,12 @@ class Attention(nn.Module):
         out = xr * cos + rotated * sin
         return op.concat([out, _slice(x, 3, rot, d, "pass")], dim=3) if rot < d else out
 
+    def _norm_rope(self, norm: "RMSNorm", x: Tensor, s: StepInputs) -> Tensor:
+        """`norm` then `_rope`, in one kernel (`norm_rope_te`); marked injective so FuseOps takes the
+        slice and cast that produce x into it (GPU schedules: dlight's GeneralReduction)."""
+        return op.tensor_expr_op(norm_rope_te(norm.eps, norm.zero_centered, self.dtype, self.cfg.rotary_dim),
+                                 "norm_rope", [x, norm.weight, s.cos, s.sin], attrs={"op_pattern": 2})
+
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
         """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
         cfg = self.cfg
@@ -155,9 +288,10 @@ class Attention(nn.Module):
         q = op.reshape(q, (B, T_, nh, d))
         k = op.reshape(self.k_proj(x), (B, T_, nkv, d))
         v = op.reshape(self.v_proj(x), (B, T_, nkv, d))
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rope(q, s), self._rope(k, s)
+        if cfg.qk_norm:   # norm and rotary as one kernel each
+            q, k = self._norm_rope(self.q_norm, q, s), self._norm_rope(self.k_norm, k, s)
+        else:
+            q, k = self._rope(q, s), self._rope(k, s)
         kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu)
         kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
                                      Tensor.placeholder(kv.shape, self.dtype))
@@ -303,10 +437,12 @@ class GatedDeltaNet(nn.Module):
             q = op.astype(op.reshape(_slice(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
             k = op.astype(op.reshape(_slice(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
             v = op.astype(op.reshape(_slice(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
+        # one kernel each, the slice and cast that make q and k fused in (injective), over the nk key
+        # heads; then repeated for the value heads (a repeated head's norm is its head's, bit for bit)
+        q = op.tensor_expr_op(l2norm_te(dk ** -0.5), "l2norm", [q], attrs={"op_pattern": 2})
+        k = op.tensor_expr_op(l2norm_te(None), "l2norm", [k], attrs={"op_pattern": 2})
         if nv != nk:
             q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
-        q = q / op.sqrt(op.sum(q * q, axis=-1, keepdims=True) + 1e-6) * (dk ** -0.5)
-        k = k / op.sqrt(op.sum(k * k, axis=-1, keepdims=True) + 1e-6)
         beta = op.reshape(op.sigmoid(op.astype(b, "float32")), (B, T_, nv))
         g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
             op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
@@ -332,8 +468,8 @@ class GatedDeltaNet(nn.Module):
             new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
                                        "conv_window_states", [window, s.slots],
                                        Tensor.placeholder((B, C, K - 1), self.dtype))
-        o = self.norm(op.astype(op.reshape(o, (B * T_, nv, dv)), self.dtype))
-        o = op.astype(op.astype(o, "float32") * op.silu(op.astype(z, "float32")), self.dtype)
+        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype), "gated_norm",
+                              [op.reshape(o, (B * T_, nv, dv)), self.norm.weight, z], attrs={"op_pattern": 2})
         return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
 
 

@@ -62,6 +62,14 @@ def read_manifest(build_dir: Path) -> dict:
     return manifest
 
 
+_TORCH_DTYPES = {"i4": torch.int32, "b1": torch.bool, "i8": torch.int64}
+
+
+def _host(x):
+    """A step's host-side input: torch tensors (tokens a GPU's logits chose, say) as numpy arrays."""
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
 class CompiledModule:
     """One loaded build: the VM, the parameters on the device, the function table."""
 
@@ -142,6 +150,27 @@ class CompiledModule:
 
     def tensor(self, array: np.ndarray):
         return self.tvm.runtime.tensor(array, self.device)
+
+    def tensors(self, *arrays: np.ndarray) -> list:
+        """A step's small host inputs on the device.  On a GPU in one host-to-device copy into
+        torch's caching allocator (64-byte aligned pieces of one buffer, as TVM wants): a tensor of
+        its own each was a device allocation, a copy and a (synchronizing) free apiece, ~0.1 ms a
+        step of the 8B-shape decode's 0.43 ms of engine time (bench/README, session 15).  The pieces
+        are views TVM holds through DLPack; TVM and torch launch on the same (default) stream, so
+        the buffer goes back to torch's pool only behind the kernels that read it."""
+        if self.device.dlpack_device_type() == 1:
+            return [self.tensor(a) for a in arrays]
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += (a.nbytes + 63) // 64 * 64
+        host = np.zeros(max(total, 64), np.uint8)
+        for a, o in zip(arrays, offsets):
+            host[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        dev = torch.from_numpy(host).to(f"cuda:{self.device.index}")
+        return [self.tvm.runtime.from_dlpack(dev[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype.str[1:]]).view(a.shape))
+                for a, o in zip(arrays, offsets)]
 
     def model(self, which: str) -> "CompiledModel":
         """The model's engine (one per build and model: it owns the model's KV-cache pool)."""
@@ -325,16 +354,16 @@ class CompiledModel:
         fn = self.module.functions.get(f"{self.which}_verify_view")
         if fn is None:
             raise SpecPilotError(f"{self.module.dir}: no {self.which}_verify_view; build with nested-int8-view")
+        tokens, positions, attn_mask, parents = (_host(x) for x in (tokens, positions, attn_mask, parents))
         tokens = np.asarray(tokens, dtype="int32").reshape(1, -1)
         n, start = tokens.shape[1], state.length
         state.check_room(n)
         m = self.module
         mask = np.asarray(attn_mask, dtype=bool)[None]
-        out = fn(m.tensor(tokens), m.tensor(np.asarray(positions, "int32")[None]),
-                 m.tensor(np.arange(start, start + n, dtype="int32")[None]), m.tensor(mask),
-                 m.tensor(np.array([state.row], "int32")), m.tensor(np.asarray(parents, "int32")[None]),
+        out = fn(*m.tensors(tokens, np.asarray(positions, "int32")[None], np.arange(start, start + n, dtype="int32")[None],
+                            mask, np.array([state.row], "int32"), np.asarray(parents, "int32")[None]),
                  self.kv, state.conv, state.rec, m.params)
-        return torch.from_numpy((out[0] if self.has_gdn else out).numpy())[0]
+        return self._logits(out[0] if self.has_gdn else out)[0]
 
     def accept_path(self, state: CompiledState, base: int, rows: list[int]) -> None:
         """After a tree verification from ``base``: keep new tokens ``rows`` (an ascending root
@@ -349,7 +378,7 @@ class CompiledModel:
             m = self.module
             src = np.array([[s for s, _ in moves]], "int32")
             dst = np.array([[d for _, d in moves]], "int32")
-            self._compact_kv(self.kv, m.tensor(np.array([state.row], "int32")), m.tensor(src), m.tensor(dst))
+            self._compact_kv(self.kv, *m.tensors(np.array([state.row], "int32"), src, dst))
         if self.has_gdn and rows:   # the tree pass's records: the state after the path's last token
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
@@ -362,7 +391,11 @@ class CompiledModel:
         """The step function and its arguments for `forward_batch`'s items, without calling it
         or moving any state: (function, arguments, tokens per item, states).  Calling it again
         with the same arguments recomputes the same step (benchmarks time it this way)."""
-        items = [tuple(it) + (None,) * (5 - len(it)) for it in items]
+        return self._step_inputs(items, record)[:4]
+
+    def _step_inputs(self, items, record: bool):
+        """`step_call`'s tuple and the host copy of the parents it passed."""
+        items = [tuple(_host(x) for x in it) + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items]
@@ -391,11 +424,12 @@ class CompiledModel:
             conv, rec = (self._stack([getattr(st, k) for st in states]) for k in ("conv", "rec"))
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        head = [m.tensor(tokens), m.tensor(positions), m.tensor(slots), m.tensor(mask), m.tensor(rows)]
         if record:
-            return self._verify, [*head, m.tensor(parents), self.kv, conv, rec, m.params], toks, states
+            return self._verify, [*m.tensors(tokens, positions, slots, mask, rows, parents), self.kv, conv, rec,
+                                  m.params], toks, states, parents
+        head = m.tensors(tokens, positions, slots, mask, rows)
         fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
-        return fn, [*head, self.kv, conv, rec, m.params], toks, states
+        return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence
@@ -406,10 +440,9 @@ class CompiledModel:
             raise SpecPilotError(f"{self.module.dir}: a verification of {longest} tokens; this build's Gated "
                                  f"DeltaNet tree kernel takes at most {self.max_verify_tokens} "
                                  "(gdn-path-recompute{form=sequential} has no limit)")
-        fn, args, toks, states = self.step_call(items, record)
+        fn, args, toks, states, parents = self._step_inputs(items, record)
         out = fn(*args)
-        logits = torch.from_numpy((out[0] if self.has_gdn else out).numpy())
-        parents = args[5].numpy() if record else None
+        logits = self._logits(out[0] if self.has_gdn else out)
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
             if self.has_gdn:
@@ -423,11 +456,19 @@ class CompiledModel:
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 
+    def _logits(self, array) -> torch.Tensor:
+        """A step's logits as a torch tensor where the build ran: on a GPU a device copy (the
+        reference engine's logits stay on the GPU too; the step's output buffer may be reused by the
+        next call, a CUDA graph's static output for one), on the CPU the values themselves."""
+        if self.module.device.dlpack_device_type() == 1:
+            return torch.from_numpy(array.numpy())
+        return torch.from_dlpack(array).clone()
+
     def _commit_at(self, p: _Pass, index: int):
         """The conv / recurrent states after token ``index`` of recorded pass ``p``."""
         m = self.module
-        return self._commit(p.conv_states, p.rec_records, p.rec_before, m.tensor(p.path(index)),
-                            m.tensor(np.array([index], "int32")))
+        return self._commit(p.conv_states, p.rec_records, p.rec_before, *m.tensors(p.path(index),
+                                                                                   np.array([index], "int32")))
 
     def _stack(self, arrays):
         """(1, ...) arrays of the sequences -> one (B, ...) array on the device."""

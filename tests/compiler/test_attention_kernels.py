@@ -78,6 +78,12 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
 
                        "'combine': kernels.attention_combine(8, 128, 4, 'bfloat16', True)}")
     assert "__shfl_xor_sync" in text and "partial_kernel" in text and "combine_kernel" in text
+    decode = text[text.index("void __launch_bounds__(128) partial_kernel("):]
+    decode = decode[:decode.index("\n}\n")]
+    # d = 128: a key row is 16 lanes' 16-byte loads; the block's 8 key groups take 8 keys each, the
+    # 8 key rows (then the 8 value rows) all loaded before the first product that uses them
+    assert decode.count("*(uint4*)(kv_ptr") == 16 and decode.count("__syncthreads()") >= 3
+    assert decode.index("*(uint4*)(kv_ptr", decode.index("*(uint4*)(kv_ptr") + 1) < decode.index("__shfl_xor_sync")
     rows = text[text.index("void __launch_bounds__(128) rows_kernel("):]
     # d = 256, 32 keys per chunk: 2 x 8 x 4 mma for S, 2 x 16 x 2 for O; V through ldmatrix.trans
     assert rows.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128
