@@ -90,16 +90,16 @@ class RMSNorm(nn.Module):
     block and the elementwise block that reads it) is one PrimFunc, which dlight's
     GeneralReduction rule schedules on GPUs as one kernel."""
 
-    def __init__(self, dim: int, eps: float, zero_centered: bool, dtype: str):
+    def __init__(self, dim: int, eps: float, zero_centered: bool, dtype: str, gpu: bool):
         self.weight = nn.Parameter((dim,), dtype)
-        self.eps, self.zero_centered, self.dtype = eps, zero_centered, dtype
+        self.eps, self.zero_centered, self.dtype, self.gpu = eps, zero_centered, dtype, gpu
 
     def forward(self, x: Tensor) -> Tensor:
-        return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype), "rms_norm",
+        return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype, not self.gpu), "rms_norm",
                                  [x, self.weight])
 
 
-def rms_norm_te(eps: float, zero_centered: bool, dtype: str):
+def rms_norm_te(eps: float, zero_centered: bool, dtype: str, spelled: bool = True):
     """The tensor expression of `RMSNorm`: (x[..., n], w[n]) -> [..., n] in ``dtype``."""
     from tvm import te, tirx
 
@@ -117,12 +117,12 @@ def rms_norm_te(eps: float, zero_centered: bool, dtype: str):
                                       + tirx.const(eps, "float32"))
             if zero_centered:
                 return tirx.Cast(dtype, h * (f32(w[i[-1]]) + tirx.const(1.0, "float32")))
-            return round_to(dtype, h) * w[i[-1]]
+            return tirx.Cast(dtype, round_to(dtype, h, spelled) * f32(w[i[-1]]))
         return te.compute(tuple(x.shape), scaled, name="rms_norm")
     return compute
 
 
-def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int):
+def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int, spelled: bool = True):
     """q / k RMSNorm per head followed by rotary embedding, one tensor expression:
     (x[B, T, H, d], w[d], cos[B, T, rot], sin[B, T, rot]) -> [B, T, H, d] in ``dtype``, the first
     ``rot`` dims rotated (x * cos + rotate_half(x) * sin), the rest passed through.  Every value
@@ -134,7 +134,7 @@ def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int):
         return tirx.Cast("float32", v)
 
     def r(v):       # float32 -> dtype -> float32
-        return f32(round_to(dtype, v))
+        return round_to(dtype, v, spelled)
 
     half = rot // 2
 
@@ -181,7 +181,7 @@ def l2norm_te(scale: float | None):
     return compute
 
 
-def gated_norm_te(eps: float, dtype: str):
+def gated_norm_te(eps: float, dtype: str, spelled: bool = True):
     """The Gated DeltaNet output gate as one kernel: o (float32) rounded to ``dtype``, RMSNorm per
     value head (`rms_norm_te`'s arithmetic), times silu(z) in float32, rounded to ``dtype``:
     (o[..., dv], w[dv], z[..., dv]) -> [..., dv]."""
@@ -195,30 +195,35 @@ def gated_norm_te(eps: float, dtype: str):
         k = te.reduce_axis((0, n), "k")
 
         def x(*i):      # o as the dtype value the norm reads
-            return f32(round_to(dtype, o[i]))
+            return round_to(dtype, o[i], spelled)
         squares = te.compute(tuple(o.shape[:-1]), lambda *i: te.sum(x(*i, k) * x(*i, k), axis=k), name="sum_squares")
 
         def gated(*i):
             h = x(*i) / tirx.sqrt(squares[i[:-1]] / tirx.const(float(int(n)), "float32") + tirx.const(eps, "float32"))
-            normed = f32(round_to(dtype, f32(round_to(dtype, h)) * f32(w[i[-1]])))
+            normed = round_to(dtype, round_to(dtype, h, spelled) * f32(w[i[-1]]), spelled)
             zf = f32(z[i])
             return tirx.Cast(dtype, normed * (zf * tirx.sigmoid(zf)))
         return te.compute(tuple(o.shape), gated, name="gated_norm")
     return compute
 
 
-def round_to(dtype: str, v):
-    """float32 ``v`` rounded to ``dtype`` inside an expression.  For bfloat16 the rounding (to
-    nearest even, NaN kept) is spelled out: TVM's CPU legalization computes bf16 arithmetic in
-    float32 and drops a bf16 cast whose value only feeds more bf16 arithmetic, which would skip
-    this rounding (the reference rounds here: ``weight * h.to(bf16)``)."""
+def round_to(dtype: str, v, spelled: bool):
+    """float32 ``v`` rounded to ``dtype`` and read back as float32, inside an expression.  On GPUs
+    (``spelled`` False) two casts: CUDA computes bf16 natively and keeps them.  TVM's CPU
+    legalization computes bf16 arithmetic in float32 and drops a bf16 cast whose value only feeds
+    more arithmetic, which would skip this rounding (the reference rounds here, e.g.
+    ``weight * h.to(bf16)``), so there (``spelled``) the rounding to nearest even is written out
+    on the bits.  That form names ``v`` four times and these roundings nest; LLVM shares the
+    repeats, nvcc did not (a 130 us gated norm), hence the GPU's casts."""
     from tvm import tirx
-    if dtype != "bfloat16":
-        return tirx.Cast(dtype, v)
+    if dtype == "float32":
+        return v
+    if dtype != "bfloat16" or not spelled:
+        return tirx.Cast("float32", tirx.Cast(dtype, v))
     bits = tirx.reinterpret("uint32", v)
     rounded = (bits + tirx.const(0x7FFF, "uint32") + ((bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32"))) \
         & tirx.const(0xFFFF0000, "uint32")
-    return tirx.Cast("bfloat16", tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), bits, rounded)))
+    return tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), bits, rounded))
 
 
 class MLP(nn.Module):
@@ -258,8 +263,8 @@ class Attention(nn.Module):
         self.v_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
         self.o_proj = Linear(cfg.num_attention_heads * d, H, cfg.o_bias, dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
 
     def _rope(self, x: Tensor, s: StepInputs) -> Tensor:
         rot, d = self.cfg.rotary_dim, self.cfg.head_dim
@@ -273,7 +278,8 @@ class Attention(nn.Module):
     def _norm_rope(self, norm: "RMSNorm", x: Tensor, s: StepInputs) -> Tensor:
         """`norm` then `_rope`, in one kernel (`norm_rope_te`); marked injective so FuseOps takes the
         slice and cast that produce x into it (GPU schedules: dlight's GeneralReduction)."""
-        return op.tensor_expr_op(norm_rope_te(norm.eps, norm.zero_centered, self.dtype, self.cfg.rotary_dim),
+        return op.tensor_expr_op(norm_rope_te(norm.eps, norm.zero_centered, self.dtype, self.cfg.rotary_dim,
+                                              not self.gpu),
                                  "norm_rope", [x, norm.weight, s.cos, s.sin], attrs={"op_pattern": 2})
 
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
@@ -375,7 +381,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = _Weight((self.conv_dim, 1, K), dtype)
         self.dt_bias = nn.Parameter((nv,), dtype)
         self.A_log = nn.Parameter((nv,), dtype)
-        self.norm = RMSNorm(dv, cfg.rms_norm_eps, False, dtype)
+        self.norm = RMSNorm(dv, cfg.rms_norm_eps, False, dtype, gpu)
         self.out_proj = Linear(nv * dv, H, False, dtype)
 
     def _projections(self, x: Tensor):
@@ -468,7 +474,7 @@ class GatedDeltaNet(nn.Module):
             new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
                                        "conv_window_states", [window, s.slots],
                                        Tensor.placeholder((B, C, K - 1), self.dtype))
-        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype), "gated_norm",
+        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
                               [op.reshape(o, (B * T_, nv, dv)), self.norm.weight, z], attrs={"op_pattern": 2})
         return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
 
@@ -477,8 +483,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_rows: int,
                  n_attn: int, pool_rows: bool | None = None):
         eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype, gpu)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype, gpu)
         if kind == "full_attention":
             self.self_attn = Attention(cfg, dtype, gpu, capacity, n_rows, n_attn, pool_rows)
         else:
@@ -493,7 +499,7 @@ class Backbone(nn.Module):
         self.embed_tokens = _Weight((cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nn.ModuleList([DecoderLayer(cfg, kind, dtype, gpu, capacity, n_rows, n_attn, pool_rows)
                                      for kind in cfg.layer_types])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
 
 
 class CausalLM(nn.Module):

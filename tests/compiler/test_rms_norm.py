@@ -190,3 +190,27 @@ def test_gated_deltanet_norms_are_the_operators_bit_for_bit(kind, dtype, shape):
         *(tvm.runtime.from_dlpack(t.clone()) for t in inputs))).clone() for fused in (True, False)]
     bits = torch.int16 if outs[0].dtype == torch.bfloat16 else torch.int32
     assert outs[0].shape == shape and torch.equal(outs[0].view(bits), outs[1].view(bits))
+
+
+def test_gpu_forms_keep_the_roundings_as_native_casts(tmp_path):
+    """On CUDA the norms round through bf16 casts (`round_to(..., spelled=False)`): the generated code
+    keeps the float32 <- bf16 <- float32 pair (CUDA computes bf16 natively; nothing folds it away)."""
+    from tests.kernel_helpers import sm90_source
+    setup = ("from tvm import te\nfrom tvm.s_tir import dlight as dl\n"
+             "from specpilot.compiler.lower import rms_norm_te, gated_norm_te\n"
+             "x = te.placeholder((4, 4096), 'bfloat16', name='x'); w = te.placeholder((4096,), 'bfloat16', name='w')\n"
+             "o = te.placeholder((1, 48, 128), 'float32', name='o'); v = te.placeholder((128,), 'bfloat16', name='v')\n"
+             "z = te.placeholder((1, 48, 128), 'bfloat16', name='z')\n"
+             "mod = tvm.IRModule({'rms': te.create_prim_func([x, w, rms_norm_te(1e-6, False, 'bfloat16', False)(x, w)]),\n"
+             "                    'gated': te.create_prim_func([o, v, z, gated_norm_te(1e-6, 'bfloat16', False)(o, v, z)])})\n"
+             "with tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}):\n"
+             "    mod = dl.ApplyDefaultSchedule(dl.gpu.GeneralReduction())(mod)")
+    text = sm90_source(tmp_path, setup, "{n: mod[n] for n in ('rms', 'gated')}")
+    def body(name):     # the kernel's definition (the source declares each kernel first)
+        start = text.rindex(f"{name}_kernel(")
+        return text[start:text.index("\n}\n", start)]
+    assert "((float)((nv_bfloat16)(((float)x_ptr[" in body("rms")
+    gated = body("gated")
+    store = [line for line in gated.splitlines() if "gated_norm_ptr[" in line and "=" in line]
+    # o read as bf16, the norm's two roundings, the output's: a line of hundreds of characters, not thousands
+    assert store and all(line.count("(nv_bfloat16)") == 4 and len(line) < 1200 for line in store)
