@@ -187,6 +187,20 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
     shuffles = lpk.bit_length() - 1            # butterfly over lpk / 2, ..., 1 lanes apart
     outs = (group * head_dim + NT - 1) // NT
 
+    @T.macro
+    def load_rows(raw, rows_, kv, which, seq, h, sp, g, ll):
+        """The key (which = 0) or value rows of the thread's kpg keys: every 16-byte load issued
+        before any is used, then copied to a buffer TVM types as elements (not uint4)."""
+        for u in T.unroll(kpg):
+            for p in T.unroll(ppl):
+                for e in T.vectorized(vec):
+                    raw[u, p, e] = kv[layer, which, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
+                                      T.min(ll + p * lpk, pieces - 1) * vec + e]
+        for u in T.unroll(kpg):
+            for p in T.unroll(ppl):
+                for e in T.unroll(vec):
+                    rows_[u, p, e] = raw[u, p, e]
+
     @T.prim_func(private=True, s_tir=True)
     def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
                ml_h: T.handle):
@@ -221,15 +235,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                                         "float32", q[b, 0, h * group + r, T.min(ll + p * lpk, pieces - 1) * vec + e]),
                                         T.float32(0))
                         # (1) scores: the rows first (clamped inside the pool), then the products
-                        for u in T.unroll(kpg):
-                            for p in T.unroll(ppl):
-                                for e in T.vectorized(vec):
-                                    raw[u, p, e] = kv[layer, 0, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
-                                                      T.min(ll + p * lpk, pieces - 1) * vec + e]
-                        for u in T.unroll(kpg):
-                            for p in T.unroll(ppl):
-                                for e in T.unroll(vec):
-                                    rows_[u, p, e] = raw[u, p, e]
+                        load_rows(raw, rows_, kv, 0, seq, h, sp, g, ll)
                         for u in T.unroll(kpg):
                             for r in T.unroll(group):
                                 sc[r] = T.float32(0)
@@ -271,15 +277,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                                     ml[b, h, sp, r, 1] = red[1]
                         T.tvm_storage_sync("shared")
                         # (3) P V: the value rows first, then weighted by p (keys past CH or L weigh 0)
-                        for u in T.unroll(kpg):
-                            for p in T.unroll(ppl):
-                                for e in T.vectorized(vec):
-                                    raw[u, p, e] = kv[layer, 1, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
-                                                      T.min(ll + p * lpk, pieces - 1) * vec + e]
-                        for u in T.unroll(kpg):
-                            for p in T.unroll(ppl):
-                                for e in T.unroll(vec):
-                                    rows_[u, p, e] = raw[u, p, e]
+                        load_rows(raw, rows_, kv, 1, seq, h, sp, g, ll)
                         for r in T.unroll(group):
                             for p in T.unroll(ppl):
                                 for e in T.unroll(vec):

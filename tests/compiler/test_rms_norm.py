@@ -14,6 +14,20 @@ from specpilot.compiler.lower import norm_rope_te, rms_norm_te
 from specpilot.runtime.reference.model import rms_norm as reference_rms_norm, rotate_half
 
 
+def _norm_operators(bb, x, w, dtype, zero_centered, eps, n):
+    """RMSNorm as the Relax operators the lowering emitted before (three kernels)."""
+    from tvm import relax
+    h = bb.emit(relax.op.astype(x, "float32"))
+    ss = bb.emit(relax.op.sum(relax.op.multiply(h, h), axis=[-1], keepdims=True))
+    den = bb.emit(relax.op.sqrt(relax.op.add(relax.op.divide(ss, relax.const(float(n), "float32")),
+                                             relax.const(eps, "float32"))))
+    h = bb.emit(relax.op.divide(h, den))
+    if zero_centered:
+        wf = relax.op.add(relax.op.astype(w, "float32"), relax.const(1.0, "float32"))
+        return bb.emit(relax.op.astype(relax.op.multiply(h, wf), dtype))
+    return bb.emit(relax.op.multiply(relax.op.astype(h, dtype), w))
+
+
 def _build(dtype: str, zero_centered: bool, eps: float, shape_tail: int, fused: bool):
     import tvm
     from tvm import relax, tirx
@@ -27,16 +41,7 @@ def _build(dtype: str, zero_centered: bool, eps: float, shape_tail: int, fused: 
             if fused:
                 out = bb.emit_te(rms_norm_te(eps, zero_centered, dtype), x, w)
             else:   # the operators the lowering emitted before
-                h = bb.emit(relax.op.astype(x, "float32"))
-                ss = bb.emit(relax.op.sum(relax.op.multiply(h, h), axis=[-1], keepdims=True))
-                den = bb.emit(relax.op.sqrt(relax.op.add(relax.op.divide(ss, relax.const(float(shape_tail), "float32")),
-                                                         relax.const(eps, "float32"))))
-                h = bb.emit(relax.op.divide(h, den))
-                if zero_centered:
-                    wf = relax.op.add(relax.op.astype(w, "float32"), relax.const(1.0, "float32"))
-                    out = bb.emit(relax.op.astype(relax.op.multiply(h, wf), dtype))
-                else:
-                    out = bb.emit(relax.op.multiply(relax.op.astype(h, dtype), w))
+                out = _norm_operators(bb, x, w, dtype, zero_centered, eps, shape_tail)
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
     ex = tvm.compile(bb.get(), target="llvm")
@@ -66,19 +71,6 @@ def test_one_kernel_rms_norm_is_the_operators_bit_for_bit(dtype, zero_centered, 
     # rsqrt(mean) vs 1 / sqrt(sum / n): float32 rounding apart; in bf16 at most one unit in the last place
     tol = dict(rtol=2e-6, atol=1e-6) if dtype == "float32" else dict(rtol=2 ** -7, atol=1e-2)
     torch.testing.assert_close(fused.float(), want.float(), **tol)
-
-
-def _norm_operators(bb, x, w, dtype, zero_centered, eps, n):
-    from tvm import relax
-    h = bb.emit(relax.op.astype(x, "float32"))
-    ss = bb.emit(relax.op.sum(relax.op.multiply(h, h), axis=[-1], keepdims=True))
-    den = bb.emit(relax.op.sqrt(relax.op.add(relax.op.divide(ss, relax.const(float(n), "float32")),
-                                             relax.const(eps, "float32"))))
-    h = bb.emit(relax.op.divide(h, den))
-    if zero_centered:
-        wf = relax.op.add(relax.op.astype(w, "float32"), relax.const(1.0, "float32"))
-        return bb.emit(relax.op.astype(relax.op.multiply(h, wf), dtype))
-    return bb.emit(relax.op.multiply(relax.op.astype(h, dtype), w))
 
 
 def _build_norm_rope(dtype, zero_centered, eps, heads, d, rot, fused):
