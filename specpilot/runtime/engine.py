@@ -62,7 +62,22 @@ def read_manifest(build_dir: Path) -> dict:
     return manifest
 
 
-_TORCH_DTYPES = {"i4": torch.int32, "b1": torch.bool, "i8": torch.int64}
+def pack_inputs(arrays) -> tuple[np.ndarray, list]:
+    """Arrays as one byte buffer, each at a 64-byte aligned offset (TVM's alignment for tensors
+    it takes by DLPack), and for each a function giving its view (dtype, shape) of a torch copy of
+    that buffer."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += (a.nbytes + 63) // 64 * 64
+    host = np.zeros(max(total, 64), np.uint8)
+    views = []
+    for a, o in zip(arrays, offsets):
+        host[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        dtype = torch.from_numpy(a[:0].reshape(-1)).dtype
+        views.append(lambda buf, o=o, n=a.nbytes, dtype=dtype, shape=a.shape: buf[o:o + n].view(dtype).view(shape))
+    return host, views
 
 
 def _host(x):
@@ -160,17 +175,9 @@ class CompiledModule:
         the buffer goes back to torch's pool only behind the kernels that read it."""
         if self.device.dlpack_device_type() == 1:
             return [self.tensor(a) for a in arrays]
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += (a.nbytes + 63) // 64 * 64
-        host = np.zeros(max(total, 64), np.uint8)
-        for a, o in zip(arrays, offsets):
-            host[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+        host, views = pack_inputs(arrays)
         dev = torch.from_numpy(host).to(f"cuda:{self.device.index}")
-        return [self.tvm.runtime.from_dlpack(dev[o:o + a.nbytes].view(_TORCH_DTYPES[a.dtype.str[1:]]).view(a.shape))
-                for a, o in zip(arrays, offsets)]
+        return [self.tvm.runtime.from_dlpack(view(dev)) for view in views]
 
     def model(self, which: str) -> "CompiledModel":
         """The model's engine (one per build and model: it owns the model's KV-cache pool)."""
