@@ -169,8 +169,8 @@ class CompiledModule:
     def tensors(self, *arrays: np.ndarray) -> list:
         """A step's small host inputs on the device.  On a GPU in one host-to-device copy into
         torch's caching allocator (64-byte aligned pieces of one buffer, as TVM wants): a tensor of
-        its own each was a device allocation, a copy and a (synchronizing) free apiece, ~0.1 ms a
-        step of the 8B-shape decode's 0.43 ms of engine time (bench/README, session 15).  The pieces
+        its own each was a device allocation, a copy and a (synchronizing) free apiece: 0.2-0.28 ms
+        of the 8B-shape decode step on the H200 (bench/README, session 15).  The pieces
         are views TVM holds through DLPack; TVM and torch launch on the same (default) stream, so
         the buffer goes back to torch's pool only behind the kernels that read it."""
         if self.device.dlpack_device_type() == 1:
