@@ -10,7 +10,11 @@ PyTorch: cuBLAS matmuls, so a lower bound on the old TVM path) -- and PyTorch's
 scaled_dot_product_attention with the same boolean mask.  Heads of the 27B-style hybrid (4 KV
 heads x 6, d = 256), of Qwen3-8B (8 x 4, d = 128) and of the tiny test models (2 x 2, d = 32);
 query rows of a chain (7), a 64-node tree + root (65) and a prefill (causal, one split); every
-output checked against float32 attention over the same bf16 values.
+output checked against float32 attention over the same bf16 values.  Then decode's kernel
+(`kernels.attention_decode_partial`, one query row, 64-key splits) + `attention_combine` against
+the same float32 attention and PyTorch's SDPA, at 77 / 512 / 4096 keys with a random quarter of
+the keys masked, for the same heads, an odd head_dim (24, the tiny models') and 16 query heads
+per KV head (their P V sums meet in shared memory a few heads a round).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ HEADS = [(4, 6, 256), (8, 4, 128), (2, 2, 32)]     # (KV heads, query heads per 
 CAPACITY = 4352
 # (query tokens, keys incl. the new tokens, verification?) -- verification: tree masks, key splits
 CASES = [(7, 4096, True), (65, 4096, True), (65, 1000, True), (33, 77, True), (1, 4096, True), (512, 512, False)]
-DECODE_HEADS = HEADS + [(2, 3, 24)]
+DECODE_HEADS = HEADS + [(2, 3, 24), (4, 16, 128)]     # + the tiny models' odd head_dim, 16 heads a KV head
 DECODE_KEYS = (77, 512, 4096)
 
 

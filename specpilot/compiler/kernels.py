@@ -137,6 +137,7 @@ def _online(head_dim: int):
 
 
 DECODE_THREADS = 128   # GPU form of `attention_decode_partial`: threads per block (one split of keys)
+PART_BYTES = 32768     # ... and at most this much shared memory for its P V partial sums
 
 
 def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
@@ -185,7 +186,10 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
     lanes_keys = (CH + 31) // 32
     scale = float(head_dim) ** -0.5
     shuffles = lpk.bit_length() - 1            # butterfly over lpk / 2, ..., 1 lanes apart
-    outs = (group * head_dim + NT - 1) // NT
+    # the key groups' partial P V sums meet in shared memory, heads_a_round query heads at a time
+    heads_a_round = max(1, min(group, PART_BYTES // (groups * head_dim * 4)))
+    rounds = (group + heads_a_round - 1) // heads_a_round
+    outs = (heads_a_round * head_dim + NT - 1) // NT
 
     @T.macro
     def load_rows(raw, rows_, kv, which, seq, h, sp, g, ll):
@@ -227,7 +231,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                         red = T.alloc_buffer((2,), "float32", scope="local")
                         ps = T.alloc_buffer((group, kpg * groups), "float32", scope="shared")   # scores
                         pw = T.alloc_buffer((group, CH), "float32", scope="shared")             # weights p
-                        part = T.alloc_buffer((groups, group, head_dim), "float32", scope="shared")
+                        part = T.alloc_buffer((groups, heads_a_round, head_dim), "float32", scope="shared")
                         for r in T.unroll(group):
                             for p in T.unroll(ppl):
                                 for e in T.unroll(vec):
@@ -290,18 +294,37 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                                             acc[r, p, e] = acc[r, p, e] + T.if_then_else(
                                                 pw[r, u * groups + g] > T.float32(0),
                                                 pw[r, u * groups + g] * T.Cast("float32", rows_[u, p, e]), T.float32(0))
-                        for r in T.unroll(group):
-                            for p in T.unroll(ppl):
-                                for e in T.unroll(vec):
-                                    if ll + p * lpk < pieces:
-                                        part[g, r, (ll + p * lpk) * vec + e] = acc[r, p, e]
-                        T.tvm_storage_sync("shared")
-                        for o in range(outs):
-                            if o * NT + tid < group * head_dim:
-                                red[0] = T.float32(0)
-                                for gg in range(groups):
-                                    red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
-                                out[b, h, sp, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim] = red[0]
+                        if heads_a_round >= group:   # every query head's partial sums at once
+                            for r in T.unroll(group):
+                                for p in T.unroll(ppl):
+                                    for e in T.unroll(vec):
+                                        if ll + p * lpk < pieces:
+                                            part[g, r, (ll + p * lpk) * vec + e] = acc[r, p, e]
+                            T.tvm_storage_sync("shared")
+                            for o in range(outs):
+                                if o * NT + tid < group * head_dim:
+                                    red[0] = T.float32(0)
+                                    for gg in range(groups):
+                                        red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
+                                    out[b, h, sp, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim] = red[0]
+                        else:   # heads_a_round query heads a round (the shared buffer stays under PART_BYTES)
+                            for rc in T.unroll(rounds):
+                                T.tvm_storage_sync("shared")
+                                for rr in T.unroll(heads_a_round):
+                                    for p in T.unroll(ppl):
+                                        for e in T.unroll(vec):
+                                            if rc * heads_a_round + rr < group and ll + p * lpk < pieces:
+                                                part[g, rr, (ll + p * lpk) * vec + e] = acc[
+                                                    T.min(rc * heads_a_round + rr, group - 1), p, e]
+                                T.tvm_storage_sync("shared")
+                                for o in range(outs):
+                                    if o * NT + tid < heads_a_round * head_dim and \
+                                            rc * heads_a_round + (o * NT + tid) // head_dim < group:
+                                        red[0] = T.float32(0)
+                                        for gg in range(groups):
+                                            red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
+                                        out[b, h, sp, rc * heads_a_round + (o * NT + tid) // head_dim,
+                                            (o * NT + tid) % head_dim] = red[0]
     return kernel
 
 
