@@ -99,26 +99,37 @@ class RMSNorm(nn.Module):
                                  [x, self.weight])
 
 
+def _f32(v):
+    from tvm import tirx
+    return tirx.Cast("float32", v)
+
+
+def _sum_squares(x_at, shape):
+    """sum over the last axis of x_at(*i, k)^2 (x_at gives float32): a tensor over shape[:-1]."""
+    from tvm import te
+    k = te.reduce_axis((0, shape[-1]), "k")
+    return te.compute(tuple(shape[:-1]), lambda *i: te.sum(x_at(*i, k) * x_at(*i, k), axis=k), name="sum_squares")
+
+
+def _rms_scaled(xf, squares, n, w_j, eps: float, zero_centered: bool, dtype: str, spelled: bool):
+    """RMSNorm of one element before its final rounding to ``dtype``, in float32: h = xf /
+    sqrt(squares / n + eps), then dtype(h) * w (the reference rounds h first) or h * (w + 1)
+    zero-centered (Qwen3-Next / Qwen3.5)."""
+    from tvm import tirx
+    h = xf / tirx.sqrt(squares / tirx.const(float(int(n)), "float32") + tirx.const(eps, "float32"))
+    if zero_centered:
+        return h * (_f32(w_j) + tirx.const(1.0, "float32"))
+    return round_to(dtype, h, spelled) * _f32(w_j)
+
+
 def rms_norm_te(eps: float, zero_centered: bool, dtype: str, spelled: bool = True):
     """The tensor expression of `RMSNorm`: (x[..., n], w[n]) -> [..., n] in ``dtype``."""
     from tvm import te, tirx
 
-    def f32(v):
-        return tirx.Cast("float32", v)
-
     def compute(x: te.Tensor, w: te.Tensor) -> te.Tensor:
-        n = x.shape[-1]
-        k = te.reduce_axis((0, n), "k")
-        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(f32(x[(*i, k)]) * f32(x[(*i, k)]), axis=k),
-                             name="sum_squares")
-
-        def scaled(*i):
-            h = f32(x[i]) / tirx.sqrt(squares[i[:-1]] / tirx.const(float(int(n)), "float32")
-                                      + tirx.const(eps, "float32"))
-            if zero_centered:
-                return tirx.Cast(dtype, h * (f32(w[i[-1]]) + tirx.const(1.0, "float32")))
-            return tirx.Cast(dtype, round_to(dtype, h, spelled) * f32(w[i[-1]]))
-        return te.compute(tuple(x.shape), scaled, name="rms_norm")
+        squares = _sum_squares(lambda *i: _f32(x[i]), x.shape)
+        return te.compute(tuple(x.shape), lambda *i: tirx.Cast(dtype, _rms_scaled(
+            _f32(x[i]), squares[i[:-1]], x.shape[-1], w[i[-1]], eps, zero_centered, dtype, spelled)), name="rms_norm")
     return compute
 
 
@@ -130,9 +141,6 @@ def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int, spelled:
     for bit: the norm's two roundings, each product's, the sum's."""
     from tvm import te, tirx
 
-    def f32(v):
-        return tirx.Cast("float32", v)
-
     def r(v):       # float32 -> dtype -> float32
         return round_to(dtype, v, spelled)
 
@@ -140,16 +148,10 @@ def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int, spelled:
 
     def compute(x: te.Tensor, w: te.Tensor, cos: te.Tensor, sin: te.Tensor) -> te.Tensor:
         n = x.shape[-1]
-        k = te.reduce_axis((0, n), "k")
-        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(f32(x[(*i, k)]) * f32(x[(*i, k)]), axis=k),
-                             name="sum_squares")
+        squares = _sum_squares(lambda *i: _f32(x[i]), x.shape)
 
         def normed(b, t, h, j):
-            v = f32(x[b, t, h, j]) / tirx.sqrt(squares[b, t, h] / tirx.const(float(int(n)), "float32")
-                                               + tirx.const(eps, "float32"))
-            if zero_centered:
-                return r(v * (f32(w[j]) + tirx.const(1.0, "float32")))
-            return r(r(v) * f32(w[j]))
+            return r(_rms_scaled(_f32(x[b, t, h, j]), squares[b, t, h], n, w[j], eps, zero_centered, dtype, spelled))
 
         def rotary(b, t, h, i):
             if rot == 0:
@@ -157,7 +159,7 @@ def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int, spelled:
             ci = tirx.min(i, rot - 1)
             partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
                                   normed(b, t, h, tirx.max(i - half, 0)))
-            turned = r(r(normed(b, t, h, i) * f32(cos[b, t, ci])) + r(partner * f32(sin[b, t, ci])))
+            turned = r(r(normed(b, t, h, i) * _f32(cos[b, t, ci])) + r(partner * _f32(sin[b, t, ci])))
             return tirx.Cast(dtype, tirx.Select(i < rot, turned, normed(b, t, h, i)))
         return te.compute(tuple(x.shape), rotary, name="norm_rope")
     return compute
@@ -170,9 +172,7 @@ def l2norm_te(scale: float | None):
     from tvm import te, tirx
 
     def compute(x: te.Tensor) -> te.Tensor:
-        k = te.reduce_axis((0, x.shape[-1]), "k")
-        squares = te.compute(tuple(x.shape[:-1]), lambda *i: te.sum(x[(*i, k)] * x[(*i, k)], axis=k),
-                             name="sum_squares")
+        squares = _sum_squares(lambda *i: x[i], x.shape)
 
         def scaled(*i):
             v = x[i] / tirx.sqrt(squares[i[:-1]] + tirx.const(1e-6, "float32"))
@@ -187,21 +187,15 @@ def gated_norm_te(eps: float, dtype: str, spelled: bool = True):
     (o[..., dv], w[dv], z[..., dv]) -> [..., dv]."""
     from tvm import te, tirx
 
-    def f32(v):
-        return tirx.Cast("float32", v)
-
     def compute(o: te.Tensor, w: te.Tensor, z: te.Tensor) -> te.Tensor:
-        n = o.shape[-1]
-        k = te.reduce_axis((0, n), "k")
-
         def x(*i):      # o as the dtype value the norm reads
             return round_to(dtype, o[i], spelled)
-        squares = te.compute(tuple(o.shape[:-1]), lambda *i: te.sum(x(*i, k) * x(*i, k), axis=k), name="sum_squares")
+        squares = _sum_squares(x, o.shape)
 
         def gated(*i):
-            h = x(*i) / tirx.sqrt(squares[i[:-1]] / tirx.const(float(int(n)), "float32") + tirx.const(eps, "float32"))
-            normed = round_to(dtype, round_to(dtype, h, spelled) * f32(w[i[-1]]), spelled)
-            zf = f32(z[i])
+            normed = round_to(dtype, _rms_scaled(x(*i), squares[i[:-1]], o.shape[-1], w[i[-1]], eps, False, dtype,
+                                                 spelled), spelled)
+            zf = _f32(z[i])
             return tirx.Cast(dtype, normed * (zf * tirx.sigmoid(zf)))
         return te.compute(tuple(o.shape), gated, name="gated_norm")
     return compute
