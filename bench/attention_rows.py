@@ -11,7 +11,7 @@ scaled_dot_product_attention with the same boolean mask.  Heads of the 27B-style
 heads x 6, d = 256), of Qwen3-8B (8 x 4, d = 128) and of the tiny test models (2 x 2, d = 32);
 query rows of a chain (7), a 64-node tree + root (65) and a prefill (causal, one split); every
 output checked against float32 attention over the same bf16 values.  Then decode's kernel
-(`kernels.attention_decode_partial`, one query row, 64-key splits) + `attention_combine` against
+(`kernels.attention_decode`, one query row, 64-key splits, the splits merged by the last block) against
 the same float32 attention and PyTorch's SDPA, at 77 / 512 / 4096 keys with a random quarter of
 the keys masked, for the same heads, an odd head_dim (24, the tiny models') and 16 query heads
 per KV head (their P V sums meet in shared memory a few heads a round).
@@ -51,10 +51,11 @@ def build(out: Path) -> None:
         for split, splits in ((kernels.ROWS_SPLIT, kernels.ROWS_SPLITS), (0, 1)):     # verification, prefill
             funcs[_name("rows", nkv, group, d, splits)] = kernels.attention_rows_partial(
                 1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", True, split=split, splits=splits)
-    for nkv, group, d in DECODE_HEADS:
-        funcs[_name("decode", nkv, group, d)] = kernels.attention_decode_partial(1, 0, 2, nkv, CAPACITY, d, group,
-                                                                                 "bfloat16")
         funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
+    for nkv, group, d in DECODE_HEADS:
+        nh = nkv * group        # the builds' form: queries, keys, values in one tensor, the new token written
+        funcs[_name("decode", nkv, group, d)] = kernels.attention_decode(
+            1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", q_heads=nh + 2 * nkv, write_at=(nh, nh + nkv))
     with target:
         lib = tvm.compile(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target=target)
     lib.export_library(str(out))
@@ -129,7 +130,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             def sdpa():
                 k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q[0].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                    q[0, :, :nh].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
                     attn_mask=mask)
 
             ours()
@@ -161,7 +162,9 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
 
 def _decode(lib, to_tvm, chunk: int) -> list[dict]:
     """Decode's kernel: one query row per sequence, the keys split in ``chunk``s, a random quarter
-    masked (the first key always visible), the sequence in pool row 1 of 2."""
+    masked (the first and the new key always visible), the sequence in pool row 1 of 2; the new
+    token's key and value (heads of q, as the builds pass them) written at slot L - 1 by the
+    kernel -- checked bit for bit in the pool after the call."""
     import torch
 
     from bench._common import timed_rotating
@@ -173,34 +176,38 @@ def _decode(lib, to_tvm, chunk: int) -> list[dict]:
         row = torch.tensor([1], dtype=torch.int32).cuda()
         for L in DECODE_KEYS:
             S = (L + chunk - 1) // chunk
-            q = (torch.randn(1, 1, nh, d, generator=gen) * 2).to(torch.bfloat16).cuda()
+            q = (torch.randn(1, 1, nh + 2 * nkv, d, generator=gen) * 2).to(torch.bfloat16).cuda()
+            new_k, new_v = q[0, 0, nh:nh + nkv], q[0, 0, nh + nkv:]
             mask = torch.rand(L, generator=gen) >= 0.25
-            mask[0] = True
+            mask[0] = mask[L - 1] = True
             mask = mask.cuda()
             keys, values = pool[0, 0, 1, :, :L].float(), pool[0, 1, 1, :, :L].float()        # (nkv, L, d)
-            qh = q[0, 0].view(nkv, group, d).float()
+            keys[:, L - 1], values[:, L - 1] = new_k.float(), new_v.float()
+            qh = q[0, 0, :nh].view(nkv, group, d).float()
             scores = (qh @ keys.transpose(1, 2)) * d ** -0.5                                  # (nkv, group, L)
             want = (torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ values).view(nh, d)
             acc = torch.full((1, nkv, S, group, d), float("nan"), device="cuda")
             ml = torch.full((1, nkv, S, group, 2), float("nan"), device="cuda")
             out = torch.full((1, 1, nh, d), float("nan"), device="cuda", dtype=torch.bfloat16)
-            partial, combine = lib[_name("decode", nkv, group, d)], lib[_name("combine", nkv, group, d)]
-            args = [to_tvm(x) for x in (q, pool, row, mask.view(1, 1, L), acc, ml)]
-            outs = [to_tvm(acc), to_tvm(ml), to_tvm(out)]
+            decode = lib[_name("decode", nkv, group, d)]
+            slot = torch.tensor([[L - 1]], dtype=torch.int32).cuda()
+            counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
+            args = [to_tvm(x) for x in (q, pool, row, mask.view(1, 1, L), slot, counters, acc, ml, out)]
 
             def ours():
-                partial(*args)
-                combine(*outs)
+                decode(*args)
 
             def sdpa():
                 k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q[0].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
+                    q[0, :, :nh].transpose(0, 1), k.repeat_interleave(group, 0), v.repeat_interleave(group, 0),
                     attn_mask=mask.view(1, L))
 
             ours()
             torch.cuda.synchronize()
             err = float(((out[0, 0].float() - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
+            written = bool(torch.equal(pool[0, 0, 1, :, L - 1], new_k) and torch.equal(pool[0, 1, 1, :, L - 1], new_v)
+                           and not counters.any())
             found = {name: timed_rotating(lambda r, fn=fn: fn(), 1) for name, fn in (("decode_kernel", ours),
                                                                                       ("sdpa_torch", sdpa))}
             base = statistics.median(found["decode_kernel"])
@@ -209,8 +216,10 @@ def _decode(lib, to_tvm, chunk: int) -> list[dict]:
                 rows.append({"kv_heads": nkv, "group": group, "head_dim": d, "keys": L, "splits": S, "kernel": name,
                              "median_us": med, "min_us": min(samples), "max_us": max(samples),
                              "vs_decode_kernel": med / base,
-                             "max_rel_error": err if name == "decode_kernel" else None})
-            print(f"  decode heads {nkv}x{group} d={d:3d} L={L:4d}: decode kernel {base:6.1f} us (err {err:.1e})  "
+                             "max_rel_error": err if name == "decode_kernel" else None,
+                             "new_key_value_written": written if name == "decode_kernel" else None})
+            print(f"  decode heads {nkv}x{group} d={d:3d} L={L:4d}: decode kernel {base:6.1f} us (err {err:.1e}, "
+                  f"new k/v {'written' if written else 'NOT WRITTEN (or counters left set)'})  "
                   f"sdpa {statistics.median(found['sdpa_torch']):6.1f}", flush=True)
     return rows
 

@@ -3,7 +3,8 @@
     python bench/compare_builds.py BUILD_A BUILD_B [--context 1024] [--out DIR]
 
 A schedule change that only moves arithmetic (fused epilogues, a different kernel for the same
-expression) must leave every output unchanged: prefill logits, an AR step's logits, and a
+expression) must leave every output unchanged: prefill logits, an AR step's logits (and the next
+step's, which reads the keys and values the first one wrote), and a
 64-node tree verification's logits, GDN conv states and recurrence records at a ``context``-token
 cache.  Both builds draw the same seeded weights (``--params seeded``), so any differing bit is
 a schedule bug.  Exits 1 when anything differs.
@@ -36,15 +37,18 @@ def outputs(build: Path, context: int) -> dict:
     def run(name, items, record=False):
         fn, args, _, _ = model.step_call(items, record)
         res = fn(*args)
-        out[name] = [torch.from_dlpack(o).clone() for o in (res if record else list(res)[:1])]
+        res = [res] if hasattr(res, "shape") else list(res)    # a model without recurrent layers: logits alone
+        out[name] = [torch.from_dlpack(o).clone() for o in (res if record else res[:1])]
     run("prefill (300 tokens)", [(prompt[:300], state)])
     model.forward(prompt, state)
+    run("AR step", [([7], state)])
+    model.forward([7], state)      # the step's own keys / values in the pool (decode writes them itself)
+    run("AR step after it", [([8], state)])
     base, tree = state.length, make_tree()
     mask = np.zeros((len(tree) + 1, base + len(tree) + 1), dtype=bool)
     mask[:, :base] = True
     mask[:, base:] = tree.ancestor_mask()
     tokens = [7] + [t % model.vocab_size for t in tree.tokens]
-    run("AR step", [([7], state)])
     run(f"tree verify ({len(tree)} nodes + root)",
         [(tokens, state, [base] + [base + d for d in tree.depths], mask, [-1] + [p + 1 for p in tree.parents])], True)
     torch.cuda.synchronize()

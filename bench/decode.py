@@ -93,6 +93,46 @@ def step_function_ms(model, prompt: list[int], capacity: int, iters: int = 32, r
     return samples
 
 
+def kernel_trace(model, prompt: list[int], capacity: int, iters: int = 16) -> dict:
+    """The step function's kernels as the GPU ran them (CUPTI through torch.profiler: no sync
+    between kernels, unlike `kernel_profile`): per kernel its GPU time per step, and the step's
+    span against the sum of its kernels -- the difference is the GPU idle between launches."""
+    import json as _json
+    import tempfile
+    state = model.new_state(capacity)
+    model.forward(prompt, state)
+    fn, args, _, _ = model.step_call([([0], state)])
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*args)
+        torch.cuda.synchronize()
+    state.close()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = _json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"error": "no kernel events (CUPTI unavailable?)"}
+    per, n = {}, len(kernels)
+    for e in kernels:
+        row = per.setdefault(e["name"], [0, 0.0])
+        row[0] += 1
+        row[1] += e["dur"]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy = sum(e["dur"] for e in kernels)
+    rows = sorted(({"kernel": k, "calls_per_step": c / iters, "us_per_step": t / iters} for k, (c, t) in per.items()),
+                  key=lambda r: -r["us_per_step"])
+    out = {"iters": iters, "kernels_per_step": n / iters, "span_us_per_step": span / iters,
+           "busy_us_per_step": busy / iters, "kernels": rows}
+    print(f"  GPU trace: {n / iters:.0f} kernels a step, {busy / iters:.0f} us busy of a {span / iters:.0f} us span")
+    for r in rows[:24]:
+        print(f"    {r['kernel'][:56]:56s} x{r['calls_per_step']:4.1f} {r['us_per_step']:8.1f} us")
+    return out
+
+
 def batched_decode_steps(model, prompts: list[list[int]], steps: int, capacity: int, warmup: int = 3):
     """B sequences decoding together (`CompiledModel.forward_batch`): per-step seconds, and each
     sequence's tokens."""
@@ -179,12 +219,14 @@ def main() -> None:
                     help="batch sizes for the compiled module after batch 1 (up to the build's max_batch)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also time the compiled module's batch-1 step kernel by kernel over STEPS steps")
+    ap.add_argument("--trace", type=int, default=0, metavar="ITERS",
+                    help="also trace the step function's kernels on the GPU (CUPTI) over ITERS calls")
     ap.add_argument("--no-w12", action="store_true", help="skip the eager W12 (Triton) engine")
     ap.add_argument("--compiled-only", action="store_true",
                     help="only the compiled module (e.g. a second build of a model already compared)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    profiles = {}
+    profiles, traces = {}, {}
     bandwidth = copy_bandwidth()
     print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -237,6 +279,12 @@ def main() -> None:
                      "p10_ms": q[0], "p90_ms": q[-1], "tokens_per_s": 1 / med, "weight_bytes": nbytes,
                      "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth})
         print(f"  cuda graphs: {compiled.module.manifest.get('cuda_graph', False)}", flush=True)
+        if args.trace:
+            try:
+                traces[build.name] = kernel_trace(compiled, prompt, capacity, args.trace)
+            except Exception as e:  # the profiler is a diagnostic: its failure is reported, not fatal
+                traces[build.name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"  trace failed: {traces[build.name]['error']}", flush=True)
         if args.profile:
             profiles[build.name] = kernel_profile(compiled, prompt, args.profile, capacity)
         for b in [x for x in args.batches if x <= compiled.max_batch]:
@@ -257,7 +305,8 @@ def main() -> None:
         del system, engines, eager
         torch.cuda.empty_cache()
     path = write("decode", {"context": args.context, "steps": args.steps, "copy_bandwidth": bandwidth,
-                            "results": rows, "kernel_profiles": profiles}, args.out)
+                            "results": rows, "kernel_profiles": profiles,
+                            "kernel_traces": traces}, args.out)
     print(f"\n{'build':16s} {'engine':26s} {'B':>2s} {'ms/step':>8s} {'p10-p90':>15s} {'tok/s':>7s} {'TB/s':>6s} "
           f"{'%copy':>6s} match")
     for r in rows:

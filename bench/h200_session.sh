@@ -49,10 +49,10 @@ compare)
       --parts steps --out "$out" 2>&1 | grep -v Warning | tail -34
   done
   [ -n "${DECODE_FULL_BUILDS:-}" ] && timeout "${DECODE_FULL_S:-300}" python3 bench/decode.py \
-    $(for x in $DECODE_FULL_BUILDS; do echo $st/$x; done) --no-w12 --profile 8 --context 512 --steps 32 \
+    $(for x in $DECODE_FULL_BUILDS; do echo $st/$x; done) --no-w12 --profile 8 ${DECODE_FULL_ARGS:-} --context 512 --steps 32 \
     --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -50
   [ -n "${DECODE_BUILDS:-}" ] && timeout "${DECODE_S:-300}" python3 bench/decode.py \
-    $(for x in $DECODE_BUILDS; do echo $st/$x; done) --compiled-only --profile 8 --context 512 --steps 32 \
+    $(for x in $DECODE_BUILDS; do echo $st/$x; done) --compiled-only --profile 8 ${DECODE_ARGS:-} --context 512 --steps 32 \
     --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -90 ;;
 gemm)
   timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75 ;;

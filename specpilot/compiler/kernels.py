@@ -40,31 +40,27 @@ def memo(factory):
 
 @memo
 def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str,
-             gpu: bool):
+             gpu: bool, heads_at: tuple[int, int] | None = None):
     """kv[layer, 0|1, rows[b], h, slots[b, t], :] = k|v[b, t, h, :] for the new tokens (in place).
 
     The cache is a pool of ``rows`` sequences; batch entry b writes its own row.  A token with
-    slot < 0 is padding (a shorter request in a padded batch) and writes nothing.
+    slot < 0 is padding (a shorter request in a padded batch) and writes nothing.  With
+    ``heads_at`` = (k0, v0) the keys and values are heads k0.. and v0.. of one tensor
+    (B, T, heads, d) (`lower.attention_heads_te`'s: queries, keys, values) instead of two.
     """
     width = n_kv * head_dim
     threads = min(256, width)
     rounds = (width + threads - 1) // threads
+    k0, v0 = heads_at or (0, 0)
 
     @T.macro
     def put(kv, k, v, slots, row, b, t, h, x):
         if slots[b, t] >= 0:
-            kv[layer, 0, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = k[b, t, h, x]
-            kv[layer, 1, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = v[b, t, h, x]
+            kv[layer, 0, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = k[b, t, k0 + h, x]
+            kv[layer, 1, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = v[b, t, v0 + h, x]
 
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, rows_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        batch, n = T.int64(), T.int64()
-        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
-        k = T.match_buffer(k_h, (batch, n, n_kv, head_dim), dtype)
-        v = T.match_buffer(v_h, (batch, n, n_kv, head_dim), dtype)
-        slots = T.match_buffer(slots_h, (batch, n), "int32")
-        row = T.match_buffer(rows_h, (batch,), "int32")
+    @T.macro
+    def write(kv, k, v, slots, row, batch, n):
         with T.sblock("root"):
             if gpu:   # a block per token, its n_kv * head_dim values spread over the threads
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
@@ -76,6 +72,31 @@ def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, hea
             else:
                 for b, t, h, x in T.grid(batch, n, n_kv, head_dim):
                     put(kv, k, v, slots, row, b, t, h, x)
+
+    if heads_at is not None:
+        n_heads = max(k0, v0) + n_kv
+
+        @T.prim_func(private=True, s_tir=True)
+        def one_input(kv_h: T.handle, heads_h: T.handle, slots_h: T.handle, rows_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+            batch, n = T.int64(), T.int64()
+            kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+            heads = T.match_buffer(heads_h, (batch, n, n_heads, head_dim), dtype)
+            slots = T.match_buffer(slots_h, (batch, n), "int32")
+            row = T.match_buffer(rows_h, (batch,), "int32")
+            write(kv, heads, heads, slots, row, batch, n)
+        return one_input
+
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, rows_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, n = T.int64(), T.int64()
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+        k = T.match_buffer(k_h, (batch, n, n_kv, head_dim), dtype)
+        v = T.match_buffer(v_h, (batch, n, n_kv, head_dim), dtype)
+        slots = T.match_buffer(slots_h, (batch, n), "int32")
+        row = T.match_buffer(rows_h, (batch,), "int32")
+        write(kv, k, v, slots, row, batch, n)
     return kernel
 
 
@@ -136,7 +157,7 @@ def _online(head_dim: int):
     return online
 
 
-DECODE_THREADS = 128   # GPU form of `attention_decode_partial`: threads per block (one split of keys)
+DECODE_THREADS = 128   # `attention_decode`: threads per block (one split of keys)
 PART_BYTES = 32768     # ... and at most this much shared memory for its P V partial sums
 
 
@@ -156,27 +177,37 @@ def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
 
 
 @memo
-def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
-                             group: int, dtype: str):
-    """Decode attention straight from the KV pool, split over the keys (flash decoding), first half.
+def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, group: int,
+                     dtype: str, q_heads: int = 0, write_at: tuple[int, int] | None = None):
+    """Decode attention straight from the KV pool, split over the keys (flash decoding), in one kernel.
 
-    Inputs q (B, 1, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
-    rows (B,) and mask (B, 1, L).  Query head h reads KV head h // group.  For each split of
-    ``ATTN_CHUNK`` keys, each sequence, KV head and query head of its group: the running max m of
-    the scaled scores (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l
-    of exp(score - m), and sum of exp(score - m) * v -- outputs acc (B, n_kv, S, group, d) and
-    ml (B, n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK); a split without a visible key has
-    m = ATTN_FLOOR, l = 0, acc = 0.  `attention_combine` merges the splits.  No step copies keys
-    or values out of the pool.
+    Inputs q (B, 1, q_heads or n_kv * group, d) after rotary (its first n_kv * group heads the
+    queries: `lower.attention_heads_te`'s tensor), the pool kv (layers, 2, rows, n_kv, capacity, d),
+    rows (B,), mask (B, 1, L), the new tokens' slots (B, 1) and counters (B * n_kv,) int32, zero
+    on entry and left zero.  Query head h reads KV head h // group.  Output o (B, 1, n_kv * group,
+    d): the attention rounded to ``dtype``.  For each split of ``ATTN_CHUNK`` keys, each sequence,
+    KV head and query head of its group, a block finds the running max m of the scaled scores
+    (float32 dot products times d^-0.5) over the split's unmasked keys, the sum l of
+    exp(score - m), and sum of exp(score - m) * v -- into acc (B, n_kv, S, group, d) and ml (B,
+    n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK); a split without a visible key has m =
+    ATTN_FLOOR, l = 0, acc = 0.  The last of a (sequence, KV head)'s S blocks to finish (its
+    counter, atomically) merges them with `attention_combine`'s arithmetic.  With ``write_at`` =
+    (k0, v0) it also does `kv_write`'s work for the new token (q's heads k0.. and v0.. are its
+    keys and values, written at their slots; slot < 0 writes nothing): the block whose split
+    holds the slot writes them into the pool and takes that key row from q instead of the pool
+    (no other block reads the slot).  The pool and the counters are in-place arguments; one
+    kernel a layer stands where three ran (kv_write, the partial sums, attention_combine).  No
+    step copies keys or values out of the pool.
 
-    GPU only (the CPU form of every step is `attention_rows_partial`'s, which with one token and
-    ``ATTN_CHUNK`` keys per split computes exactly this).  A block of DECODE_THREADS per (sequence,
-    KV head, split), in three phases with no dependent load inside any: (1) scores -- key groups of
-    LPK lanes (`_decode_tiling`) each take keys j = g, g + groups, ... (a warp's groups read
-    consecutive rows), every key row loaded before any product, q in registers, each dot product
-    summed across its lanes by shuffles, into shared memory; (2) a warp per query head: the split's
-    max, p = exp(score - m) (0 where masked), l; (3) P V the same way round (value rows loaded
-    first, then weighted by p), the key groups' partial sums added in shared memory.
+    GPU only (the CPU form of every step is `attention_rows_partial` + `attention_combine`, which
+    with one token and ``ATTN_CHUNK`` keys per split compute exactly this).  A block of
+    DECODE_THREADS per (sequence, KV head, split), in three phases with no dependent load inside
+    any: (1) scores -- key groups of LPK lanes (`_decode_tiling`) each take keys j = g, g + groups,
+    ... (a warp's groups read consecutive rows), every key row loaded before any product, q in
+    registers, each dot product summed across its lanes by shuffles, into shared memory; (2) a
+    warp per query head: the split's max, p = exp(score - m) (0 where masked), l; (3) P V the same
+    way round (value rows loaded first, then weighted by p), the key groups' partial sums added in
+    shared memory; then (4) the counter, and in the last block the merge.
     """
     vec, lpk, ppl, groups = _decode_tiling(head_dim)
     CH, NT = ATTN_CHUNK, DECODE_THREADS
@@ -190,11 +221,15 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
     heads_a_round = max(1, min(group, PART_BYTES // (groups * head_dim * 4)))
     rounds = (group + heads_a_round - 1) // heads_a_round
     outs = (heads_a_round * head_dim + NT - 1) // NT
+    writes = write_at is not None
+    k0, v0 = write_at or (0, 0)
+    merge = _merge_splits(group, dtype)
 
     @T.macro
-    def load_rows(raw, rows_, kv, which, seq, h, sp, g, ll):
+    def load_rows(raw, rows_, kv, which, seq, h, sp, g, ll, q, b, slot, at):
         """The key (which = 0) or value rows of the thread's kpg keys: every 16-byte load issued
-        before any is used, then copied to a buffer TVM types as elements (not uint4)."""
+        before any is used, then copied to a buffer TVM types as elements (not uint4); with
+        ``write_at``, the new token's row from q."""
         for u in T.unroll(kpg):
             for p in T.unroll(ppl):
                 for e in T.vectorized(vec):
@@ -204,16 +239,25 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
             for p in T.unroll(ppl):
                 for e in T.unroll(vec):
                     rows_[u, p, e] = raw[u, p, e]
+        if writes:
+            for u in T.unroll(kpg):
+                if sp * CH + u * groups + g == slot:
+                    for p in T.unroll(ppl):
+                        for e in T.unroll(vec):
+                            rows_[u, p, e] = q[b, 0, at + h, T.min(ll + p * lpk, pieces - 1) * vec + e]
 
     @T.prim_func(private=True, s_tir=True)
-    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
-               ml_h: T.handle):
+    def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, slots_h: T.handle,
+               counters_h: T.handle, acc_h: T.handle, ml_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
         batch, L = T.int64(), T.int64()
-        q = T.match_buffer(q_h, (batch, 1, n_kv * group, head_dim), dtype)
+        q = T.match_buffer(q_h, (batch, 1, q_heads or n_kv * group, head_dim), dtype)
         kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
         row = T.match_buffer(rows_h, (batch,), "int32")
         mask = T.match_buffer(mask_h, (batch, 1, L), "bool")
+        slots = T.match_buffer(slots_h, (batch, 1), "int32")
+        counters = T.match_buffer(counters_h, (batch * n_kv,), "int32")
+        o = T.match_buffer(o_h, (batch, 1, n_kv * group, head_dim), dtype)
         out = T.match_buffer(acc_h, (batch, n_kv, (L + CH - 1) // CH, group, head_dim), "float32")
         ml = T.match_buffer(ml_h, (batch, n_kv, (L + CH - 1) // CH, group, 2), "float32")
         with T.sblock("root"):
@@ -223,6 +267,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                         b, h = bh // n_kv, bh % n_kv
                         g, ll = tid // lpk, tid % lpk
                         seq = T.Cast("int64", row[b])
+                        slot = T.Cast("int64", slots[b, 0])   # read only with write_at
                         qr = T.alloc_buffer((group, ppl, vec), "float32", scope="local")
                         raw = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
                         rows_ = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
@@ -232,14 +277,22 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                         ps = T.alloc_buffer((group, kpg * groups), "float32", scope="shared")   # scores
                         pw = T.alloc_buffer((group, CH), "float32", scope="shared")             # weights p
                         part = T.alloc_buffer((groups, heads_a_round, head_dim), "float32", scope="shared")
+                        done = T.alloc_buffer((1,), "int32", scope="shared")
+                        seen = T.alloc_buffer((1,), "int32", scope="local")
                         for r in T.unroll(group):
                             for p in T.unroll(ppl):
                                 for e in T.unroll(vec):
                                     qr[r, p, e] = T.if_then_else(ll + p * lpk < pieces, T.Cast(
                                         "float32", q[b, 0, h * group + r, T.min(ll + p * lpk, pieces - 1) * vec + e]),
                                         T.float32(0))
+                        if writes:   # the new token's key and value rows into the pool, by its split's block
+                            if slot >= 0 and sp == slot // CH:
+                                for o in range((head_dim + NT - 1) // NT):
+                                    if o * NT + tid < head_dim:
+                                        kv[layer, 0, seq, h, slot, o * NT + tid] = q[b, 0, k0 + h, o * NT + tid]
+                                        kv[layer, 1, seq, h, slot, o * NT + tid] = q[b, 0, v0 + h, o * NT + tid]
                         # (1) scores: the rows first (clamped inside the pool), then the products
-                        load_rows(raw, rows_, kv, 0, seq, h, sp, g, ll)
+                        load_rows(raw, rows_, kv, 0, seq, h, sp, g, ll, q, b, slot, k0)
                         for u in T.unroll(kpg):
                             for r in T.unroll(group):
                                 sc[r] = T.float32(0)
@@ -281,7 +334,7 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                                     ml[b, h, sp, r, 1] = red[1]
                         T.tvm_storage_sync("shared")
                         # (3) P V: the value rows first, then weighted by p (keys past CH or L weigh 0)
-                        load_rows(raw, rows_, kv, 1, seq, h, sp, g, ll)
+                        load_rows(raw, rows_, kv, 1, seq, h, sp, g, ll, q, b, slot, v0)
                         for r in T.unroll(group):
                             for p in T.unroll(ppl):
                                 for e in T.unroll(vec):
@@ -325,6 +378,22 @@ def attention_decode_partial(n_layers: int, layer: int, rows: int, n_kv: int, ca
                                             red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
                                         out[b, h, sp, rc * heads_a_round + (o * NT + tid) // head_dim,
                                             (o * NT + tid) % head_dim] = red[0]
+                        # (4) the last of the (sequence, KV head)'s blocks to finish merges its splits
+                        # (`attention_combine`'s arithmetic) and sets the counter back to 0
+                        T.cuda.thread_fence()
+                        T.tvm_storage_sync("shared")
+                        if tid == 0:
+                            done[0] = T.cuda.atomic_add(T.address_of(counters[bh]), 1)
+                        T.tvm_storage_sync("shared")
+                        seen[0] = done[0]
+                        if T.Cast("int64", seen[0]) == (L + CH - 1) // CH - 1:
+                            T.cuda.thread_fence()
+                            for oo in range((group * head_dim + NT - 1) // NT):
+                                if oo * NT + tid < group * head_dim:
+                                    merge(out, ml, o, b, h, (oo * NT + tid) // head_dim, (oo * NT + tid) % head_dim,
+                                          (L + CH - 1) // CH)
+                            if tid == 0:
+                                counters[bh] = 0
     return kernel
 
 
@@ -352,12 +421,13 @@ def rows_kernel_fits(head_dim: int, dtype: str) -> bool:
 
 @memo
 def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int,
-                           group: int, dtype: str, gpu: bool, split: int = 0, splits: int = 0):
+                           group: int, dtype: str, gpu: bool, split: int = 0, splits: int = 0, q_heads: int = 0):
     """Attention of many query rows (prefill, chain and tree verification) straight from the KV
-    pool, split over the keys, first half -- what `attention_decode_partial` does for one row.
+    pool, split over the keys, first half -- what `attention_decode` does for one row.
 
     Inputs q (B, T, n_kv * group, d) after rotary, the pool kv (layers, 2, rows, n_kv, capacity, d),
-    rows (B,) and mask (B, T, L) (a tree's ancestor mask, or causal).  The query rows of KV head h
+    rows (B,) and mask (B, T, L) (a tree's ancestor mask, or causal); with ``q_heads`` q is
+    (B, T, q_heads, d), the queries its first n_kv * group heads.  The query rows of KV head h
     are r = t * group + g (token t, query head h * group + g).  The keys go in S splits: of ``split``
     keys each (S = ceil(L / split)); with ``splits`` too, at most that many (S = min(splits,
     ceil(L / split)), ceil(L / S) keys each: the workspace stays bounded at long contexts); with
@@ -418,7 +488,8 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
                     ml[b, h, sp, r, 1] = lsum[0]
                     for i in range(head_dim):
                         out[b, h, sp, r, i] = acc[0, i]
-        body = _rows_signature(n_layers, rows, n_kv, capacity, head_dim, group, dtype, n_splits, False, cpu_form)
+        body = _rows_signature(n_layers, rows, n_kv, capacity, head_dim, group, dtype, n_splits, False, cpu_form,
+                               q_heads)
 
         @T.prim_func(private=True, s_tir=True)
         def cpu(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
@@ -428,16 +499,16 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     if not rows_kernel_fits(head_dim, dtype):
         raise ValueError(f"attention_rows_partial's GPU form needs bf16/fp16 and head_dim % 32 == 0, "
                          f"not {dtype} / {head_dim}")
-    return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, n_splits, keys, scale)
+    return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, n_splits, keys, scale, q_heads)
 
 
-def _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, scheduled, form):
+def _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, scheduled, form, q_heads=0):
     """The rows kernel's parameters, as both forms declare them; ``form`` (a macro) gets the buffers."""
     @T.macro
     def body(q_h, kv_h, rows_h, mask_h, acc_h, ml_h):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": scheduled})
         batch, tokens, L = T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (batch, tokens, n_kv * group, d), dtype)
+        q = T.match_buffer(q_h, (batch, tokens, q_heads or n_kv * group, d), dtype)
         kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, d), dtype)
         row = T.match_buffer(rows_h, (batch,), "int32")
         mask = T.match_buffer(mask_h, (batch, tokens, L), "bool")
@@ -447,7 +518,7 @@ def _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, s
     return body
 
 
-def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, keys, scale):
+def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, keys, scale, q_heads=0):
     W, KC = ROWS_WARPS, ROWS_KEYS
     BR = 16 * W                      # query rows per block
     P = d // 8                       # 16-byte pieces per row
@@ -608,7 +679,7 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, 
                                     for e in T.unroll(d // 8):
                                         for x in T.unroll(2):
                                             out[b, h, sp, r, e * 8 + (lane % 4) * 2 + x] = o[e, hh * 2 + x]
-    body = _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, True, gpu_form)
+    body = _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, True, gpu_form, q_heads)
 
     @T.prim_func(private=True)
     def kernel(q_h: T.handle, kv_h: T.handle, rows_h: T.handle, mask_h: T.handle, acc_h: T.handle,
@@ -617,14 +688,10 @@ def _rows_gpu(n_layers, layer, rows, n_kv, capacity, d, group, dtype, n_splits, 
     return kernel
 
 
-@memo
-def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
-    """Second half of `attention_decode_partial` / `attention_rows_partial`: merge the splits of
-    each query row r = t * group + g of KV head h, out[b, t, h * group + g] =
-    sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s, rounded once to ``dtype``."""
-    threads = min(256, head_dim)
-    rounds = (head_dim + threads - 1) // threads
-
+def _merge_splits(group: int, dtype: str):
+    """Query row r's element i of KV head h from the S splits' partial sums: sum_s e^(m_s - M)
+    acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s, rounded to ``dtype`` into out[b, t, h * group + g]
+    (r = t * group + g)."""
     @T.macro
     def merge(acc, ml, out, b, h, r, i, S):
         top = T.alloc_buffer((3,), "float32", scope="local")
@@ -637,6 +704,17 @@ def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: boo
             top[1] = top[1] + ml[b, h, sp, r, 1] * T.exp(ml[b, h, sp, r, 0] - top[0])
             top[2] = top[2] + acc[b, h, sp, r, i] * T.exp(ml[b, h, sp, r, 0] - top[0])
         out[b, r // group, h * group + r % group, i] = T.Cast(dtype, top[2] / top[1])
+    return merge
+
+
+@memo
+def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
+    """Second half of `attention_rows_partial` (`attention_decode` merges its own): merge the splits of
+    each query row r = t * group + g of KV head h, out[b, t, h * group + g] =
+    sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s, rounded once to ``dtype``."""
+    threads = min(256, head_dim)
+    rounds = (head_dim + threads - 1) // threads
+    merge = _merge_splits(group, dtype)
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(acc_h: T.handle, ml_h: T.handle, out_h: T.handle):

@@ -133,35 +133,56 @@ def rms_norm_te(eps: float, zero_centered: bool, dtype: str, spelled: bool = Tru
     return compute
 
 
-def norm_rope_te(eps: float, zero_centered: bool, dtype: str, rot: int, spelled: bool = True):
-    """q / k RMSNorm per head followed by rotary embedding, one tensor expression:
-    (x[B, T, H, d], w[d], cos[B, T, rot], sin[B, T, rot]) -> [B, T, H, d] in ``dtype``, the first
-    ``rot`` dims rotated (x * cos + rotate_half(x) * sin), the rest passed through.  Every value
-    the operators rounded to ``dtype`` is rounded here (`round_to`), so the result is theirs bit
-    for bit: the norm's two roundings, each product's, the sum's."""
+def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | None = None,
+                       zero_centered: bool = False, spelled: bool = True):
+    """An attention layer's new heads as one tensor expression: (q[B, T, n_q, d], k[B, T, n_kv, d],
+    v[B, T, n_kv, d], [wq[d], wk[d],] cos[B, T, rot], sin[B, T, rot]) -> [B, T, n_q + 2 n_kv, d] in
+    ``dtype``: the query heads, then the key heads -- each RMSNorm'd per head when ``eps`` is given
+    (Qwen3's q / k norm, weights wq / wk), then rotary on its first ``rot`` dims (x * cos +
+    rotate_half(x) * sin, the rest passed through) -- then the value heads as they are.  The
+    attention kernels and `kernels.kv_write` read their heads out of it at offsets 0, n_q and
+    n_q + n_kv, so one kernel (the slices and casts producing q, k and v fused in: it is marked
+    injective) stands where the operators ran three or four.  Every value the operators rounded to
+    ``dtype`` is rounded here (`round_to`), so the result is theirs bit for bit: the norm's two
+    roundings, each product's, the sum's."""
     from tvm import te, tirx
 
     def r(v):       # float32 -> dtype -> float32
         return round_to(dtype, v, spelled)
 
-    half = rot // 2
+    half, normed_heads = rot // 2, n_q + n_kv
 
-    def compute(x: te.Tensor, w: te.Tensor, cos: te.Tensor, sin: te.Tensor) -> te.Tensor:
-        n = x.shape[-1]
-        squares = _sum_squares(lambda *i: _f32(x[i]), x.shape)
+    def compute(q: te.Tensor, k: te.Tensor, v: te.Tensor, *rest: te.Tensor) -> te.Tensor:
+        wq, wk, cos, sin = rest if eps is not None else (None, None, *rest)
+        B, T, _, n = q.shape
 
-        def normed(b, t, h, j):
-            return r(_rms_scaled(_f32(x[b, t, h, j]), squares[b, t, h], n, w[j], eps, zero_centered, dtype, spelled))
+        def x(b, t, h, j):      # head h of the output's input, as float32
+            return tirx.Select(h < n_q, _f32(q[b, t, tirx.min(h, n_q - 1), j]), tirx.Select(
+                h < normed_heads, _f32(k[b, t, tirx.max(tirx.min(h - n_q, n_kv - 1), 0), j]),
+                _f32(v[b, t, tirx.max(tirx.min(h - normed_heads, n_kv - 1), 0), j])))
 
-        def rotary(b, t, h, i):
+        if eps is not None:
+            # over every head, the value heads' unused: a reduction over fewer heads than the output
+            # has is not dlight GeneralReduction's pattern (it fell back to a kernel per operator)
+            squares = _sum_squares(lambda b, t, h, j: x(b, t, h, j), (B, T, n_q + 2 * n_kv, n))
+
+            def normed(b, t, h, j):
+                w = tirx.Select(h < n_q, wq[j], wk[j])
+                return r(_rms_scaled(x(b, t, h, j), squares[b, t, h], n, w, eps, zero_centered, dtype, spelled))
+        else:
+            normed = x
+
+        def head(b, t, h, i):
             if rot == 0:
-                return tirx.Cast(dtype, normed(b, t, h, i))
-            ci = tirx.min(i, rot - 1)
-            partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
-                                  normed(b, t, h, tirx.max(i - half, 0)))
-            turned = r(r(normed(b, t, h, i) * _f32(cos[b, t, ci])) + r(partner * _f32(sin[b, t, ci])))
-            return tirx.Cast(dtype, tirx.Select(i < rot, turned, normed(b, t, h, i)))
-        return te.compute(tuple(x.shape), rotary, name="norm_rope")
+                turned = normed(b, t, h, i)
+            else:
+                ci = tirx.min(i, rot - 1)
+                partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
+                                      normed(b, t, h, tirx.max(i - half, 0)))
+                turned = tirx.Select(i < rot, r(r(normed(b, t, h, i) * _f32(cos[b, t, ci]))
+                                                + r(partner * _f32(sin[b, t, ci]))), normed(b, t, h, i))
+            return tirx.Cast(dtype, tirx.Select(h < normed_heads, turned, x(b, t, h, i)))
+        return te.compute((B, T, n_q + 2 * n_kv, n), head, name="attention_heads")
     return compute
 
 
@@ -240,6 +261,7 @@ class StepInputs:
     cos: Tensor         # (B, T, rot)
     sin: Tensor
     parents: Tensor | None = None   # (B, T), verify only: token t's parent among the new tokens
+    counters: Tensor | None = None  # (B * KV heads,) int32 zeros, GPU decode: `kernels.attention_decode`'s
 
 
 class Attention(nn.Module):
@@ -260,21 +282,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
 
-    def _rope(self, x: Tensor, s: StepInputs) -> Tensor:
-        rot, d = self.cfg.rotary_dim, self.cfg.head_dim
-        cos, sin = op.unsqueeze(s.cos, 2), op.unsqueeze(s.sin, 2)       # (B, T, 1, rot)
-        xr = _slice(x, 3, 0, rot, "rot") if rot < d else x
-        x1, x2 = _slice(xr, 3, 0, rot // 2, "x1"), _slice(xr, 3, rot // 2, rot, "x2")
-        rotated = op.concat([op.negative(x2), x1], dim=3)
-        out = xr * cos + rotated * sin
-        return op.concat([out, _slice(x, 3, rot, d, "pass")], dim=3) if rot < d else out
-
-    def _norm_rope(self, norm: "RMSNorm", x: Tensor, s: StepInputs) -> Tensor:
-        """`norm` then `_rope`, in one kernel (`norm_rope_te`); marked injective so FuseOps takes the
-        slice and cast that produce x into it (GPU schedules: dlight's GeneralReduction)."""
-        return op.tensor_expr_op(norm_rope_te(norm.eps, norm.zero_centered, self.dtype, self.cfg.rotary_dim,
-                                              not self.gpu),
-                                 "norm_rope", [x, norm.weight, s.cos, s.sin], attrs={"op_pattern": 2})
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, s: StepInputs) -> Tensor:
+        """q, k (normed when the model norms them, then rotary) and v as one (B, T, nh + 2 nkv, d)
+        tensor, one kernel (`attention_heads_te`)."""
+        cfg = self.cfg
+        norm = [self.q_norm.weight, self.k_norm.weight] if cfg.qk_norm else []
+        return op.tensor_expr_op(
+            attention_heads_te(self.dtype, cfg.rotary_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                               cfg.rms_norm_eps if cfg.qk_norm else None, cfg.zero_centered_norm, not self.gpu),
+            "attention_heads", [q, k, v, *norm, s.cos, s.sin], attrs={"op_pattern": 2})
 
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
         """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
@@ -288,25 +304,28 @@ class Attention(nn.Module):
         q = op.reshape(q, (B, T_, nh, d))
         k = op.reshape(self.k_proj(x), (B, T_, nkv, d))
         v = op.reshape(self.v_proj(x), (B, T_, nkv, d))
-        if cfg.qk_norm:   # norm and rotary as one kernel each
-            q, k = self._norm_rope(self.q_norm, q, s), self._norm_rope(self.k_norm, k, s)
-        else:
-            q, k = self._rope(q, s), self._rope(k, s)
-        kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu)
-        kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, k, v, s.slots, s.rows], [0],
-                                     Tensor.placeholder(kv.shape, self.dtype))
+        heads = self._heads(q, k, v, s)      # queries, keys, values: (B, T, nh + 2 nkv, d)
         decode = isinstance(T_, int) and T_ == 1
-        out = self._attend_in_place(q, s, kv, layer) if decode or self.pool_rows else \
-            self._attend_gathered(q, s, kv, layer)
+        if decode and self.gpu:     # the decode kernel writes the new keys / values into the pool itself
+            out, kv = self._attend_in_place(heads, s, kv, layer)
+        else:
+            kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu,
+                                      heads_at=(nh, nh + nkv))
+            kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, heads, s.slots, s.rows], [0],
+                                         Tensor.placeholder(kv.shape, self.dtype))
+            out = self._attend_in_place(heads, s, kv, layer)[0] if decode or self.pool_rows else \
+                self._attend_gathered(_slice(heads, 2, 0, nh, "q"), s, kv, layer)
         if gate is not None:
             out = out * op.sigmoid(gate)
         return self.o_proj(out), kv
 
-    def _attend_in_place(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
+    def _attend_in_place(self, heads: Tensor, s: StepInputs, kv: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """Attention read straight from the pool, split over the keys (flash decoding): one query
-        row per sequence (decode; `kernels.attention_decode_partial` on the GPU) or many (prefill,
+        row per sequence (decode; `kernels.attention_decode` on the GPU) or many (prefill,
         verification; `kernels.attention_rows_partial`), the splits merged by
-        `kernels.attention_combine`."""
+        `kernels.attention_combine`; the queries are the first heads of ``heads``.  Returns the
+        attention output and the pool: the GPU's decode kernel writes the new keys and values
+        and merges the splits itself (`attention_decode`); everything else reads a pool already written."""
         cfg = self.cfg
         B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         grp = nh // nkv
@@ -315,20 +334,25 @@ class Attention(nn.Module):
         # ROWS_SPLITS; prefill's many rows fill the GPU with one split
         split, most = (kernels.ATTN_CHUNK, 0) if decode else \
             (kernels.ROWS_SPLIT, kernels.ROWS_SPLITS) if s.parents is not None else (0, 1)
-        if decode and self.gpu:
-            partial = kernels.attention_decode_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                       self.dtype)
-        else:   # the CPU's decode too: the rows kernel's loop
-            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                     self.dtype, self.gpu, split=split, splits=most)
         splits = kernels.key_splits(s.mask.shape[2], split, most)
-        acc, ml = op.tensor_ir_op(
-            partial, "attention_decode" if decode else "attention_rows", [q, kv, s.rows, s.mask],
-            [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
-             Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")])
+        parts = [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
+                 Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")]
+        if decode and self.gpu:     # one kernel: the new keys / values written, the splits merged
+            kernel = kernels.attention_decode(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp, self.dtype,
+                                              q_heads=heads.shape[2], write_at=(nh, nh + nkv))
+            kv, s.counters, _, _, out = op.tensor_ir_inplace_op(
+                kernel, "attention_decode", [heads, kv, s.rows, s.mask, s.slots, s.counters], [1, 5, -1, -1, -1],
+                [Tensor.placeholder(kv.shape, self.dtype), Tensor.placeholder(s.counters.shape, "int32"), *parts,
+                 Tensor.placeholder((B, T_, nh, d), self.dtype)])
+            return op.reshape(out, (B * T_, nh * d)), kv
+        # the CPU's decode too: the rows kernel's loop
+        partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                 self.dtype, self.gpu, split=split, splits=most, q_heads=heads.shape[2])
+        acc, ml = op.tensor_ir_op(partial, "attention_decode" if decode else "attention_rows",
+                                  [heads, kv, s.rows, s.mask], parts)
         out = op.tensor_ir_op(kernels.attention_combine(nkv, d, grp, self.dtype, self.gpu),
                               "attention_combine", [acc, ml], Tensor.placeholder((B, T_, nh, d), self.dtype))
-        return op.reshape(out, (B * T_, nh * d))
+        return op.reshape(out, (B * T_, nh * d)), kv
 
     def _attend_gathered(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
         """Attention over the sequence's live keys gathered from the pool, through matmuls
@@ -523,6 +547,8 @@ class CausalLM(nn.Module):
         emb = op.concat([freqs, freqs], dim=2)
         s = StepInputs(B, T_, slots, mask, rows, op.astype(_apply(rx.op.cos, emb), self.dtype),
                        op.astype(_apply(rx.op.sin, emb), self.dtype), parents)
+        if self.gpu and self.n_attn and isinstance(T_, int) and T_ == 1:   # one zeroing a step, for every layer
+            s.counters = op.zeros((B * cfg.num_key_value_heads,), "int32")
         h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,
                                    axis=0, mode="clip"), "embed")                          # (B*T, hidden)
         convs, recs, a, g = [], [], 0, 0

@@ -82,6 +82,26 @@ def _decode_only(rule):
 _DecodeOnly = _decode_only
 
 
+def _declining(rule):
+    """``rule``, declining (None, the next rule's turn) where its analysis asserts instead: dlight's
+    GEMV and Reduction rules assert on a reduction reading one buffer through a Select of regions
+    (`lower.attention_heads_te`, q / k / v slices of one projection), which GeneralReduction
+    schedules as one kernel."""
+    from tvm import tirx
+    from tvm.s_tir import dlight as dl
+
+    class Declining(dl.ScheduleRule):
+        def apply(self, func, target, tunable):
+            if not isinstance(func, tirx.PrimFunc):
+                return None
+            try:
+                return rule.apply(func, target, tunable)
+            except AssertionError:
+                return None
+
+    return Declining()
+
+
 def _skinny_mma(target: tvm.target.Target) -> tvm.transform.Pass:
     wgmma = str(target.attrs.get("arch", "")) == "sm_90a"     # Hopper's warpgroup MMA
 
@@ -100,6 +120,16 @@ def _fuse_epilogues() -> tvm.transform.Pass:
     return _fuse
 
 
+def gpu_schedules() -> tvm.transform.Pass:
+    """The GPU builds' kernel schedules (dlight rules, first match wins)."""
+    from tvm.s_tir import dlight as dl
+
+    from specpilot.schedules.tensor_core import BF16Matmul
+    rules = [_DecodeOnly(dl.gpu.LowBatchGEMV()), BF16Matmul(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
+             dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
+    return dl.ApplyDefaultSchedule(*(_declining(r) for r in rules), dl.gpu.Fallback())
+
+
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
@@ -109,9 +139,6 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in ("nt-gemv", "skinny-mma") or target.kind.name != "cuda":
         return relax.get_default_pipeline(target)
     from tvm.relax.backend.cuda import pipeline as cuda
-    from tvm.s_tir import dlight as dl
-
-    from specpilot.schedules.tensor_core import BF16Matmul
 
     legalize = [
         relax.transform.FuseTransposeMatmul(),
@@ -122,9 +149,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
         *([_fuse_epilogues()] if schedule == "skinny-mma" else []),
-        dl.ApplyDefaultSchedule(_DecodeOnly(dl.gpu.LowBatchGEMV()), BF16Matmul(), dl.gpu.Matmul(), dl.gpu.GEMV(),
-                                dl.gpu.LowBatchGEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
-                                dl.gpu.Fallback()),
+        gpu_schedules(),
     ]
 
     @tvm.transform.module_pass(opt_level=0, name="specpilot.nt_gemv_pipeline")

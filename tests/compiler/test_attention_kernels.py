@@ -75,7 +75,7 @@ def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
 
 def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
-                       "{'partial': kernels.attention_decode_partial(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
+                       "{'partial': kernels.attention_decode(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
                        "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, split=256, splits=16), "
 
                        "'combine': kernels.attention_combine(8, 128, 4, 'bfloat16', True)}")
@@ -89,9 +89,23 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     # 16 query heads per KV head (Qwen3-235B-style): the P V partial sums meet a few heads a round,
     # so the block's static shared memory stays under 48 KB
     wide = sm90_source(tmp_path, "from specpilot.compiler import kernels",
-                       "{'partial': kernels.attention_decode_partial(1, 0, 1, 4, 512, 128, 16, 'bfloat16')}")
+                       "{'partial': kernels.attention_decode(1, 0, 1, 4, 512, 128, 16, 'bfloat16')}")
     shared = [int(n) for n in re.findall(r"__shared__ alignas\(64\) float \w+\[(\d+)\]", wide)]
     assert shared and 4 * sum(shared) <= 48 * 1024
+    # the builds' form: q holds the new token's keys and values too, and the kernel writes them into
+    # the pool (kv_write's work); the key rows it reads are still all loaded before the first product
+    writing = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+                          "{'partial': kernels.attention_decode(2, 1, 3, 8, 256, 128, 4, 'bfloat16', "
+                          "q_heads=48, write_at=(32, 40))}")
+    writing = writing[writing.index("partial_kernel("):]
+    writing = writing[:writing.index("\n}\n")]
+    stores = [line for line in writing.splitlines() if line.strip().startswith("kv_ptr[") and "] = q_ptr[" in line]
+    assert writing.count("*(uint4*)(kv_ptr") == 16 and len(stores) == 2
+    # and merges the splits in the last block to finish: a fence, the counter, the merge's exps, the reset
+    tail = writing[writing.index("tvm_builtin_cuda_atomic_add("):]
+    assert "tvm_builtin_cuda_thread_fence()" in writing[:writing.index("tvm_builtin_cuda_atomic_add(")]
+    assert "__expf" in tail or "expf(" in tail
+    assert re.search(r"counters_ptr\[[^;]*\] = 0;", tail) and "o_ptr[" in tail
     rows = text[text.index("void __launch_bounds__(128) rows_kernel("):]
     # d = 256, 32 keys per chunk: 2 x 8 x 4 mma for S, 2 x 16 x 2 for O; V through ldmatrix.trans
     assert rows.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128

@@ -1,8 +1,10 @@
-"""RMSNorm as one kernel (`lower.rms_norm_te`) and q / k norm + rotary as one kernel
-(`lower.norm_rope_te`): against the same arithmetic written as Relax operators (what the lowering
-emitted before: three kernels a norm, two more for rotary) bit for bit on the CPU, and against the
-PyTorch reference within float32 rounding, on odd shapes, float32 and bfloat16, plain and
-zero-centered weights, full and partial rotary, with symbolic leading axes."""
+"""RMSNorm as one kernel (`lower.rms_norm_te`) and an attention layer's new heads as one kernel
+(`lower.attention_heads_te`: q / k norm when the model has it, rotary, the value heads passed
+through): against the same arithmetic written as Relax operators (what the lowering emitted
+before: three kernels a norm, two more for rotary, a cast for v) bit for bit on the CPU, and
+against the PyTorch reference within float32 rounding, on odd shapes, float32 and bfloat16, plain
+and zero-centered weights, with and without the norm, full and partial rotary, with symbolic
+leading axes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specpilot.compiler.lower import norm_rope_te, rms_norm_te
+from specpilot.compiler.lower import attention_heads_te, rms_norm_te
 from specpilot.runtime.reference.model import rms_norm as reference_rms_norm, rotate_half
 
 
@@ -73,61 +75,77 @@ def test_one_kernel_rms_norm_is_the_operators_bit_for_bit(dtype, zero_centered, 
     torch.testing.assert_close(fused.float(), want.float(), **tol)
 
 
-def _build_norm_rope(dtype, zero_centered, eps, heads, d, rot, fused):
+def _build_heads(dtype, zero_centered, eps, nq, nkv, d, rot, fused):
     import tvm
     from tvm import relax, tirx
 
     bb = relax.BlockBuilder()
     B, T = tirx.Var("B", "int64"), tirx.Var("T", "int64")
-    x = relax.Var("x", relax.TensorType([B, T, heads, d], dtype))
-    w = relax.Var("w", relax.TensorType([d], dtype))
+    q, k, v = (relax.Var(n, relax.TensorType([B, T, h, d], dtype)) for n, h in (("q", nq), ("k", nkv), ("v", nkv)))
+    wq, wk = relax.Var("wq", relax.TensorType([d], dtype)), relax.Var("wk", relax.TensorType([d], dtype))
     cos = relax.Var("cos", relax.TensorType([B, T, rot], dtype))
     sin = relax.Var("sin", relax.TensorType([B, T, rot], dtype))
     op = relax.op
-    with bb.function("main", [x, w, cos, sin]):
+
+    def rope(x):    # `Attention._rope` as the lowering wrote it before
+        c, s_ = op.expand_dims(cos, 2), op.expand_dims(sin, 2)
+        xr = op.strided_slice(x, [3], [0], [rot]) if rot < d else x
+        x1, x2 = op.strided_slice(xr, [3], [0], [rot // 2]), op.strided_slice(xr, [3], [rot // 2], [rot])
+        turned = op.add(op.multiply(xr, c), op.multiply(op.concat([op.negative(x2), x1], axis=3), s_))
+        return bb.emit(op.concat([turned, op.strided_slice(x, [3], [rot], [d])], axis=3) if rot < d else turned)
+
+    with bb.function("main", [q, k, v, wq, wk, cos, sin]):
         with bb.dataflow():
             if fused:
-                out = bb.emit_te(norm_rope_te(eps, zero_centered, dtype, rot), x, w, cos, sin)
-            else:   # the lowering's operators before: the norm, then `Attention._rope`
-                xn = _norm_operators(bb, x, w, dtype, zero_centered, eps, d)
-                c, s_ = op.expand_dims(cos, 2), op.expand_dims(sin, 2)
-                xr = op.strided_slice(xn, [3], [0], [rot]) if rot < d else xn
-                x1, x2 = op.strided_slice(xr, [3], [0], [rot // 2]), op.strided_slice(xr, [3], [rot // 2], [rot])
-                turned = op.add(op.multiply(xr, c), op.multiply(op.concat([op.negative(x2), x1], axis=3), s_))
-                out = bb.emit(op.concat([turned, op.strided_slice(xn, [3], [rot], [d])], axis=3) if rot < d else turned)
+                norm = [wq, wk] if eps is not None else []
+                out = bb.emit_te(attention_heads_te(dtype, rot, nq, nkv, eps, zero_centered), q, k, v, *norm, cos, sin)
+            else:   # the lowering's operators before: the norms, rotary, v alone
+                qn, kn = (q, k) if eps is None else \
+                    (_norm_operators(bb, q, wq, dtype, zero_centered, eps, d),
+                     _norm_operators(bb, k, wk, dtype, zero_centered, eps, d))
+                out = bb.emit(op.concat([rope(qn), rope(kn), v], axis=2))
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
     return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
 
 
-@pytest.mark.parametrize("dtype,zero_centered,B,T,heads,d,rot", [
-    ("float32", False, 2, 3, 5, 24, 24),
-    ("bfloat16", False, 1, 7, 3, 40, 40),
-    ("bfloat16", True, 3, 2, 2, 64, 16),     # partial rotary (Qwen3.5: a quarter of the head)
-    ("float32", True, 1, 1, 4, 20, 10),
+@pytest.mark.parametrize("dtype,zero_centered,eps,B,T,nq,nkv,d,rot", [
+    ("float32", False, 1e-6, 2, 3, 5, 1, 24, 24),
+    ("bfloat16", False, 1e-6, 1, 7, 3, 3, 40, 40),
+    ("bfloat16", True, 1e-6, 3, 2, 4, 2, 64, 16),     # partial rotary (Qwen3.5: a quarter of the head)
+    ("float32", True, 1e-5, 1, 1, 4, 2, 20, 10),
+    ("bfloat16", False, None, 2, 5, 6, 2, 24, 24),    # no q / k norm (Llama, SmolLM2)
+    ("float32", False, None, 1, 3, 3, 1, 40, 20),
 ])
-def test_one_kernel_norm_and_rotary_is_the_operators_bit_for_bit(dtype, zero_centered, B, T, heads, d, rot):
+def test_one_kernel_attention_heads_are_the_operators_bit_for_bit(dtype, zero_centered, eps, B, T, nq, nkv, d, rot):
     import tvm
-    rng = np.random.default_rng(d * 31 + rot)
+    rng = np.random.default_rng(d * 31 + rot + nq)
     tdt = getattr(torch, dtype)
-    x = torch.from_numpy(rng.standard_normal((B, T, heads, d)).astype("float32") * 2).to(tdt)
-    w = torch.from_numpy(rng.standard_normal(d).astype("float32")).to(tdt)
+
+    def draw(*shape, scale=2.0):
+        return torch.from_numpy(rng.standard_normal(shape).astype("float32") * scale).to(tdt)
+    q, k, v = draw(B, T, nq, d), draw(B, T, nkv, d), draw(B, T, nkv, d)
+    wq, wk = draw(d, scale=1.0), draw(d, scale=1.0)
     angles = torch.from_numpy(rng.uniform(0, 50, (B, T, rot)).astype("float32"))
     cos, sin = angles.cos().to(tdt), angles.sin().to(tdt)
     outs = []
     for fused in (True, False):
-        vm = _build_norm_rope(dtype, zero_centered, 1e-6, heads, d, rot, fused)
-        outs.append(torch.from_dlpack(vm["main"](*(tvm.runtime.from_dlpack(t.clone()) for t in (x, w, cos, sin))))
-                    .clone())
+        vm = _build_heads(dtype, zero_centered, eps, nq, nkv, d, rot, fused)
+        outs.append(torch.from_dlpack(vm["main"](*(tvm.runtime.from_dlpack(t.clone())
+                                                   for t in (q, k, v, wq, wk, cos, sin)))).clone())
     fused, operators = outs
     bits = torch.int16 if dtype == "bfloat16" else torch.int32
-    assert fused.shape == x.shape and torch.equal(fused.view(bits), operators.view(bits))
-    # the PyTorch reference: rms_norm per head, then rotary on the first rot dims
-    normed = reference_rms_norm(x, w, 1e-6, zero_centered)
+    assert fused.shape == (B, T, nq + 2 * nkv, d) and torch.equal(fused.view(bits), operators.view(bits))
+    # the PyTorch reference: rms_norm per head, then rotary on the first rot dims; v untouched
     c, s = cos.unsqueeze(2), sin.unsqueeze(2)
-    want = torch.cat((normed[..., :rot] * c + rotate_half(normed[..., :rot]) * s, normed[..., rot:]), dim=-1)
+
+    def reference(x, w):
+        x = x if eps is None else reference_rms_norm(x, w, eps, zero_centered)
+        return torch.cat((x[..., :rot] * c + rotate_half(x[..., :rot]) * s, x[..., rot:]), dim=-1)
+    want = torch.cat((reference(q, wq), reference(k, wk), v), dim=2)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2 ** -6, atol=2e-2)
     torch.testing.assert_close(fused.float(), want.float(), **tol)
+    assert torch.equal(fused[:, :, nq + nkv:].view(bits), v.view(bits))
 
 
 def _build_gdn(kind: str, dtype: str, shape, fused: bool):
@@ -189,15 +207,19 @@ def test_gpu_forms_keep_the_roundings_as_native_casts(tmp_path):
     keeps the float32 <- bf16 <- float32 pair (CUDA computes bf16 natively; nothing folds it away)."""
     from tests.kernel_helpers import sm90_source
     setup = ("from tvm import te\nfrom tvm.s_tir import dlight as dl\n"
-             "from specpilot.compiler.lower import rms_norm_te, gated_norm_te\n"
+             "from specpilot.compiler.lower import attention_heads_te, rms_norm_te, gated_norm_te\n"
              "x = te.placeholder((4, 4096), 'bfloat16', name='x'); w = te.placeholder((4096,), 'bfloat16', name='w')\n"
              "o = te.placeholder((1, 48, 128), 'float32', name='o'); v = te.placeholder((128,), 'bfloat16', name='v')\n"
              "z = te.placeholder((1, 48, 128), 'bfloat16', name='z')\n"
+             "hq, hk, hv = (te.placeholder((1, 1, n, 128), 'bfloat16', name=c) for c, n in (('q', 32), ('k', 8), ('v', 8)))\n"
+             "cs = [te.placeholder((1, 1, 128), 'bfloat16', name=c) for c in ('cos', 'sin')]\n"
+             "heads = attention_heads_te('bfloat16', 128, 32, 8, 1e-6, False, False)(hq, hk, hv, v, v, *cs)\n"
              "mod = tvm.IRModule({'rms': te.create_prim_func([x, w, rms_norm_te(1e-6, False, 'bfloat16', False)(x, w)]),\n"
-             "                    'gated': te.create_prim_func([o, v, z, gated_norm_te(1e-6, 'bfloat16', False)(o, v, z)])})\n"
+             "                    'gated': te.create_prim_func([o, v, z, gated_norm_te(1e-6, 'bfloat16', False)(o, v, z)]),\n"
+             "                    'heads': te.create_prim_func([hq, hk, hv, v, *cs, heads])})\n"
              "with tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90'}):\n"
              "    mod = dl.ApplyDefaultSchedule(dl.gpu.GeneralReduction())(mod)")
-    text = sm90_source(tmp_path, setup, "{n: mod[n] for n in ('rms', 'gated')}")
+    text = sm90_source(tmp_path, setup, "{n: mod[n] for n in ('rms', 'gated', 'heads')}")
     def body(name):     # the kernel's definition (the source declares each kernel first)
         start = text.rindex(f"{name}_kernel(")
         return text[start:text.index("\n}\n", start)]
@@ -206,3 +228,48 @@ def test_gpu_forms_keep_the_roundings_as_native_casts(tmp_path):
     store = [line for line in gated.splitlines() if "gated_norm_ptr[" in line and "=" in line]
     # o read as bf16, the norm's two roundings, the output's: a line of hundreds of characters, not thousands
     assert store and all(line.count("(nv_bfloat16)") == 4 and len(line) < 1200 for line in store)
+    # the attention heads (Qwen3-8B's: 32 + 8 + 8 of 128): one kernel, the rotary's partner element
+    # normed again rather than nested expressions; still a line of a few thousand characters at most
+    assert "heads_kernel_1" not in text     # one kernel: dlight's GeneralReduction took it (no fallback)
+    heads = body("heads")
+    store = [line for line in heads.splitlines() if "attention_heads_ptr[" in line and "=" in line]
+    assert store and all(len(line) < 4000 for line in store), max(map(len, store))
+
+
+@pytest.mark.parametrize("norm,gated", [(True, False), (False, False), (True, True)])
+def test_attention_heads_are_one_gpu_kernel_with_their_producers_fused_in(norm, gated):
+    """The GPU pipeline's view of a decode step's heads: q, k, v as slices of one float32
+    projection output, cast and reshaped (fuse-projections' form), into `attention_heads_te`.
+    FuseOps takes the producers in (the op is marked injective) and the builds' schedules
+    (`relax_pipeline.gpu_schedules`: dlight's GeneralReduction here) make the whole PrimFunc one
+    kernel -- one blockIdx binding; without a matching rule it fell back to a kernel per operator
+    (seven a layer on the H200, 8B shapes), and dlight's Reduction rule asserted on it."""
+    import tvm
+    from tvm import relax, tirx
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+    from specpilot.compiler.lower import _slice
+    from specpilot.schedules.relax_pipeline import gpu_schedules
+    nq, nkv, d = 6, 2, 64
+
+    class Heads(nn.Module):
+        def forward(self, y, wq, wk, cos, sin):
+            g = 2 if gated else 1    # Qwen3.5: each query head's output gate beside it (attn_output_gate)
+            q, k, v = (op.reshape(op.astype(_slice(y, 1, a * d, (a + n) * d, name), "bfloat16"), (1, 1, n, d))
+                       for name, a, n in (("q", 0, nq * g), ("k", nq * g, nkv), ("v", nq * g + nkv, nkv)))
+            if gated:
+                q = _slice(op.reshape(q, (1, 1, nq, 2 * d)), 3, 0, d, "q")
+            return op.tensor_expr_op(attention_heads_te("bfloat16", d, nq, nkv, 1e-6 if norm else None, False, False),
+                                     "attention_heads", [q, k, v, *([wq, wk] if norm else []), cos, sin],
+                                     attrs={"op_pattern": 2})
+    spec = {"y": nn.spec.Tensor((1, (nq * (2 if gated else 1) + 2 * nkv) * d), "float32"), "wq": nn.spec.Tensor((d,), "bfloat16"),
+            "wk": nn.spec.Tensor((d,), "bfloat16"), "cos": nn.spec.Tensor((1, 1, d), "bfloat16"),
+            "sin": nn.spec.Tensor((1, 1, d), "bfloat16")}
+    mod, _ = Heads().export_tvm({"forward": spec})
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        mod = tvm.transform.Sequential([
+            relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(),
+            relax.transform.FuseTIR(), gpu_schedules()])(mod)
+    funcs = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert len(funcs) == 1
+    assert funcs[0].script().count('thread="blockIdx.x"') == 1
