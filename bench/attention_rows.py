@@ -54,8 +54,11 @@ def build(out: Path) -> None:
         funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
     for nkv, group, d in DECODE_HEADS:
         nh = nkv * group        # the builds' form: queries, keys, values in one tensor, the new token written
-        funcs[_name("decode", nkv, group, d)] = kernels.attention_decode(
-            1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", q_heads=nh + 2 * nkv, write_at=(nh, nh + nkv))
+        for merges in (True, False):     # the splits merged by the last block, or by attention_combine
+            funcs[_name("decode" if merges else "decode_split", nkv, group, d)] = kernels.attention_decode(
+                1, 0, 2, nkv, CAPACITY, d, group, "bfloat16", q_heads=nh + 2 * nkv, write_at=(nh, nh + nkv),
+                merges=merges)
+        funcs[_name("combine", nkv, group, d)] = kernels.attention_combine(nkv, d, group, "bfloat16", True)
     with target:
         lib = tvm.compile(tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()}), target=target)
     lib.export_library(str(out))
@@ -190,12 +193,20 @@ def _decode(lib, to_tvm, chunk: int) -> list[dict]:
             ml = torch.full((1, nkv, S, group, 2), float("nan"), device="cuda")
             out = torch.full((1, 1, nh, d), float("nan"), device="cuda", dtype=torch.bfloat16)
             decode = lib[_name("decode", nkv, group, d)]
+            split, combine = lib[_name("decode_split", nkv, group, d)], lib[_name("combine", nkv, group, d)]
             slot = torch.tensor([[L - 1]], dtype=torch.int32).cuda()
             counters = torch.zeros(nkv, dtype=torch.int32, device="cuda")
             args = [to_tvm(x) for x in (q, pool, row, mask.view(1, 1, L), slot, counters, acc, ml, out)]
+            out_split = torch.full_like(out, float("nan"))
+            split_args = args[:-1] + [to_tvm(out_split)]
+            merged = [to_tvm(x) for x in (acc, ml, out_split)]
 
             def ours():
                 decode(*args)
+
+            def then_combine():     # the builds' form where the merge is large (DECODE_MERGE_MAX)
+                split(*split_args)
+                combine(*merged)
 
             def sdpa():
                 k, v = pool[0, 0, row.long()][0, :, :L], pool[0, 1, row.long()][0, :, :L]
@@ -205,11 +216,14 @@ def _decode(lib, to_tvm, chunk: int) -> list[dict]:
 
             ours()
             torch.cuda.synchronize()
+            then_combine()
+            torch.cuda.synchronize()
+            same = bool(torch.equal(out.view(torch.int16), out_split.view(torch.int16)))
             err = float(((out[0, 0].float() - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
             written = bool(torch.equal(pool[0, 0, 1, :, L - 1], new_k) and torch.equal(pool[0, 1, 1, :, L - 1], new_v)
                            and not counters.any())
-            found = {name: timed_rotating(lambda r, fn=fn: fn(), 1) for name, fn in (("decode_kernel", ours),
-                                                                                      ("sdpa_torch", sdpa))}
+            found = {name: timed_rotating(lambda r, fn=fn: fn(), 1) for name, fn in (
+                ("decode_kernel", ours), ("decode_kernel_then_combine", then_combine), ("sdpa_torch", sdpa))}
             base = statistics.median(found["decode_kernel"])
             for name, samples in found.items():
                 med = statistics.median(samples)
@@ -217,10 +231,13 @@ def _decode(lib, to_tvm, chunk: int) -> list[dict]:
                              "median_us": med, "min_us": min(samples), "max_us": max(samples),
                              "vs_decode_kernel": med / base,
                              "max_rel_error": err if name == "decode_kernel" else None,
-                             "new_key_value_written": written if name == "decode_kernel" else None})
+                             "new_key_value_written": written if name == "decode_kernel" else None,
+                             "same_bits_as_decode_kernel": same if name == "decode_kernel_then_combine" else None})
             print(f"  decode heads {nkv}x{group} d={d:3d} L={L:4d}: decode kernel {base:6.1f} us (err {err:.1e}, "
                   f"new k/v {'written' if written else 'NOT WRITTEN (or counters left set)'})  "
-                  f"sdpa {statistics.median(found['sdpa_torch']):6.1f}", flush=True)
+                  f"+combine {statistics.median(found['decode_kernel_then_combine']):6.1f} "
+                  f"({'same bits' if same else 'BITS DIFFER'})  sdpa {statistics.median(found['sdpa_torch']):6.1f}",
+                  flush=True)
     return rows
 
 

@@ -158,6 +158,13 @@ def _online(head_dim: int):
 
 
 DECODE_THREADS = 128   # `attention_decode`: threads per block (one split of keys)
+# ... and the most query-row elements (group x head_dim) its last block merges itself; past that
+# `attention_combine` does, a kernel of its own.  H200 (bench/results/attention-rows-20261201-135131,
+# merged in the kernel vs + combine, 77 / 512 / 4096 keys): 27B-style 6 x 256 20 / 26 / 77 vs
+# 16 / 18 / 29 us, 16 x 128 28 / 34 / 103 vs 24 / 26 / 34; Qwen3-8B 4 x 128 10.0 / 11.6 / 31.9 vs
+# 9.7 / 11.1 / 25.7 alone, but a launch fewer a layer: its 8-layer step 1.40 -> 1.34 ms at 512;
+# tiny 2 x 2 x 32 5.2 / 5.7 / 9.8 vs 8.2 / 8.3 / 12.8
+DECODE_MERGE_MAX = 512
 PART_BYTES = 32768     # ... and at most this much shared memory for its P V partial sums
 
 
@@ -178,7 +185,7 @@ def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
 
 @memo
 def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, group: int,
-                     dtype: str, q_heads: int = 0, write_at: tuple[int, int] | None = None):
+                     dtype: str, q_heads: int = 0, write_at: tuple[int, int] | None = None, merges: bool = True):
     """Decode attention straight from the KV pool, split over the keys (flash decoding), in one kernel.
 
     Inputs q (B, 1, q_heads or n_kv * group, d) after rotary (its first n_kv * group heads the
@@ -191,7 +198,9 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
     exp(score - m), and sum of exp(score - m) * v -- into acc (B, n_kv, S, group, d) and ml (B,
     n_kv, S, group, 2), S = ceil(L / ATTN_CHUNK); a split without a visible key has m =
     ATTN_FLOOR, l = 0, acc = 0.  The last of a (sequence, KV head)'s S blocks to finish (its
-    counter, atomically) merges them with `attention_combine`'s arithmetic.  With ``write_at`` =
+    counter, atomically) merges them with `attention_combine`'s arithmetic -- with ``merges``; else
+    (o untouched, the counters unread) `attention_combine` does, a kernel of its own, faster where a
+    query group is wide (DECODE_MERGE_MAX).  With ``write_at`` =
     (k0, v0) it also does `kv_write`'s work for the new token (q's heads k0.. and v0.. are its
     keys and values, written at their slots; slot < 0 writes nothing): the block whose split
     holds the slot writes them into the pool and takes that key row from q instead of the pool
@@ -378,22 +387,23 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
                                             red[0] = red[0] + part[gg, (o * NT + tid) // head_dim, (o * NT + tid) % head_dim]
                                         out[b, h, sp, rc * heads_a_round + (o * NT + tid) // head_dim,
                                             (o * NT + tid) % head_dim] = red[0]
-                        # (4) the last of the (sequence, KV head)'s blocks to finish merges its splits
-                        # (`attention_combine`'s arithmetic) and sets the counter back to 0
-                        T.cuda.thread_fence()
-                        T.tvm_storage_sync("shared")
-                        if tid == 0:
-                            done[0] = T.cuda.atomic_add(T.address_of(counters[bh]), 1)
-                        T.tvm_storage_sync("shared")
-                        seen[0] = done[0]
-                        if T.Cast("int64", seen[0]) == (L + CH - 1) // CH - 1:
+                        if merges:
+                            # (4) the last of the (sequence, KV head)'s blocks to finish merges its splits
+                            # (`attention_combine`'s arithmetic) and sets the counter back to 0
                             T.cuda.thread_fence()
-                            for oo in range((group * head_dim + NT - 1) // NT):
-                                if oo * NT + tid < group * head_dim:
-                                    merge(out, ml, o, b, h, (oo * NT + tid) // head_dim, (oo * NT + tid) % head_dim,
-                                          (L + CH - 1) // CH)
+                            T.tvm_storage_sync("shared")
                             if tid == 0:
-                                counters[bh] = 0
+                                done[0] = T.cuda.atomic_add(T.address_of(counters[bh]), 1)
+                            T.tvm_storage_sync("shared")
+                            seen[0] = done[0]
+                            if T.Cast("int64", seen[0]) == (L + CH - 1) // CH - 1:
+                                T.cuda.thread_fence()
+                                for oo in range((group * head_dim + NT - 1) // NT):
+                                    if oo * NT + tid < group * head_dim:
+                                        merge(out, ml, o, b, h, (oo * NT + tid) // head_dim, (oo * NT + tid) % head_dim,
+                                              (L + CH - 1) // CH)
+                                if tid == 0:
+                                    counters[bh] = 0
     return kernel
 
 

@@ -337,19 +337,22 @@ class Attention(nn.Module):
         splits = kernels.key_splits(s.mask.shape[2], split, most)
         parts = [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
                  Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")]
-        if decode and self.gpu:     # one kernel: the new keys / values written, the splits merged
+        if decode and self.gpu:     # the new keys / values written, the splits merged where the merge is small
+            merges = grp * d <= kernels.DECODE_MERGE_MAX
             kernel = kernels.attention_decode(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp, self.dtype,
-                                              q_heads=heads.shape[2], write_at=(nh, nh + nkv))
-            kv, s.counters, _, _, out = op.tensor_ir_inplace_op(
+                                              q_heads=heads.shape[2], write_at=(nh, nh + nkv), merges=merges)
+            kv, s.counters, acc, ml, out = op.tensor_ir_inplace_op(
                 kernel, "attention_decode", [heads, kv, s.rows, s.mask, s.slots, s.counters], [1, 5, -1, -1, -1],
                 [Tensor.placeholder(kv.shape, self.dtype), Tensor.placeholder(s.counters.shape, "int32"), *parts,
                  Tensor.placeholder((B, T_, nh, d), self.dtype)])
-            return op.reshape(out, (B * T_, nh * d)), kv
-        # the CPU's decode too: the rows kernel's loop
-        partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
-                                                 self.dtype, self.gpu, split=split, splits=most, q_heads=heads.shape[2])
-        acc, ml = op.tensor_ir_op(partial, "attention_decode" if decode else "attention_rows",
-                                  [heads, kv, s.rows, s.mask], parts)
+            if merges:
+                return op.reshape(out, (B * T_, nh * d)), kv
+        else:   # the CPU's decode too: the rows kernel's loop
+            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                     self.dtype, self.gpu, split=split, splits=most,
+                                                     q_heads=heads.shape[2])
+            acc, ml = op.tensor_ir_op(partial, "attention_decode" if decode else "attention_rows",
+                                      [heads, kv, s.rows, s.mask], parts)
         out = op.tensor_ir_op(kernels.attention_combine(nkv, d, grp, self.dtype, self.gpu),
                               "attention_combine", [acc, ml], Tensor.placeholder((B, T_, nh, d), self.dtype))
         return op.reshape(out, (B * T_, nh * d)), kv

@@ -106,6 +106,12 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     assert "tvm_builtin_cuda_thread_fence()" in writing[:writing.index("tvm_builtin_cuda_atomic_add(")]
     assert "__expf" in tail or "expf(" in tail
     assert re.search(r"counters_ptr\[[^;]*\] = 0;", tail) and "o_ptr[" in tail
+    # without the merge (wide query groups: attention_combine's own kernel) no counter, no fence
+    split = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+                        "{'partial': kernels.attention_decode(1, 0, 1, 4, 512, 256, 6, 'bfloat16', q_heads=32, "
+                        "write_at=(24, 28), merges=False)}")
+    split = split[split.index("partial_kernel("):]
+    assert "atomic_add(" not in split[:split.index("\n}\n")] and "kv_ptr[" in split
     rows = text[text.index("void __launch_bounds__(128) rows_kernel("):]
     # d = 256, 32 keys per chunk: 2 x 8 x 4 mma for S, 2 x 16 x 2 for O; V through ldmatrix.trans
     assert rows.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 128
