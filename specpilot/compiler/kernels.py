@@ -40,63 +40,45 @@ def memo(factory):
 
 @memo
 def kv_write(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, dtype: str,
-             gpu: bool, heads_at: tuple[int, int] | None = None):
-    """kv[layer, 0|1, rows[b], h, slots[b, t], :] = k|v[b, t, h, :] for the new tokens (in place).
+             gpu: bool, heads_at: tuple[int, int]):
+    """kv[layer, 0|1, rows[b], h, slots[b, t], :] = heads[b, t, k0|v0 + h, :] for the new tokens (in
+    place): the keys and values are heads k0.. and v0.. of one tensor (B, T, heads, d)
+    (`lower.attention_heads_te`'s: queries, keys, values), ``heads_at`` = (k0, v0).
 
     The cache is a pool of ``rows`` sequences; batch entry b writes its own row.  A token with
-    slot < 0 is padding (a shorter request in a padded batch) and writes nothing.  With
-    ``heads_at`` = (k0, v0) the keys and values are heads k0.. and v0.. of one tensor
-    (B, T, heads, d) (`lower.attention_heads_te`'s: queries, keys, values) instead of two.
+    slot < 0 is padding (a shorter request in a padded batch) and writes nothing.
     """
     width = n_kv * head_dim
     threads = min(256, width)
     rounds = (width + threads - 1) // threads
-    k0, v0 = heads_at or (0, 0)
+    k0, v0 = heads_at
+    n_heads = max(k0, v0) + n_kv
 
     @T.macro
-    def put(kv, k, v, slots, row, b, t, h, x):
+    def put(kv, heads, slots, row, b, t, h, x):
         if slots[b, t] >= 0:
-            kv[layer, 0, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = k[b, t, k0 + h, x]
-            kv[layer, 1, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = v[b, t, v0 + h, x]
+            kv[layer, 0, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = heads[b, t, k0 + h, x]
+            kv[layer, 1, T.Cast("int64", row[b]), h, T.Cast("int64", slots[b, t]), x] = heads[b, t, v0 + h, x]
 
-    @T.macro
-    def write(kv, k, v, slots, row, batch, n):
+    @T.prim_func(private=True, s_tir=True)
+    def kernel(kv_h: T.handle, heads_h: T.handle, slots_h: T.handle, rows_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
+        batch, n = T.int64(), T.int64()
+        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
+        heads = T.match_buffer(heads_h, (batch, n, n_heads, head_dim), dtype)
+        slots = T.match_buffer(slots_h, (batch, n), "int32")
+        row = T.match_buffer(rows_h, (batch,), "int32")
         with T.sblock("root"):
             if gpu:   # a block per token, its n_kv * head_dim values spread over the threads
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for tx in T.thread_binding(threads, thread="threadIdx.x"):
                         for r in range(rounds):
                             if r * threads + tx < width:
-                                put(kv, k, v, slots, row, bt // n, bt % n,
+                                put(kv, heads, slots, row, bt // n, bt % n,
                                     (r * threads + tx) // head_dim, (r * threads + tx) % head_dim)
             else:
                 for b, t, h, x in T.grid(batch, n, n_kv, head_dim):
-                    put(kv, k, v, slots, row, b, t, h, x)
-
-    if heads_at is not None:
-        n_heads = max(k0, v0) + n_kv
-
-        @T.prim_func(private=True, s_tir=True)
-        def one_input(kv_h: T.handle, heads_h: T.handle, slots_h: T.handle, rows_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-            batch, n = T.int64(), T.int64()
-            kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
-            heads = T.match_buffer(heads_h, (batch, n, n_heads, head_dim), dtype)
-            slots = T.match_buffer(slots_h, (batch, n), "int32")
-            row = T.match_buffer(rows_h, (batch,), "int32")
-            write(kv, heads, heads, slots, row, batch, n)
-        return one_input
-
-    @T.prim_func(private=True, s_tir=True)
-    def kernel(kv_h: T.handle, k_h: T.handle, v_h: T.handle, slots_h: T.handle, rows_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
-        batch, n = T.int64(), T.int64()
-        kv = T.match_buffer(kv_h, (n_layers, 2, rows, n_kv, capacity, head_dim), dtype)
-        k = T.match_buffer(k_h, (batch, n, n_kv, head_dim), dtype)
-        v = T.match_buffer(v_h, (batch, n, n_kv, head_dim), dtype)
-        slots = T.match_buffer(slots_h, (batch, n), "int32")
-        row = T.match_buffer(rows_h, (batch,), "int32")
-        write(kv, k, v, slots, row, batch, n)
+                    put(kv, heads, slots, row, b, t, h, x)
     return kernel
 
 

@@ -164,7 +164,7 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
         if eps is not None:
             # over every head, the value heads' unused: a reduction over fewer heads than the output
             # has is not dlight GeneralReduction's pattern (it fell back to a kernel per operator)
-            squares = _sum_squares(lambda b, t, h, j: x(b, t, h, j), (B, T, n_q + 2 * n_kv, n))
+            squares = _sum_squares(x, (B, T, n_q + 2 * n_kv, n))
 
             def normed(b, t, h, j):
                 w = tirx.Select(h < n_q, wq[j], wk[j])
