@@ -139,15 +139,16 @@ def _online(head_dim: int):
     return online
 
 
-DECODE_THREADS = 128   # `attention_decode`: threads per block (one split of keys)
+DECODE_THREADS = 128   # `attention_decode`: threads per block (one split of keys) ...
+PART_BYTES = 32768     # ... and at most this much shared memory for its P V partial sums
 # ... and the most query-row elements (group x head_dim) its last block merges itself; past that
 # `attention_combine` does, a kernel of its own.  H200 (bench/results/attention-rows-20261201-135131,
 # merged in the kernel vs + combine, 77 / 512 / 4096 keys): 27B-style 6 x 256 20 / 26 / 77 vs
 # 16 / 18 / 29 us, 16 x 128 28 / 34 / 103 vs 24 / 26 / 34; Qwen3-8B 4 x 128 10.0 / 11.6 / 31.9 vs
-# 9.7 / 11.1 / 25.7 alone, but a launch fewer a layer: its 8-layer step 1.40 -> 1.34 ms at 512;
+# 9.7 / 11.1 / 25.7 alone, but a launch fewer a layer in the step (the step with this session's
+# three decode changes together: 1.40 -> 1.34 ms at 512; the merge was not timed apart there);
 # tiny 2 x 2 x 32 5.2 / 5.7 / 9.8 vs 8.2 / 8.3 / 12.8
 DECODE_MERGE_MAX = 512
-PART_BYTES = 32768     # ... and at most this much shared memory for its P V partial sums
 
 
 def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
@@ -168,7 +169,8 @@ def _decode_tiling(head_dim: int) -> tuple[int, int, int, int]:
 @memo
 def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: int, head_dim: int, group: int,
                      dtype: str, q_heads: int = 0, write_at: tuple[int, int] | None = None, merges: bool = True):
-    """Decode attention straight from the KV pool, split over the keys (flash decoding), in one kernel.
+    """Decode attention straight from the KV pool, split over the keys (flash decoding), with the
+    new token's pool write and (``merges``) the merge of the splits in the same kernel.
 
     Inputs q (B, 1, q_heads or n_kv * group, d) after rotary (its first n_kv * group heads the
     queries: `lower.attention_heads_te`'s tensor), the pool kv (layers, 2, rows, n_kv, capacity, d),
@@ -187,8 +189,8 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
     keys and values, written at their slots; slot < 0 writes nothing): the block whose split
     holds the slot writes them into the pool and takes that key row from q instead of the pool
     (no other block reads the slot).  The pool and the counters are in-place arguments; one
-    kernel a layer stands where three ran (kv_write, the partial sums, attention_combine).  No
-    step copies keys or values out of the pool.
+    kernel a layer stands where three ran (kv_write, the partial sums, attention_combine), two
+    without ``merges``.  No step copies keys or values out of the pool.
 
     GPU only (the CPU form of every step is `attention_rows_partial` + `attention_combine`, which
     with one token and ``ATTN_CHUNK`` keys per split compute exactly this).  A block of
