@@ -32,6 +32,7 @@ the batch flattened to (B*T, hidden).  The math follows `runtime.reference.model
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import tvm
@@ -81,6 +82,9 @@ class Linear(nn.Module):
         return _linear(x, self.weight, self.bias)
 
 
+NORM_ATTR = "specpilot.rms_norm"   # on `RMSNorm`'s PrimFunc: JSON {eps, zero_centered, spelled}
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis as one kernel: h = float32(x), h / sqrt(sum(h * h) / n + eps),
     then ``dtype(h) * w`` (or ``dtype(h * (w + 1))`` zero-centered, Qwen3-Next / Qwen3.5) -- the
@@ -95,8 +99,10 @@ class RMSNorm(nn.Module):
         self.eps, self.zero_centered, self.dtype, self.gpu = eps, zero_centered, dtype, gpu
 
     def forward(self, x: Tensor) -> Tensor:
+        # the attribute lets a GPU build's decode GEMV take this norm as its prologue (`schedules.decode_gemv`)
+        attrs = {NORM_ATTR: json.dumps({"eps": self.eps, "zero_centered": self.zero_centered, "spelled": not self.gpu})}
         return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype, not self.gpu), "rms_norm",
-                                 [x, self.weight])
+                                 [x, self.weight], attrs=attrs)
 
 
 def _f32(v):

@@ -69,6 +69,69 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     reading it only at its own element; else None.  Blocks before the last may compute
     intermediates over any spatial domain (e.g. -exp(A) per head from a parameter): each is
     inlined where it is read."""
+    composed = _compose(consumer, source, n_out)
+    if composed is None:
+        return None
+    final, row, col, src, params = composed
+    from tvm import tirx
+    acc = tirx.Var("acc", "float32")
+    final = _accumulators(final, src, row, [(col, acc)])
+    return None if final is None else Epilogue(params, consumer.params[-1], final, row, col, acc)
+
+
+@dataclass
+class PairEpilogue:
+    """A consumer of a [rows, 2 H] GEMM output that reads, for its element [r, c] of [rows, H],
+    exactly the GEMM's [r, c] and [r, c + H] (SwiGLU over a fused gate / up projection)."""
+    params: list
+    out: object
+    expr: object        # over ROW, COL, ACC_A (the GEMM's [r, c]), ACC_B ([r, c + H])
+    row: object
+    col: object
+    acc_a: object
+    acc_b: object
+
+
+def paired_epilogue(consumer, source: int, n_out: int) -> PairEpilogue | None:
+    """The consumer as one expression of two accumulators when it maps the GEMM output's [r, c]
+    and [r, c + n_out / 2] to its own [r, c] over [rows, n_out / 2] (`PairEpilogue`); else None."""
+    from tvm import tirx
+    if n_out % 2:
+        return None
+    composed = _compose(consumer, source, n_out // 2)
+    if composed is None:
+        return None
+    final, row, col, src, params = composed
+    a, b = tirx.Var("acc_a", "float32"), tirx.Var("acc_b", "float32")
+    final = _accumulators(final, src, row, [(col, a), (col + tirx.const(n_out // 2, "int64"), b)])
+    return None if final is None else PairEpilogue(params, consumer.params[-1], final, row, col, a, b)
+
+
+def _accumulators(final, src, row, columns):
+    """``final`` with every read of the GEMM output ``src`` at [row, column] replaced by that
+    column's accumulator (``columns``: [(column expression, Var)]); None where it reads ``src``
+    anywhere else."""
+    from tvm.sym.analyzer import Analyzer
+    analyzer, bad = Analyzer(), []
+
+    def src_loads(load, mut):
+        if not load.source.same_as(src):
+            return None
+        if len(load.indices) == 2 and load.indices[0].same_as(row):
+            hit = next((v for c, v in columns if analyzer.can_prove_equal(load.indices[1], c)), None)
+            if hit is not None:
+                return hit
+        bad.append(load)
+        return None
+    final = _substitute(final, [], src_loads)
+    return None if bad else final
+
+
+def _compose(consumer, source: int, out_cols: int):
+    """The consumer's blocks composed into one expression of its last block's element [ROW, COL]
+    -- (expression, ROW, COL, the GEMM output parameter, the parameters but it) -- when every block
+    is a plain spatial map, the last one over [rows of the GEMM output, ``out_cols``], earlier ones'
+    intermediates inlined where read; else None.  Reads of the GEMM output are left in."""
     import tvm_ffi
     from tvm import tirx
     from tvm.ir.expr import TensorLoad
@@ -80,7 +143,7 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
     src, out = params[source], params[-1]
     if any(p.same_as(src) for i, p in enumerate(params) if i != source):
         return None
-    row, col, acc = tirx.Var("row", "int64"), tirx.Var("col", "int64"), tirx.Var("acc", "float32")
+    row, col = tirx.Var("row", "int64"), tirx.Var("col", "int64")
     known: list[tuple] = []          # (intermediate buffer, its iterators, its expression over them)
     blocks = _sblocks(consumer)
     if not blocks:
@@ -115,10 +178,10 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
         if bad:
             return None
         if store.buffer.same_as(out):
-            # the last block covers the GEMM output's every element: its rows and its n_out columns
+            # the last block covers the output's every element: the GEMM's rows and ``out_cols`` columns
             if n != len(blocks) - 1 or len(ivs) != 2 or len(src.ty.shape) != 2 or \
                     not analyzer.can_prove_equal(ivs[0].dom.extent, src.ty.shape[0]) or \
-                    not analyzer.can_prove_equal(ivs[1].dom.extent, tirx.const(n_out, "int64")):
+                    not analyzer.can_prove_equal(ivs[1].dom.extent, tirx.const(out_cols, "int64")):
                 return None
             final = _substitute(value, [(ivs[0].var, row), (ivs[1].var, col)], lambda l, m: None)
         elif any(store.buffer.same_as(p) for p in params):
@@ -127,26 +190,12 @@ def elementwise_epilogue(consumer, source: int, n_out: int) -> Epilogue | None:
             known.append((store.buffer, [iv.var for iv in ivs], value))
     if final is None:
         return None
-    # every read of the GEMM output at exactly [row, col]
-    bad = []
-
-    def src_loads(load, mut):
-        if not load.source.same_as(src):
-            return None
-        if len(load.indices) != 2 or not load.indices[0].same_as(row) or \
-                not analyzer.can_prove_equal(load.indices[1], col):
-            bad.append(load)
-            return None
-        return acc
-    final = _substitute(final, [], src_loads)
-    if bad:
-        return None
     left = []
-    tvm_ffi.structural_walk(final, [(TensorLoad, lambda load: left.append(load) if load.source.same_as(src)
-                                     or any(load.source.same_as(b) for b, _, _ in known) else None)])
+    tvm_ffi.structural_walk(final, [(TensorLoad, lambda load: left.append(load)
+                                     if any(load.source.same_as(b) for b, _, _ in known) else None)])
     if left:
         return None
-    return Epilogue([p for i, p in enumerate(params) if i != source], out, final, row, col, acc)
+    return final, row, col, src, [p for i, p in enumerate(params) if i != source]
 
 
 def fuse(producer, epilogue: Epilogue):
@@ -180,9 +229,65 @@ def fuse(producer, epilogue: Epilogue):
     return tirx.PrimFunc(params, body).with_attrs(attrs)
 
 
+def fuse_pair(producer, epilogue: PairEpilogue):
+    """``producer`` (its stores to its parameter ``ATTR`` come in pairs, ``y[r, c] = a`` then
+    ``y[r, c + H] = b``, as `decode_gemv`'s paired form writes them) with each pair made one
+    ``out[r, c] = epilogue(a, b, r, c)``; parameters as `fuse`."""
+    import tvm_ffi
+    from tvm import tirx
+
+    index = int(producer.attrs[ATTR])
+    y = producer.params[index]
+    found = []
+
+    def is_y(stmt):
+        return isinstance(stmt, tirx.BufferStore) and stmt.buffer.same_as(y)
+
+    def on_seq(seq, mut):
+        stmts, out, i = list(seq.seq), [], 0
+        while i < len(stmts):
+            if is_y(stmts[i]) and i + 1 < len(stmts) and is_y(stmts[i + 1]):
+                first, second = stmts[i], stmts[i + 1]
+                r, c = (tirx.Cast("int64", e) if str(e.ty) != "int64" else e for e in first.indices)
+                expr = _substitute(epilogue.expr, [(epilogue.row, r), (epilogue.col, c), (epilogue.acc_a, first.value),
+                                                   (epilogue.acc_b, second.value)], lambda load, m: None)
+                out.append(tirx.BufferStore(epilogue.out, expr, [r, c]))
+                found.append(first)
+                i += 2
+            else:
+                out.append(mut.mutate(stmts[i]))
+                i += 1
+        return tirx.SeqStmt(out) if len(out) > 1 else out[0]
+    body = tvm_ffi.structural_mutate(producer.body, [(tirx.SeqStmt, on_seq)])
+    left = []
+    tvm_ffi.structural_walk(body, [(tirx.BufferStore, lambda st: left.append(st) if st.buffer.same_as(y) else None)])
+    if not found or left:
+        raise ValueError("the producer does not store its output in (a, b) pairs: it cannot take a pair epilogue")
+    params = [p for i, p in enumerate(producer.params) if i != index] + list(epilogue.params)
+    attrs = {k: v for k, v in producer.attrs.items() if k != ATTR}
+    return tirx.PrimFunc(params, body).with_attrs(attrs)
+
+
 def fuse_epilogues(mod):
     """Every call of an epilogue producer whose one user is an elementwise map of its whole
     output, fused with it into one kernel (see the module docstring).  Returns (module, number
+    fused)."""
+    from tvm import tirx
+
+    def make(producer, consumer, source):
+        shape = producer.params[int(producer.attrs[ATTR])].ty.shape
+        epi = elementwise_epilogue(consumer, source, int(shape[1])) \
+            if len(shape) == 2 and isinstance(shape[1], tirx.IntImm) else None
+        return None if epi is None else fuse(producer, epi)
+    return fuse_users(mod, lambda f: ATTR in f.attrs, make)
+
+
+def fuse_users(mod, is_producer, make):
+    """Every call of a PrimFunc with ``is_producer(func)`` whose output's one user is a call of a
+    PrimFunc (``consumer``, reading it as one argument, ``source``): where ``make(producer,
+    consumer, source)`` gives a kernel (else None: left as is), the two calls become one of it,
+    with the producer's arguments, then the consumer's others.  Kernels are made once per producer
+    and consumer alike in structure (prefill and verify share theirs).  Returns (module, number
     fused)."""
     import tvm
     import tvm_ffi
@@ -190,7 +295,8 @@ def fuse_epilogues(mod):
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     call_tir = tvm.ir.Op.get("relax.call_tir")
-    producers = {gv for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc) and f.attrs and ATTR in f.attrs}
+    producers = {gv for gv, f in mod.functions.items()
+                 if isinstance(f, tirx.PrimFunc) and f.attrs and is_producer(f)}
     if not producers:
         return mod, 0
 
@@ -232,18 +338,13 @@ def fuse_epilogues(mod):
             self.kernels, self.fused = [], 0
 
         def kernel(self, prod_gv, cons_gv, source):
-            """The fused PrimFunc's global var (one per producer and consumer alike in structure:
-            prefill and verify share theirs), or None where the consumer is not an epilogue."""
+            """The fused PrimFunc's global var, or None where ``make`` declines."""
             consumer = mod[cons_gv].without_attr("global_symbol")
             for (p_gv, c_func, src), gv in self.kernels:
                 if p_gv.same_as(prod_gv) and src == source and tvm_ffi.structural_equal(c_func, consumer):
                     return gv
-            producer = mod[prod_gv]
-            shape = producer.params[int(producer.attrs[ATTR])].ty.shape
-            epi = elementwise_epilogue(consumer, source, int(shape[1])) \
-                if len(shape) == 2 and isinstance(shape[1], tirx.IntImm) else None
-            gv = None if epi is None else \
-                self.builder_.add_func(fuse(producer, epi), f"{prod_gv.name_hint}_{cons_gv.name_hint}")
+            fused = make(mod[prod_gv], consumer, source)
+            gv = None if fused is None else self.builder_.add_func(fused, f"{prod_gv.name_hint}_{cons_gv.name_hint}")
             self.kernels.append(((prod_gv, consumer, source), gv))
             return gv
 

@@ -19,7 +19,9 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   ``mma.sync`` elsewhere; on sm_90a 128- and 256-row blocks beyond 72 rows), one kernel choice
   by row count at run time.  Elementwise epilogues (casts, residual adds, the logits' bf16
   rounding) are fused into the kernel's stores (`schedules.epilogue`); slices, transposes and
-  repeats of its output stay kernels of their own.
+  repeats of its output stay kernels of their own.  The one-sequence decode step's projections
+  (one static row) run `schedules.decode_gemv`'s GEMV instead, with the RMSNorm before them as
+  its prologue and SwiGLU over a fused gate / up projection in its stores.
 - ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
   no step transposes a weight matrix at run time.
 
@@ -112,11 +114,20 @@ def _skinny_mma(target: tvm.target.Target) -> tvm.transform.Pass:
     return _substitute
 
 
+def _decode_gemv() -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.decode_gemv")
+    def _substitute(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        from specpilot.schedules.decode_gemv import substitute
+        return substitute(mod)[0]
+    return _substitute
+
+
 def _fuse_epilogues() -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="specpilot.fuse_epilogues")
     def _fuse(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        from specpilot.schedules.decode_gemv import fuse_pairs
         from specpilot.schedules.epilogue import fuse_epilogues
-        return fuse_epilogues(mod)[0]
+        return fuse_epilogues(fuse_pairs(mod)[0])[0]
     return _fuse
 
 
@@ -143,7 +154,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     legalize = [
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
-        *([_skinny_mma(target)] if schedule == "skinny-mma" else []),
+        *([_decode_gemv(), _skinny_mma(target)] if schedule == "skinny-mma" else []),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

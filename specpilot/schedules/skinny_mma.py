@@ -26,7 +26,7 @@ Layout per block: ``wn`` x ``wk`` warps; a warp owns ``a_tiles`` x 16 output cha
 ``m_tiles`` x 8 rows of x, over its 1/``wk`` share of K; the ``wk`` partial sums meet in
 shared memory.  Grid: (N / (16 a_tiles wn), ceil(M / (8 m_tiles))).  `skinny_nt_matmul`
 picks a configuration by M at run time (`configs`).  Static row counts (the one-sequence decode
-step) stay with dlight's GEMV, which reads W at cuBLAS speed there.
+step) go to `decode_gemv`, its GEMV with the norm before it as prologue.
 """
 
 from __future__ import annotations
@@ -603,6 +603,15 @@ def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool 
 def nt_matmul_shape(func) -> tuple[int, int] | None:
     """(N, K) when ``func`` is exactly the legalized ``x[m, K] . W[N, K]^T`` with a symbolic row
     count m (bf16 inputs, float32 products and sums, one block, nothing fused), else None."""
+    parts = nt_matmul_parts(func)
+    if parts is None or isinstance(parts[0], int):
+        return None     # a static row count (the single-sequence decode step): `decode_gemv`'s
+    return parts[1], parts[2]
+
+
+def nt_matmul_parts(func) -> tuple | None:
+    """(m, N, K) when ``func`` is exactly the legalized ``x[m, K] . W[N, K]^T`` (bf16 inputs, float32
+    products and sums, one block, nothing fused; m an int where static, else its Var), else None."""
     from tvm import s_tir, tirx
     from tvm.s_tir.dlight.analysis import get_root_block
 
@@ -630,12 +639,11 @@ def nt_matmul_shape(func) -> tuple[int, int] | None:
     if kinds != [0, 0, 2] or not (at(block.reads[0].region, i, k) and at(block.reads[1].region, j, k)
                                   and at(block.writes[0].region, i, j)):
         return None
-    if isinstance(x.shape[0], tirx.IntImm):
-        return None     # a static row count (the single-sequence decode step): dlight's GEMV reads W at cuBLAS speed
     n, kk = int(w.shape[0]), int(w.shape[1])
     if int(x.shape[1]) != kk or int(y.shape[1]) != n:
         return None
-    return (n, kk) if _is_plain_product(block, x, w, y) else None
+    m = int(x.shape[0]) if isinstance(x.shape[0], tirx.IntImm) else x.shape[0]
+    return (m, n, kk) if _is_plain_product(block, x, w, y) else None
 
 
 def _is_plain_product(block, x, w, y) -> bool:
