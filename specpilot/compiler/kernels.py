@@ -196,11 +196,13 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
     with one token and ``ATTN_CHUNK`` keys per split compute exactly this).  A block of
     DECODE_THREADS per (sequence, KV head, split), in three phases with no dependent load inside
     any: (1) scores -- key groups of LPK lanes (`_decode_tiling`) each take keys j = g, g + groups,
-    ... (a warp's groups read consecutive rows), every key row loaded before any product, q in
-    registers, each dot product summed across its lanes by shuffles, into shared memory; (2) a
-    warp per query head: the split's max, p = exp(score - m) (0 where masked), l; (3) P V the same
-    way round (value rows loaded first, then weighted by p), the key groups' partial sums added in
-    shared memory; then (4) the counter, and in the last block the merge.
+    ... (a warp's groups read consecutive rows), every key row -- and every value row and the
+    lane's mask bits, so that one DRAM round trip stands where three were -- loaded before any
+    product, q in registers, each dot product summed across its lanes by shuffles, into shared
+    memory; (2) a warp per query head: the split's max, p = exp(score - m) (0 where masked), l;
+    (3) P V the same way round (the value rows, already in registers, weighted by p), the key
+    groups' partial sums added in shared memory; then (4) the counter, and in the last block the
+    merge.
     """
     vec, lpk, ppl, groups = _decode_tiling(head_dim)
     CH, NT = ATTN_CHUNK, DECODE_THREADS
@@ -219,15 +221,20 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
     merge = _merge_splits(group, dtype)
 
     @T.macro
-    def load_rows(raw, rows_, kv, which, seq, h, sp, g, ll, q, b, slot, at):
-        """The key (which = 0) or value rows of the thread's kpg keys: every 16-byte load issued
-        before any is used, then copied to a buffer TVM types as elements (not uint4); with
-        ``write_at``, the new token's row from q."""
+    def issue_rows(raw, kv, which, seq, h, sp, g, ll):
+        """The 16-byte loads of the key (which = 0) or value rows of the thread's kpg keys, all
+        issued before any is used (the value rows with the key rows: their latency overlaps the
+        scores and the softmax)."""
         for u in T.unroll(kpg):
             for p in T.unroll(ppl):
                 for e in T.vectorized(vec):
                     raw[u, p, e] = kv[layer, which, seq, h, T.min(sp * CH + u * groups + g, capacity - 1),
                                       T.min(ll + p * lpk, pieces - 1) * vec + e]
+
+    @T.macro
+    def take_rows(raw, rows_, q, b, h, sp, g, ll, slot, at):
+        """The loaded rows copied to a buffer TVM types as elements (not uint4); with ``write_at``,
+        the new token's row from q."""
         for u in T.unroll(kpg):
             for p in T.unroll(ppl):
                 for e in T.unroll(vec):
@@ -263,7 +270,9 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
                         slot = T.Cast("int64", slots[b, 0])   # read only with write_at
                         qr = T.alloc_buffer((group, ppl, vec), "float32", scope="local")
                         raw = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
+                        rawv = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
                         rows_ = T.alloc_buffer((kpg, ppl, vec), dtype, scope="local")
+                        vis = T.alloc_buffer((lanes_keys,), "int32", scope="local")   # the lane's keys visible
                         acc = T.alloc_buffer((group, ppl, vec), "float32", scope="local")
                         sc = T.alloc_buffer((group,), "float32", scope="local")
                         red = T.alloc_buffer((2,), "float32", scope="local")
@@ -284,8 +293,14 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
                                     if o * NT + tid < head_dim:
                                         kv[layer, 0, seq, h, slot, o * NT + tid] = q[b, 0, k0 + h, o * NT + tid]
                                         kv[layer, 1, seq, h, slot, o * NT + tid] = q[b, 0, v0 + h, o * NT + tid]
-                        # (1) scores: the rows first (clamped inside the pool), then the products
-                        load_rows(raw, rows_, kv, 0, seq, h, sp, g, ll, q, b, slot, k0)
+                        # (1) scores: the key and value rows (clamped inside the pool) and the mask loaded
+                        # first, then the products
+                        issue_rows(raw, kv, 0, seq, h, sp, g, ll)
+                        issue_rows(rawv, kv, 1, seq, h, sp, g, ll)
+                        for i in T.unroll(lanes_keys):
+                            vis[i] = T.if_then_else(sp * CH + i * 32 + tid % 32 < L, T.Cast(
+                                "int32", mask[b, 0, T.min(sp * CH + i * 32 + tid % 32, L - 1)]), 0)
+                        take_rows(raw, rows_, q, b, h, sp, g, ll, slot, k0)
                         for u in T.unroll(kpg):
                             for r in T.unroll(group):
                                 sc[r] = T.float32(0)
@@ -303,20 +318,17 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
                             r = rr * NW + tid // 32
                             if r < group:
                                 red[0] = T.float32(ATTN_FLOOR)
-                                for i in range(lanes_keys):
-                                    j = sp * CH + i * 32 + tid % 32
-                                    if i * 32 + tid % 32 < CH and j < L:
-                                        if mask[b, 0, j]:
-                                            red[0] = T.max(red[0], ps[r, i * 32 + tid % 32])
+                                for i in T.unroll(lanes_keys):
+                                    if i * 32 + tid % 32 < CH and vis[i] != 0:
+                                        red[0] = T.max(red[0], ps[r, i * 32 + tid % 32])
                                 for s in T.unroll(5):
                                     red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(
                                         T.tvm_warp_activemask(), red[0], T.shift_right(16, s), 32, 32))
                                 red[1] = T.float32(0)
-                                for i in range(lanes_keys):
-                                    j = sp * CH + i * 32 + tid % 32
+                                for i in T.unroll(lanes_keys):
                                     if i * 32 + tid % 32 < CH:
-                                        sc[0] = T.if_then_else(j < L and mask[b, 0, T.min(j, L - 1)],
-                                                               T.exp(ps[r, i * 32 + tid % 32] - red[0]), T.float32(0))
+                                        sc[0] = T.if_then_else(vis[i] != 0, T.exp(ps[r, i * 32 + tid % 32] - red[0]),
+                                                               T.float32(0))
                                         pw[r, i * 32 + tid % 32] = sc[0]
                                         red[1] = red[1] + sc[0]
                                 for s in T.unroll(5):
@@ -327,7 +339,7 @@ def attention_decode(n_layers: int, layer: int, rows: int, n_kv: int, capacity: 
                                     ml[b, h, sp, r, 1] = red[1]
                         T.tvm_storage_sync("shared")
                         # (3) P V: the value rows first, then weighted by p (keys past CH or L weigh 0)
-                        load_rows(raw, rows_, kv, 1, seq, h, sp, g, ll, q, b, slot, v0)
+                        take_rows(rawv, rows_, q, b, h, sp, g, ll, slot, v0)
                         for r in T.unroll(group):
                             for p in T.unroll(ppl):
                                 for e in T.unroll(vec):
