@@ -66,6 +66,26 @@ def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list
     return samples
 
 
+def export_kernels(funcs: dict, target, out: Path, schedule=None) -> None:
+    """name -> PrimFunc compiled for ``target`` (through ``schedule``, a module pass, where given)
+    into one library at ``out``."""
+    import tvm
+    with target:
+        mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
+        lib = tvm.compile(schedule(mod) if schedule is not None else mod, target=target)
+    lib.export_library(str(out))
+    print(f"wrote {out} ({len(funcs)} kernels)")
+
+
+def load_kernels(path: Path):
+    """A kernel library on the GPU machine (the runtime-only TVM): (module, tvm.runtime.from_dlpack)."""
+    import tvm
+
+    from specpilot.runtime.engine import _import_tvm_runtime
+    _import_tvm_runtime(gpu=True)
+    return tvm.runtime.load_module(str(path)), tvm.runtime.from_dlpack
+
+
 def build_or_run(build, run) -> None:
     """The command line of a kernel-library bench: ``build LIB.so`` (here, no GPU needed) or
     ``run LIB.so [--out DIR]`` (on the GPU)."""

@@ -69,6 +69,28 @@ def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: in
     return tokens, times
 
 
+def device_loop_steps(model, prompt: list[int], steps: int, capacity: int, rounds: int = 7):
+    """The engine's unforced greedy loop with the token kept on the device (`decoding.autoregressive`
+    on a compiled model: each step's choice taken there and fed to the next step, no host wait a
+    step), timed over ``steps`` steps after the prefill, one device sync at the end: (tokens,
+    seconds per step per round).  The choice is the argmax, as `decode_steps` takes it, so the
+    tokens must be the host loop's (`autoregressive` takes topk's first, which breaks exact ties
+    -- frequent in bf16-rounded logits over a 152k vocabulary -- its own way, on both paths)."""
+    samples, tokens = [], []
+    for _ in range(rounds):
+        state = model.new_state(capacity)
+        chosen = [model.forward(prompt, state)[-1].argmax().reshape(1)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            chosen.append(model.step_on_device(chosen[-1], state).argmax().reshape(1))
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / steps)
+        tokens = torch.cat(chosen).tolist()
+        state.close()
+    return tokens, samples
+
+
 def step_function_ms(model, prompt: list[int], capacity: int, iters: int = 32, rounds: int = 7) -> list[float]:
     """The compiled batch-1 decode step function alone, called back to back on the same inputs
     (`CompiledModel.step_call`: it recomputes the same step): ms per call, CUDA events around
@@ -273,6 +295,14 @@ def main() -> None:
                          "tokens": tokens})
         engines.pop("torch eager, W12 (Triton)", None)
         compiled = system.engines["compiled"].model
+        if hasattr(compiled, "step_on_device"):
+            tokens, times = device_loop_steps(compiled, prompt, args.steps, capacity)
+            med, q = statistics.median(times), statistics.quantiles(times, n=10)
+            rows.append({"build": build.name, "engine": "compiled, tokens on device", "batch": 1,
+                         "median_ms": med * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "tokens_per_s": 1 / med,
+                         "weight_bytes": nbytes, "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth,
+                         "same_tokens_as_host_loop": compiled_tokens is not None and
+                         tokens[:len(compiled_tokens)] == compiled_tokens[:len(tokens)], "device_loop_tokens": tokens})
         samples = step_function_ms(compiled, prompt, capacity)
         med, q = statistics.median(samples) / 1e3, statistics.quantiles(samples, n=10)
         rows.append({"build": build.name, "engine": "compiled step function", "batch": 1, "median_ms": med * 1e3,
@@ -316,7 +346,8 @@ def main() -> None:
         print(f"{r['build']:16s} {r['engine']:26s} {r.get('batch', 1):2d} {r['median_ms']:8.2f} "
               f"{r['p10_ms']:7.2f}-{r['p90_ms']:<7.2f} "
               f"{r['tokens_per_s']:7.1f} {r['bytes_per_s'] / 1e12:6.2f} {100 * r['fraction_of_copy_bw']:5.1f}% "
-              f"{r.get('tokens_matching_eager', '-')}/{args.steps + 3}")
+              f"{r.get('tokens_matching_eager', '-')}/{args.steps + 3}"
+              + (f" same tokens as the host loop: {r['same_tokens_as_host_loop']}" if "same_tokens_as_host_loop" in r else ""))
     print(f"wrote {path}")
 
 

@@ -35,6 +35,7 @@ def build(out: Path) -> None:
     import tvm
     from tvm import te
 
+    from bench._common import export_kernels
     from specpilot.compiler.build import load_cuda_runtime
     from specpilot.compiler.lower import rms_norm_te
     from specpilot.schedules.decode_gemv import applicable, decode_gemv
@@ -52,22 +53,14 @@ def build(out: Path) -> None:
     for k in sorted({k for k, _ in SHAPES}):
         x, w = te.placeholder((1, k), "bfloat16", "x"), te.placeholder((k,), "bfloat16", "w")
         funcs[f"norm_{k}"] = te.create_prim_func([x, w, rms_norm_te(EPS, False, "bfloat16", False)(x, w)])
-    with target:
-        mod = gpu_schedules()(tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()}))
-        lib = tvm.compile(mod, target=target)
-    lib.export_library(str(out))
-    print(f"wrote {out} ({len(funcs)} kernels)")
+    export_kernels(funcs, target, out, gpu_schedules())
 
 
 def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
-    import tvm
 
-    from bench._common import timed_rotating, write
-    from specpilot.runtime.engine import _import_tvm_runtime
-    _import_tvm_runtime(gpu=True)
-    lib = tvm.runtime.load_module(str(lib_path))
-    to_tvm = tvm.runtime.from_dlpack
+    from bench._common import load_kernels, timed_rotating, write
+    lib, to_tvm = load_kernels(lib_path)
     rows = []
 
     def rel(a, b):

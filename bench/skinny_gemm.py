@@ -105,6 +105,7 @@ def build(out: Path) -> None:
     import tvm
     from tvm.s_tir import dlight as dl
 
+    from bench._common import export_kernels
     from specpilot.compiler.build import load_cuda_runtime
     from specpilot.schedules.skinny_mma import skinny_nt_matmul
     from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
@@ -124,21 +125,14 @@ def build(out: Path) -> None:
                                                      ("gemv", nt_matmul(n, k, rows=1), dl.gpu.GEMV())):
                 mod = dl.ApplyDefaultSchedule(rule, dl.gpu.Matmul(), dl.gpu.Fallback())(tvm.IRModule({"main": func}))
                 funcs[f"{name}_{k}_{n}"] = mod["main"]
-        funcs = {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
-        lib = tvm.compile(tvm.IRModule(funcs), target=target)
-    lib.export_library(str(out))
-    print(f"wrote {out} ({len(funcs)} kernels)")
+    export_kernels(funcs, target, out)
 
 
 def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
-    import tvm
 
-    from bench._common import timed_rotating, write
-    from specpilot.runtime.engine import _import_tvm_runtime
-    _import_tvm_runtime(gpu=True)
-    lib = tvm.runtime.load_module(str(lib_path))
-    to_tvm = tvm.runtime.from_dlpack
+    from bench._common import load_kernels, timed_rotating, write
+    lib, to_tvm = load_kernels(lib_path)
     rows = []
     timed = _once if PROFILE else timed_rotating
 

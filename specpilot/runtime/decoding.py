@@ -65,8 +65,15 @@ class _Emitter:
 
 
 def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=None,
-                   logits_hook=None, stop_ids=()) -> Generation:
-    """Stock decoding: one target pass per token."""
+                   logits_hook=None, stop_ids=(), window: int = 16) -> Generation:
+    """Stock decoding: one target pass per token.  Unforced and unhooked on a model that takes
+    its token on the device (`CompiledModel.step_on_device`), each step's top-2 is taken where
+    the logits are and its argmax fed to the next step there: the host never waits on a step
+    and enqueues the next while the device runs; every ``window`` steps (and at the end) the
+    choices come back, to stop at a stop token.  Same tokens, choices, margins and runner-ups
+    as the host loop (the same topk on the same logits)."""
+    if force is None and logits_hook is None and hasattr(model, "step_on_device"):
+        return _autoregressive_on_device(model, prompt, max_new, capacity, stop_ids, window)
     start = time.perf_counter()
     state = model.new_state(capacity)
     out = _Emitter(max_new, force, logits_hook, stop_ids)
@@ -79,6 +86,30 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
         logits = model.forward([token], state)[-1]
     out.gen.seconds = time.perf_counter() - start
     return out.gen
+
+
+def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_ids, window: int) -> Generation:
+    start = time.perf_counter()
+    state = model.new_state(capacity)
+    stops = set(stop_ids)
+    tops = [model.forward(prompt, state)[-1].topk(2)]
+    checked = 0
+    while len(tops) < max_new:
+        if stops and len(tops) - checked >= window:     # the choices so far back on the host
+            chosen = torch.stack([t.indices[0] for t in tops[checked:]]).tolist()
+            if stops.intersection(chosen):
+                break
+            checked = len(tops)
+        tops.append(model.step_on_device(tops[-1].indices[:1], state).topk(2))
+    values = torch.stack([t.values for t in tops]).float().cpu().tolist()
+    indices = torch.stack([t.indices for t in tops]).cpu().tolist()
+    tokens = [i for i, _ in indices]
+    end = next((n + 1 for n, t in enumerate(tokens) if t in stops), len(tokens))
+    gen = Generation(tokens[:end], tokens[:end], [a - b for a, b in values[:end]], [r for _, r in indices[:end]],
+                     accepted=[1] * end)
+    state.close()
+    gen.seconds = time.perf_counter() - start
+    return gen
 
 
 def batched_autoregressive(model, prompts: list[list[int]], max_new: list[int], capacity: int, max_batch: int,

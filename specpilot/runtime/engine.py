@@ -176,7 +176,9 @@ class CompiledModule:
         if self.device.dlpack_device_type() == 1:
             return [self.tensor(a) for a in arrays]
         host, views = pack_inputs(arrays)
-        dev = torch.from_numpy(host).to(f"cuda:{self.device.index}")
+        # from pinned memory, not waiting for the device (torch's host allocator keeps the buffer
+        # until the copy has run)
+        dev = torch.from_numpy(host).pin_memory().to(f"cuda:{self.device.index}", non_blocking=True)
         return [self.tvm.runtime.from_dlpack(view(dev)) for view in views]
 
     def model(self, which: str) -> "CompiledModel":
@@ -393,6 +395,26 @@ class CompiledModel:
             state.set_states(*self._commit_at(p, rows[-1]))
         state.length = base + len(rows)
         state.history.clear()
+
+    def step_on_device(self, token, state: CompiledState) -> torch.Tensor:
+        """One decode step of one sequence whose new token is a tensor where the build runs
+        (int32, one element: the previous step's argmax, say): its logits (vocab,) as a torch
+        tensor there, read before the next step (a CUDA graph's output is reused).  Nothing
+        waits for the device -- the other inputs follow from the state's length, and on a GPU
+        they go up from pinned memory without a sync -- so a loop of these enqueues step after
+        step while the device runs (`decoding.autoregressive`'s unforced loop)."""
+        start = state.length
+        state.check_room(1)
+        m = self.module
+        slot = np.array([[start]], "int32")
+        head = m.tensors(np.zeros((1, 1), "int32"), slot, slot, np.ones((1, 1, start + 1), bool),
+                         np.array([state.row], "int32"))
+        head[0] = m.tvm.runtime.from_dlpack(token.reshape(1, 1).to(torch.int32))
+        out = self._decode(*head, self.kv, state.conv, state.rec, m.params)
+        if self.has_gdn:
+            state.set_states(self._row(out[1], 0), self._row(out[2], 0))
+        state.length = start + 1
+        return torch.from_dlpack(out[0] if self.has_gdn else out).reshape(-1)
 
     def step_call(self, items, record: bool = False):
         """The step function and its arguments for `forward_batch`'s items, without calling it

@@ -232,7 +232,7 @@ def substitute(mod):
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
     from specpilot.compiler.lower import NORM_ATTR
-    from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT
+    from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT, dataflow_blocks, rewrite_functions, tir_call
     shapes = {gv: decode_shape(f) for gv, f in mod.functions.items()}
     shapes = {gv: s for gv, s in shapes.items() if s is not None}
     if not shapes:
@@ -240,34 +240,21 @@ def substitute(mod):
     norms = {gv: str(f.attrs[NORM_ATTR]) for gv, f in mod.functions.items()
              if isinstance(f, tirx.PrimFunc) and f.attrs and NORM_ATTR in f.attrs}
     call_tir = tvm.ir.Op.get("relax.call_tir")
-
-    def tir_call(value):
-        if isinstance(value, relax.Call) and value.op.same_as(call_tir) and isinstance(value.args[1], relax.Tuple):
-            return value.args[0], list(value.args[1].fields)
-        return None
-
     # norm outputs whose every use is a substitutable matmul (as its x): var -> (norm JSON, x, g)
     fusable = {}
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function):
-            continue
-        for block in func.body.blocks:
-            if not isinstance(block, relax.DataflowBlock):
+    for values, users in dataflow_blocks(mod):
+        for var, value in values.items():
+            call = tir_call(value)
+            if call is None or call[0] not in norms or len(call[1]) != 2 or not isinstance(var, relax.DataflowVar):
                 continue
-            users = relax.analysis.udchain(block)
-            values = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
-            for var, value in values.items():
-                call = tir_call(value)
-                if call is None or call[0] not in norms or len(call[1]) != 2 or not isinstance(var, relax.DataflowVar):
-                    continue
-                uses = users.get(var, [])
-                ok = bool(uses)
-                for u in uses:
-                    c = tir_call(values.get(u))
-                    ok = ok and c is not None and c[0] in shapes and c[1][0].same_as(var) and \
-                        not any(a.same_as(var) for a in c[1][1:])
-                if ok:
-                    fusable[var] = (norms[call[0]], call[1][0], call[1][1])
+            uses = users.get(var, [])
+            ok = bool(uses)
+            for u in uses:
+                c = tir_call(values.get(u))
+                ok = ok and c is not None and c[0] in shapes and c[1][0].same_as(var) and \
+                    not any(a.same_as(var) for a in c[1][1:])
+            if ok:
+                fusable[var] = (norms[call[0]], call[1][0], call[1][1])
 
     @mutator
     class _Swap(PyExprMutator):
@@ -296,11 +283,7 @@ def substitute(mod):
             return super().visit_call_(call)
 
     swap = _Swap(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            swap.builder_.update_func(gv, swap.visit_expr(func))
-    out = relax.transform.DeadCodeElimination()(swap.builder_.get()) if swap.swapped else mod
-    return out, swap.swapped
+    return rewrite_functions(mod, swap, lambda: swap.swapped)
 
 
 def fuse_pairs(mod):

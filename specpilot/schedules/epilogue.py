@@ -282,6 +282,41 @@ def fuse_epilogues(mod):
     return fuse_users(mod, lambda f: ATTR in f.attrs, make)
 
 
+def tir_call(value):
+    """(PrimFunc global var, argument list) of a ``call_tir`` with a tuple of arguments, else None."""
+    import tvm
+    from tvm import relax
+    if isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir")) and \
+            isinstance(value.args[1], relax.Tuple):
+        return value.args[0], list(value.args[1].fields)
+    return None
+
+
+def dataflow_blocks(mod):
+    """Each dataflow block of the module's Relax functions as (its bindings' values by variable, its
+    variables' users)."""
+    from tvm import relax
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        for block in func.body.blocks:
+            if isinstance(block, relax.DataflowBlock):
+                yield ({b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)},
+                       relax.analysis.udchain(block))
+
+
+def rewrite_functions(mod, mutator, changed):
+    """Every Relax function of ``mod`` through ``mutator`` (a PyExprMutator over it); with
+    ``changed()`` > 0 after, the new module without dead code, else ``mod``: (module, changed())."""
+    from tvm import relax
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    if not changed():
+        return mod, 0
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get()), changed()
+
+
 def fuse_users(mod, is_producer, make):
     """Every call of a PrimFunc with ``is_producer(func)`` whose output's one user is a call of a
     PrimFunc (``consumer``, reading it as one argument, ``source``): where ``make(producer,
@@ -289,45 +324,30 @@ def fuse_users(mod, is_producer, make):
     with the producer's arguments, then the consumer's others.  Kernels are made once per producer
     and consumer alike in structure (prefill and verify share theirs).  Returns (module, number
     fused)."""
-    import tvm
     import tvm_ffi
     from tvm import relax, tirx
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    call_tir = tvm.ir.Op.get("relax.call_tir")
     producers = {gv for gv, f in mod.functions.items()
                  if isinstance(f, tirx.PrimFunc) and f.attrs and is_producer(f)}
     if not producers:
         return mod, 0
-
-    def tir_call(value):
-        if isinstance(value, relax.Call) and value.op.same_as(call_tir) and isinstance(value.args[1], relax.Tuple):
-            return value.args[0], list(value.args[1].fields)
-        return None
-
     plan = {}        # consumer binding var -> (producer gv, producer args, consumer gv, consumer args, source index)
-    for func in mod.functions.values():
-        if not isinstance(func, relax.Function):
-            continue
-        for block in func.body.blocks:
-            if not isinstance(block, relax.DataflowBlock):
+    for values, users in dataflow_blocks(mod):
+        for var, value in values.items():
+            call = tir_call(value)
+            if call is None or call[0] not in producers or not isinstance(var, relax.DataflowVar):
                 continue
-            users = relax.analysis.udchain(block)
-            values = {b.var: b.value for b in block.bindings if isinstance(b, relax.VarBinding)}
-            for var, value in values.items():
-                call = tir_call(value)
-                if call is None or call[0] not in producers or not isinstance(var, relax.DataflowVar):
-                    continue
-                use = set(users.get(var, []))
-                if len(use) != 1:
-                    continue
-                (user,) = use
-                consumer = tir_call(values.get(user))
-                if consumer is None or not isinstance(mod[consumer[0]], tirx.PrimFunc) or consumer[0] in producers:
-                    continue
-                sources = [i for i, a in enumerate(consumer[1]) if a.same_as(var)]
-                if len(sources) == 1:
-                    plan[user] = (call[0], call[1], consumer[0], consumer[1], sources[0])
+            use = set(users.get(var, []))
+            if len(use) != 1:
+                continue
+            (user,) = use
+            consumer = tir_call(values.get(user))
+            if consumer is None or not isinstance(mod[consumer[0]], tirx.PrimFunc) or consumer[0] in producers:
+                continue
+            sources = [i for i, a in enumerate(consumer[1]) if a.same_as(var)]
+            if len(sources) == 1:
+                plan[user] = (call[0], call[1], consumer[0], consumer[1], sources[0])
     if not plan:
         return mod, 0
 
@@ -361,9 +381,4 @@ def fuse_users(mod, is_producer, make):
             self.builder_.emit_normalized(relax.VarBinding(binding.var, new))
 
     fuser = _Fuse(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            fuser.builder_.update_func(gv, fuser.visit_expr(func))
-    if not fuser.fused:
-        return mod, 0
-    return relax.transform.DeadCodeElimination()(fuser.builder_.get()), fuser.fused
+    return rewrite_functions(mod, fuser, lambda: fuser.fused)

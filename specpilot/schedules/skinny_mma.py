@@ -676,7 +676,7 @@ def substitute(mod, wgmma: bool = False):
     from tvm import relax
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT
+    from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT, rewrite_functions
     shapes = {gv: nt_matmul_shape(f) for gv, f in mod.functions.items()}
     shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s, wgmma)}
     if not shapes:
@@ -703,8 +703,4 @@ def substitute(mod, wgmma: bool = False):
             return call
 
     swap = _Swap(mod)
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            swap.builder_.update_func(gv, swap.visit_expr(func))
-    out = relax.transform.DeadCodeElimination()(swap.builder_.get()) if swap.swapped else mod
-    return out, swap.swapped
+    return rewrite_functions(mod, swap, lambda: swap.swapped)

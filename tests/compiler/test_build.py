@@ -82,6 +82,26 @@ def test_compiled_token_forcing_256_exact(built, engine):
         assert system.generate(engine, PROMPTS[0], 96).tokens == stock_runs[0].tokens[:96]
 
 
+def test_unforced_decoding_with_tokens_on_the_device_equals_the_host_loop(built):
+    """The unforced loop feeds each step's argmax back where the build runs (no host round trip a
+    step): the same tokens, choices, margins and runner-ups as the host loop (forced by a no-op
+    hook onto it), and with a stop token it stops where the host loop does, inside a window."""
+    from specpilot.runtime.decoding import autoregressive
+    out, _ = built
+    model = from_build(out).engines["compiled"].model
+    for prompt in PROMPTS[:2]:
+        host = autoregressive(model, prompt, 45, 400, logits_hook=lambda pos, row: row)
+        device = autoregressive(model, prompt, 45, 400, window=8)
+        assert device.tokens == host.tokens and device.choices == host.choices
+        assert device.margins == host.margins and device.runner_up == host.runner_up
+        assert device.accepted == host.accepted == [1] * 45
+        stop = host.tokens[21]    # the first position it appears at, in the third window
+        first = host.tokens.index(stop)
+        stopped = autoregressive(model, prompt, 45, 400, stop_ids=[stop], window=8)
+        assert stopped.tokens == host.tokens[:first + 1] == \
+            autoregressive(model, prompt, 45, 400, stop_ids=[stop], logits_hook=lambda pos, row: row).tokens
+
+
 def test_continuous_batch_forcing_exact(built):
     """Five requests of different prompt lengths and lengths through a 3-row cache pool: requests
     join (prefilled in the same call as the others' decode steps) and leave; every request's
