@@ -72,21 +72,22 @@ def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: in
 def device_loop_steps(model, prompt: list[int], steps: int, capacity: int, rounds: int = 7):
     """The engine's unforced greedy loop with the token kept on the device (`decoding.autoregressive`
     on a compiled model: each step's choice taken there and fed to the next step, no host wait a
-    step), timed over ``steps`` steps after the prefill, one device sync at the end: (tokens,
-    seconds per step per round).  The choice is the argmax, as `decode_steps` takes it, so the
-    tokens must be the host loop's (`autoregressive` takes topk's first, which breaks exact ties
-    -- frequent in bf16-rounded logits over a 152k vocabulary -- its own way, on both paths)."""
+    step, `decoding.top2`: the choice, its margin and the runner-up), timed over ``steps`` steps
+    after the prefill, one device sync at the end: (tokens, seconds per step per round).  top2's
+    choice is the argmax (ties to the lowest index), as `decode_steps` takes it: the tokens must
+    be the host loop's."""
+    from specpilot.runtime.decoding import top2
     samples, tokens = [], []
     for _ in range(rounds):
         state = model.new_state(capacity)
-        chosen = [model.forward(prompt, state)[-1].argmax().reshape(1)]
+        tops = [top2(model.forward(prompt, state)[-1])]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            chosen.append(model.step_on_device(chosen[-1], state).argmax().reshape(1))
+            tops.append(top2(model.step_on_device(tops[-1][1], state)))
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) / steps)
-        tokens = torch.cat(chosen).tolist()
+        tokens = torch.stack([t[1] for t in tops]).tolist()
         state.close()
     return tokens, samples
 

@@ -39,6 +39,19 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def top2(row: torch.Tensor):
+    """(best value, its index, runner-up value, its index) of a logits row as 0-d tensors where the
+    row is (no host copy): ties go to the lowest index, as argmax's do -- the same choice on every
+    device and in every loop, where topk's order among equal values is its own (exact ties are
+    common in bf16-rounded logits over a large vocabulary) -- and the runner-up is the best of the
+    rest.  H200, 152k float32 logits, back to back (bench/results/top2-20261201-155645.json):
+    73 us a call against topk(2)'s 132 (argmax alone 15); the 8B-shape engine step with tokens on
+    the device 1.35 ms with topk(2), 1.32 with this (bench/README session 17)."""
+    best, at = row.max(0)
+    second, runner = row.index_fill(0, at.reshape(1), float("-inf")).max(0)
+    return best, at, second, runner
+
+
 class _Emitter:
     """Turns logits rows into emitted tokens, choices and margins, honouring forcing."""
 
@@ -52,8 +65,9 @@ class _Emitter:
         pos = len(self.gen.tokens)
         if self.hook is not None:
             logits_row = self.hook(pos, logits_row)
-        top2 = logits_row.topk(2)
-        (first, second), (choice, runner_up) = top2.values.float().tolist(), top2.indices.tolist()   # two copies
+        best, at, second_best, runner = top2(logits_row)
+        (first, second) = torch.stack([best, second_best]).float().tolist()    # two copies
+        choice, runner_up = torch.stack([at, runner]).tolist()
         self.gen.choices.append(choice)
         self.gen.margins.append(first - second)
         self.gen.runner_up.append(runner_up)
@@ -71,7 +85,7 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
     the logits are and its argmax fed to the next step there: the host never waits on a step
     and enqueues the next while the device runs; every ``window`` steps (and at the end) the
     choices come back, to stop at a stop token.  Same tokens, choices, margins and runner-ups
-    as the host loop (the same topk on the same logits)."""
+    as the host loop (the same `top2` on the same logits)."""
     if force is None and logits_hook is None and hasattr(model, "step_on_device"):
         return _autoregressive_on_device(model, prompt, max_new, capacity, stop_ids, window)
     start = time.perf_counter()
@@ -92,17 +106,17 @@ def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_i
     start = time.perf_counter()
     state = model.new_state(capacity)
     stops = set(stop_ids)
-    tops = [model.forward(prompt, state)[-1].topk(2)]
+    tops = [top2(model.forward(prompt, state)[-1])]
     checked = 0
     while len(tops) < max_new:
         if stops and len(tops) - checked >= window:     # the choices so far back on the host
-            chosen = torch.stack([t.indices[0] for t in tops[checked:]]).tolist()
+            chosen = torch.stack([t[1] for t in tops[checked:]]).tolist()
             if stops.intersection(chosen):
                 break
             checked = len(tops)
-        tops.append(model.step_on_device(tops[-1].indices[:1], state).topk(2))
-    values = torch.stack([t.values for t in tops]).float().cpu().tolist()
-    indices = torch.stack([t.indices for t in tops]).cpu().tolist()
+        tops.append(top2(model.step_on_device(tops[-1][1], state)))
+    values = torch.stack([torch.stack([t[0], t[2]]) for t in tops]).float().cpu().tolist()
+    indices = torch.stack([torch.stack([t[1], t[3]]) for t in tops]).cpu().tolist()
     tokens = [i for i, _ in indices]
     end = next((n + 1 for n, t in enumerate(tokens) if t in stops), len(tokens))
     gen = Generation(tokens[:end], tokens[:end], [a - b for a, b in values[:end]], [r for _, r in indices[:end]],

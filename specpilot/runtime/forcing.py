@@ -95,7 +95,8 @@ def runner_up_fault(after: int, bias: float):
     def hook(position: int, logits):
         if position < after:
             return logits
+        from specpilot.runtime.decoding import top2
         logits = logits.clone()
-        logits[logits.topk(2).indices[1]] += bias
+        logits[top2(logits)[3]] += bias
         return logits
     return hook
