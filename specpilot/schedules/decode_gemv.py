@@ -79,7 +79,6 @@ def decode_gemv(n_out: int, k_in: int, norm: str | None = None, dtype: str = "bf
 
 
 def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: bool):
-    from tvm import tirx
     from tvm.script import tirx as T
 
     from specpilot.compiler.lower import _rms_scaled
@@ -207,7 +206,6 @@ def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: b
                 for bx in T.thread_binding(blocks, thread="blockIdx.x"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                         body(x, g, w, y, bx, tid)
-    del tirx
     return kernel
 
 
