@@ -45,11 +45,6 @@ from specpilot.compiler import kernels
 from specpilot.compiler.config import ModelConfig, cache_shapes
 
 
-def _apply(relax_op, x: Tensor) -> Tensor:
-    """A Relax operator the nn frontend does not wrap (cos, sin)."""
-    return wrap_nested(relax_op(x._expr), relax_op.__name__)
-
-
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
     """a @ b accumulated in float32 and rounded once to the operands' dtype, as torch/cuBLAS do
     (TVM's matmul otherwise accumulates in bf16, which drifts far from the reference)."""
@@ -192,6 +187,27 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
     return compute
 
 
+def rotary_te(dtype: str):
+    """Rotary's cos and sin as one tensor expression: (positions[B, T] int32, inv_freq[h] float32) ->
+    [2, B, T, 2 h] in ``dtype``, [0] the cos and [1] the sin of float32(position) x inv_freq[i mod h]
+    -- the angles of the operators it stands for (positions times the inverse frequencies as a
+    one-term float32 matmul, concatenated with themselves), each rounded once to ``dtype``.  One
+    kernel a step where those were four (the matmul, the concatenation, cos, sin: every attention
+    layer reads them, so FuseOps fused none into a layer); each layer's heads kernel reads its
+    slices."""
+    from tvm import te, tirx
+
+    def compute(positions: te.Tensor, inv: te.Tensor) -> te.Tensor:
+        half = inv.shape[0]
+        B, T = positions.shape
+
+        def value(which, b, t, i):
+            angle = _f32(positions[b, t]) * inv[i % max(int(half), 1)]     # (no element when half is 0)
+            return tirx.Cast(dtype, tirx.Select(which == 0, tirx.cos(angle), tirx.sin(angle)))
+        return te.compute((2, B, T, 2 * half), value, name="rotary")
+    return compute
+
+
 def l2norm_te(scale: float | None):
     """x / sqrt(sum(x * x) + 1e-6) over the last axis (float32), times ``scale`` when given: the
     Gated DeltaNet q / k normalisation as one kernel (the operators were two: the sum, then the
@@ -264,10 +280,15 @@ class StepInputs:
     slots: Tensor       # (B, T)
     mask: Tensor        # (B, T, L)
     rows: Tensor        # (B,)
-    cos: Tensor         # (B, T, rot)
-    sin: Tensor
+    rotary: Tensor      # (2, B, T, rot): cos, sin (`rotary_te`); each layer slices its own (fused into its heads kernel)
     parents: Tensor | None = None   # (B, T), verify only: token t's parent among the new tokens
-    counters: Tensor | None = None  # (B * KV heads,) int32 zeros, GPU decode: `kernels.attention_decode`'s
+    counters: Tensor | None = None  # (B * KV heads,) int32 zeros, GPU decode: `kernels.attention_decode`'s counters
+
+    def cos_sin(self) -> tuple[Tensor, Tensor]:
+        """The layer's own slices of ``rotary``: cos, sin (B, T, rot)."""
+        _, B, T, rot = self.rotary.shape
+        return tuple(op.reshape(_slice(self.rotary, 0, i, i + 1, name), (B, T, rot))
+                     for i, name in enumerate(("cos", "sin")))
 
 
 class Attention(nn.Module):
@@ -296,7 +317,7 @@ class Attention(nn.Module):
         return op.tensor_expr_op(
             attention_heads_te(self.dtype, cfg.rotary_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
                                cfg.rms_norm_eps if cfg.qk_norm else None, cfg.zero_centered_norm, not self.gpu),
-            "attention_heads", [q, k, v, *norm, s.cos, s.sin], attrs={"op_pattern": 2})
+            "attention_heads", [q, k, v, *norm, *s.cos_sin()], attrs={"op_pattern": 2})
 
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
         """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
@@ -551,11 +572,8 @@ class CausalLM(nn.Module):
     def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool, parents=None):
         cfg = self.cfg
         B, T_ = tokens.shape
-        freqs = op.matmul(op.unsqueeze(op.astype(positions, "float32"), 2),
-                          op.reshape(self.rope_inv_freq, (1, 1, -1)))                     # (B, T, rot/2)
-        emb = op.concat([freqs, freqs], dim=2)
-        s = StepInputs(B, T_, slots, mask, rows, op.astype(_apply(rx.op.cos, emb), self.dtype),
-                       op.astype(_apply(rx.op.sin, emb), self.dtype), parents)
+        s = StepInputs(B, T_, slots, mask, rows, op.tensor_expr_op(rotary_te(self.dtype), "rotary",
+                                                                   [positions, self.rope_inv_freq]), parents)
         if self.gpu and self.n_attn and isinstance(T_, int) and T_ == 1:   # one zeroing a step, for every layer
             s.counters = op.zeros((B * cfg.num_key_value_heads,), "int32")
         h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,

@@ -273,3 +273,36 @@ def test_attention_heads_are_one_gpu_kernel_with_their_producers_fused_in(norm, 
     funcs = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
     assert len(funcs) == 1
     assert funcs[0].script().count('thread="blockIdx.x"') == 1
+
+
+@pytest.mark.parametrize("dtype,half,B,T", [("float32", 64, 1, 1), ("bfloat16", 64, 3, 5), ("bfloat16", 16, 2, 7),
+                                            ("float32", 3, 1, 9)])
+def test_one_kernel_rotary_is_the_operators_bit_for_bit(dtype, half, B, T):
+    """`lower.rotary_te` (cos and sin in one tensor) against the operators the lowering emitted
+    before -- float32(positions) x inv_freq as a one-term matmul, concatenated with itself, cos and
+    sin, each cast -- on random positions up to 40k and random frequencies, odd sizes: every bit."""
+    import tvm
+    from tvm import relax
+
+    from specpilot.compiler.lower import rotary_te
+    bb = relax.BlockBuilder()
+    pos = relax.Var("pos", relax.TensorType([B, T], "int32"))
+    inv = relax.Var("inv", relax.TensorType([half], "float32"))
+    with bb.function("main", [pos, inv]):
+        with bb.dataflow():
+            cs = bb.emit_te(rotary_te(dtype), pos, inv)
+            freqs = bb.emit(relax.op.matmul(relax.op.expand_dims(relax.op.astype(pos, "float32"), 2),
+                                            relax.op.reshape(inv, (1, 1, half))))
+            emb = bb.emit(relax.op.concat([freqs, freqs], axis=2))
+            cos, sin = (bb.emit(relax.op.astype(f(emb), dtype)) for f in (relax.op.cos, relax.op.sin))
+            out = bb.emit_output(relax.Tuple([cs, cos, sin]))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+    gen = torch.Generator().manual_seed(half * 7 + T)
+    positions = torch.randint(0, 40960, (B, T), generator=gen, dtype=torch.int32)
+    freqs = 1e6 ** (-torch.arange(half, dtype=torch.float32) / half) * (1 + 0.01 * torch.rand(half, generator=gen))
+    got = [torch.from_dlpack(t).clone() for t in vm["main"](tvm.runtime.from_dlpack(positions),
+                                                             tvm.runtime.from_dlpack(freqs))]
+    bits = torch.int16 if dtype == "bfloat16" else torch.int32
+    assert got[0].shape == (2, B, T, 2 * half)
+    assert torch.equal(got[0][0].view(bits), got[1].view(bits)) and torch.equal(got[0][1].view(bits), got[2].view(bits))
