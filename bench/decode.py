@@ -70,21 +70,20 @@ def decode_steps(model, prompt: list[int], steps: int, capacity: int, warmup: in
 
 
 def device_loop_steps(model, prompt: list[int], steps: int, capacity: int, rounds: int = 7):
-    """The engine's unforced greedy loop with the token kept on the device (`decoding.autoregressive`
-    on a compiled model: each step's choice taken there and fed to the next step, no host wait a
-    step, `decoding.top2`: the choice, its margin and the runner-up), timed over ``steps`` steps
-    after the prefill, one device sync at the end: (tokens, seconds per step per round).  top2's
-    choice is the argmax (ties to the lowest index), as `decode_steps` takes it: the tokens must
-    be the host loop's."""
-    from specpilot.runtime.decoding import top2
+    """The engine's unforced greedy loop with the token kept on the device (`decoding.tops_on_device`,
+    what `decoding.autoregressive` runs on a compiled model: each step's choice taken there and fed
+    to the next step, no host wait a step, `decoding.top2`: the choice, its margin and the
+    runner-up), timed over ``steps`` steps after the prefill, one device sync at the end:
+    (tokens, seconds per step per round).  top2's choice is the argmax (ties to the lowest index),
+    as `decode_steps` takes it: the tokens must be the host loop's."""
+    from specpilot.runtime.decoding import top2, tops_on_device
     samples, tokens = [], []
     for _ in range(rounds):
         state = model.new_state(capacity)
-        tops = [top2(model.forward(prompt, state)[-1])]
+        first = top2(model.forward(prompt, state)[-1])
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            tops.append(top2(model.step_on_device(tops[-1][1], state)))
+        tops = tops_on_device(model, state, first, steps + 1)
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) / steps)
         tokens = torch.stack([t[1] for t in tops]).tolist()

@@ -46,7 +46,7 @@ def top2(row: torch.Tensor):
     common in bf16-rounded logits over a large vocabulary) -- and the runner-up is the best of the
     rest.  H200, 152k float32 logits, back to back (bench/results/top2-20261201-155645.json):
     73 us a call against topk(2)'s 132 (argmax alone 15); the 8B-shape engine step with tokens on
-    the device 1.35 ms with topk(2), 1.32 with this (bench/README session 17)."""
+    the device 1.35 ms with topk(2), 1.32 with this, in two device calls (bench/README session 17)."""
     best, at = row.max(0)
     second, runner = row.index_fill(0, at.reshape(1), float("-inf")).max(0)
     return best, at, second, runner
@@ -102,19 +102,29 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
     return out.gen
 
 
-def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_ids, window: int) -> Generation:
-    start = time.perf_counter()
-    state = model.new_state(capacity)
+def tops_on_device(model, state, first, n: int, stop_ids=(), window: int = 16) -> list:
+    """``first`` (the `top2` of the prefill's last logits row) and the `top2` of each decode step
+    after it, up to ``n`` in all: each step is fed its predecessor's choice where the build runs
+    (`CompiledModel.step_on_device`), so nothing waits on the device except, every ``window``
+    steps, the choices coming back to stop after a stop token (the steps past it are wasted, not
+    wrong: the caller cuts there)."""
     stops = set(stop_ids)
-    tops = [top2(model.forward(prompt, state)[-1])]
-    checked = 0
-    while len(tops) < max_new:
+    tops, checked = [first], 0
+    while len(tops) < n:
         if stops and len(tops) - checked >= window:     # the choices so far back on the host
             chosen = torch.stack([t[1] for t in tops[checked:]]).tolist()
             if stops.intersection(chosen):
                 break
             checked = len(tops)
         tops.append(top2(model.step_on_device(tops[-1][1], state)))
+    return tops
+
+
+def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_ids, window: int) -> Generation:
+    start = time.perf_counter()
+    state = model.new_state(capacity)
+    stops = set(stop_ids)
+    tops = tops_on_device(model, state, top2(model.forward(prompt, state)[-1]), max_new, stops, window)
     values = torch.stack([torch.stack([t[0], t[2]]) for t in tops]).float().cpu().tolist()
     indices = torch.stack([torch.stack([t[1], t[3]]) for t in tops]).cpu().tolist()
     tokens = [i for i, _ in indices]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specpilot.runtime.decoding import top2
+
 
 @dataclass
 class Divergence:
@@ -95,7 +97,6 @@ def runner_up_fault(after: int, bias: float):
     def hook(position: int, logits):
         if position < after:
             return logits
-        from specpilot.runtime.decoding import top2
         logits = logits.clone()
         logits[top2(logits)[3]] += bias
         return logits
