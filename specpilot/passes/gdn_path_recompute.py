@@ -8,7 +8,8 @@ tree form (same signature): every node starts from its parent's state (parent -1
 before the pass) and its conv window is its ancestors' inputs, continued into the conv state
 when the path is shorter.  The recurrence's tree form is ``form``: ``chunked`` (default) computes
 every node in closed form at once (`compiler.gdn_tree`: path sums of the gates, the delta
-system over ancestor pairs; trees of up to 103 nodes + root, a larger budget falls back), and
+system over ancestor pairs, solved a tree level at a time for up to 72 tokens, by substitution in
+token order for up to 104; a larger budget falls back), and
 ``sequential`` walks the nodes in order (parents come first), reading a branch's parent state
 back from scratch.  ``commit`` then rebuilds the accepted node's
 recurrent state along its root path from the pass's records (`kernels.gdn_commit`).
@@ -27,7 +28,7 @@ from specpilot.compiler import gdn_tree, kernels
 from specpilot.passes.base import Option, Pass, PassContext
 
 
-def _tree_form(func: tirx.PrimFunc, chunked: bool):
+def _tree_form(func: tirx.PrimFunc, chunked: dict | None):
     attrs = func.attrs
     gpu = bool(attrs["tirx.is_scheduled"])
     shape = [int(x) for x in attrs["gdn.shape"]]
@@ -36,10 +37,10 @@ def _tree_form(func: tirx.PrimFunc, chunked: bool):
         if not bool(attrs["gdn.keep_states"]):
             return None            # prefill / decode: one sequence of tokens, nothing to follow
         if chunked:
-            # as many tokens as it can hold, not just the budget's nodes + root: an engine may verify
+            # as many tokens as the form holds, not just the budget's nodes + root: an engine may verify
             # larger trees or longer chains with the same build (more: the engine refuses, with the
             # limit from manifest_entry)
-            return gdn_tree.gated_delta_rule_tree(*shape, gpu=gpu, stack=stack, nmax=gdn_tree.NMAX_LIMIT)
+            return gdn_tree.gated_delta_rule_tree(*shape, gpu=gpu, stack=stack, **chunked)
         return kernels.gated_delta_rule(*shape, keep_states=True, gpu=gpu, tree=True, stack=stack)
     return kernels.gdn_conv_verify(*shape, str(attrs["gdn.dtype"]), gpu=gpu, tree=True, stack=stack)
 
@@ -59,13 +60,14 @@ class GdnPathRecompute(Pass):
             return False, "only for targets with Gated DeltaNet layers"
         return True, ""
 
-    def chunked(self, context: PassContext) -> bool:
-        """Whether the recurrence gets the chunked form (it holds NMAX_LIMIT tokens)."""
+    def chunked(self, context: PassContext) -> dict | None:
+        """The chunked form's arguments (`gdn_tree.form_for` the budget's nodes + root), or None."""
         budget = int(context.statistics.get("tree-verify", {}).get("budget", 64))
-        return self["form"] == "chunked" and budget + 1 <= gdn_tree.NMAX_LIMIT
+        return gdn_tree.form_for(budget + 1) if self["form"] == "chunked" else None
 
     def manifest_entry(self, context: PassContext):
-        return {"form": "chunked", "max_tokens": gdn_tree.NMAX_LIMIT} if self.chunked(context) else None
+        form = self.chunked(context)
+        return {"form": "chunked", "max_tokens": form["nmax"]} if form else None
 
     def apply(self, mod, context: PassContext):
         out = mod.clone() if hasattr(mod, "clone") else mod

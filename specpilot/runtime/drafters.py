@@ -106,7 +106,9 @@ class ModelDrafter:
                     parents.append(nodes[key[:-1]] if d > 1 else -1)
                     depths.append(d)
         base = len(context)
-        if self.consumed != list(context) or self.state.length != base or base + len(tokens) > self.capacity:
+        limit = getattr(self.model, "max_verify_tokens", None)   # a compiled hybrid's GDN tree kernel holds so many
+        if self.consumed != list(context) or self.state.length != base or base + len(tokens) > self.capacity \
+                or (limit and len(tokens) > limit):
             return [expand(path) for path in paths]  # no room for the whole pass: node by node
         mask = np.zeros((len(tokens), base + len(tokens)), dtype=bool)
         mask[:, :base] = True

@@ -6,6 +6,8 @@ gdn-path-recompute picks the form."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +115,10 @@ def test_more_tokens_than_the_form_holds_is_a_clear_error():
                              ((B, n, H, dk, dv), "float32")])
     with pytest.raises(ValueError, match="nmax"):
         gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, nmax=gdn_tree.NMAX_LIMIT + 8)
+    with pytest.raises(ValueError, match="level form holds at most 72"):
+        gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=True, levels=True, nmax=80)
+    with pytest.raises(ValueError, match="probe"):
+        gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=True, probe=True)
 
 
 def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
@@ -129,19 +135,70 @@ def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
     assert 'T.thread_binding(8, thread="threadIdx.y")' in script and "batch * T.int64(96)" in script
 
 
-@pytest.mark.parametrize("text,form", [
-    ("tree-verify,gdn-path-recompute", "chunked"),
-    ("tree-verify,gdn-path-recompute{form=sequential}", None),
-    ("tree-verify{budget=200},gdn-path-recompute", None),          # more nodes than the chunked form holds
+def test_level_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
+    """The level form (what a budget-64 build runs on the GPU): 27B-class heads in blocks of 32
+    value columns, odd head sizes (4-byte copies), a stacked layer and the probe form; every load
+    of the k rows, S_0 and v blocks a cp.async before the first barrier, 32-bit indexing, the
+    8-lane groups' shuffles."""
+    f = gdn_tree.gated_delta_rule_tree
+    text = sm90_source(tmp_path, "from specpilot.compiler.gdn_tree import gated_delta_rule_tree as f",
+                       "{'big': f(48, 128, 128, True, levels=True, nmax=72, columns=32), "
+                       "'odd': f(3, 10, 5, True, levels=True, nmax=16, columns=32), "
+                       "'stacked': f(4, 16, 12, True, stack=(3, 1), levels=True, nmax=24, columns=32), "
+                       "'probe': f(48, 128, 128, True, levels=True, nmax=72, columns=32, probe=True)}")
+    kernels_ = {}
+    for name in ("big", "odd", "stacked", "probe"):
+        start = re.search(rf"void __launch_bounds__\(256\) {name}_kernel\([^)]*\) {{", text).end()
+        kernels_[name] = text[start:text.index("\n}\n", start)]
+    for name, body in kernels_.items():
+        first_barrier = body.index("__syncthreads()")
+        assert "ptx_cp_async_cg" in body[:first_barrier] or "ptx_cp_async_ca" in body[:first_barrier], name
+        assert name == "probe" or "int64_t" not in body, name     # 32-bit indexing throughout
+        assert "__shfl_xor_sync(__activemask(), " in body and ", 4, 32)" in body, name
+        assert ("clock64()" in body) == (name == "probe"), name
+    big = kernels_["big"]
+    assert "ptx_cp_async_cg" in big and "ptx_cp_async_cg" not in kernels_["odd"]   # 16-byte copies where aligned
+    script = f(48, 128, 128, True, levels=True, nmax=72, columns=32).script()
+    assert "batch * 192" in script        # 48 heads x 4 blocks of 32 columns
+    assert f(48, 128, 128, True, levels=True, nmax=72, columns=32).attrs["gdn.solve"] == "levels"
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 12), (3, 10, 5), (48, 128, 128), (2, 64, 64)])
+@pytest.mark.parametrize("kwargs", [{}, {"levels": True, "nmax": 72, "columns": 32},
+                                    {"levels": True, "nmax": 16, "columns": 32}])
+def test_gpu_forms_shared_memory_launches(shape, kwargs):
+    """TVM raises a kernel's dynamic shared memory limit only from 48 KB of dynamic memory; static +
+    dynamic past 48 KB with less dynamic fails at launch (CUDA_ERROR_INVALID_VALUE, seen on the H200
+    with the tiny hybrid's heads).  Every GPU form: all of it within 48 KB, or 48 KB dynamic."""
+    script = gdn_tree.gated_delta_rule_tree(*shape, True, **kwargs).script()
+    static = sum(int(n) * 4 for n in re.findall(r"T\.alloc_shared\(\((\d+),\)", script))
+    dynamic = sum(int(n) * 4 for n in re.findall(r'T\.alloc_buffer\(\((\d+),\), scope="shared\.dyn"\)', script))
+    assert static and dynamic
+    assert static + dynamic <= 48 * 1024 or dynamic >= 48 * 1024, (static, dynamic)
+    assert static <= 48 * 1024
+
+
+@pytest.mark.parametrize("text,form,solve,tokens", [
+    ("tree-verify,gdn-path-recompute", "chunked", "levels", 72),
+    ("tree-verify{budget=71},gdn-path-recompute", "chunked", "levels", 72),
+    ("tree-verify{budget=72},gdn-path-recompute", "chunked", "substitution", 104),  # more than the level form holds
+    ("tree-verify,gdn-path-recompute{form=sequential}", None, None, None),
+    ("tree-verify{budget=200},gdn-path-recompute", None, None, None),   # more nodes than the chunked forms hold
 ])
-def test_the_pass_picks_the_form(text, form):
-    before, _ = lower_deployment(tiny_config(HYBRID), None, "float32", 64, gpu=False)
-    after, _ = run_pipeline(parse(text), before, PassContext(hybrid=True))
-    forms = {str(f.attrs["gdn.form"]) if "gdn.form" in f.attrs else None
-             for _, f in after.functions.items()
+def test_the_pass_picks_the_form(text, form, solve, tokens):
+    """On the GPU lowering (the CPU form solves by substitution whatever the limit)."""
+    before, _ = lower_deployment(tiny_config(HYBRID), None, "float32", 64, gpu=True)
+    pipeline = parse(text)
+    context = PassContext(hybrid=True)
+    after, _ = run_pipeline(pipeline, before, context)
+    trees = [f for _, f in after.functions.items()
              if f.attrs is not None and "gdn.kernel" in f.attrs and str(f.attrs["gdn.kernel"]) == "recurrence"
-             and bool(f.attrs["gdn.tree"])}
-    assert forms == {form}
+             and bool(f.attrs["gdn.tree"])]
+    got = lambda key: {str(f.attrs[key]) if key in f.attrs else None for f in trees}  # noqa: E731
+    assert got("gdn.form") == {form} and got("gdn.solve") == {solve}
+    assert got("gdn.max_tokens") == {str(tokens) if tokens else None}
+    recompute = next(p for p in pipeline.passes if p.name == "gdn-path-recompute")
+    assert recompute.manifest_entry(context) == ({"form": "chunked", "max_tokens": tokens} if tokens else None)
 
 
 def test_a_chunked_build_verifies_at_most_its_limit(tmp_path, monkeypatch):
