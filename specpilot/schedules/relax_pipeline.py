@@ -125,9 +125,9 @@ def _decode_gemv() -> tvm.transform.Pass:
 def _fuse_epilogues() -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="specpilot.fuse_epilogues")
     def _fuse(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
-        from specpilot.schedules.decode_gemv import fuse_pairs
+        from specpilot.schedules import decode_gemv, skinny_mma
         from specpilot.schedules.epilogue import fuse_epilogues
-        return fuse_epilogues(fuse_pairs(mod)[0])[0]
+        return fuse_epilogues(skinny_mma.fuse_pairs(decode_gemv.fuse_pairs(mod)[0])[0])[0]
     return _fuse
 
 

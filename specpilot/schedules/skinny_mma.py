@@ -27,10 +27,18 @@ Layout per block: ``wn`` x ``wk`` warps; a warp owns ``a_tiles`` x 16 output cha
 shared memory.  Grid: (N / (16 a_tiles wn), ceil(M / (8 m_tiles))).  `skinny_nt_matmul`
 picks a configuration by M at run time (`configs`).  Static row counts (the one-sequence decode
 step) go to `decode_gemv`, its GEMV with the norm before it as prologue.
+
+SwiGLU over a fused gate / up projection (`fuse_pairs`, after FuseTIR): where every configuration
+of the shape is an unsplit warpgroup kernel, the paired form loads a block's weight rows as 32 of
+the gate half and the same 32 of the up half, and each thread stores silu(gate) * up once from its
+two accumulators -- the float32 [m, 2 H] output and the activation's kernel gone; every output bit
+the unfused build's (H200, the 27B-style hybrid's prefill, AR steps, tree-verify logits, conv states
+and records: bench/results/compare-builds-20261201-181941.json).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -405,7 +413,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     return _launch_blocks(n_out, cfg, block, 32)
 
 
-def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
+def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     """Hopper's warpgroup MMA (sm_90a): a block of ``wn`` warpgroups, each ``wgmma.m64nRk16``
     with 64 channels of W as A and the block's R = ``block_m`` rows of x as B, both read by the
     tensor cores straight from shared memory through matrix descriptors.  Every thread copies
@@ -420,10 +428,16 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
     async one: each thread fences the proxies between its copies landing and the barrier.  With
     ``overlap`` = 1 a chunk's wgmmas are waited for one iteration later (after the next chunk's
     are issued) and the copies run ``stages - 2`` chunks ahead, so no slot is refilled before
-    every warpgroup has finished reading it."""
+    every warpgroup has finished reading it.
+
+    ``paired`` (N even, H = N / 2; `fuse_pairs`): each 16-row slice of a block's 64 channels is 8
+    rows c.. of W's first half and the same 8 of its second (c + H..), so a thread's accumulators
+    i and i + 2 (i % 4 < 2) hold y[r, c] and y[r, c + H], stored one after the other for a
+    SwiGLU-like consumer of both; a block covers block_n / 2 such pairs."""
     from tvm.script import tirx as T
 
     WG, MT, S, OV = cfg.wn, cfg.m_tiles, cfg.stages, cfg.overlap
+    H = n_out // 2
     D = S - 1 - OV                      # chunks the copies run ahead of the wgmmas
     BN, BM = cfg.block_n(), cfg.block_m()
     KC = WGMMA_K
@@ -450,13 +464,20 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
         """Element offset of 16-byte ``piece`` of tile ``row`` within a ring slot."""
         return row * KC + T.bitwise_xor(piece, row % 8) * 8
 
+    def w_row(bx, slot):
+        """The weight row of the block's channel ``slot``."""
+        if not paired:
+            return T.min(bx * BN + slot, n_out - 1)
+        c = T.min(bx * (BN // 2) + slot // 16 * 8 + slot % 8, H - 1)
+        return T.if_then_else(slot % 16 < 8, c, c + H)
+
     @T.macro
     def issue(ring, w, x, m, bx, by, tid, base, stage, chunk):
         for r in T.serial(w_rounds):
             if r * threads + tid < BN * 8:
                 i = T.meta_var(r * threads + tid)
                 T.evaluate(T.ptx[copy](T.address_of(ring[base + stage * STAGE + swizzled(i // 8, i % 8)]),
-                                       T.address_of(w[T.min(bx * BN + i // 8, n_out - 1), chunk * KC + (i % 8) * 8]),
+                                       T.address_of(w[w_row(bx, i // 8), chunk * KC + (i % 8) * 8]),
                                        16))
         for r in T.serial(x_rounds):
             if r * threads + tid < BM * 8:
@@ -499,16 +520,26 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config):
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
         # D fragment of m64nRk16: warp q of the warpgroup holds channels 16 q.., register i is
         # channel g (+8 for i % 4 >= 2) and row 8 (i // 4) + 2 t (+1 for odd i); g, t = lane // 4, lane % 4
-        for i in T.unroll(NREG):
-            if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
-                    and bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4 < n_out):
-                y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
-                  bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4] = acc[i]
+        if paired:
+            for i in T.unroll(NREG):
+                if i % 4 < 2:
+                    if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
+                            and bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4 < H):
+                        y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
+                          bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4] = acc[i]
+                        y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
+                          bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4 + H] = acc[i + 2]
+        else:
+            for i in T.unroll(NREG):
+                if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
+                        and bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4 < n_out):
+                    y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
+                      bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4] = acc[i]
 
-    return _launch_blocks(n_out, cfg, block, 128)
+    return _launch_blocks(n_out, cfg, block, 128, blocks_n=-(-H // (BN // 2)) if paired else None)
 
 
-def _launch_blocks(n_out: int, cfg: Config, block, lanes: int):
+def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | None = None):
     """A macro launching ``block`` over (channel blocks, row blocks) with threads (wk, wn,
     ``lanes``) as threadIdx (z, y, x); with ``cfg.splits`` > 1 over K pieces too (blockIdx.z),
     each writing its partial sums to rows bz * m.. of a float32 workspace that a second kernel
@@ -517,11 +548,12 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int):
 
     WN, WK, SPL = cfg.wn, cfg.wk, cfg.splits
     BN, BM = cfg.block_n(), cfg.block_m()
+    NB = blocks_n or (n_out + BN - 1) // BN      # channel blocks (the paired form: pairs / (block_n / 2))
 
     @T.macro
     def launch(x, w, y, m):
         if SPL == 1:
-            for bx in T.thread_binding((n_out + BN - 1) // BN, thread="blockIdx.x"):
+            for bx in T.thread_binding(NB, thread="blockIdx.x"):
                 for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
                     for kw in T.thread_binding(WK, thread="threadIdx.z"):
                         for nw in T.thread_binding(WN, thread="threadIdx.y"):
@@ -547,18 +579,31 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int):
     return launch
 
 
+SKINNY_ATTR = "specpilot.skinny_mma"   # on the kernels: JSON of `skinny_nt_matmul`'s (n_out, k_in, wgmma)
+
+
+def pairable(n_out: int, k_in: int, wgmma: bool) -> bool:
+    """Whether `skinny_nt_matmul` has a ``paired`` form for this shape: every configuration `pick`
+    chooses is an unsplit warpgroup kernel (the paired store pairs its accumulators), N even."""
+    chosen = pick(n_out, k_in, wgmma) if wgmma and n_out % 2 == 0 else None
+    return bool(chosen) and all(cfg.wgmma and cfg.splits == 1 for _, cfg in chosen)
+
+
 @lru_cache(maxsize=None)
-def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma: bool = False):
+def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma: bool = False, paired: bool = False):
     """x[m, k] . W[n, k]^T -> float32 y[m, n] (m symbolic) on tensor cores, one configuration per
     range of m chosen at run time.  ``configs``: ((largest m or None, Config), ...), ascending,
     the last unbounded, to use instead of `pick`'s (benchmarks); ``wgmma``: `pick` may choose the
-    sm_90a warpgroup kernel (build for sm_90a then)."""
+    sm_90a warpgroup kernel (build for sm_90a then); ``paired`` (`pairable` shapes): the kernels
+    store y[r, c] and y[r, c + N / 2] one after the other (`fuse_pairs`)."""
     from specpilot.compiler.fast_frames import quick_stack
+    if paired and (configs is not None or not pairable(n_out, k_in, wgmma)):
+        raise ValueError(f"N={n_out}, K={k_in}: no paired form (it needs unsplit warpgroup kernels throughout)")
     with quick_stack():
-        return _skinny_nt_matmul(n_out, k_in, configs, wgmma)
+        return _skinny_nt_matmul(n_out, k_in, configs, wgmma, paired)
 
 
-def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool = False):
+def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool = False, paired: bool = False):
     from tvm.script import tirx as T
 
     chosen = list(configs) if configs else pick(n_out, k_in, wgmma)
@@ -571,8 +616,8 @@ def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool 
             raise ValueError(f"{cfg}: a pipelined configuration needs stages >= 2 (0: the register kernel)")
         if not cfg.fits(n_out, k_in):
             raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
-    launches = [(limit, (_wgmma_kernel if cfg.wgmma else _pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg))
-                for limit, cfg in chosen]
+    launches = [(limit, _wgmma_kernel(n_out, k_in, cfg, paired) if cfg.wgmma else
+                 (_pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg)) for limit, cfg in chosen]
     N, K = T.int64(n_out), T.int64(k_in)
 
     def dispatch(i: int):
@@ -696,6 +741,8 @@ def substitute(mod, wgmma: bool = False):
                 if shape not in self.kernels:
                     kernel = skinny_nt_matmul(*shape, wgmma=wgmma).with_attr("op_pattern", 8)   # kOpaque
                     kernel = kernel.with_attr(EPILOGUE_OUTPUT, 2)    # y: `epilogue.fuse_epilogues` may fuse its consumer
+                    kernel = kernel.with_attr(SKINNY_ATTR, json.dumps({"n_out": shape[0], "k_in": shape[1],
+                                                                       "wgmma": wgmma}))
                     self.kernels[shape] = self.builder_.add_func(kernel, f"skinny_mma_{shape[0]}_{shape[1]}")
                 args = call.args[1].fields[:2] if isinstance(call.args[1], relax.Tuple) else call.args[1:3]
                 self.swapped += 1
@@ -704,3 +751,24 @@ def substitute(mod, wgmma: bool = False):
 
     swap = _Swap(mod)
     return rewrite_functions(mod, swap, lambda: swap.swapped)
+
+
+def fuse_pairs(mod):
+    """After FuseTIR: a skinny kernel call whose one user maps its columns c and c + N / 2 to the
+    user's c (SwiGLU over a fused gate / up projection at verification's row counts:
+    `epilogue.paired_epilogue`) becomes one kernel -- the paired form (`skinny_nt_matmul` with
+    ``paired``), each thread's two accumulators going straight into the user's expression, stored
+    once: the activation's kernel and the float32 [m, N] between them gone (as
+    `decode_gemv.fuse_pairs` does for the one-row step).  Returns (module, number fused)."""
+    from specpilot.schedules.epilogue import ATTR, fuse_pair, fuse_users, paired_epilogue
+
+    def make(producer, consumer, source):
+        spec = json.loads(str(producer.attrs[SKINNY_ATTR]))
+        if not pairable(spec["n_out"], spec["k_in"], spec["wgmma"]):
+            return None
+        epi = paired_epilogue(consumer, source, spec["n_out"])
+        if epi is None:
+            return None
+        kernel = skinny_nt_matmul(spec["n_out"], spec["k_in"], wgmma=spec["wgmma"], paired=True)
+        return fuse_pair(kernel.with_attr("op_pattern", 8).with_attr(ATTR, int(producer.attrs[ATTR])), epi)
+    return fuse_users(mod, lambda f: SKINNY_ATTR in f.attrs and ATTR in f.attrs, make)

@@ -306,3 +306,77 @@ def test_wave_efficiency_counts_blocks_against_slots():
     assert wave_efficiency(one, 64 * 2 * SMS + 64, 5120) == (2 * SMS + 1) / (2 * SMS) / 2
     assert wave_efficiency(one, 64 * 10, 5120) == 1.0                       # a partial single wave
     assert wave_efficiency(replace(one, splits=3), 64 * 2 * SMS, 5120) == 1.0    # 3 whole waves
+
+
+def _swiglu_module(n_half: int, k_in: int):
+    """main(x[m, K], W[2 H, K]) = silu(bf16(x W^T)[:, :H]) * bf16(x W^T)[:, H:] (m symbolic)."""
+    from tvm import tirx
+    bb = relax.BlockBuilder()
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType([m, k_in], "bfloat16"))
+    w = relax.Var("w", relax.TensorType([2 * n_half, k_in], "bfloat16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            gu = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w), out_dtype="float32"))
+            gate = bb.emit(relax.op.astype(bb.emit(relax.op.strided_slice(gu, axes=[1], begin=[0], end=[n_half])),
+                                           "bfloat16"))
+            up = bb.emit(relax.op.astype(bb.emit(relax.op.strided_slice(gu, axes=[1], begin=[n_half],
+                                                                        end=[2 * n_half])), "bfloat16"))
+            out = bb.emit_output(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("n_half,k_in,fused", [
+    (17408, 5120, True),     # the 27B-style MLP: unsplit warpgroup kernels at every row count
+    (17408, 512, True),
+    (2176, 512, False),      # few channel blocks: K split over blocks at some row count, no pair form
+])
+def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, k_in, fused):
+    """Verification / prefill rows (symbolic): SwiGLU over a fused gate / up projection becomes the
+    skinny kernel's paired store where every configuration is an unsplit wgmma kernel; else the
+    float32 output and the activation's kernel stay."""
+    from tvm import tirx
+
+    from specpilot.schedules.relax_pipeline import pipeline
+    from specpilot.schedules.skinny_mma import pairable
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        mod = pipeline(target, "skinny-mma")(_swiglu_module(n_half, k_in))
+    names = sorted(gv.name_hint for gv, f in mod.functions.items()
+                   if isinstance(f, tirx.PrimFunc) and not gv.name_hint.startswith("shape_func"))
+    assert pairable(2 * n_half, k_in, True) == fused
+    if fused:
+        assert len(names) == 1 and names[0].startswith(f"skinny_mma_{2 * n_half}_{k_in}_fused_"), names
+    else:
+        assert len(names) == 2, names
+    with pytest.raises(ValueError, match="no paired form"):
+        skinny_nt_matmul(2 * 2176, 512, wgmma=True, paired=True)
+    with pytest.raises(ValueError, match="no paired form"):
+        skinny_nt_matmul(2 * 17408, 512, wgmma=False, paired=True)
+
+
+def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
+    """The fused kernel's CUDA for sm_90a: every row range's kernel stores silu(gate) * up once, in
+    bf16 (no float32 output parameter); a block's 64 weight rows are 32 of the gate half and the
+    same 32 of the up half (rows c and c + H)."""
+    setup = (
+        "import sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from tests.schedules.test_skinny_mma import _swiglu_module\n"
+        "from specpilot.schedules.relax_pipeline import pipeline\n"
+        "t0 = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90a'})\n"
+        "with t0:\n"
+        "    mod = pipeline(t0, 'skinny-mma')(_swiglu_module(17400, 512))\n"
+        "fused = [f for gv, f in mod.functions.items() if gv.name_hint.startswith('skinny_mma')]\n"
+        "assert len(fused) == 1 and '_fused_' in [gv.name_hint for gv in mod.functions if\n"
+        "                                        gv.name_hint.startswith('skinny_mma')][0]\n")
+    text = sm90_source(tmp_path, setup, "{'swiglu': fused[0]}", arch="sm_90a")
+    heads = re.findall(r"void __launch_bounds__\((\d+)\) (swiglu_kernel\w*)\(([^)]*)\) \{", text)
+    assert heads and all("float*" not in params for _, _, params in heads), heads
+    for _, name, params in heads:
+        body = re.search(rf"{name}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)
+        out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", params) if n not in ("w_ptr", "x_ptr")]
+        stores = [line for line in body.splitlines() if line.strip().startswith(f"{out}[")]
+        assert stores and all("expf" in line for line in stores), (name, stores[:2])
+        assert ", 17399)" in body and "+ 17400)" in body     # a ragged H: gate rows clamped to H - 1, up rows c + H
