@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HEADS, DK, DV = 48, 128, 128
+from bench.tree_verify import DK, DV, HEADS  # noqa: E402  (Qwen3.5-27B's Gated DeltaNet heads)
+
 # name -> gated_delta_rule_tree keyword arguments ("levels cb32 n72": what gdn-path-recompute runs for
 # budgets up to 71; "substitution": the form it runs up to 104 tokens, the yardstick)
 VARIANTS = {
@@ -62,7 +62,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
 
     from bench._common import load_kernels, write
-    from bench.tree_verify import _root_path, _row, _timed, make_tree
+    from bench.tree_verify import _root_path, _row, _timed, gdn_inputs, make_tree
     from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
     lib, to_tvm = load_kernels(lib_path)
     built = json.loads((lib_path.parent / (lib_path.name + ".json")).read_text())
@@ -73,16 +73,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     for tname, tree in trees.items():
         parents = [-1] + [p + 1 for p in tree.parents]
         n = len(parents)
-        gen = torch.Generator().manual_seed(2)
-        q = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
-        k = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1)
-        v = torch.randn(1, n, HEADS, DV, generator=gen)
-        g = -torch.rand(1, n, HEADS, generator=gen) * 0.5
-        beta = torch.rand(1, n, HEADS, generator=gen)
-        s0 = torch.randn(1, HEADS, DK, DV, generator=gen) * 0.1
-        q, k, v, g, beta, s0 = (t.float().to(dev).contiguous() for t in (q, k, v, g, beta, s0))
-        slots = torch.arange(n, dtype=torch.int32, device=dev)[None]
-        par = torch.tensor([parents], dtype=torch.int32, device=dev)
+        q, k, v, g, beta, s0, slots, par = gdn_inputs(parents, dev)
         scratch = torch.empty(1, n, HEADS, DK, DV, device=dev)   # the sequential form's; the chunked forms' signature
         ref = torch.zeros(1, n, HEADS, DV, device=dev)
         for t in range(n):

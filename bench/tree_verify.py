@@ -200,6 +200,24 @@ def _root_path(parents: list[int], t: int) -> list[int]:
     return path[::-1]
 
 
+def gdn_inputs(parents: list[int], dev, seed: int = 2):
+    """Seeded float32 inputs of the GDN tree kernels on ``dev`` for rows with these parents (row 0
+    the root, parent -1): q, k (unit rows, q scaled by dk^-1/2), v, g (< 0), beta, S_0, slots, parents."""
+    import torch
+    n = len(parents)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1)
+    v = torch.randn(1, n, HEADS, DV, generator=gen)
+    g = -torch.rand(1, n, HEADS, generator=gen) * 0.5
+    beta = torch.rand(1, n, HEADS, generator=gen)
+    s0 = torch.randn(1, HEADS, DK, DV, generator=gen) * 0.1
+    q, k, v, g, beta, s0 = (t.float().to(dev).contiguous() for t in (q, k, v, g, beta, s0))
+    slots = torch.arange(n, dtype=torch.int32, device=dev)[None]
+    par = torch.tensor([parents], dtype=torch.int32, device=dev)
+    return q, k, v, g, beta, s0, slots, par
+
+
 def bench_gdn(lib_path: Path, tree) -> list[dict]:
     import torch
     import tvm
@@ -211,16 +229,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     to_tvm = tvm.runtime.from_dlpack
     parents = [-1] + [p + 1 for p in tree.parents]        # row 0: the root (the last accepted token)
     n = len(parents)
-    gen = torch.Generator().manual_seed(2)
-    q = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(1, n, HEADS, DK, generator=gen), dim=-1)
-    v = torch.randn(1, n, HEADS, DV, generator=gen)
-    g = -torch.rand(1, n, HEADS, generator=gen) * 0.5
-    beta = torch.rand(1, n, HEADS, generator=gen)
-    s0 = torch.randn(1, HEADS, DK, DV, generator=gen) * 0.1
-    q, k, v, g, beta, s0 = (t.float().to(dev).contiguous() for t in (q, k, v, g, beta, s0))
-    slots = torch.arange(n, dtype=torch.int32, device=dev)[None]
-    par = torch.tensor([parents], dtype=torch.int32, device=dev)
+    q, k, v, g, beta, s0, slots, par = gdn_inputs(parents, dev)
     o_tree = torch.zeros(1, n, HEADS, DV, device=dev)
     rec = torch.zeros(1, n, 1, HEADS, DK + DV + 2, device=dev)   # kernels.record_width (no compiler here)
     scratch = torch.full((1, n, HEADS, DK, DV), float("nan"), device=dev)   # a state read back unstored: NaN

@@ -158,6 +158,13 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                     rec[rat(n, b, r * stride + tid, h, dk + dv + 1)] = beta[b, r * stride + tid, h]
 
     @T.macro
+    def token_scalars(par, ge, be, parents, slots, g, beta, b, h, t):
+        """Token t's parent, g and beta into shared memory (g = beta = 0 for padding: slot < 0)."""
+        par[t] = parents[b, t]
+        ge[t] = T.if_then_else(slots[b, t] >= 0, g[b, t, h], T.float32(0))
+        be[t] = T.if_then_else(slots[b, t] >= 0, beta[b, t, h], T.float32(0))
+
+    @T.macro
     def solve_step(row, delta, out, t, c, acc):
         """delta_t = r_t - sum_{j < t} L[t, j] delta_j (L zero off t's ancestors), r_t in out[t, c]:
         the sum as 2 interleaved partial sums (a shorter dependency chain)."""
@@ -274,11 +281,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         records(k, v, g, beta, rec, n, b, h, cb * CB, CB, cb == 0, tid, THREADS)
         for r in range(cdiv(n, THREADS)):
             if r * THREADS + tid < n:
-                par[r * THREADS + tid] = parents[b, r * THREADS + tid]
-                ge[r * THREADS + tid] = T.if_then_else(slots[b, r * THREADS + tid] >= 0,
-                                                       g[b, r * THREADS + tid, h], T.float32(0))
-                be[r * THREADS + tid] = T.if_then_else(slots[b, r * THREADS + tid] >= 0,
-                                                       beta[b, r * THREADS + tid, h], T.float32(0))
+                token_scalars(par, ge, be, parents, slots, g, beta, b, h, r * THREADS + tid)
         for r in range(cdiv(n * nmax, THREADS)):
             if r * THREADS + tid < n * nmax:
                 lp[(r * THREADS + tid) // nmax, (r * THREADS + tid) % nmax] = T.float32(0)
@@ -489,11 +492,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                                                      T.min(tx % 8 + 8 * i, dk // VK - 1) * VK + e], T.float32(0))
         for r in T.unroll(cdiv(nmax, THREADS)):
             if r * THREADS + tid < n:
-                par[r * THREADS + tid] = parents[b, r * THREADS + tid]
-                ge[r * THREADS + tid] = T.if_then_else(slots[b, r * THREADS + tid] >= 0,
-                                                       g[b, r * THREADS + tid, h], T.float32(0))
-                be[r * THREADS + tid] = T.if_then_else(slots[b, r * THREADS + tid] >= 0,
-                                                       beta[b, r * THREADS + tid, h], T.float32(0))
+                token_scalars(par, ge, be, parents, slots, g, beta, b, h, r * THREADS + tid)
                 if cb == 0:
                     rec[rat(n, b, r * THREADS + tid, h, dk + dv)] = g[b, r * THREADS + tid, h]
                     rec[rat(n, b, r * THREADS + tid, h, dk + dv + 1)] = beta[b, r * THREADS + tid, h]
