@@ -90,12 +90,12 @@ def build(out: Path) -> None:
     import tvm
 
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.compiler.gdn_tree import gated_delta_rule_tree
+    from specpilot.compiler.gdn_tree import form_for, gated_delta_rule_tree
     from specpilot.compiler.kernels import gated_delta_rule, gdn_commit
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {"gdn_tree": gated_delta_rule(HEADS, DK, DV, keep_states=True, gpu=True, tree=True),
-             "gdn_tree_chunked": gated_delta_rule_tree(HEADS, DK, DV, gpu=True),
+             "gdn_tree_chunked": gated_delta_rule_tree(HEADS, DK, DV, gpu=True, **form_for(65)),   # what ships
              "gdn_step": gated_delta_rule(HEADS, DK, DV, keep_states=False, gpu=True),
              "gdn_commit": gdn_commit(1, HEADS, DK, DV, gpu=True)}
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
