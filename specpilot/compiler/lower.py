@@ -250,8 +250,11 @@ def round_to(dtype: str, v, spelled: bool):
     legalization computes bf16 arithmetic in float32 and drops a bf16 cast whose value only feeds
     more arithmetic, which would skip this rounding (the reference rounds here, e.g.
     ``weight * h.to(bf16)``), so there (``spelled``) the rounding to nearest even is written out
-    on the bits.  That form names ``v`` four times and these roundings nest; LLVM shares the
-    repeats, nvcc did not (a 130 us gated norm), hence the GPU's casts."""
+    on the bits (a NaN becomes bf16's 0x7FC0).  That form names ``v`` three times (the
+    fewest it can: the NaN test, the bits, their lowest kept bit) and these roundings nest, so a
+    nest's expression grows as 3^depth -- TVM's CPU build time of the q / k norm and rotary kernels
+    (four names a rounding made a tiny bf16 Qwen3's build 59 s, three 33 s); LLVM shares the repeats,
+    nvcc did not (a 130 us gated norm), hence the GPU's casts."""
     from tvm import tirx
     if dtype == "float32":
         return v
@@ -260,7 +263,7 @@ def round_to(dtype: str, v, spelled: bool):
     bits = tirx.reinterpret("uint32", v)
     rounded = (bits + tirx.const(0x7FFF, "uint32") + ((bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32"))) \
         & tirx.const(0xFFFF0000, "uint32")
-    return tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), bits, rounded))
+    return tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), tirx.const(0x7FC00000, "uint32"), rounded))
 
 
 class MLP(nn.Module):

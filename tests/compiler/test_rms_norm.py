@@ -306,3 +306,32 @@ def test_one_kernel_rotary_is_the_operators_bit_for_bit(dtype, half, B, T):
     bits = torch.int16 if dtype == "bfloat16" else torch.int32
     assert got[0].shape == (2, B, T, 2 * half)
     assert torch.equal(got[0][0].view(bits), got[1].view(bits)) and torch.equal(got[0][1].view(bits), got[2].view(bits))
+
+
+def test_spelled_bf16_rounding_is_torchs_bit_for_bit():
+    """`lower.round_to(..., spelled=True)` (the CPU builds' bf16 rounding written on the bits) on
+    random floats of every magnitude, exact ties to even and odd, the largest floats (rounding up
+    to inf), subnormals, signed zeros, infinities and NaNs with payloads: the float32 bits of
+    torch's ``x.to(bfloat16).float()``; a NaN stays a NaN (bf16's 0x7FC0 -- torch's CPU conversion
+    gives 0xFFFF: NaN bits carry nothing a token depends on)."""
+    import tvm
+    from tvm import te
+
+    from specpilot.compiler.lower import round_to
+    rng = np.random.default_rng(0)
+    special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001,
+                        0x7FFFFFFF, 0xFFFFFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x00000001, 0x00008000,
+                        0x00018000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x807FFFFF], dtype=np.uint32)
+    bits = np.concatenate([special, rng.integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32)])
+    x = bits.view(np.float32)
+    n = len(x)
+    inp = te.placeholder((n,), "float32", name="x")
+    out = te.compute((n,), lambda i: round_to("bfloat16", inp[i], True), name="r")
+    lib = tvm.compile(te.create_prim_func([inp, out]).with_attr("global_symbol", "k"), target="llvm")
+    got = tvm.runtime.tensor(np.zeros(n, np.float32))
+    lib["k"](tvm.runtime.tensor(x), got)
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16).float().numpy()
+    nan = np.isnan(x)
+    assert nan.sum() >= 6 and np.isnan(got.numpy()[nan]).all()
+    assert (got.numpy()[nan].view(np.uint32) == 0x7FC00000).all()        # bf16-representable: low half zero
+    np.testing.assert_array_equal(got.numpy()[~nan].view(np.uint32), want[~nan].view(np.uint32))
