@@ -478,11 +478,13 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         for r in T.unroll(cdiv(dk * (LC // VC), THREADS)):
             if r * THREADS + tid < dk * (LC // VC):
                 copy_async(s0s[(r * THREADS + tid) // (LC // VC), (r * THREADS + tid) % (LC // VC) * VC],
-                           s0[b, h, (r * THREADS + tid) // (LC // VC), cb * LC + (r * THREADS + tid) % (LC // VC) * VC], VC)
+                           s0[b, h, (r * THREADS + tid) // (LC // VC),
+                              cb * LC + (r * THREADS + tid) % (LC // VC) * VC], VC)
         for r in T.unroll(cdiv(nmax * (LC // VC), THREADS)):
             if r * THREADS + tid < n * (LC // VC):
                 copy_async(ds[(r * THREADS + tid) // (LC // VC), (r * THREADS + tid) % (LC // VC) * VC],
-                           v[b, (r * THREADS + tid) // (LC // VC), h, cb * LC + (r * THREADS + tid) % (LC // VC) * VC], VC)
+                           v[b, (r * THREADS + tid) // (LC // VC), h,
+                             cb * LC + (r * THREADS + tid) % (LC // VC) * VC], VC)
         T.evaluate(T.ptx["cp.async.commit_group"]())
         for m in T.unroll(PQ):
             for i in T.unroll(PC):
@@ -544,7 +546,8 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                 for i in T.unroll(PC):
                     for e in T.unroll(VK):
                         acc[i % 2] = acc[i % 2] + kt[i, e] * rows[cur[0], T.min(tx % 8 + 8 * i, dk // VK - 1) * VK + e]
-                        acc[2 + i % 2] = acc[2 + i % 2] + qreg[m, i, e] * rows[cur[0], T.min(tx % 8 + 8 * i, dk // VK - 1) * VK + e]
+                        acc[2 + i % 2] = acc[2 + i % 2] + \
+                            qreg[m, i, e] * rows[cur[0], T.min(tx % 8 + 8 * i, dk // VK - 1) * VK + e]
                 acc[0] = acc[0] + acc[1]
                 acc[1] = acc[2] + acc[3]
                 for u in T.unroll(3):
@@ -599,7 +602,8 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
                         acc[a] = acc[a] + lp[tg + LG * mm, anc[tg + LG * mm, 1 + a2 * 2 + a]] * \
                             ds[anc[tg + LG * mm, 1 + a2 * 2 + a], c]
                 if act[mm] == cur[0] and (cur[0] - 1) % 2 == 1:
-                    acc[0] = acc[0] + lp[tg + LG * mm, anc[tg + LG * mm, cur[0] - 1]] * ds[anc[tg + LG * mm, cur[0] - 1], c]
+                    acc[0] = acc[0] + lp[tg + LG * mm, anc[tg + LG * mm, cur[0] - 1]] * \
+                        ds[anc[tg + LG * mm, cur[0] - 1], c]
                 tile[mm] = ds[T.min(tg + LG * mm, nmax - 1), c] - (acc[0] + acc[1])
             T.tvm_storage_sync("shared")
             for mm in T.unroll(LK):

@@ -15,9 +15,9 @@ for bit what the unfused one does (on the H200, the 27B-style hybrid's prefill, 
 tree-verify logits, conv states and records: bench/results/compare-builds-20261201-041853.json).
 Users that move or drop elements (a slice, a transpose, a repeat) keep the float32 output; SwiGLU's
 two columns of a fused gate/up output (`paired_epilogue`) go into the paired forms of the decode
-GEMV (`decode_gemv.fuse_pairs`) and of the skinny warpgroup kernels (`skinny_mma.fuse_pairs`).  (Column slices fused with one kernel output per user
-were measured in session 13 -- bit-identical, no faster, prefill slower -- and not kept;
-bench/README "Session 13".)
+GEMV (`decode_gemv.fuse_pairs`) and of the skinny warpgroup kernels (`skinny_mma.fuse_pairs`).
+(Column slices fused with one kernel output per user were measured in session 13 -- bit-identical,
+no faster, prefill slower -- and not kept; bench/README "Session 13".)
 
 Producers are PrimFuncs carrying the ``specpilot.epilogue_output`` attribute: the index of the
 parameter they only ever store to (the skinny kernels: 2).

@@ -195,6 +195,35 @@ def test_batched_drafter_expansion_matches_node_by_node(arch):
     assert batch_drafter.propose(nxt, 4).chain() == fresh.propose(nxt, 4).chain()
 
 
+def test_batched_expansion_past_the_models_verify_limit_goes_node_by_node():
+    """A compiled hybrid verifies at most ``max_verify_tokens`` tokens a pass (its GDN tree
+    kernel's nmax): a level whose paths need more nodes is expanded path by path, with the same
+    answers, and no drafter pass ever takes more than the limit."""
+    draft = noisy_copy(tiny_model(HYBRID, seed=3), 0.3)
+    context = [(5 * i + 2) % 301 for i in range(11)]
+    paths = [[7], [7, 9], [12, 4, 5], [30]]              # 6 distinct nodes
+    want = ModelDrafter(draft, 4, 300).expander(context).batch(paths)
+    limited = ModelDrafter(draft, 4, 300)
+    sizes = []
+    forward = draft.forward
+
+    class Limited:               # the model with a compiled build's limit, its passes' sizes recorded
+        max_verify_tokens = 4
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+        def forward(self, tokens, state, **kw):
+            sizes.append(len(tokens))
+            return forward(tokens, state, **kw)
+    limited.model = Limited()
+    got = limited.expander(context).batch(paths)
+    assert max(sizes[1:]) <= 4                           # sizes[0]: the context's prefill
+    for a, b in zip(got, want):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([lp for _, lp in a], [lp for _, lp in b], rtol=1e-4, atol=1e-5)
+
+
 def test_drafter_temperature_reshapes_trees_not_chains_and_stays_exact():
     """A drafter temperature scales the log-probabilities a tree is built from: the chain's
     drafted tokens are the same, the batched expansion agrees with node-by-node, the tree may
