@@ -90,16 +90,28 @@ def form_for(tokens: int) -> dict | None:
     return {"levels": False, "nmax": NMAX_LIMIT} if tokens <= NMAX_LIMIT else None
 
 
-def column_block(dv: int) -> int:
-    """Value columns a GPU block (at most 64: a thread each solves them): the columns' deltas and
-    outputs are independent given the tree's coefficients, which every block of a head computes
-    for itself."""
-    return next(c for c in range(64, 0, -1) if dv % c == 0)
+def column_block(dv: int, most: int = 64) -> int:
+    """Value columns a GPU block (the largest divisor of dv up to ``most``; the substitution form's
+    64: a thread each solves them): the columns' deltas and outputs are independent given the tree's
+    coefficients, which every block of a head computes for itself."""
+    return next(c for c in range(min(most, dv), 0, -1) if dv % c == 0)
+
+
+def _dynamic_pad(static_bytes: int, dynamic_bytes: int) -> int:
+    """Floats to add to a kernel's dynamic shared memory.  TVM raises a kernel's dynamic shared memory
+    limit only once the dynamic part reaches 48 KB, and static + dynamic past 48 KB fails at launch
+    otherwise (CUDA_ERROR_INVALID_VALUE, seen on the H200 with a tiny hybrid's heads): then the
+    dynamic part grows to 48 KB (a multiple of 4 floats, as every dynamic buffer: TVM packs them into
+    one, in an order of its own, and the 16-byte loads need every offset aligned)."""
+    if static_bytes + dynamic_bytes > 48 * 1024 > dynamic_bytes - 1:
+        return ((48 * 1024 - dynamic_bytes) // 4 + 32 + 3) // 4 * 4
+    return 0
 
 
 @memo
 def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tuple[int, int] | None = None,
-                          nmax: int = NMAX_LIMIT, levels: bool = False, columns: int = 64, probe: bool = False):
+                          nmax: int = NMAX_LIMIT, levels: bool = False, columns: int = LEVELS_COLUMNS,
+                          probe: bool = False):
     """The chunked tree form; signature, attributes and records those of
     ``kernels.gated_delta_rule(n_heads, dk, dv, keep_states=True, gpu, tree=True, stack)``
     (``gdn.form`` = "chunked").  Parents must come before their children (the CPU form solves
@@ -121,17 +133,10 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     TK = TOKENS
     VEC = 4 if dk % 4 == 0 else 1  # d_k elements a shared load of the S_0 products
     KP = dk                        # k / q rows in shared memory (16-byte aligned where VEC = 4)
-    # TVM raises a kernel's dynamic shared memory limit only once the dynamic part reaches 48 KB, and
-    # static + dynamic past 48 KB fails at launch otherwise (CUDA_ERROR_INVALID_VALUE, seen on the H200
-    # with a tiny hybrid's heads): then the k / q rows' buffer grows until the dynamic part is 48 KB.
-    # Each dynamic buffer a multiple of 4 floats: TVM packs them into one, in an order of its own,
-    # and the 16-byte row loads need every offset aligned.
+    # dynamic buffers a multiple of 4 floats (16-byte offsets); the k / q rows' grows by `_dynamic_pad`
     r4 = lambda x: (x + 3) // 4 * 4   # noqa: E731
-    static_bytes = (4 * nmax + nmax * nmax) * 4
     KS, S0S, DS = r4(nmax * KP), r4(dk * CB), r4((nmax + 1) * CB)
-    dynamic_bytes = (KS + S0S + DS) * 4
-    if static_bytes + dynamic_bytes > 48 * 1024 > dynamic_bytes - 1:
-        KS += r4((48 * 1024 - dynamic_bytes) // 4 + 32)
+    KS += _dynamic_pad((4 * nmax + nmax * nmax) * 4, (KS + S0S + DS) * 4)   # static: 4 vectors, L / P
 
     def rat(n, b, t, h, w):
         return (((b * n + t) * G + gi) * n_heads + h) * W + w
@@ -391,7 +396,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # time (the nodes of one depth are independent given their ancestors'), ``columns`` value columns
     # a block.  Threads: column c = tid % LC of the block's LC, token group tid // LC (LG groups),
     # tokens tg + LG m (m < LK).
-    LC = next(c for c in range(min(columns, dv), 0, -1) if dv % c == 0)
+    LC = column_block(dv, columns)
     LG = THREADS // LC
     LK = cdiv(nmax, LG)
     VK = 4 if dk % 4 == 0 else 1      # 16-byte copies of k / q rows where they are 16-byte aligned
@@ -400,9 +405,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # every dynamic shared buffer for one: the rows read while coefficients are stored would need a
     # barrier inside a condition)
     L_KS, L_S0, L_DS = r4(nmax * dk), r4(dk * LC), r4((nmax + 1) * LC)
-    l_dynamic = (L_KS + L_S0 + L_DS) * 4
-    if (5 * nmax + 2 * nmax * nmax) * 4 + l_dynamic > 48 * 1024 > l_dynamic - 1:   # static: 5 vectors, L / P, lists
-        L_KS += r4((48 * 1024 - l_dynamic) // 4 + 32)
+    L_KS += _dynamic_pad((5 * nmax + 2 * nmax * nmax) * 4, (L_KS + L_S0 + L_DS) * 4)   # static: 5 vectors, L / P, lists
 
     def copy_async(dst, src, elems):
         """cp.async of ``elems`` float32 (1 or 4) from global ``src`` to shared ``dst``."""

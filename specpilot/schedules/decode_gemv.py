@@ -290,13 +290,6 @@ def fuse_pairs(mod):
     kernel -- the paired form, each warp's two rows' sums going straight into the user's
     expression, stored once: the activation's kernel and the float32 [1, N] between them gone.
     Returns (module, number fused)."""
-    from specpilot.schedules.epilogue import ATTR, fuse_pair, fuse_users, paired_epilogue
-
-    def make(producer, consumer, source):
-        spec = json.loads(str(producer.attrs[DECODE_ATTR]))
-        epi = paired_epilogue(consumer, source, spec["n_out"])
-        if epi is None:
-            return None
-        kernel = decode_gemv(spec["n_out"], spec["k_in"], spec["norm"], spec["dtype"], paired=True)
-        return fuse_pair(kernel.with_attr("op_pattern", 8).with_attr(ATTR, int(producer.attrs[ATTR])), epi)
-    return fuse_users(mod, lambda f: DECODE_ATTR in f.attrs and ATTR in f.attrs, make)
+    from specpilot.schedules.epilogue import fuse_paired_users
+    return fuse_paired_users(mod, DECODE_ATTR, lambda spec: decode_gemv(spec["n_out"], spec["k_in"], spec["norm"],
+                                                                        spec["dtype"], paired=True))

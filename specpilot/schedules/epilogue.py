@@ -269,6 +269,23 @@ def fuse_pair(producer, epilogue: PairEpilogue):
     return tirx.PrimFunc(params, body).with_attrs(attrs)
 
 
+def fuse_paired_users(mod, spec_attr: str, paired_kernel):
+    """Every call of a producer carrying ``spec_attr`` (JSON of how to make it again, "n_out" among
+    it) whose one user is a `paired_epilogue` of its output, fused with that user into
+    ``paired_kernel(spec)`` -- the producer's paired form (stores of columns c and c + N / 2 one
+    after the other), or None where it has none -- by `fuse_pair`.  Returns (module, number fused)."""
+    import json
+
+    def make(producer, consumer, source):
+        spec = json.loads(str(producer.attrs[spec_attr]))
+        epi = paired_epilogue(consumer, source, spec["n_out"])
+        kernel = paired_kernel(spec) if epi is not None else None
+        if kernel is None:
+            return None
+        return fuse_pair(kernel.with_attr("op_pattern", 8).with_attr(ATTR, int(producer.attrs[ATTR])), epi)
+    return fuse_users(mod, lambda f: spec_attr in f.attrs and ATTR in f.attrs, make)
+
+
 def fuse_epilogues(mod):
     """Every call of an epilogue producer whose one user is an elementwise map of its whole
     output, fused with it into one kernel (see the module docstring).  Returns (module, number

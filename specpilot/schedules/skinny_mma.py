@@ -760,15 +760,10 @@ def fuse_pairs(mod):
     ``paired``), each thread's two accumulators going straight into the user's expression, stored
     once: the activation's kernel and the float32 [m, N] between them gone (as
     `decode_gemv.fuse_pairs` does for the one-row step).  Returns (module, number fused)."""
-    from specpilot.schedules.epilogue import ATTR, fuse_pair, fuse_users, paired_epilogue
+    from specpilot.schedules.epilogue import fuse_paired_users
 
-    def make(producer, consumer, source):
-        spec = json.loads(str(producer.attrs[SKINNY_ATTR]))
+    def paired(spec):
         if not pairable(spec["n_out"], spec["k_in"], spec["wgmma"]):
             return None
-        epi = paired_epilogue(consumer, source, spec["n_out"])
-        if epi is None:
-            return None
-        kernel = skinny_nt_matmul(spec["n_out"], spec["k_in"], wgmma=spec["wgmma"], paired=True)
-        return fuse_pair(kernel.with_attr("op_pattern", 8).with_attr(ATTR, int(producer.attrs[ATTR])), epi)
-    return fuse_users(mod, lambda f: SKINNY_ATTR in f.attrs and ATTR in f.attrs, make)
+        return skinny_nt_matmul(spec["n_out"], spec["k_in"], wgmma=spec["wgmma"], paired=True)
+    return fuse_paired_users(mod, SKINNY_ATTR, paired)
