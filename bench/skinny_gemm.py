@@ -81,7 +81,17 @@ def _variants():
             # many rows (prefill): 256 rows of x per block (wgmma's largest N), W re-read once per
             # 256 rows instead of per 72 -- not in the shipped dispatch until measured (SKINNY_MS=256,...)
             "wg2s3r256": ((None, Config(32, 4, 2, 1, stages=3, wgmma=True)),),
-            "wg1s4r128": ((None, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),)}
+            "wg1s4r128": ((None, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),),
+            # 72 rows, each warpgroup multiplying T 64-channel weight tiles by the same x tile
+            # (x, re-read by every block, amortized over T x 64 channels): "w{wn}t{T}s{S}[k]o"
+            **{f"w{wn}t{t}s{st}{'k' if split else ''}o": ((None, Config(9, 4 * t, wn, 1, stages=st, wgmma=True,
+                                                                        splits=-1 if split else 1, overlap=1)),)
+               for wn, t, st, split in ((1, 2, 4, False), (1, 2, 6, False), (1, 2, 8, False), (1, 3, 4, False),
+                                        (1, 3, 6, False), (2, 2, 4, False), (2, 2, 5, False), (1, 2, 4, True),
+                                        (1, 3, 4, True), (1, 3, 6, True), (1, 2, 6, True))},
+            # 72 rows, 64 channels a block, K split over X blocks, S stages: "wg1s{S}x{X}o"
+            **{f"wg1s{st}x{x}o": ((None, Config(9, 4, 1, 1, stages=st, wgmma=True, splits=x, overlap=1)),)
+               for st in (4, 6, 8) for x in (2, 4, 8, 16)}}
 
 
 def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):

@@ -52,7 +52,7 @@ class Config:
     unroll: int = 4  # k steps whose loads are in flight together
     stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
     splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
-    wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of 64 channels, a_tiles 4, wk 1
+    wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of a_tiles / 4 x 64 channels, wk 1
     overlap: int = 0     # wgmma: groups left in flight past the next barrier (1: copies run stages - 2 ahead)
 
     def block_n(self) -> int:
@@ -67,7 +67,8 @@ class Config:
         if self.wgmma:
             # 64 channels per warpgroup (the last block of a ragged N clamps its weight rows and
             # stores only real channels), x rows as wgmma's N (a multiple of 8, <= 256), 64-k chunks
-            return (n_out % 8 == 0 and self.a_tiles == 4 and self.wk == 1 and self.stages >= 2 + self.overlap
+            return (n_out % 8 == 0 and self.a_tiles in (4, 8, 12) and self.wk == 1 and self.stages >= 2 + self.overlap
+                    and self.block_m() * self.a_tiles <= 4 * 256   # <= 128 accumulators a thread
                     and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
                     and self.shared_bytes(k_in) <= MAX_SHARED)
         if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
@@ -152,15 +153,33 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
               16: () if few else (wg(2, 1, 6), wg(2, 1, 4)),
               32: (wg(4, 1, 6), wg(4, 1, 4)),
               72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
+    wide = (WIDE,) if wide_fills(n_out) else ()
     # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
     # 256 rows of x a block, unsplit (results/skinny-gemm-20261201-005512, 27B gate/up and down at
     # 128-1024 rows: 1.3-1.9x the 72-row dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us;
     # cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
     # rows (17408 -> 5120 at 128 rows: 113 us vs 145).
     r128, r256 = wg(16, 1, 4), Config(32, 4, 2, 1, stages=3, wgmma=True)
-    ranges = [(limit or 72, hopper[limit or 72] + candidates) for limit, candidates in mma]
+    ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
+              for limit, candidates in mma]
     rest = hopper[72] + mma[-1][1]
     return tuple(ranges) + ((128, (rest if few else (r128,) + rest)), (256, (r128,) + rest), (None, (r256,) + rest))
+
+
+# 33-72 rows: one warpgroup multiplying two 64-channel weight tiles by each x tile, 8 stages (one
+# block an SM), where those 128-channel blocks fill the GPU -- one wave of at least 80 % of the SMs
+# or at least 8 waves (`wide_fills`); elsewhere the last wave's few blocks run alone and it lost.
+# H200, results/skinny-gemm-20261201-202209.json, 65 rows (us, vs the 64-channel pick): 5120 ->
+# 16480 (129 blocks) 47.8 vs 52.2, -> 14336 (112) 43.6 vs 47.2, -> 248320 648.4 vs 656.7 (cuBLAS
+# 46.9 / 42.1 / 616.4); -> 34816 (272 blocks, 2.06 waves) 114.0 vs 108.0; with K split over
+# blocks (N = 5120) 72.1 vs 61.2.  Three tiles (192 channels, 6 stages) were no better where they
+# fit (-> 248320 646.0, -> 16480 51.6).
+WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
+
+
+def wide_fills(n_out: int) -> bool:
+    blocks = -(-n_out // WIDE.block_n())
+    return 0.8 * SMS <= blocks <= SMS or blocks >= 8 * SMS
 
 
 SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
@@ -212,11 +231,14 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
     measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit, skinny-gemm-20261130-223924)."""
     out = []
     for limit, candidates in configs(n_out, wgmma):
-        fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72) or
+        fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72 and c.a_tiles == 4) or
                    (not c.wgmma and (limit is None or limit > 16)) else c
                    for c in candidates if c.fits(n_out, k_in)]
         if not fitting:
             return None
+        if fitting[0] == WIDE:      # offered only where its blocks fill the GPU (`wide_fills`)
+            out.append((limit, WIDE))
+            continue
         # the wgmma candidate that fills the block slots best (the first of equals) among those
         # with the first one's rows a block, else the first configuration that tiles
         hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
@@ -437,6 +459,7 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     from tvm.script import tirx as T
 
     WG, MT, S, OV = cfg.wn, cfg.m_tiles, cfg.stages, cfg.overlap
+    TPW = cfg.a_tiles // 4              # 64-channel A tiles a warpgroup multiplies by the same x tile
     H = n_out // 2
     D = S - 1 - OV                      # chunks the copies run ahead of the wgmmas
     BN, BM = cfg.block_n(), cfg.block_m()
@@ -445,7 +468,7 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     STAGE = (BN + BM) * KC              # bf16 elements per ring slot: W rows, then x rows
     threads = cfg.threads()
     w_rounds, x_rounds = -(-BN * 8 // threads), -(-BM * 8 // threads)
-    NREG = BM // 2                      # accumulator floats per thread: 64 x R over 128 threads
+    NREG = BM // 2                      # accumulator floats per thread and A tile: 64 x R over 128 threads
     copy = "cp.async.cg.shared.global"
     mma = f"wgmma.mma_async.sync.aligned.m64n{BM}k16.f32.bf16.bf16"
 
@@ -457,8 +480,8 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
         return T.bitwise_or(T.Cast("uint64", T.shift_right(T.bitwise_and(addr, T.uint32(0x3FFFF)), T.uint32(4))),
                             T.uint64((1 << 62) | (64 << 32) | (1 << 16)))
 
-    def wgmma(acc, a_desc, b_desc):
-        return T.ptx[mma](*[acc[i] for i in range(NREG)], a_desc, b_desc, True, 1, 1, 0, 0)
+    def wgmma(acc, t, a_desc, b_desc):
+        return T.ptx[mma](*[acc[t * NREG + i] for i in range(NREG)], a_desc, b_desc, True, 1, 1, 0, 0)
 
     def swizzled(row, piece):
         """Element offset of 16-byte ``piece`` of tile ``row`` within a ring slot."""
@@ -488,14 +511,14 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     @T.macro
     def block(x, w, y, m, bx, by, bz, kw, wg, lane, row0):
         ring = T.alloc_buffer((S * STAGE + SWIZZLE_ALIGN // 2,), "bfloat16", scope="shared.dyn")
-        acc = T.alloc_buffer((NREG,), "float32", scope="local")
+        acc = T.alloc_buffer((TPW * NREG,), "float32", scope="local")
         at = T.alloc_buffer((2,), "uint32", scope="local")     # the ring's shared address, aligned; its offset
         tid = T.meta_var(wg * 128 + lane)
         at[0] = T.cuda.cvta_generic_to_shared(T.address_of(ring[0]))
         at[1] = T.bitwise_and(T.uint32(SWIZZLE_ALIGN) - T.bitwise_and(at[0], T.uint32(SWIZZLE_ALIGN - 1)),
                               T.uint32(SWIZZLE_ALIGN - 1))
         base = T.meta_var(T.Cast("int32", at[1]) // 2)        # bf16 elements up to the aligned start
-        for i in T.unroll(NREG):       # unrolled: the accumulators stay registers
+        for i in T.unroll(TPW * NREG):       # unrolled: the accumulators stay registers
             acc[i] = T.float32(0)
         for s in T.unroll(D):
             if s < chunks:
@@ -507,8 +530,10 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
             T.tvm_storage_sync("shared")
             T.evaluate(T.ptx["wgmma.fence.sync.aligned"]())
             for j in T.unroll(KC // 16):
-                T.evaluate(wgmma(acc, desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + wg * 64 * KC + j * 16) * 2)),
-                                 desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + BN * KC + j * 16) * 2))))
+                for t in T.unroll(TPW):
+                    T.evaluate(wgmma(acc, t, desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + (wg * TPW + t) * 64 * KC
+                                                                                     + j * 16) * 2)),
+                                     desc(at[0] + at[1] + T.Cast("uint32", ((c % S) * STAGE + BN * KC + j * 16) * 2))))
             T.evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](OV))
             # the slot chunk c + D goes to held chunk c + D - S = c - 1 - OV, whose wgmmas every
@@ -520,21 +545,21 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
         # D fragment of m64nRk16: warp q of the warpgroup holds channels 16 q.., register i is
         # channel g (+8 for i % 4 >= 2) and row 8 (i // 4) + 2 t (+1 for odd i); g, t = lane // 4, lane % 4
-        if paired:
+        # (tile t of warpgroup wg: the block's channels (wg * TPW + t) * 64..)
+        for t in T.unroll(TPW):
             for i in T.unroll(NREG):
-                if i % 4 < 2:
-                    if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
-                            and bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4 < H):
-                        y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
-                          bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4] = acc[i]
-                        y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
-                          bx * (BN // 2) + (wg * 4 + lane // 32) * 8 + (lane % 32) // 4 + H] = acc[i + 2]
-        else:
-            for i in T.unroll(NREG):
-                if (by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2 < m
-                        and bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4 < n_out):
-                    y[row0 + by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2,
-                      bx * BN + wg * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8 + (lane % 32) // 4] = acc[i]
+                row = T.meta_var(by * BM + (i // 4) * 8 + (lane % 4) * 2 + i % 2)
+                if paired:
+                    pair = T.meta_var(bx * (BN // 2) + ((wg * TPW + t) * 4 + lane // 32) * 8 + (lane % 32) // 4)
+                    if i % 4 < 2:
+                        if row < m and pair < H:
+                            y[row0 + row, pair] = acc[t * NREG + i]
+                            y[row0 + row, pair + H] = acc[t * NREG + i + 2]
+                else:
+                    channel = T.meta_var(bx * BN + (wg * TPW + t) * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8
+                                         + (lane % 32) // 4)
+                    if row < m and channel < n_out:
+                        y[row0 + row, channel] = acc[t * NREG + i]
 
     return _launch_blocks(n_out, cfg, block, 128, blocks_n=-(-H // (BN // 2)) if paired else None)
 

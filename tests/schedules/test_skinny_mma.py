@@ -298,6 +298,67 @@ def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
 
 
 
+def test_wide_blocks_at_33_to_72_rows_only_where_they_fill_the_gpu():
+    """33-72 rows: two 64-channel weight tiles a warpgroup (`WIDE`: 128 channels, 8 stages, one
+    block an SM, unsplit) where those blocks fill one wave to >= 80 % of the SMs or make >= 8
+    waves; elsewhere (a nearly empty last wave, or K split over blocks) the 64-channel kernels stay,
+    and nothing changes at other row counts."""
+    from specpilot.schedules.skinny_mma import SMS, WIDE, wide_fills
+    assert WIDE.block_n() == 128 and WIDE.block_m() == 72 and WIDE.splits == 1
+    assert WIDE.shared_bytes(5120) <= 227 * 1024 < 2 * (WIDE.shared_bytes(5120) + 1024)   # one block an SM
+    for n_out, wide in ((16480, True), (14336, True), (248320, True), (151936, True),
+                        (34816, False), (5120, False), (6144, False), (28672, False)):
+        chosen = dict(pick(n_out, 5120, wgmma=True))
+        assert (chosen[72] == WIDE) == wide, n_out
+        assert all(cfg != WIDE for limit, cfg in chosen.items() if limit != 72)
+        assert not any(cfg == WIDE for _, cfg in pick(n_out, 5120))          # never before Hopper
+    blocks = [b for b in range(1, 1200) if wide_fills(128 * b)]
+    assert min(blocks) == 106 and 132 in blocks and 133 not in blocks and 1055 not in blocks and 1056 in blocks
+    assert SMS == 132
+    # a_tiles: 4, 8 or 12 (one to three 64-channel tiles a warpgroup), at most 128 accumulators a thread
+    assert Config(9, 12, 1, 1, stages=4, wgmma=True).fits(384, 128)
+    assert not Config(9, 16, 1, 1, stages=2, wgmma=True).fits(512, 128)
+    assert not Config(16, 12, 1, 1, stages=2, wgmma=True).fits(384, 128)     # 3 x 64 accumulators
+    assert not Config(9, 6, 1, 1, stages=4, wgmma=True).fits(384, 128)
+
+
+def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
+    """`WIDE` through nvcc for sm_90a, plain and paired: eight wgmmas a 64-k chunk (two weight
+    tiles per k16 step, the second's descriptor 8 KB further), 72 accumulators a thread, every one
+    stored once (plain: to its channel; paired: silu(gate) * up of its pair, 36 stores); 128 threads
+    a block.  Its numbers (plain) are the 64-channel kernel's bit for bit on the H200 -- only the
+    tiling across channels changes (results/compare-builds-20261201-203802.json, the 27B-style
+    hybrid's prefill, AR steps and tree verification); the paired form is held to bf16 forcing
+    (bench/specs/tiny-llama-wide-mlp-bf16.yaml)."""
+    setup = (
+        "import sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from tests.schedules.test_skinny_mma import _swiglu_module\n"
+        "from specpilot.schedules.relax_pipeline import pipeline\n"
+        "from specpilot.schedules.skinny_mma import WIDE, skinny_nt_matmul\n"
+        "t0 = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90a'})\n"
+        "with t0:\n"
+        "    mod = pipeline(t0, 'skinny-mma')(_swiglu_module(8448, 512))\n"
+        "fused = [f for gv, f in mod.functions.items() if gv.name_hint.startswith('skinny_mma')]\n")
+    text = sm90_source(tmp_path, setup,
+                       "{'wide': skinny_nt_matmul(16400, 512, ((None, WIDE),)), 'swiglu': fused[0]}", arch="sm_90a")
+    heads = {name: (int(threads), params) for threads, name, params in
+             re.findall(r"void __launch_bounds__\((\d+)\) (\w+)\(([^)]*)\) \{", text)}
+    assert heads["wide_kernel"][0] == 128
+    body = re.search(r"wide_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    assert body.count("wgmma_bf16_ss_mma_async_sync_aligned_m64n72k16") == 8
+    assert re.search(r"float acc_ptr\[72\];", body)
+    assert body.count(") < m) && (") == 72 and ", 16399)" in body     # ragged N: rows clamped, channels checked
+    # the paired kernel of an 8448-wide SwiGLU: 33-72 rows take WIDE (132 blocks of 128 channels)
+    paired = [n for n, (_, params) in heads.items() if n.startswith("swiglu_kernel")]
+    wide = [n for n in paired if "m64n72k16" in re.search(rf"{n}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)]
+    assert len(wide) == 1, paired
+    body = re.search(rf"{wide[0]}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)
+    assert body.count("wgmma_bf16_ss_mma_async_sync_aligned_m64n72k16") == 8 and re.search(r"float acc_ptr\[72\];", body)
+    out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", heads[wide[0]][1]) if n not in ("w_ptr", "x_ptr")]
+    stores = [line for line in body.splitlines() if line.strip().startswith(f"{out}[")]
+    assert len(stores) == 36 and all("expf" in line for line in stores)
+
 def test_wave_efficiency_counts_blocks_against_slots():
     from specpilot.schedules.skinny_mma import SMS, wave_efficiency
     one = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)          # ~105 KB: 2 blocks a SM
