@@ -89,6 +89,14 @@ def _variants():
                for wn, t, st, split in ((1, 2, 4, False), (1, 2, 6, False), (1, 2, 8, False), (1, 3, 4, False),
                                         (1, 3, 6, False), (2, 2, 4, False), (2, 2, 5, False), (1, 2, 4, True),
                                         (1, 3, 4, True), (1, 3, 6, True), (1, 2, 6, True))},
+            # 72 rows, wn warpgroups of T 64-channel tiles, K split over X blocks: "w{wn}t{T}s{S}x{X}[o]"
+            # (2 x 3 tiles: 384 channels a block, 91 blocks for 34816 channels -- one wave, as
+            # cuBLAS's 192 x 72 tiles for 17408; overlap 0 at 3 stages keeps two chunks in flight)
+            **{f"w{wn}t{t}s{st}x{x}{'o' if ov else ''}": ((None, Config(9, 4 * t, wn, 1, stages=st, wgmma=True,
+                                                                         splits=x, overlap=ov)),)
+               for wn, t, st, x, ov in ((2, 3, 3, 1, 0), (2, 3, 3, 1, 1), (1, 3, 6, 4, 1), (1, 3, 5, 4, 1),
+                                        (1, 2, 8, 4, 1), (1, 2, 6, 2, 1), (1, 3, 6, 2, 1), (2, 3, 3, 2, 0),
+                                        (1, 2, 8, 2, 1))},
             # 72 rows, 64 channels a block, K split over X blocks, S stages: "wg1s{S}x{X}o"
             **{f"wg1s{st}x{x}o": ((None, Config(9, 4, 1, 1, stages=st, wgmma=True, splits=x, overlap=1)),)
                for st in (4, 6, 8) for x in (2, 4, 8, 16)}}
