@@ -65,8 +65,9 @@ class Config:
         """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
         pipelined, its ring of chunks fits in a block's shared memory."""
         if self.wgmma:
-            # 64 channels per warpgroup (the last block of a ragged N clamps its weight rows and
-            # stores only real channels), x rows as wgmma's N (a multiple of 8, <= 256), 64-k chunks
+            # one to three 64-channel tiles per warpgroup (the last block of a ragged N clamps its
+            # weight rows and stores only real channels), x rows as wgmma's N (a multiple of 8,
+            # <= 256), 64-k chunks
             return (n_out % 8 == 0 and self.a_tiles in (4, 8, 12) and self.wk == 1 and self.stages >= 2 + self.overlap
                     and self.block_m() * self.a_tiles <= 4 * 256   # <= 128 accumulators a thread
                     and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
@@ -172,8 +173,8 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
 # H200, results/skinny-gemm-20261201-202209.json, 65 rows (us, vs the 64-channel pick): 5120 ->
 # 16480 (129 blocks) 47.8 vs 52.2, -> 14336 (112) 43.6 vs 47.2, -> 248320 648.4 vs 656.7 (cuBLAS
 # 46.9 / 42.1 / 616.4); -> 34816 (272 blocks, 2.06 waves) 114.0 vs 108.0; with K split over
-# blocks (N = 5120) 72.1 vs 61.2.  Three tiles (192 channels, 6 stages) were no better where they
-# fit (-> 248320 646.0, -> 16480 51.6).
+# blocks (N = 5120, 17408 -> 5120) two tiles lost too (6 stages, split 8: 72.1 vs 61.2).  Three
+# tiles (192 channels, 6 stages) were no better where they fit (-> 248320 646.0, -> 16480 51.6).
 WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
 
 
@@ -438,7 +439,9 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
 def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     """Hopper's warpgroup MMA (sm_90a): a block of ``wn`` warpgroups, each ``wgmma.m64nRk16``
     with 64 channels of W as A and the block's R = ``block_m`` rows of x as B, both read by the
-    tensor cores straight from shared memory through matrix descriptors.  Every thread copies
+    tensor cores straight from shared memory through matrix descriptors; with ``a_tiles`` 8 or 12
+    a warpgroup multiplies two or three such 64-channel tiles by each x tile (x, which every
+    block reads whole, paid once per 128 / 192 channels; R / 2 accumulators a thread per tile).  Every thread copies
     chunks of 64 k (W's ``block_n`` rows, then x's R rows: 128 bytes a row) with ``cp.async``
     into a ring of ``stages`` such tiles, laid out in the 128-byte swizzle (16-byte piece c of
     row r at piece c ^ (r % 8), tiles 1024-byte aligned) that the descriptors name; a chunk is
