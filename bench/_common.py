@@ -66,6 +66,28 @@ def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list
     return samples
 
 
+def timed_interleaved(fns: dict, rotations: int, rounds: int = 7, iters: int = 20) -> dict:
+    """`timed_rotating` for several kernels at once, round-robin: each round times every ``fns``
+    entry (name -> fn(r)) once, in turn, so clock and power drift over the run reach all of them
+    alike.  (Timed one after another, the same kernel measured 8 % apart as two variants of one run:
+    results/skinny-gemm-20261201-203415.json, 320.5 vs 346.4 us.)  Returns name -> samples."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for fn in fns.values():
+        for r in range(rotations):
+            fn(r)
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start.record()
+            for i in range(iters):
+                fn(i % rotations)
+            end.record()
+            torch.cuda.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3 / iters)
+    return samples
+
+
 def export_kernels(funcs: dict, target, out: Path, schedule=None) -> None:
     """name -> PrimFunc compiled for ``target`` (through ``schedule``, a module pass, where given)
     into one library at ``out``."""

@@ -7,7 +7,8 @@ For the issue-4 shapes and the 27B-style lm_head, M in {1, 2, 4, 8, 16, 32, 65}:
 `schedules.skinny_mma` (its configurations, each alone, and the shipped M dispatch) vs what the
 ``nt-gemv`` set runs (dlight's low-batch GEMV for decode batches, the bf16 WMMA schedule or
 dlight's CUDA-core Matmul for more rows, dlight's GEMV for one static row) vs torch bf16
-(cuBLAS).  Medians over rotating weight buffers (more bytes than the L2 holds); every kernel
+(cuBLAS).  Medians over rotating weight buffers (more bytes than the L2 holds), every kernel of a
+shape timed round-robin with the others (`timed_interleaved`, since session 19); every kernel
 checked against the float32 product of the same bf16 values.
 """
 
@@ -149,10 +150,9 @@ def build(out: Path) -> None:
 def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
 
-    from bench._common import load_kernels, timed_rotating, write
+    from bench._common import load_kernels, timed_interleaved, write
     lib, to_tvm = load_kernels(lib_path)
     rows = []
-    timed = _once if PROFILE else timed_rotating
 
     for k, n in SHAPES:
         gen = torch.Generator().manual_seed(k * 3 + n)
@@ -166,7 +166,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             x_tvm, y_tvm = to_tvm(x), to_tvm(y)
             names = [v for v in variants()] + [f"mma_s{s}" for s in SPLITS] + ([] if ONLY else
                 (["lowbatch"] if m <= 8 else []) + ["tc"] + (["gemv"] if m == 1 else []))
-            found = []
+            calls, errors = {}, {}
             for name in names:
                 try:
                     fn = lib[f"{name}_{k}_{n}"]
@@ -175,10 +175,16 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                 y.fill_(float("nan"))
                 fn(x_tvm, weights_tvm[0], y_tvm)
                 torch.cuda.synchronize()
-                err = float(((y - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
-                samples = timed(lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm), rotations)
-                found.append((name, samples, err))
-            found.append(("cublas", timed(lambda r: torch.nn.functional.linear(x, weights[r]), rotations), 0.0))
+                errors[name] = float(((y - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
+                calls[name] = lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm)
+                if PROFILE:
+                    _once(calls[name], rotations)
+            calls["cublas"], errors["cublas"] = (lambda r: torch.nn.functional.linear(x, weights[r])), 0.0
+            if PROFILE:
+                continue
+            # every kernel of this shape timed round-robin (`timed_interleaved`), cuBLAS among them
+            timings = timed_interleaved(calls, rotations)
+            found = [(name, timings[name], errors[name]) for name in calls]
             base = statistics.median(found[-1][1])
             for name, samples, err in found:
                 med = statistics.median(samples)
@@ -199,12 +205,11 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     print(f"wrote {path}")
 
 
-def _once(fn, rotations: int) -> list[float]:
-    """SKINNY_PROFILE: one launch, no timing (a profiler times it); 1.0 stands in for a sample."""
+def _once(fn, rotations: int) -> None:
+    """SKINNY_PROFILE: one launch, no timing (a profiler times it)."""
     import torch
     fn(0)
     torch.cuda.synchronize()
-    return [1.0]
 
 
 if __name__ == "__main__":
