@@ -1,6 +1,6 @@
 """Token forcing of compiled GPU builds against the stock reference on the same GPU.
 
-    python bench/gpu_forcing.py BUILD_DIR [BUILD_DIR ...] [--max-new-tokens 256] [--out DIR]
+    python bench/gpu_forcing.py BUILD_DIR [BUILD_DIR ...] [--max-new-tokens 256] [--prompt-tokens 16] [--out DIR]
 
 Builds are made anywhere (`specpilot compile SPEC --target cuda -arch=sm_90`, cross-compiled
 on a CPU machine is fine) and loaded here with the TVM runtime alone.  In bf16 a mismatch is
@@ -29,13 +29,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--tie-tolerance", default="auto",
                     help="a number, or auto: stock's own bf16-vs-fp32 margin error on these requests")
+    ap.add_argument("--prompt-tokens", type=int, default=16,
+                    help="the shortest of the four prompts (the others 8, 16, 24 longer): long prompts put "
+                         "verification at long contexts -- many key splits in the rows attention")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows = []
     for build in args.builds:
         started = time.perf_counter()
         system = from_build(build)
-        prompts = [[(37 * i + 11 * r) % system.vocab_size for i in range(16 + 8 * r)] for r in range(4)]
+        prompts = [[(37 * i + 11 * r) % system.vocab_size for i in range(args.prompt_tokens + 8 * r)] for r in range(4)]
         baseline = None
         for engine in [e for e in ("compiled", "compiled-spec", "compiled-tree", "compiled-two-level")
                        if e in system.engines]:
@@ -58,6 +61,7 @@ def main() -> None:
                   f"excused={len(report.excused)}/{report.max_excused} first={report.first_divergence}"
                   + (f" ({report.reason})" if report.reason else ""), flush=True)
     path = write("gpu-forcing", {"tie_tolerance": args.tie_tolerance, "max_new_tokens": args.max_new_tokens,
+                                 "prompt_tokens": args.prompt_tokens,
                                  "results": rows}, args.out)
     print(f"wrote {path}")
     sys.exit(0 if all(r["passed"] for r in rows) else 1)
