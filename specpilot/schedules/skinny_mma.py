@@ -179,6 +179,8 @@ WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
 
 
 def wide_fills(n_out: int) -> bool:
+    """Whether `WIDE`'s blocks of an N-channel GEMM (one an SM) fill one wave to >= 80 % of the
+    SMs or make >= 8 waves (a last partial wave then costs little)."""
     blocks = -(-n_out // WIDE.block_n())
     return 0.8 * SMS <= blocks <= SMS or blocks >= 8 * SMS
 
