@@ -51,24 +51,13 @@ def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | No
 def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list[float]:
     """Microseconds per call of ``fn(r)`` (CUDA events around ``iters`` calls, r cycling over
     ``rotations`` weight buffers so the L2 cannot hold them), ``rounds`` samples."""
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rotations):
-        fn(r)
-    samples = []
-    for _ in range(rounds):
-        start.record()
-        for i in range(iters):
-            fn(i % rotations)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return samples
+    return timed_interleaved({0: fn}, rotations, rounds, iters)[0]
 
 
 def timed_interleaved(fns: dict, rotations: int, rounds: int = 7, iters: int = 20) -> dict:
-    """`timed_rotating` for several kernels at once, round-robin: each round times every ``fns``
-    entry (name -> fn(r)) once, in turn, so clock and power drift over the run reach all of them
+    """`timed_rotating` for several kernels at once (CUDA events around ``iters`` calls of fn(r), r
+    cycling over ``rotations`` weight buffers), round-robin: each round times every ``fns`` entry
+    (name -> fn(r)) once, in turn, so clock and power drift over the run reach all of them
     alike.  (Timed one after another, the same kernel measured 8 % apart as two variants of one run:
     results/skinny-gemm-20261201-203415.json, 320.5 vs 346.4 us.)  Returns name -> samples."""
     import torch

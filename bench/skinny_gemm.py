@@ -178,7 +178,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
                 errors[name] = float(((y - want).abs().max() / want.abs().max()).nan_to_num(float("inf")))
                 calls[name] = lambda r, fn=fn: fn(x_tvm, weights_tvm[r], y_tvm)
                 if PROFILE:
-                    _once(calls[name], rotations)
+                    _once(calls[name])
             calls["cublas"], errors["cublas"] = (lambda r: torch.nn.functional.linear(x, weights[r])), 0.0
             if PROFILE:
                 continue
@@ -205,7 +205,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     print(f"wrote {path}")
 
 
-def _once(fn, rotations: int) -> None:
+def _once(fn) -> None:
     """SKINNY_PROFILE: one launch, no timing (a profiler times it)."""
     import torch
     fn(0)
