@@ -100,7 +100,11 @@ def _variants():
                                         (1, 2, 8, 2, 1))},
             # 72 rows, 64 channels a block, K split over X blocks, S stages: "wg1s{S}x{X}o"
             **{f"wg1s{st}x{x}o": ((None, Config(9, 4, 1, 1, stages=st, wgmma=True, splits=x, overlap=1)),)
-               for st in (4, 6, 8) for x in (2, 4, 8, 16)}}
+               for st in (4, 6, 8) for x in (2, 4, 8, 16)},
+            # 72 rows, 64 channels a block, the blocks past the last whole wave with K in T pieces
+            # (`Config.tail`; the shipped form where `with_tail` takes it): "wg1s{S}t{T}o"
+            **{f"wg1s{st}t{t}o": ((None, Config(9, 4, 1, 1, stages=st, wgmma=True, overlap=1, tail=t)),)
+               for st in (4, 6) for t in (2, 4, 8, 16)}}
 
 
 def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):

@@ -54,6 +54,8 @@ class Config:
     splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
     wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of a_tiles / 4 x 64 channels, wk 1
     overlap: int = 0     # wgmma: groups left in flight past the next barrier (1: copies run stages - 2 ahead)
+    tail: int = 1        # wgmma, unsplit: the channel blocks past the last whole wave of block slots take K in
+                         # this many pieces, a block each, summed in a fixed order by a second kernel (`with_tail`)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn
@@ -69,6 +71,7 @@ class Config:
             # weight rows and stores only real channels), x rows as wgmma's N (a multiple of 8,
             # <= 256), 64-k chunks
             return (n_out % 8 == 0 and self.a_tiles in (4, 8, 12) and self.wk == 1 and self.stages >= 2 + self.overlap
+                    and (self.tail == 1 or (self.tail > 1 and self.splits == 1 and k_in % (self.tail * WGMMA_K) == 0))
                     and self.block_m() * self.a_tiles <= 4 * 256   # <= 128 accumulators a thread
                     and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
                     and self.shared_bytes(k_in) <= MAX_SHARED)
@@ -188,13 +191,48 @@ def wide_fills(n_out: int) -> bool:
 SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
 
 
+def block_slots(cfg: Config, k_in: int) -> int:
+    """The blocks of ``cfg`` the GPU runs at once: SMs x blocks per SM (by shared memory and threads)."""
+    return SMS * max(min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // cfg.threads()), 1)
+
+
 def wave_efficiency(cfg: Config, n_out: int, k_in: int) -> float:
-    """How well one row block of ``cfg``'s blocks fills the GPU's block slots (SMs x blocks per SM
-    by shared memory and threads): 1 when they fit in one wave, else waves / whole waves (a last
-    wave with few blocks runs nearly alone)."""
-    per_sm = min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // cfg.threads())
-    waves = -(-n_out // cfg.block_n()) * cfg.splits / (SMS * max(per_sm, 1))
+    """How well one row block of ``cfg``'s blocks fills the GPU's block slots (`block_slots`): 1
+    when they fit in one wave, else waves / whole waves (a last wave with few blocks runs nearly
+    alone)."""
+    waves = -(-n_out // cfg.block_n()) * cfg.splits / block_slots(cfg, k_in)
     return 1.0 if waves <= 1 else waves / -(-waves // 1)
+
+
+def tail_blocks(cfg: Config, n_out: int, k_in: int) -> tuple[int, int]:
+    """(whole-K channel blocks, channel blocks past the last whole wave of `block_slots`) of one
+    row block; (all, 0) within one wave.  The paired form has as many blocks (N / 2 pairs, block_n / 2
+    a block)."""
+    blocks, slots = -(-n_out // cfg.block_n()), block_slots(cfg, k_in)
+    rest = blocks % slots if blocks > slots else 0
+    return blocks - rest, rest
+
+
+TAIL_MOST = 0.25    # split the last wave's K where it holds at most this share of the block slots
+
+
+def with_tail(cfg: Config, n_out: int, k_in: int) -> Config:
+    """An unsplit 72-row warpgroup configuration whose last wave of channel blocks is nearly empty
+    (at most ``TAIL_MOST`` of the block slots) with those blocks' K split over the most pieces (<= 8,
+    whole 64-k chunks) that keep one block an SM: 5120 -> 34816 (the 27B gate / up, 544 blocks of 64
+    channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths instead of 2 waves and 16
+    blocks alone.  The eighths' partial sums go to a float32 workspace that a second kernel adds in a
+    fixed order (deterministic).  H200, results/skinny-gemm-20261201-222112.json, 65 rows round-robin:
+    107.3 us vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style
+    tree verification 2054-2056 vs 2062-2068 us (tree-verify-20261201-2221* to -2224*); bf16 forcing
+    of bench/specs/tiny-llama-tail-mlp-bf16.yaml, paired form, passes (gpu-forcing-20261201-222100)."""
+    if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
+        return cfg
+    _, rest = tail_blocks(cfg, n_out, k_in)
+    if not rest or rest > TAIL_MOST * block_slots(cfg, k_in):
+        return cfg
+    pieces = [t for t in (8, 4, 2) if rest * t <= SMS and replace(cfg, tail=t).fits(n_out, k_in)]
+    return replace(cfg, tail=pieces[0]) if pieces else cfg
 
 
 def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
@@ -245,7 +283,8 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
         # the wgmma candidate that fills the block slots best (the first of equals) among those
         # with the first one's rows a block, else the first configuration that tiles
         hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
-        out.append((limit, max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)) if hopper else fitting[0]))
+        out.append((limit, with_tail(max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)), n_out, k_in)
+                    if hopper else fitting[0]))
     return out
 
 
@@ -378,7 +417,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
                                        16))
 
     @T.macro
-    def block(x, w, y, m, bx, by, bz, kw, nw, lane, row0):
+    def block(x, w, y, part, m, bx, by, bz, kw, nw, lane, row0):
         """One block's share: rows by * BM.., channels bx * BN.., chunks bz * chunks.. of K; its sums
         go to y rows row0 + ..."""
         # one buffer: TVM's shared-memory planner does not count the cp.async writes
@@ -476,6 +515,9 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     NREG = BM // 2                      # accumulator floats per thread and A tile: 64 x R over 128 threads
     copy = "cp.async.cg.shared.global"
     mma = f"wgmma.mma_async.sync.aligned.m64n{BM}k16.f32.bf16.bf16"
+    FULL, REST = tail_blocks(cfg, n_out, k_in)
+    TAIL = cfg.tail if REST else 1      # with_tail: blocks FULL.. take K in TAIL pieces
+    TAILC = REST * BN                   # the workspace's columns: the tail blocks' channels (paired: gates, ups)
 
     def desc(addr):
         """A K-major, 128-byte-swizzled operand at shared address ``addr``: 8-row groups 1024
@@ -499,6 +541,10 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
         c = T.min(bx * (BN // 2) + slot // 16 * 8 + slot % 8, H - 1)
         return T.if_then_else(slot % 16 < 8, c, c + H)
 
+    def chunk_count(bx):
+        """The chunks of K block column ``bx`` takes."""
+        return T.if_then_else(bx < FULL, chunks, chunks // TAIL) if TAIL > 1 else chunks
+
     @T.macro
     def issue(ring, w, x, m, bx, by, tid, base, stage, chunk):
         for r in T.serial(w_rounds):
@@ -514,7 +560,10 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
                                        T.address_of(x[T.min(by * BM + i // 8, m - 1), chunk * KC + (i % 8) * 8]), 16))
 
     @T.macro
-    def block(x, w, y, m, bx, by, bz, kw, wg, lane, row0):
+    def block(x, w, y, part, m, bx, by, bz, kw, wg, lane, row0):
+        # chunks bz * nch.. of K: every block's share (the split form), or with a tail, the whole of K
+        # in the first FULL channel blocks and a TAIL-th in the rest (their sums to the workspace)
+        nch = T.meta_var(chunk_count(bx))
         ring = T.alloc_buffer((S * STAGE + SWIZZLE_ALIGN // 2,), "bfloat16", scope="shared.dyn")
         acc = T.alloc_buffer((TPW * NREG,), "float32", scope="local")
         at = T.alloc_buffer((2,), "uint32", scope="local")     # the ring's shared address, aligned; its offset
@@ -526,10 +575,10 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
         for i in T.unroll(TPW * NREG):       # unrolled: the accumulators stay registers
             acc[i] = T.float32(0)
         for s in T.unroll(D):
-            if s < chunks:
-                issue(ring, w, x, m, bx, by, tid, base, s, bz * chunks + s)
+            if s < nch:
+                issue(ring, w, x, m, bx, by, tid, base, s, bz * nch + s)
             T.evaluate(T.ptx["cp.async.commit_group"]())
-        for c in T.serial(chunks):
+        for c in T.serial(nch):
             T.evaluate(T.ptx["cp.async.wait_group"](D - 1))
             T.evaluate(T.ptx["fence.proxy.async.shared::cta"]())
             T.tvm_storage_sync("shared")
@@ -543,8 +592,8 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](OV))
             # the slot chunk c + D goes to held chunk c + D - S = c - 1 - OV, whose wgmmas every
             # warpgroup waited for before the barrier above
-            if c + D < chunks:
-                issue(ring, w, x, m, bx, by, tid, base, (c + D) % S, bz * chunks + c + D)
+            if c + D < nch:
+                issue(ring, w, x, m, bx, by, tid, base, (c + D) % S, bz * nch + c + D)
             T.evaluate(T.ptx["cp.async.commit_group"]())
         if OV > 0:
             T.evaluate(T.ptx["wgmma.wait_group.sync.aligned"](0))
@@ -558,37 +607,92 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
                     pair = T.meta_var(bx * (BN // 2) + ((wg * TPW + t) * 4 + lane // 32) * 8 + (lane % 32) // 4)
                     if i % 4 < 2:
                         if row < m and pair < H:
-                            y[row0 + row, pair] = acc[t * NREG + i]
-                            y[row0 + row, pair + H] = acc[t * NREG + i + 2]
+                            if TAIL > 1:
+                                if bx >= FULL:      # the workspace: gates, then ups
+                                    part[row0 + row, pair - FULL * (BN // 2)] = acc[t * NREG + i]
+                                    part[row0 + row, pair - FULL * (BN // 2) + TAILC // 2] = acc[t * NREG + i + 2]
+                                else:
+                                    y[row0 + row, pair] = acc[t * NREG + i]
+                                    y[row0 + row, pair + H] = acc[t * NREG + i + 2]
+                            else:
+                                y[row0 + row, pair] = acc[t * NREG + i]
+                                y[row0 + row, pair + H] = acc[t * NREG + i + 2]
                 else:
                     channel = T.meta_var(bx * BN + (wg * TPW + t) * 64 + (lane // 32) * 16 + ((i % 4) // 2) * 8
                                          + (lane % 32) // 4)
                     if row < m and channel < n_out:
-                        y[row0 + row, channel] = acc[t * NREG + i]
+                        if TAIL > 1:
+                            if bx >= FULL:
+                                part[row0 + row, channel - FULL * BN] = acc[t * NREG + i]
+                            else:
+                                y[row0 + row, channel] = acc[t * NREG + i]
+                        else:
+                            y[row0 + row, channel] = acc[t * NREG + i]
 
-    return _launch_blocks(n_out, cfg, block, 128, blocks_n=-(-H // (BN // 2)) if paired else None)
+    @T.macro
+    def merge(part, y, m):
+        """The tail: y = the TAIL pieces' partial sums added in order (the paired form: gate and up
+        of a pair stored one after the other, as the blocks store them)."""
+        cols = T.meta_var(TAILC // 2 if paired else n_out - FULL * BN)
+        for bi in T.thread_binding((m * cols + 255) // 256, thread="blockIdx.x"):
+            for tx in T.thread_binding(256, thread="threadIdx.x"):
+                if bi * 256 + tx < m * cols:
+                    r = T.meta_var((bi * 256 + tx) // cols)
+                    c = T.meta_var((bi * 256 + tx) % cols)
+                    total = T.alloc_buffer((2,), "float32", scope="local")
+                    total[0] = part[r, c]
+                    if paired:
+                        total[1] = part[r, c + TAILC // 2]
+                    for z in T.unroll(TAIL - 1):
+                        total[0] = total[0] + part[(z + 1) * m + r, c]
+                        if paired:
+                            total[1] = total[1] + part[(z + 1) * m + r, c + TAILC // 2]
+                    if paired:
+                        if FULL * (BN // 2) + c < H:
+                            y[r, FULL * (BN // 2) + c] = total[0]
+                            y[r, FULL * (BN // 2) + c + H] = total[1]
+                    else:
+                        y[r, FULL * BN + c] = total[0]
+
+    tail = (FULL, REST * TAIL, TAILC, merge) if TAIL > 1 else None
+    return _launch_blocks(n_out, cfg, block, 128, blocks_n=-(-H // (BN // 2)) if paired else None, tail=tail)
 
 
-def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | None = None):
+def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | None = None, tail=None):
     """A macro launching ``block`` over (channel blocks, row blocks) with threads (wk, wn,
     ``lanes``) as threadIdx (z, y, x); with ``cfg.splits`` > 1 over K pieces too (blockIdx.z),
     each writing its partial sums to rows bz * m.. of a float32 workspace that a second kernel
-    adds in a fixed order (deterministic, unlike atomics)."""
+    adds in a fixed order (deterministic, unlike atomics).  ``tail`` = (whole blocks F, tail
+    blocks, workspace columns, merge macro): channel blocks F.. as ``cfg.tail`` blocks each (K
+    piece bz to workspace rows bz * m..), then ``merge(part, y, m)``."""
     from tvm.script import tirx as T
 
     WN, WK, SPL = cfg.wn, cfg.wk, cfg.splits
     BN, BM = cfg.block_n(), cfg.block_m()
     NB = blocks_n or (n_out + BN - 1) // BN      # channel blocks (the paired form: pairs / (block_n / 2))
+    FULL, TB, TC, merge = tail or (NB, 0, 0, None)
+    TL = cfg.tail
 
     @T.macro
     def launch(x, w, y, m):
-        if SPL == 1:
+        if tail is not None:
+            part = T.alloc_buffer((TL * m, TC), "float32")
+            for b in T.thread_binding(FULL + TB, thread="blockIdx.x"):
+                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+                    for kw in T.thread_binding(WK, thread="threadIdx.z"):
+                        for nw in T.thread_binding(WN, thread="threadIdx.y"):
+                            for lane in T.thread_binding(lanes, thread="threadIdx.x"):
+                                bz = T.meta_var(T.if_then_else(b < FULL, 0, (b - FULL) % TL))
+                                block(x, w, y, part, m, T.if_then_else(b < FULL, b, FULL + (b - FULL) // TL), by,
+                                      bz, kw, nw, lane, bz * m)
+            merge(part, y, m)
+        elif SPL == 1:
             for bx in T.thread_binding(NB, thread="blockIdx.x"):
                 for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
                     for kw in T.thread_binding(WK, thread="threadIdx.z"):
                         for nw in T.thread_binding(WN, thread="threadIdx.y"):
                             for lane in T.thread_binding(lanes, thread="threadIdx.x"):
-                                block(x, w, y, m, bx, by, 0, kw, nw, lane, 0)
+                                block(x, w, y, y, m, bx, by, 0, kw, nw, lane, 0)
         else:
             part = T.alloc_buffer((SPL * m, n_out), "float32")
             for bx in T.thread_binding((n_out + BN - 1) // BN, thread="blockIdx.x"):
@@ -597,7 +701,7 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | N
                         for kw in T.thread_binding(WK, thread="threadIdx.z"):
                             for nw in T.thread_binding(WN, thread="threadIdx.y"):
                                 for lane in T.thread_binding(lanes, thread="threadIdx.x"):
-                                    block(x, w, part, m, bx, by, bz, kw, nw, lane, bz * m)
+                                    block(x, w, part, part, m, bx, by, bz, kw, nw, lane, bz * m)
             for bi in T.thread_binding((m * n_out + 255) // 256, thread="blockIdx.x"):
                 for tx in T.thread_binding(256, thread="threadIdx.x"):
                     if bi * 256 + tx < m * n_out:

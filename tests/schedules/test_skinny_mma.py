@@ -236,7 +236,8 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     # of a range's two candidates, the one whose blocks fill the block slots best: 34816 channels
     # at <= 8 rows are 544 blocks -- 6 stages fit 4 a SM (528 slots: a last wave of 16), 4 stages 6
     wider = dict(pick(34816, 5120, wgmma=True))
-    assert wider[8].stages == 4 and wider[72] == Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
+    # (at 72 rows 6 stages, 2 a SM: 264 slots, two waves and 16 blocks -- those 16 in eighths of K, `with_tail`)
+    assert wider[8].stages == 4 and wider[72] == Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1, tail=8)
     assert wide[72] == Config(9, 4, 2, 1, stages=4, wgmma=True)        # 272 one-warpgroup blocks: 264 slots
     # a wgmma configuration: 64 channels a warpgroup, one warp along K, N = R <= 256, 64-k chunks
     assert Config(9, 4, 2, 1, stages=4, wgmma=True).fits(128, 128)
@@ -359,6 +360,49 @@ def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
     stores = [line for line in body.splitlines() if line.strip().startswith(f"{out}[")]
     assert len(stores) == 36 and all("expf" in line for line in stores)
 
+def test_a_nearly_empty_last_wave_takes_k_in_pieces():
+    """`with_tail`: the unsplit 72-row warpgroup kernel of 5120 -> 34816 (544 blocks of 64 channels,
+    2 a SM: 264 slots) runs 528 blocks over all of K and the last 16 as 8 blocks of 10 chunks each
+    (16 x 8 = 128 <= 132 SMs); nowhere else of the 27B / 8B shapes, never outside 33-72 rows, never
+    with K split already or a last wave fuller than a quarter of the slots; pieces of whole chunks."""
+    from specpilot.schedules.skinny_mma import SMS, block_slots, tail_blocks, with_tail
+    six = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
+    assert block_slots(six, 5120) == 2 * SMS and tail_blocks(six, 34816, 5120) == (528, 16)
+    assert tail_blocks(six, 64 * 2 * SMS, 5120) == (2 * SMS, 0)          # whole waves: no tail
+    assert tail_blocks(six, 64 * 100, 5120) == (100, 0)                   # one partial wave: no tail
+    assert with_tail(six, 34816, 5120) == replace(six, tail=8)
+    assert with_tail(six, 34816, 256) == replace(six, tail=4)             # 4 chunks: quarters
+    assert with_tail(six, 64 * (2 * SMS + 40), 5120) == replace(six, tail=2)   # 40 x 4 > 132 SMs
+    assert with_tail(six, 64 * (2 * SMS + 67), 5120) == six               # 67 > 264 / 4
+    assert with_tail(six, 64 * (2 * SMS + 66), 5120) == replace(six, tail=2)
+    assert with_tail(replace(six, splits=2), 34816, 5120).tail == 1
+    assert with_tail(Config(4, 4, 1, 1, stages=6, wgmma=True, overlap=1), 34816, 5120).tail == 1   # 32 rows
+    assert with_tail(Config(9, 2, 2, 2, 2, stages=3), 34816, 5120).tail == 1                     # mma
+    for n, k in ((17408, 5120), (5120, 17408), (16480, 5120), (14336, 5120), (248320, 5120), (5120, 6144),
+                 (24576, 4096), (4096, 12288), (6144, 4096), (151936, 4096)):
+        assert all(cfg.tail == 1 for _, cfg in pick(n, k, wgmma=True)), (n, k)
+    assert [limit for limit, cfg in pick(34816, 5120, wgmma=True) if cfg.tail > 1] == [72]
+    assert not replace(six, tail=3).fits(34816, 5120) and not replace(six, tail=8, splits=2).fits(34816, 5120)
+
+
+def test_the_tail_form_sums_its_pieces_in_a_second_kernel(tmp_path):
+    """Config.tail: blocks 528.. of the GEMM kernel store to the float32 workspace (rows piece * m..,
+    columns channel - 528 * 64) and run an eighth of the chunks; the second kernel adds
+    the eight pieces in order into channels 33792.. of y (a ragged N: below N only)."""
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+                       "{'t': skinny_nt_matmul(34816 - 40, 5120, ((None, Config(9, 4, 1, 1, stages=6, wgmma=True,"
+                       " overlap=1, tail=8)),))}", arch="sm_90a")
+    heads = dict(re.findall(r"void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{", text))
+    assert set(heads) == {"t_kernel", "t_kernel_1"} and "w_ptr" in heads["t_kernel"] and "w_ptr" not in heads["t_kernel_1"]
+    gemm = re.search(r"t_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    assert "((int)blockIdx.x) < 528)" in gemm and "part_ptr[" in gemm and "y_ptr[" in gemm
+    assert "((((int)blockIdx.x) >> 3) + 462)" in gemm          # tail block b: channel block 528 + (b - 528) / 8
+    total = re.search(r"t_kernel_1\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
+    sums = re.findall(r"part_ptr\[(.*?)\]\)?;", total)
+    assert len(sums) == 8 and "m * (int64_t)" not in sums[0] and all(f"m * (int64_t){z * 1024}" in sums[z] for z in (2, 3, 7))
+    assert total.count("y_ptr[") == 1 and "+ (int64_t)33792)] = total_ptr[0]" in total
+
+
 def test_wave_efficiency_counts_blocks_against_slots():
     from specpilot.schedules.skinny_mma import SMS, wave_efficiency
     one = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)          # ~105 KB: 2 blocks a SM
@@ -420,7 +464,9 @@ def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, 
 def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     """The fused kernel's CUDA for sm_90a: every row range's kernel stores silu(gate) * up once, in
     bf16 (no float32 output parameter); a block's 64 weight rows are 32 of the gate half and the
-    same 32 of the up half (rows c and c + H)."""
+    same 32 of the up half (rows c and c + H).  H = 17400 pairs are 544 blocks of 32: at 33-72
+    rows the tail form (`with_tail`), whose last 16 blocks' float32 partial sums (the one float32
+    buffer, ``part``) the second kernel adds and stores as silu(gate) * up, for pairs 16896.. only."""
     setup = (
         "import sys\n"
         "sys.path.insert(0, '.')\n"
@@ -434,10 +480,15 @@ def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
         "                                        gv.name_hint.startswith('skinny_mma')][0]\n")
     text = sm90_source(tmp_path, setup, "{'swiglu': fused[0]}", arch="sm_90a")
     heads = re.findall(r"void __launch_bounds__\((\d+)\) (swiglu_kernel\w*)\(([^)]*)\) \{", text)
-    assert heads and all("float*" not in params for _, _, params in heads), heads
+    floats = {name: re.findall(r"float\* __restrict__ (\w+)", params) for _, name, params in heads}
+    assert heads and all(f in ([], ["part_ptr"]) for f in floats.values()), floats
+    assert sum(f == ["part_ptr"] for f in floats.values()) == 2          # the tail's GEMM kernel and its sum
     for _, name, params in heads:
         body = re.search(rf"{name}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)
-        out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", params) if n not in ("w_ptr", "x_ptr")]
+        out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", params) if n not in ("w_ptr", "x_ptr", "part_ptr")]
         stores = [line for line in body.splitlines() if line.strip().startswith(f"{out}[")]
         assert stores and all("expf" in line for line in stores), (name, stores[:2])
-        assert ", 17399)" in body and "+ 17400)" in body     # a ragged H: gate rows clamped to H - 1, up rows c + H
+        if "w_ptr" in params:
+            assert ", 17399)" in body and "+ 17400)" in body     # a ragged H: gate rows clamped to H - 1, up rows c + H
+        else:       # the sum: pairs 528 * 32.. below H, gate + up of each from the eight pieces in order
+            assert "+ (int64_t)16896)] = " in body and body.count("part_ptr[") == 16, body
