@@ -188,6 +188,26 @@ def wide_fills(n_out: int) -> bool:
     return 0.8 * SMS <= blocks <= SMS or blocks >= 8 * SMS
 
 
+WIDE_SPLIT_K = 16384   # k from which `wide_split` takes WIDE with K split in two
+
+
+def wide_split(n_out: int, k_in: int) -> Config | None:
+    """33-72 rows, few channel blocks (fewer 64-channel blocks than SMs: K split over blocks anyway)
+    and a long K (the down projection 17408 -> 5120): `WIDE` with K split over two blocks (so its
+    blocks, doubled, fit one wave) -- x paid once per 128
+    channels and two float32 partials a channel to add, where the 64-channel kernel split K eight
+    ways (eight partials).  H200, 65 rows: 58.0 us vs 61.5 (8 splits of 64-channel blocks; three
+    tiles split 4 58.4: results/skinny-gemm-20261201-210920.json), round-robin 55.0 vs 66.4 (cuBLAS
+    59.4; skinny-gemm-20261201-224548); the 27B-style tree verification 1999-2020 us vs 2037-2057
+    with the tail form alone (1.28-1.29x vs 1.30x the AR step, tree-verify-20261201-2246* to
+    -2249*); bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml (its 17408 -> 512 down
+    projection takes it) passes (gpu-forcing-20261201-224538).  None elsewhere."""
+    cfg = replace(WIDE, splits=2)
+    if k_in < WIDE_SPLIT_K or n_out // 64 >= SMS or not cfg.fits(n_out, k_in):
+        return None
+    return cfg
+
+
 SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
 
 
@@ -279,6 +299,9 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
             return None
         if fitting[0] == WIDE:      # offered only where its blocks fill the GPU (`wide_fills`)
             out.append((limit, WIDE))
+            continue
+        if limit == 72 and wide_split(n_out, k_in) is not None:
+            out.append((limit, wide_split(n_out, k_in)))
             continue
         # the wgmma candidate that fills the block slots best (the first of equals) among those
         # with the first one's rows a block, else the first configuration that tiles

@@ -13,7 +13,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from specpilot.schedules.skinny_mma import Config, applicable, nt_matmul_shape, pick, skinny_nt_matmul, substitute
+from specpilot.schedules.skinny_mma import WIDE, Config, applicable, nt_matmul_shape, pick, skinny_nt_matmul, substitute
 from specpilot.schedules.tensor_core import nt_matmul
 from tests.kernel_helpers import sm90_source
 
@@ -229,7 +229,8 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     down = dict(pick(5120, 17408, wgmma=True))
     assert down[8].wgmma and down[8].splits == 8 and down[8].stages == 4     # split even at 1-8 rows
     assert not down[16].wgmma and down[16] == Config(2, 1, 1, 8, 1, stages=4)
-    assert down[32].wgmma and down[32].splits == 8 and down[72].splits == 8
+    assert down[32].wgmma and down[32].splits == 8 and down[128].splits == 8
+    assert down[72] == replace(WIDE, splits=2)        # `wide_split`: 128 channels a block, K in two
     assert all(cfg.wgmma for _, cfg in pick(16480, 5120, wgmma=True))
     assert not Config(9, 4, 1, 1, stages=4, wgmma=True).fits(100, 128)      # N a multiple of 8
     assert not any(cfg.wgmma for _, cfg in pick(17408, 5120))
@@ -258,7 +259,10 @@ def test_hopper_takes_128_and_256_rows_a_block_beyond_72_rows():
         few = n // 64 < 132
         assert chosen[256] == Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)
         assert chosen[None] == Config(32, 4, 2, 1, stages=3, wgmma=True)
-        assert chosen[128] == (chosen[72] if few else chosen[256])
+        if (n, k) == (5120, 17408):     # 33-72 rows: `wide_split`; 73-128 the split 64-channel blocks
+            assert chosen[72] == replace(WIDE, splits=2) and chosen[128].splits == 8 and chosen[128].a_tiles == 4
+        else:
+            assert chosen[128] == (chosen[72] if few else chosen[256])
         assert chosen[256].splits == chosen[None].splits == 1 and (not few or chosen[72].splits > 1)
         assert all(cfg.fits(n, k) for cfg in chosen.values())
     # other archs keep their four ranges (the last one open)
@@ -321,6 +325,26 @@ def test_wide_blocks_at_33_to_72_rows_only_where_they_fill_the_gpu():
     assert not Config(9, 16, 1, 1, stages=2, wgmma=True).fits(512, 128)
     assert not Config(16, 12, 1, 1, stages=2, wgmma=True).fits(384, 128)     # 3 x 64 accumulators
     assert not Config(9, 6, 1, 1, stages=4, wgmma=True).fits(384, 128)
+
+
+def test_wide_blocks_split_k_in_two_where_few_channel_blocks_meet_a_long_k():
+    """`wide_split`: at 33-72 rows a shape with fewer 64-channel blocks than SMs (K split over
+    blocks anyway) and K >= 16384 takes `WIDE` with K over two blocks where the doubled 128-channel
+    blocks still fit one wave (17408 -> 5120: 40 x 2 = 80 blocks) -- not where K is shorter (6144,
+    12288 -> 5120 / 4096) or where the 64-channel blocks fill the SMs (8448: 132 of them; below that
+    the doubled 128-channel blocks fit one wave); other row ranges keep their kernels."""
+    from specpilot.schedules.skinny_mma import SMS, wide_split
+    assert wide_split(5120, 17408) == replace(WIDE, splits=2) and wide_split(5120, 16384) is not None
+    assert wide_split(4096, 28672) is not None                      # 32 x 2 blocks
+    for n, k in ((5120, 16320), (5120, 6144), (4096, 12288), (64 * SMS, 17408), (34816, 17408)):
+        assert wide_split(n, k) is None, (n, k)
+    assert wide_split(64 * SMS - 8, 17408) is not None and wide_split(64 * SMS, 17408) is None   # 66 x 2 blocks
+    chosen, before = dict(pick(5120, 17408, wgmma=True)), dict(pick(5120, 6144, wgmma=True))
+    assert chosen[72] == replace(WIDE, splits=2) and chosen[128] == Config(9, 4, 1, 1, stages=6, wgmma=True,
+                                                                        overlap=1, splits=8)
+    assert all(cfg.a_tiles == 4 for limit, cfg in chosen.items() if limit != 72 and cfg.wgmma)
+    assert before[72].a_tiles == 4 and before[72].splits == 3
+    assert not any(cfg.wgmma for _, cfg in pick(5120, 17408))          # never before Hopper
 
 
 def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
