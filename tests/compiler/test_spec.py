@@ -25,7 +25,8 @@ def write(tmp_path, data, name="model.yaml"):
     return path
 
 
-@pytest.mark.parametrize("name", ["tiny-llama.yaml", "tiny-hybrid.yaml", "smollm2.yaml", "smollm2-adapter.yaml"])
+@pytest.mark.parametrize("name", ["tiny-llama.yaml", "tiny-hybrid.yaml", "smollm2.yaml", "smollm2-adapter.yaml",
+                                  "smollm2-adapter-l12.yaml"])
 def test_examples_validate(name):
     spec = load_spec(EXAMPLES / name)
     assert spec.deployment.dtype == "float32"

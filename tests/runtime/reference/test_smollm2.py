@@ -81,12 +81,13 @@ def test_w12_on_every_smollm2_weight():
     assert result["bytes_ratio"] <= 0.76
 
 
-def test_shipped_adapter_drafter_is_lossless():
-    """examples/smollm2-adapter.yaml: the adapter trained on the H200 attaches to this target (its
-    digest matches) and speculative decoding with it is stock's tokens."""
+@pytest.mark.parametrize("name", ["smollm2-adapter.yaml", "smollm2-adapter-l12.yaml"])
+def test_shipped_adapter_drafter_is_lossless(name):
+    """examples/smollm2-adapter*.yaml: the adapters trained on the H200 (L4, L12) attach to this
+    target (their digests match) and speculative decoding with them is stock's tokens."""
     from specpilot.runtime.forcing import force_requests
     from specpilot.runtime.systems import load_system
-    system = load_system(SPEC.with_name("smollm2-adapter.yaml"))
+    system = load_system(SPEC.with_name(name))
     prompt = system.tokenizer.encode("def is_prime(n: int) -> bool:\n")
     stock = system.generate("stock", prompt, 64)
     run = system.generate("stock-spec", prompt, 64, force=stock.tokens)
