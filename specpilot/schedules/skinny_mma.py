@@ -194,9 +194,8 @@ WIDE_SPLIT_K = 16384   # k from which `wide_split` takes WIDE with K split in tw
 def wide_split(n_out: int, k_in: int) -> Config | None:
     """33-72 rows, few channel blocks (fewer 64-channel blocks than SMs: K split over blocks anyway)
     and a long K (the down projection 17408 -> 5120): `WIDE` with K split over two blocks (so its
-    blocks, doubled, fit one wave) -- x paid once per 128
-    channels and two float32 partials a channel to add, where the 64-channel kernel split K eight
-    ways (eight partials).  H200, 65 rows: 58.0 us vs 61.5 (8 splits of 64-channel blocks; three
+    blocks, doubled, fit one wave) -- x paid once per 128 channels and two float32 partials a
+    channel to add, where the 64-channel kernel split K eight ways (eight partials).  H200, 65 rows: 58.0 us vs 61.5 (8 splits of 64-channel blocks; three
     tiles split 4 58.4: results/skinny-gemm-20261201-210920.json), round-robin 55.0 vs 66.4 (cuBLAS
     59.4; skinny-gemm-20261201-224548); the 27B-style tree verification 1999-2020 us vs 2037-2057
     with the tail form alone (1.28-1.29x vs 1.30x the AR step, tree-verify-20261201-2246* to
