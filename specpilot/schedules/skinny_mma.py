@@ -299,8 +299,9 @@ def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, C
         if fitting[0] == WIDE:      # offered only where its blocks fill the GPU (`wide_fills`)
             out.append((limit, WIDE))
             continue
-        if limit == 72 and wide_split(n_out, k_in) is not None:
-            out.append((limit, wide_split(n_out, k_in)))
+        split = wide_split(n_out, k_in) if limit == 72 else None
+        if split is not None:
+            out.append((limit, split))
             continue
         # the wgmma candidate that fills the block slots best (the first of equals) among those
         # with the first one's rows a block, else the first configuration that tiles
