@@ -58,8 +58,8 @@ def timed_interleaved(fns: dict, rotations: int, rounds: int = 7, iters: int = 2
     """`timed_rotating` for several kernels at once (CUDA events around ``iters`` calls of fn(r), r
     cycling over ``rotations`` weight buffers), round-robin: each round times every ``fns`` entry
     (name -> fn(r)) once, in turn, so clock and power drift over the run reach all of them
-    alike.  (Timed one after another, the same kernel measured 8 % apart as two variants of one run:
-    results/skinny-gemm-20261201-203415.json, 320.5 vs 346.4 us.)  Returns name -> samples."""
+    alike.  (Timed one after another, the same kernel measured 8 % apart as two variants of one run,
+    320.5 vs 346.4 us: bench/README "Skinny GEMMs".)  Returns name -> samples."""
     import torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for fn in fns.values():
@@ -92,8 +92,8 @@ def load_kernels(path: Path):
     """A kernel library on the GPU machine (the runtime-only TVM): (module, tvm.runtime.from_dlpack)."""
     import tvm
 
-    from specpilot.runtime.engine import _import_tvm_runtime
-    _import_tvm_runtime(gpu=True)
+    from specpilot.runtime.engine import import_tvm_runtime
+    import_tvm_runtime(gpu=True)
     return tvm.runtime.load_module(str(path)), tvm.runtime.from_dlpack
 
 

@@ -27,45 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write  # noqa: E402
 
-CODE = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "import json\n\n\ndef load_config(path):\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "def is_prime(n: int) -> bool:\n",
-    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
-    "def read_lines(path):\n    with open(path) as f:\n",
-    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
-    "from dataclasses import dataclass\n\n\n@dataclass\nclass Point:\n",
-    "def count_words(text):\n    counts = {}\n    for word in text.split():\n",
-    "def flatten(nested):\n    out = []\n    for item in nested:\n",
-    "def gcd(a, b):\n    while b:\n",
-    "import os\n\n\ndef list_python_files(root):\n",
-    "def merge_sorted(a, b):\n    i = j = 0\n    out = []\n",
-    "def celsius_to_fahrenheit(c):\n",
-    "class Node:\n    def __init__(self, value, next=None):\n",
-    "def reverse_string(s):\n",
-]
-CHAT = [
-    "What is the capital of France?", "Give me three tips for learning Python.",
-    "Explain what a hash table is in simple terms.", "Write a haiku about the sea.",
-    "How do I make a cup of tea?", "What is the difference between a list and a tuple in Python?",
-    "Summarize the plot of Romeo and Juliet.", "Why is the sky blue?",
-    "List the planets of the solar system.", "What does HTTP stand for?",
-    "How can I improve my sleep?", "Translate 'good morning' into Spanish and French.",
-    "What is recursion? Give an example.", "Name three sorting algorithms.",
-    "What is photosynthesis?", "Write a short thank-you note to a colleague.",
-]
-
-
-def chat(q: str) -> str:
-    return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+from specpilot.runtime.prompt_sets import CHAT, CODE, chat  # noqa: E402
 
 
 def main() -> None:
     import torch
 
-    from specpilot.compiler.loader import early_exit, load_models
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core.loader import early_exit, load_models
+    from specpilot.core.spec import load_spec
     from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, speculative_two_level
     from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
     from specpilot.runtime.reference.model import ReferenceModel
@@ -99,7 +68,7 @@ def main() -> None:
     print(f"stock AR: {len(prompts)} prompts x {args.max_new_tokens} tokens in {time.perf_counter() - t0:.0f} s",
           flush=True)
 
-    from specpilot.compiler.weights import file_digest
+    from specpilot.core.weights import file_digest
     drafters, sources = {}, {}
     for item in args.drafters.split(","):
         kind, _, n = item.partition(":")
@@ -110,7 +79,7 @@ def main() -> None:
             small = ReferenceModel(sub.cfg, sub.weights, torch.float32)
             drafters[f"early-exit:{int(n or 6)}"] = lambda small=small: ModelDrafter(small, args.top_k, capacity, "early-exit")
         elif kind == "adapter":   # early exit + a trained adapter (specpilot drafter train): adapter:FILE[@T]
-            from specpilot.compiler.adapter import read
+            from specpilot.core.adapter import read
             file, _, temp = n.partition("@")
             layers = int(read(Path(file))[1]["layers"])
             sub = early_exit(target, layers, Path(file))

@@ -41,7 +41,7 @@ def _name(kind: str, nkv: int, group: int, d: int, split: int = 0) -> str:
 def build(out: Path) -> None:
     import tvm
 
-    from specpilot.compiler import kernels
+    from specpilot import kernels
     from specpilot.compiler.build import load_cuda_runtime
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
@@ -89,8 +89,8 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import tvm
 
     from bench._common import timed_rotating, write
-    from specpilot.runtime.engine import _import_tvm_runtime
-    _import_tvm_runtime(gpu=True)
+    from specpilot.runtime.engine import import_tvm_runtime
+    import_tvm_runtime(gpu=True)
     lib = tvm.runtime.load_module(str(lib_path))
     to_tvm = tvm.runtime.from_dlpack
     sidecar = json.loads(lib_path.with_suffix(".json").read_text())

@@ -202,7 +202,7 @@ def kernel_profile(model, prompt: list[int], steps: int, capacity: int, top: int
 
 
 def w12_weight_bytes(model) -> int:
-    from specpilot.schedules.w12_triton import W12Matrix
+    from specpilot.runtime.reference.w12_triton import W12Matrix
     return sum(t.nbytes if isinstance(t, W12Matrix) else 0 for t in model.w.values()) + \
         weight_bytes_per_step(_Dense(model))
 
@@ -211,7 +211,7 @@ class _Dense:
     """The model's tensors other than W12 matrices, for `weight_bytes_per_step`."""
 
     def __init__(self, model):
-        from specpilot.schedules.w12_triton import W12Matrix
+        from specpilot.runtime.reference.w12_triton import W12Matrix
         self.cfg = model.cfg
         self.w = {k: v for k, v in model.w.items() if not isinstance(v, W12Matrix)}
 
@@ -308,7 +308,7 @@ def main() -> None:
         rows.append({"build": build.name, "engine": "compiled step function", "batch": 1, "median_ms": med * 1e3,
                      "p10_ms": q[0], "p90_ms": q[-1], "tokens_per_s": 1 / med, "weight_bytes": nbytes,
                      "bytes_per_s": nbytes / med, "fraction_of_copy_bw": nbytes / med / bandwidth})
-        print(f"  cuda graphs: {compiled.module.manifest.get('cuda_graph', False)}", flush=True)
+        print(f"  cuda graphs: {compiled.module.manifest.cuda_graph}", flush=True)
         if args.trace:
             try:
                 traces[build.name] = kernel_trace(compiled, prompt, capacity, args.trace)

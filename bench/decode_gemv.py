@@ -37,7 +37,7 @@ def build(out: Path) -> None:
 
     from bench._common import export_kernels
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.compiler.lower import rms_norm_te
+    from specpilot.kernels.norms import rms_norm_te
     from specpilot.schedules.decode_gemv import applicable, decode_gemv
     from specpilot.schedules.relax_pipeline import gpu_schedules
     from specpilot.schedules.tensor_core import nt_matmul

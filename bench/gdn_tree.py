@@ -40,7 +40,7 @@ def symbol(name: str) -> str:
 
 def build(out: Path, names: list[str]) -> None:
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.compiler.gdn_tree import gated_delta_rule_tree
+    from specpilot.kernels.gdn_tree import gated_delta_rule_tree
     import tvm
 
     from bench._common import export_kernels

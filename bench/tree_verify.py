@@ -90,8 +90,8 @@ def build(out: Path) -> None:
     import tvm
 
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.compiler.gdn_tree import form_for, gated_delta_rule_tree
-    from specpilot.compiler.kernels import gated_delta_rule, gdn_commit
+    from specpilot.kernels.gdn_tree import form_for, gated_delta_rule_tree
+    from specpilot.kernels import gated_delta_rule, gdn_commit
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {"gdn_tree": gated_delta_rule(HEADS, DK, DV, keep_states=True, gpu=True, tree=True),
@@ -336,8 +336,8 @@ def main() -> None:
         build(args.lib)
         return
     from bench._common import write
-    from specpilot.runtime.engine import _import_tvm_runtime
-    _import_tvm_runtime(gpu=True)
+    from specpilot.runtime.engine import import_tvm_runtime
+    import_tvm_runtime(gpu=True)
     tree = make_tree()
     print(f"tree: {len(tree)} nodes, depth {max(tree.depths)}, root children {len(tree.children(-1))}", flush=True)
     parts = set(args.parts.split(","))

@@ -77,10 +77,10 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import tvm
 
     from bench._common import timed_rotating, write
-    from specpilot.compiler import w12
-    from specpilot.runtime.engine import _import_tvm_runtime
-    from specpilot.schedules import w12_triton as wt
-    _import_tvm_runtime(gpu=True)
+    from specpilot.core import w12
+    from specpilot.runtime.engine import import_tvm_runtime
+    from specpilot.runtime.reference import w12_triton as wt
+    import_tvm_runtime(gpu=True)
     lib = tvm.runtime.load_module(str(lib_path))
     dev = torch.device("cuda")
     to_tvm = tvm.runtime.from_dlpack

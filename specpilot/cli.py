@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    ",
@@ -116,6 +116,97 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
                    f"{gen.mean_accepted:.2f} tokens per verification]", err=True)
 
 
+def _bench_prompts(prompts: str, system, limit: int | None) -> list[list[int]]:
+    """A built-in prompt set by name, or a JSONL file of requests; the first ``limit`` of them."""
+    from specpilot.runtime.prompt_sets import SETS, texts
+
+    if prompts in SETS:
+        if not hasattr(system.tokenizer, "vocab_size") or system.vocab_size < 256:   # tiny random models
+            ids = [[(7 * i + 3 * j + 1) % system.vocab_size for j in range(6 + i % 5)] for i in range(16)]
+        else:
+            ids = [system.tokenizer.encode(t) for t in texts(prompts)]
+    else:
+        ids = [p for p, _ in _read_requests(Path(prompts), system, 1)]
+    return ids[:limit] if limit else ids
+
+
+def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[str], list[str]]:
+    """(engines, transformers rows): the named ones, or every engine the system has, AR first."""
+    if engines:
+        names = [e.strip() for e in engines.split(",") if e.strip()]
+        unknown = [n for n in names if n not in system.engines and n not in system.hf_engines()]
+        if unknown:
+            raise SpecPilotError(f"--engines: unknown engine {unknown[0]!r}; this system has "
+                                 f"{', '.join([*system.engines, *system.hf_engines()])}")
+        ar = system.autoregressive_engine()
+        own = [ar] + [n for n in names if n in system.engines and n != ar]
+        return own, [n for n in names if n not in system.engines]
+    own = [n for n in ("compiled", "compiled-spec", "compiled-tree", "compiled-two-level") if n in system.engines]
+    stock = [n for n in ("stock", "stock-spec", "stock-tree") if n in system.engines]
+    if not own:
+        return stock, system.hf_engines() if reference else []
+    return own + (stock if reference else []), system.hf_engines() if reference else []
+
+
+@cli.command()
+@click.argument("spec_or_build")
+@click.option("--engines", help="comma-separated engines (default: every engine the build has, AR first, "
+                                "then the stock and transformers reference rows)")
+@click.option("--prompts", default="mixed", show_default=True,
+              help="a built-in set (code, chat, mixed) or a JSONL requests file")
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=None, help="use the first N prompts")
+@click.option("--max-new-tokens", type=click.IntRange(2, 65536), default=64, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="warm-up runs per engine")
+@click.option("--no-reference", is_flag=True, help="skip the stock PyTorch and transformers reference rows")
+@click.option("--breakdown-requests", type=click.IntRange(0), default=2, show_default=True,
+              help="requests timed again, synchronised, for the cycle breakdown (0: none)")
+@click.option("--tie-tolerance", default="auto", show_default=True,
+              help="bf16/fp16: near-ties below this AR margin are excused (listed); 'auto' derives it")
+@click.option("--record-profile", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the acceptance profile of the most speculative engine (for `drafter: {kind: replay}`)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
+@click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
+def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
+          tie_tolerance, record_profile, output, plot, as_json):
+    """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from specpilot.core.acceptance_profile import write_profile
+    from specpilot.core.files import atomic_write_text
+    from specpilot.runtime.bench import Bench, report as bench_report
+    from specpilot.runtime.bench_report import plot as draw, table
+    from specpilot.runtime.environment import environment
+
+    system = _load_system(spec_or_build)
+    ids = _bench_prompts(prompts, system, n_requests)
+    own, hf = _bench_engines(engines, system, not no_reference)
+    console = Console(stderr=True)
+    kind = system.setup.kind if system.setup else ""
+    with Progress(console=console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("bench", total=len(ids) * (len(own) + len(hf)))
+        run = Bench(system, ids, max_new_tokens, warmup, lambda m, advance=0: progress.update(
+            task, description=m, advance=advance), kind, tie_tolerance).run(own, hf, breakdown_requests)
+    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": prompts, "requests": len(ids),
+            "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind}
+    result = bench_report(run, meta)
+    if output:
+        atomic_write_text(output, json.dumps(result, indent=2))
+    if plot:
+        draw(result, plot)
+    if record_profile:
+        best = run["results"][own[-1]]
+        if not best.accepted:
+            raise SpecPilotError(f"--record-profile: {best.engine} does not decode speculatively")
+        write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}")
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        Console().print(table(result))
+    sys.exit(0 if result["tokens_checked"] else 1)
+
+
 @cli.command()
 @click.argument("spec_or_build")
 @click.option("--requests", type=click.Path(dir_okay=False, path_type=Path),
@@ -137,30 +228,14 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
 def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, inject_fault_after, fault_bias,
            batch, as_json):
     """Token forcing: check the system under test against stock greedy decoding."""
-    from specpilot.runtime.forcing import force_requests, runner_up_fault
+    from specpilot.runtime.forcing import force, runner_up_fault
 
     engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
     reqs = _read_requests(requests, system, max_new_tokens)
-    stock_runs = [system.generate("stock", ids, limit) for ids, limit in reqs]
-    max_excused = None
-    if tie_tolerance is None or tie_tolerance == "auto":
-        tie_tolerance, max_excused = system.derived_near_ties([ids for ids, _ in reqs], stock_runs)
-    else:
-        try:
-            tie_tolerance = float(tie_tolerance)
-        except ValueError:
-            raise SpecPilotError(f"--tie-tolerance: expected a number or 'auto', got {tie_tolerance!r}") from None
-        if not tie_tolerance >= 0:
-            raise SpecPilotError("--tie-tolerance must be >= 0")
     hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
-    if batch:
-        system_runs = system.generate_batch(engine, [ids for ids, _ in reqs], [limit for _, limit in reqs],
-                                            forces=[s.tokens for s in stock_runs], logits_hook=hook)
-    else:
-        system_runs = [system.generate(engine, ids, limit, force=stock.tokens, logits_hook=hook)
-                       for (ids, limit), stock in zip(reqs, stock_runs)]
-    report = force_requests(stock_runs, system_runs, tie_tolerance, max_excused)
+    report, _, system_runs = force(system, engine, reqs, tie_tolerance, logits_hook=hook, batch=batch)
+    tie_tolerance = report.tie_tolerance
     summary = report.to_dict()
     summary.update(engine=engine, fault_injected_after=inject_fault_after,
                    mean_accepted=round(sum(r.mean_accepted for r in system_runs) / len(system_runs), 4))
@@ -205,9 +280,9 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
 
     from rich.console import Console
 
-    from specpilot.compiler.build import build, cuda_runtime_loadable, cuda_stub_env
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build, cuda_runtime_loadable, cuda_stub_env
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
 
     target = parse_target(target_text)
     loaded_spec = load_spec(spec)
@@ -217,15 +292,15 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
         os.execve(sys.executable, [sys.executable, "-m", "specpilot.cli", *sys.argv[1:]], env)
     console = Console(stderr=True, quiet=as_json)
     with console.status("compiling") as status:
-        manifest = build(loaded_spec, target, output, passes, print_ir_after, dump_ir,
-                         progress=lambda message: status.update(message), params=params_mode, schedule=schedule)
-    summary = {"output": str(output), "target": manifest["target"], "functions": manifest["functions"],
-               "pipeline": manifest["pipeline"], "build_seconds": manifest["build_seconds"]}
+        request = BuildRequest(loaded_spec, target, output, passes or "", params_mode, schedule, print_ir_after, dump_ir)
+        manifest = build(request, progress=lambda message: status.update(message))
+    summary = {"output": str(output), "target": manifest.target, "functions": manifest.functions,
+               "pipeline": manifest.pipeline, "build_seconds": manifest.build_seconds}
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        click.echo(f"built {output} for {manifest['target']} in {manifest['build_seconds']} s: "
-                   f"{', '.join(manifest['functions'])}")
+        click.echo(f"built {output} for {manifest.target} in {manifest.build_seconds} s: "
+                   f"{', '.join(manifest.functions)}")
 
 
 @cli.command()
@@ -251,10 +326,10 @@ def _model_weights(spec_or_checkpoint: str) -> dict:
     """The target's weights from a model.yaml or a Hugging Face checkpoint directory."""
     path = Path(spec_or_checkpoint)
     if path.is_dir():
-        from specpilot.compiler.weights import load_checkpoint
+        from specpilot.core.weights import load_checkpoint
         return load_checkpoint(path)[1]
-    from specpilot.compiler.loader import load_source
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core.loader import load_source
+    from specpilot.core.spec import load_spec
     spec = load_spec(path)
     return load_source(spec, spec.target, "target").weights
 
@@ -269,7 +344,7 @@ def w12():
 @click.option("--json", "as_json", is_flag=True)
 def w12_stats(spec_or_checkpoint, as_json):
     """Bytes ratio (metadata and escapes included), escape rate, and a bit-exact round trip."""
-    from specpilot.compiler import w12 as codec
+    from specpilot.core import w12 as codec
 
     result = codec.stats(_model_weights(spec_or_checkpoint))
     if as_json:
@@ -316,9 +391,9 @@ def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, see
     layers: N, adapter: FILE}`."""
     import torch
 
-    from specpilot.compiler import adapter
-    from specpilot.compiler.loader import load_source
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core import adapter
+    from specpilot.core.loader import load_source
+    from specpilot.core.spec import load_spec
     from specpilot.runtime.drafter_training import train_adapters
     from specpilot.runtime.tokenizer import load_tokenizer
 
@@ -391,7 +466,7 @@ def passes_list(as_json):
 @click.option("--json", "as_json", is_flag=True)
 def passes_check(pipeline_text, spec_path, target_text, as_json):
     """Exit 0 if the pipeline is legal for the spec and target, else 1 with the reasons."""
-    from specpilot.compiler.target import parse_target
+    from specpilot.core.target import parse_target
     from specpilot.passes.base import PassContext
     from specpilot.passes.legality import check
     from specpilot.passes.pipeline import parse
@@ -400,8 +475,8 @@ def passes_check(pipeline_text, spec_path, target_text, as_json):
     pipeline = parse(pipeline_text)
     context = PassContext(target_kind=target.kind, arch=target.arch)
     if spec_path is not None:
-        from specpilot.compiler.loader import load_models
-        from specpilot.compiler.spec import load_spec
+        from specpilot.core.loader import load_models
+        from specpilot.core.spec import load_spec
         spec = load_spec(spec_path)
         cfg = load_models(spec, weights=False)[0].cfg if spec.target.architecture else load_models(spec)[0].cfg
         context = PassContext(target_kind=target.kind, arch=target.arch, architecture=cfg.architecture,
@@ -537,10 +612,11 @@ def memory_show(entry_id, memory_path, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def memory_verify(entry_id, memory_path, as_json):
     """Re-apply the entry's pipeline to stock and compare structural hashes (exit 0: reproduces)."""
+    from specpilot.agent.reproduce import reproduce_hash
     from specpilot.memory.store import Memory
     with Memory(memory_path) as mem:
         entry = mem.get(entry_id)
-        problems = mem.verify(entry.id)
+        problems = mem.verify(entry.id, reproduce_hash)
     if as_json:
         click.echo(json.dumps({"id": entry.id, "pipeline": entry.pipeline, "reproduces": not problems,
                                "problems": problems}))
@@ -573,6 +649,7 @@ def memory_export(memory_path, output):
 @_memory_option
 def memory_import(file, memory_path):
     """Validate an export file and store its entries (each must reproduce)."""
+    from specpilot.agent.reproduce import reproduce_hash
     from specpilot.memory.store import Memory
     if not file.is_file():
         raise SpecPilotError(f"{file}: not found")
@@ -581,7 +658,7 @@ def memory_import(file, memory_path):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecPilotError(f"{file}: not valid JSON ({e})") from None
     with Memory(memory_path) as mem:
-        stored = mem.import_(data)
+        stored = mem.import_(data, reproduce_hash)
     click.echo(f"imported {len(stored)} entries into {mem.path}")
 
 

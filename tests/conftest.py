@@ -14,8 +14,8 @@ os.environ.setdefault("SPECPILOT_CACHE_DIR", tempfile.mkdtemp(prefix="specpilot-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from specpilot.compiler.config import config_from_hf  # noqa: E402
-from specpilot.compiler.weights import random_weights  # noqa: E402
+from specpilot.core.config import config_from_hf  # noqa: E402
+from specpilot.core.weights import random_weights  # noqa: E402
 from specpilot.runtime.reference.model import ReferenceModel  # noqa: E402
 
 TINY_CONFIGS = {
@@ -43,11 +43,11 @@ def build_spec(tmp_path, data: dict, out: str = "b"):
     """``data`` written as tmp_path/model.yaml and built for llvm into tmp_path/out (returned)."""
     import yaml
 
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
-    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / out)
+    build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / out))
     return tmp_path / out
 
 

@@ -14,11 +14,12 @@ dict (the JSON of ``specpilot explain --json``).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.manifest import read_manifest
+from specpilot.passes.pipeline import parse
 
 BUDGETS = (8, 16, 32, 64)
 MAX_DEPTH = 16
@@ -26,9 +27,10 @@ MAX_DEPTH = 16
 
 def engine_for(pipeline: str, has_drafter: bool = True) -> str:
     """The engine that runs a build's pipeline as its authors meant."""
-    if "two-level-verify" in pipeline:
+    names = parse(pipeline).names()
+    if "two-level-verify" in names:
         return "compiled-two-level"
-    if "tree-verify" in pipeline:
+    if "tree-verify" in names:
         return "compiled-tree"
     return "compiled-spec" if has_drafter else "compiled"
 
@@ -84,19 +86,20 @@ def tree_acceptance(system, prompts: list[list[int]], references: list[list[int]
 def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str | None = None,
             budgets=BUDGETS, context: int | None = None, system=None) -> dict:
     """``system``: the build already loaded (`runtime.systems.from_build`), to avoid loading it again."""
-    from specpilot.compiler.costs import KernelTable, device_peaks
+    from specpilot.agent.kernel_costs import KernelTable
+    from specpilot.core.costs import device_peaks
     from specpilot.runtime.profile import profiling
     from specpilot.runtime.systems import from_build
 
     build_dir = Path(build_dir)
     system = system or from_build(build_dir)
-    m = json.loads((build_dir / "manifest.json").read_text())
+    m = read_manifest(build_dir)
     has_drafter = "compiled-spec" in system.engines
-    engine = engine or engine_for(m["pipeline"], has_drafter)
+    engine = engine or engine_for(m.pipeline, has_drafter)
     if engine not in system.engines or not engine.startswith("compiled"):
         raise SpecPilotError(f"explain profiles a compiled engine; {engine!r} is not one of this build's")
     table = KernelTable(build_dir)
-    peaks = device_peaks(m["target"])
+    peaks = device_peaks(m.target)
     module = system.engines["compiled"].model.module
     system.generate(engine, prompts[0], min(8, max_new))          # warm-up
     runs, wall = [], 0.0
@@ -138,8 +141,8 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     }
     bottleneck = max(factors, key=factors.get)
     return {
-        "build": str(build_dir), "pipeline": m["pipeline"], "engine": engine, "target": m["target"],
-        "drafter_kind": (m.get("drafter") or {}).get("kind", "none"),
+        "build": str(build_dir), "pipeline": m.pipeline, "engine": engine, "target": m.target,
+        "drafter_kind": m.drafter.kind,
         "device": peaks, "requests": len(prompts), "max_new_tokens": max_new, "context": ctx,
         "tokens": tokens, "verifications": steps, "wall_seconds": wall, "kernel_seconds": kernel_seconds,
         "bound_seconds": bound_seconds, "kernel_calls": len(prof.calls), "other_vm_calls": prof.other_calls,

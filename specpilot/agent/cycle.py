@@ -32,7 +32,8 @@ from specpilot.agent.adjudicate import adjudicate, measure_pairs, noise_level, p
 from specpilot.agent.cost_model import engine_for, explain
 from specpilot.agent.executor import make_executor
 from specpilot.agent.proposers import BuiltinProposer, Candidate, from_memory, with_change
-from specpilot.errors import SpecPilotError
+from specpilot.agent.reproduce import reproduce_hash
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.pipeline import Pipeline, parse
 
 
@@ -78,8 +79,8 @@ class Search:
                  sealed_requests: int = 2, sealed_tokens: int = 4096, repeats: int = 3,
                  inject_fault: int | None = None, backend: str = "local", say=print, time_tokens: int = 48,
                  params: str | None = None):
-        from specpilot.compiler.spec import load_spec
-        from specpilot.compiler.target import parse_target
+        from specpilot.core.spec import load_spec
+        from specpilot.core.target import parse_target
         from specpilot.memory.store import Applicability, Memory
 
         self.spec_path, self.spec = Path(spec_path), load_spec(spec_path)
@@ -99,7 +100,7 @@ class Search:
         self.memory = Memory(memory_path)
         self.log = RunLog(self.out / "run.jsonl")
         self.inject_fault = inject_fault
-        from specpilot.compiler.loader import load_models
+        from specpilot.core.loader import load_models
         tgt, _ = load_models(self.spec, weights=False)
         self.cfg = tgt.cfg
         from specpilot.passes.base import PassContext
@@ -361,7 +362,7 @@ class Search:
                       untested=[f"dtype other than {self.scope.dtype}", f"batch > {self.scope.batch[1]}",
                                 f"targets other than {self.target.text()}"])
         try:
-            stored = self.memory.add(entry)
+            stored = self.memory.add(entry, reproduce_hash)
             self.log.add("remembered", pipeline=c.pipeline, id=stored.id)
         except SpecPilotError as e:
             self.log.add("not_remembered", pipeline=c.pipeline, reason=str(e))
@@ -371,8 +372,7 @@ class Search:
         done = self.log.find("sealed", pipeline=pipeline)
         if done:
             return done
-        from specpilot.agent.executor import tie_tolerance
-        from specpilot.runtime.forcing import force_requests
+        from specpilot.runtime.forcing import force_requests, tolerance_rule
         if not pipeline:
             return self.log.add("sealed", pipeline=pipeline, passed=False, reason="no change over stock was adopted")
         from dataclasses import asdict
@@ -380,18 +380,17 @@ class Search:
         from specpilot.runtime.decoding import Generation
         system = self.system(pipeline)
         engine = engine_for(pipeline, "compiled-spec" in system.engines)
-        stock, runs, tolerance = [], [], 0.0
+        stock, runs = [], []
         for i, p in enumerate(self.sealed):     # request by request, logged: a resumed run goes on from here
             rec = self.log.find("sealed_request", pipeline=pipeline, request=i, tokens=self.sealed_tokens)
             if rec is None:
                 ref = system.generate("stock", p, self.sealed_tokens)
                 run = system.generate(engine, p, self.sealed_tokens, force=ref.tokens)
                 rec = self.log.add("sealed_request", pipeline=pipeline, request=i, tokens=self.sealed_tokens,
-                                   stock=asdict(ref), run=asdict(run), tie_tolerance=tie_tolerance(system, [p], [ref]))
+                                   stock=asdict(ref), run=asdict(run))
             stock.append(Generation(**rec["stock"]))
             runs.append(Generation(**rec["run"]))
-            tolerance = max(tolerance, rec["tie_tolerance"])    # the derived tolerance is a max over requests
-        forcing = force_requests(stock, runs, tolerance)
+        forcing = force_requests(stock, runs, *tolerance_rule(system, self.sealed, stock))
         if not forcing.passed:
             d = forcing.first_divergence
             return self.log.add("sealed", pipeline=pipeline, passed=False, forcing=forcing.to_dict(),

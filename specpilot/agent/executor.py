@@ -37,10 +37,10 @@ class JobResult:
 
 def run_job(job: dict) -> dict:
     """Build one candidate and force it against stock on the development requests."""
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import parse_spec
-    from specpilot.compiler.target import parse_target
-    from specpilot.runtime.forcing import force_requests
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import parse_spec
+    from specpilot.core.target import parse_target
+    from specpilot.runtime.forcing import force
     from specpilot.runtime.systems import from_build
 
     if os.environ.get("SPECPILOT_WORKER_TEST") == "1":   # the executor's own tests: a worker that dies or hangs
@@ -51,27 +51,16 @@ def run_job(job: dict) -> dict:
     start = time.perf_counter()
     spec = parse_spec({**job["spec"], "passes": ""}, Path(job["spec_path"]) if job.get("spec_path") else None)
     out = Path(job["build_dir"])
-    manifest = build(spec, parse_target(job["target"]), out, passes=job["pipeline"], params=job.get("params", "file"))
+    manifest = build(BuildRequest(spec, parse_target(job["target"]), out, passes=job["pipeline"],
+                                  params=job.get("params", "file")))
     system = from_build(out)
     engine = job["engine"]
-    stock, runs = [], []
-    for prompt in job["prompts"]:
-        ref = system.generate("stock", prompt, job["max_new"])
-        stock.append(ref)
-        runs.append(system.generate(engine, prompt, job["max_new"], force=ref.tokens))
-    report = force_requests(stock, runs, tie_tolerance(system, job["prompts"], stock, job.get("tie_tolerance", "auto")))
+    requests = [(prompt, job["max_new"]) for prompt in job["prompts"]]
+    report, _, _ = force(system, engine, requests, job.get("tie_tolerance", "auto"))
     return {"pipeline": job["pipeline"], "ok": report.passed, "build_dir": str(out),
-            "seconds": time.perf_counter() - start, "forcing": report.to_dict(), "ir_hash": manifest["ir_hash"],
+            "seconds": time.perf_counter() - start, "forcing": report.to_dict(), "ir_hash": manifest.ir_hash,
             "error": None if report.passed else f"token forcing failed at request {report.first_divergence.request}, "
                                                 f"position {report.first_divergence.position}"}
-
-
-def tie_tolerance(system, prompts, stock_runs, setting="auto") -> float:
-    """0 in float32 (exact forcing); in lower precision ``auto`` derives it from stock's own
-    arithmetic (`System.derived_tie_tolerance`), a number is taken as given."""
-    if system.dtype == "float32":
-        return 0.0
-    return system.derived_tie_tolerance(prompts, stock_runs) if setting == "auto" else float(setting)
 
 
 class LocalExecutor:

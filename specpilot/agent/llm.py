@@ -22,7 +22,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specpilot.agent.proposers import Candidate
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.legality import check
 from specpilot.passes.pipeline import parse
 from specpilot.passes.registry import REGISTRY

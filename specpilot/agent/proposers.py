@@ -118,7 +118,7 @@ class BuiltinProposer:
         exps = _expansions(report)
         if "tree-verify" not in names and "compiled-spec" in report.get("engine", "compiled-spec"):
             # chains of other lengths and the dynamic schedule, replayed
-            from specpilot.schedules.serving import DraftSchedule
+            from specpilot.runtime.draft_schedule import DraftSchedule
             for length in sorted({1, 2, 3, max(1, draft_len // 2), draft_len, 2 * draft_len}):
                 for dynamic in (False, True):
                     if length == 1 and dynamic:
@@ -148,7 +148,7 @@ class BuiltinProposer:
         sets = [s for s in {"llvm": ("cpu-nt", "tvm-default"), "cuda": ("skinny-mma", "nt-gemv", "tvm-default")}[
             context.target_kind] if runs_on(s, context.target_kind, context.arch)]
         # matmuls more than 2x from their bound: skinny-mma's tensor-core kernel brings the measured
-        # ones (bench/results/skinny-gemm-*) to ~1.5x of cuBLAS, itself near the bytes bound -- count
+        # ones (bench/README "Skinny GEMMs") to ~1.5x of cuBLAS, itself near the bytes bound -- count
         # what is above 2x of the bound as removable
         slow_mm = sum(max(0.0, k["seconds"] * (1 - 2.0 / k["ratio"])) for k in report["kernels"]
                       if is_weight_gemm(k["name"]) and k.get("ratio", 0) > 2.0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -30,16 +30,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specpilot.compiler.loader import load_models
+from specpilot.core.loader import load_models
+from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
-from specpilot.compiler.weights import dedupe, file_digest, packed_parameters
+from specpilot.core.weights import dedupe, file_digest, packed_parameters
 from specpilot.passes.base import PassContext
-from specpilot.compiler.spec import Spec
-from specpilot.compiler.target import TargetSpec
-from specpilot.errors import SpecPilotError
-
-MANIFEST_VERSION = 3   # 3: verify returns Gated DeltaNet records, commit takes (conv, records, state, path, index)
-
+from specpilot.core.spec import Spec, replay_plan
+from specpilot.core.target import TargetSpec, compile_arch
+from specpilot.core.errors import SpecError, SpecPilotError
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
@@ -126,16 +124,58 @@ def ir_hash(mod) -> str:
     return f"{tvm_ffi.structural_hash(mod) & (2**64 - 1):016x}"
 
 
+@dataclass
+class BuildRequest:
+    """What to build: a spec for a target into ``out_dir``, with ``passes`` (empty: the spec's own).
+
+    params="seeded" (seeded random models only) writes no weights: the engine regenerates them from
+    the seeds, so realistic-shape builds travel as a few megabytes."""
+    spec: Spec
+    target: TargetSpec
+    out_dir: Path
+    passes: str = ""
+    params: str = "file"
+    schedule: str | None = None          # a schedule set instead of the pipeline's / the target's default
+    print_ir_after: str | None = None    # a stage name, or "all"
+    dump_ir: Path | None = None
+
+
+@dataclass
+class Lowered:
+    """The deployment lowered to Relax with the pipeline applied (no TVM compile yet)."""
+    mod: object
+    records: list
+    context: PassContext
+    pipeline: object
+    names: list[str]
+    target_model: object
+    drafter_model: object | None
+
+
+def tvm_target(target: TargetSpec):
+    """TVM's Target for ``target`` (the dict form: TVM 0.27 no longer parses ``cuda -arch=sm_XX``)."""
+    import tvm
+
+    if target.kind == "llvm":
+        return tvm.target.Target("llvm")
+    return tvm.target.Target({"kind": "cuda", "arch": compile_arch(target.arch)}, host={"kind": "llvm"})
+
+
 def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, params: str = "file",
-                    say=None, instrument=None, after_pass=None):
-    """Lower the deployment and run the pipeline (no TVM compile).  Returns
-    (module, pass records, context, pipeline, lowered parameter names, models)."""
+                    say=None, instrument=None, after_pass=None) -> Lowered:
+    """Lower the deployment and run the pipeline (no TVM compile)."""
     from specpilot.passes.legality import require_legal
     from specpilot.passes.pipeline import parse
     from specpilot.passes.runner import run_pipeline
 
     say = say or (lambda message: None)
-    pipeline = parse(spec.passes if passes is None else passes)
+    text = spec.passes if passes is None else passes
+    try:
+        pipeline = parse(text)
+    except SpecPilotError as e:
+        if text == spec.passes:     # the spec's own pipeline: the error names the spec's field
+            raise SpecError(spec.path, "passes", str(e)) from None
+        raise
     dtype_name = spec.deployment.dtype
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
@@ -156,128 +196,146 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     if len(pipeline):
         say(f"running passes {pipeline}")
         mod, records = run_pipeline(pipeline, mod, context, after=after_pass)
-    return mod, records, context, pipeline, names, (tgt, drf)
+    return Lowered(mod, records, context, pipeline, names, tgt, drf)
 
 
 def system_hash(spec: Spec, target: TargetSpec, passes: str, params: str = "file") -> str:
     """ir_hash of stock lowered for this spec and target with ``passes`` applied: what a build
     of that pipeline (with the same ``params``) records as its ``ir_hash``."""
-    mod, *_ = lower_and_apply(spec, target, passes, params=params)
-    return ir_hash(mod)
+    return ir_hash(lower_and_apply(spec, target, passes, params=params).mod)
+
+
+def drafter_init(d):
+    """The seeded init of a spec's own drafter network (model or replay kinds), or None."""
+    return d.init if d.kind == "model" else d.cost.init if d.kind == "replay" else None
 
 
 def seeded_models(spec: Spec) -> bool:
     """Whether every model of the spec is a seeded random one (``params="seeded"`` builds it)."""
-    return spec.target.init is not None and spec.drafter.adapter is None and \
-        (spec.drafter.kind != "model" or spec.drafter.init is not None)
+    d = spec.drafter
+    return spec.target.init is not None and d.adapter is None and \
+        (d.kind != "model" or d.init is not None) and (d.kind != "replay" or d.cost.init is not None)
 
 
-def serving_schedule(mod, spec: Spec) -> dict:
-    """The serving-schedule knobs schedule passes left on the module (draft-length)."""
-    attrs = mod.attrs or {}
-    length = int(attrs["specpilot.draft_len"]) if "specpilot.draft_len" in attrs else 0
-    return {"draft_len": length or spec.drafter.draft_len,
-            "draft_dynamic": bool(int(attrs["specpilot.draft_dynamic"])) if "specpilot.draft_dynamic" in attrs else False,
-            "draft_min": int(attrs["specpilot.draft_min"]) if "specpilot.draft_min" in attrs else 1}
+def pass_effects(lowered: Lowered) -> dict:
+    """Each pass's effect as the runtime must know it, by manifest key (`Pass.manifest_entry`)."""
+    entries = {p.manifest_key: p.manifest_entry(lowered.context) for p in lowered.pipeline if p.manifest_key}
+    return {key: entry for key, entry in entries.items() if entry is not None}
 
 
-def build(spec: Spec, target: TargetSpec, out_dir: Path, passes: str = "",
-          print_ir_after: str | None = None, dump_ir: Path | None = None, progress=None,
-          params: str = "file", schedule: str | None = None) -> dict:
-    """Lower, apply the pipeline, compile and export.  Returns the manifest.
-
-    params="seeded" (seeded random models only) writes no weights: the engine regenerates
-    them from the seeds, so realistic-shape builds travel as a few megabytes.
-    """
-    import tvm
-
-    say = progress or (lambda message: None)
-    dtype_name = spec.deployment.dtype
-    started = time.perf_counter()
-    seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
-             "drafter": spec.drafter.init.model_dump() if spec.drafter.kind == "model" and spec.drafter.init else None}
-    if params not in ("file", "seeded"):
-        raise SpecPilotError(f"params must be 'file' or 'seeded', not {params!r}")
-    if params == "seeded" and not seeded_models(spec):
-        raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
-    capacity = spec.deployment.max_seq_len
-    stages: list[tuple[str, object]] = []
-
-    def instrument(stage: str, module) -> None:
-        stages.append((stage, module))
-        if print_ir_after in (stage, "all"):
-            print(f"# IR after {stage}\n{module.script(show_meta=False)}", file=sys.stderr)
-        if dump_ir is not None:
-            dump_ir.mkdir(parents=True, exist_ok=True)
-            (dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
-
-    mod, records, context, pipeline, names, (tgt, drf) = lower_and_apply(
-        spec, target, passes or spec.passes, params, say, instrument, after_pass=instrument)
-    full = context.params
-    system_ir_hash = ir_hash(mod)
-    serving = serving_schedule(mod, spec)
+def _schedule(request: BuildRequest, effects: dict) -> tuple[str, bool]:
+    """The schedule set the build compiles with, and whether it captures CUDA graphs."""
     from specpilot.schedules.relax_pipeline import SCHEDULES, default_schedule, runs_on
-    from specpilot.schedules.relax_pipeline import pipeline as relax_pipeline
-    schedule = schedule or (str(mod.attrs["specpilot.schedule"]) if mod.attrs and "specpilot.schedule" in mod.attrs
-                            else default_schedule(target.kind, target.arch))
+
+    target = request.target
+    chosen = effects.get("kernel_schedule", {})
+    schedule = request.schedule or chosen.get("schedule") or default_schedule(target.kind, target.arch)
     if schedule not in SCHEDULES:
         raise SpecPilotError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     if not runs_on(schedule, target.kind, target.arch):
         raise SpecPilotError(f"schedule set {schedule} needs a cuda target of sm_80 or later, not {target.text()}")
-    tvm_target = target.tvm_target()
+    return schedule, bool(chosen.get("cuda_graph")) and target.is_gpu
+
+
+def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph: bool, say, instrument):
+    """Relax-to-TIR pipeline and `tvm.compile`; returns (executable, the module it compiled)."""
+    import tvm
+
+    from specpilot.kernels.fast_frames import quick_stack
+    from specpilot.schedules.relax_pipeline import pipeline as relax_pipeline
+
+    target = request.target
+    compile_target = tvm_target(target)
     if target.is_gpu and not load_cuda_runtime():
         raise SpecPilotError("a CUDA build needs TVM's CUDA runtime library to load (to embed sm_XX code); "
                              "run through `specpilot compile`, which provides a stub driver when none is installed")
-    cuda_graph = bool(mod.attrs and "specpilot.cuda_graph" in mod.attrs and target.is_gpu)
     say(f"compiling for {target.text()}" + (" (CUDA graphs)" if cuda_graph else ""))
     # builds without graphs compile exactly as before, under TVM's default pass context
     graphs = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}) if cuda_graph else nullcontext()
-    from specpilot.compiler.fast_frames import quick_stack
-    with tvm_target, graphs, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
-        mod = relax_pipeline(tvm_target, schedule)(mod)
+    with compile_target, graphs, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
+        mod = relax_pipeline(compile_target, schedule)(lowered.mod)
         instrument("relax-pipeline", mod)
-        executable = tvm.compile(mod, target=tvm_target, relax_pipeline=None)
-    out_dir.mkdir(parents=True, exist_ok=True)
+        return tvm.compile(mod, target=compile_target, relax_pipeline=None), mod
+
+
+def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: Path) -> dict:
+    """Write model.so, kernels.json, params and the tokenizer; returns the files' facts for the manifest."""
+    import tvm
+
     kernels = tvm.IRModule({gv: f for gv, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)})
     (out_dir / "kernels.json").write_text(tvm.ir.save_json(kernels))   # the cost model reads FLOPs/bytes here
-    say("exporting")
     lib_path = out_dir / "model.so"
     executable.export_library(str(lib_path))
-    hashes = {"model.so": file_digest(lib_path)}
-    aliases: dict[str, str] = {}   # seeded builds: the engine works them out when it draws the weights
-    names = list(full)        # the passes' parameter rewrites ran with them (passes.runner)
-    rewrites = {p.manifest_key: p.manifest_entry(context) for p in pipeline if p.manifest_key}
-    rewrites = {key: entry for key, entry in rewrites.items() if entry}   # (w12, fused) for the engine
-    if params == "file":
-        stored, aliases = dedupe(full)
+    files = {"hashes": {"model.so": file_digest(lib_path)}, "aliases": {}, "tokenizer": None}
+    if request.params == "file":       # seeded builds: the engine works out aliases when it draws the weights
+        stored, files["aliases"] = dedupe(lowered.context.params)
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
         save_file(stored, str(params_path), metadata={"format": "pt"})
-        hashes["params/params.safetensors"] = file_digest(params_path)
-    tokenizer = None
-    if tgt.tokenizer_path is not None:
-        src = tgt.tokenizer_path / "tokenizer.json" if tgt.tokenizer_path.is_dir() else tgt.tokenizer_path
+        files["hashes"]["params/params.safetensors"] = file_digest(params_path)
+    tokenizer = lowered.target_model.tokenizer_path
+    if tokenizer is not None:
+        src = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
         shutil.copyfile(src, out_dir / "tokenizer.json")
-        tokenizer = "tokenizer.json"
-    functions = sorted(gv.name_hint for gv in mod.get_global_vars()
+        files["tokenizer"] = "tokenizer.json"
+    return files
+
+
+def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_mod, schedule: str,
+              cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float) -> Manifest:
+    spec, target, d = request.spec, request.target, request.spec.drafter
+    serving = {"draft_len": d.draft_len, **effects.get("serving", {})}
+    serving["draft_len"] = serving["draft_len"] or d.draft_len        # length 0: the spec's
+    tgt, drf = lowered.target_model, lowered.drafter_model
+    seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
+             "drafter": drafter_init(d).model_dump() if drafter_init(d) else None}
+    functions = sorted(gv.name_hint for gv in compiled_mod.get_global_vars()
                        if gv.name_hint.startswith(("target_", "drafter_")))
-    manifest = {
-        "format": "specpilot-build", "version": MANIFEST_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "spec": spec.model_dump(mode="json", exclude={"path"}),
-        "spec_path": str(spec.path) if spec.path else None,
-        "pipeline": str(pipeline), "passes": [vars(r) for r in records], "target": target.text(), "target_kind": target.kind, "arch": target.arch,
-        "dtype": dtype_name, "capacity": capacity, "max_batch": spec.deployment.max_batch,
-        "schedule": schedule, "cuda_graph": cuda_graph, "ir_hash": system_ir_hash, "serving": serving,
-        "models": {"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
-        "drafter": {"kind": spec.drafter.kind, "draft_len": spec.drafter.draft_len, "top_k": spec.drafter.top_k,
-                    "temperature": spec.drafter.temperature,
-                    "max_ngram": spec.drafter.max_ngram, "min_ngram": spec.drafter.min_ngram},
-        "functions": functions, "params": names, "aliases": aliases, "tokenizer": tokenizer,
-        **rewrites,
-        "versions": _versions(),
-        "params_source": params, "seeds": seeds, "hashes": hashes,
-        "build_seconds": round(time.perf_counter() - started, 2),
-    }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return Manifest(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        spec=spec.model_dump(mode="json", exclude={"path"}), spec_path=str(spec.path) if spec.path else None,
+        pipeline=str(lowered.pipeline), passes=[vars(r) for r in lowered.records],
+        target=target.text(), target_kind=target.kind, arch=target.arch, dtype=spec.deployment.dtype,
+        capacity=spec.deployment.max_seq_len, max_batch=spec.deployment.max_batch,
+        schedule=schedule, cuda_graph=cuda_graph, ir_hash=system_ir_hash, serving=serving,
+        tree=effects.get("tree"), two_level=bool(effects.get("two_level")), gdn_verify=effects.get("gdn_verify"),
+        w12=effects.get("w12"), fused=effects.get("fused"),
+        models={"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
+        drafter={"kind": d.kind, "draft_len": d.draft_len, "top_k": d.top_k, "temperature": d.temperature,
+                 "max_ngram": d.max_ngram, "min_ngram": d.min_ngram, "replay": replay_plan(spec)},
+        functions=functions, params=list(lowered.context.params), versions=_versions(),
+        params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), **files)
+
+
+def build(request: BuildRequest, progress=None) -> Manifest:
+    """Lower, apply the pipeline, compile and export into ``request.out_dir``.  Returns the manifest."""
+    say = progress or (lambda message: None)
+    spec, started = request.spec, time.perf_counter()
+    if request.params not in ("file", "seeded"):
+        raise SpecPilotError(f"params must be 'file' or 'seeded', not {request.params!r}")
+    if request.params == "seeded" and not seeded_models(spec):
+        raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
+    stages: list[tuple[str, object]] = []
+
+    def instrument(stage: str, module) -> None:
+        stages.append((stage, module))
+        if request.print_ir_after in (stage, "all"):
+            print(f"# IR after {stage}\n{module.script(show_meta=False)}", file=sys.stderr)
+        if request.dump_ir is not None:
+            request.dump_ir.mkdir(parents=True, exist_ok=True)
+            (request.dump_ir / f"{len(stages):02d}-{stage}.py").write_text(module.script(show_meta=False))
+
+    lowered = lower_and_apply(spec, request.target, request.passes or spec.passes, request.params, say,
+                              instrument, after_pass=instrument)
+    system_ir_hash = ir_hash(lowered.mod)
+    effects = pass_effects(lowered)
+    schedule, cuda_graph = _schedule(request, effects)
+    executable, compiled_mod = _compile(lowered, request, schedule, cuda_graph, say, instrument)
+    out_dir = Path(request.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say("exporting")
+    files = _export(executable, compiled_mod, lowered, request, out_dir)
+    manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
+                         time.perf_counter() - started)
+    write_manifest(out_dir, manifest)
     return manifest

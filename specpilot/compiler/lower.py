@@ -41,8 +41,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
 
-from specpilot.compiler import kernels
-from specpilot.compiler.config import ModelConfig, cache_shapes
+from specpilot import kernels
+from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, l2norm_te, rms_norm_te, rotary_te
+from specpilot.core.config import ModelConfig, cache_shapes
 
 
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -77,13 +78,10 @@ class Linear(nn.Module):
         return _linear(x, self.weight, self.bias)
 
 
-NORM_ATTR = "specpilot.rms_norm"   # on `RMSNorm`'s PrimFunc: JSON {eps, zero_centered, spelled}
-
-
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis as one kernel: h = float32(x), h / sqrt(sum(h * h) / n + eps),
     then ``dtype(h) * w`` (or ``dtype(h * (w + 1))`` zero-centered, Qwen3-Next / Qwen3.5) -- the
-    reference's arithmetic, operation for operation.  Written as Relax operators it was three
+    reference's arithmetic, operation for operation.  Written as Relax operators it would be three
     kernels a norm (the cast, the sum of squares, the scaling: x feeds both of the last two, and
     FuseOps fuses no reduction with what reads its result); one tensor expression (the sum's
     block and the elementwise block that reads it) is one PrimFunc, which dlight's
@@ -98,172 +96,6 @@ class RMSNorm(nn.Module):
         attrs = {NORM_ATTR: json.dumps({"eps": self.eps, "zero_centered": self.zero_centered, "spelled": not self.gpu})}
         return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype, not self.gpu), "rms_norm",
                                  [x, self.weight], attrs=attrs)
-
-
-def _f32(v):
-    from tvm import tirx
-    return tirx.Cast("float32", v)
-
-
-def _sum_squares(x_at, shape):
-    """sum over the last axis of x_at(*i, k)^2 (x_at gives float32): a tensor over shape[:-1]."""
-    from tvm import te
-    k = te.reduce_axis((0, shape[-1]), "k")
-    return te.compute(tuple(shape[:-1]), lambda *i: te.sum(x_at(*i, k) * x_at(*i, k), axis=k), name="sum_squares")
-
-
-def _rms_scaled(xf, squares, n, w_j, eps: float, zero_centered: bool, dtype: str, spelled: bool):
-    """RMSNorm of one element before its final rounding to ``dtype``, in float32: h = xf /
-    sqrt(squares / n + eps), then dtype(h) * w (the reference rounds h first) or h * (w + 1)
-    zero-centered (Qwen3-Next / Qwen3.5)."""
-    from tvm import tirx
-    h = xf / tirx.sqrt(squares / tirx.const(float(int(n)), "float32") + tirx.const(eps, "float32"))
-    if zero_centered:
-        return h * (_f32(w_j) + tirx.const(1.0, "float32"))
-    return round_to(dtype, h, spelled) * _f32(w_j)
-
-
-def rms_norm_te(eps: float, zero_centered: bool, dtype: str, spelled: bool = True):
-    """The tensor expression of `RMSNorm`: (x[..., n], w[n]) -> [..., n] in ``dtype``."""
-    from tvm import te, tirx
-
-    def compute(x: te.Tensor, w: te.Tensor) -> te.Tensor:
-        squares = _sum_squares(lambda *i: _f32(x[i]), x.shape)
-        return te.compute(tuple(x.shape), lambda *i: tirx.Cast(dtype, _rms_scaled(
-            _f32(x[i]), squares[i[:-1]], x.shape[-1], w[i[-1]], eps, zero_centered, dtype, spelled)), name="rms_norm")
-    return compute
-
-
-def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | None = None,
-                       zero_centered: bool = False, spelled: bool = True):
-    """An attention layer's new heads as one tensor expression: (q[B, T, n_q, d], k[B, T, n_kv, d],
-    v[B, T, n_kv, d], [wq[d], wk[d],] cos[B, T, rot], sin[B, T, rot]) -> [B, T, n_q + 2 n_kv, d] in
-    ``dtype``: the query heads, then the key heads -- each RMSNorm'd per head when ``eps`` is given
-    (Qwen3's q / k norm, weights wq / wk), then rotary on its first ``rot`` dims (x * cos +
-    rotate_half(x) * sin, the rest passed through) -- then the value heads as they are.  The
-    attention kernels and `kernels.kv_write` read their heads out of it at offsets 0, n_q and
-    n_q + n_kv, so one kernel (the slices and casts producing q, k and v fused in: it is marked
-    injective) stands where the operators ran three or four.  Every value the operators rounded to
-    ``dtype`` is rounded here (`round_to`), so the result is theirs bit for bit: the norm's two
-    roundings, each product's, the sum's."""
-    from tvm import te, tirx
-
-    def r(v):       # float32 -> dtype -> float32
-        return round_to(dtype, v, spelled)
-
-    half, normed_heads = rot // 2, n_q + n_kv
-
-    def compute(q: te.Tensor, k: te.Tensor, v: te.Tensor, *rest: te.Tensor) -> te.Tensor:
-        wq, wk, cos, sin = rest if eps is not None else (None, None, *rest)
-        B, T, _, n = q.shape
-
-        def x(b, t, h, j):      # head h of the output's input, as float32
-            return tirx.Select(h < n_q, _f32(q[b, t, tirx.min(h, n_q - 1), j]), tirx.Select(
-                h < normed_heads, _f32(k[b, t, tirx.max(tirx.min(h - n_q, n_kv - 1), 0), j]),
-                _f32(v[b, t, tirx.max(tirx.min(h - normed_heads, n_kv - 1), 0), j])))
-
-        if eps is not None:
-            # over every head, the value heads' unused: a reduction over fewer heads than the output
-            # has is not dlight GeneralReduction's pattern (it fell back to a kernel per operator)
-            squares = _sum_squares(x, (B, T, n_q + 2 * n_kv, n))
-
-            def normed(b, t, h, j):
-                w = tirx.Select(h < n_q, wq[j], wk[j])
-                return r(_rms_scaled(x(b, t, h, j), squares[b, t, h], n, w, eps, zero_centered, dtype, spelled))
-        else:
-            normed = x
-
-        def head(b, t, h, i):
-            if rot == 0:
-                turned = normed(b, t, h, i)
-            else:
-                ci = tirx.min(i, rot - 1)
-                partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
-                                      normed(b, t, h, tirx.max(i - half, 0)))
-                turned = tirx.Select(i < rot, r(r(normed(b, t, h, i) * _f32(cos[b, t, ci]))
-                                                + r(partner * _f32(sin[b, t, ci]))), normed(b, t, h, i))
-            return tirx.Cast(dtype, tirx.Select(h < normed_heads, turned, x(b, t, h, i)))
-        return te.compute((B, T, n_q + 2 * n_kv, n), head, name="attention_heads")
-    return compute
-
-
-def rotary_te(dtype: str):
-    """Rotary's cos and sin as one tensor expression: (positions[B, T] int32, inv_freq[h] float32) ->
-    [2, B, T, 2 h] in ``dtype``, [0] the cos and [1] the sin of float32(position) x inv_freq[i mod h]
-    -- the angles of the operators it stands for (positions times the inverse frequencies as a
-    one-term float32 matmul, concatenated with themselves), each rounded once to ``dtype``.  One
-    kernel a step where those were four (the matmul, the concatenation, cos, sin: every attention
-    layer reads them, so FuseOps fused none into a layer); each layer's heads kernel reads its
-    slices."""
-    from tvm import te, tirx
-
-    def compute(positions: te.Tensor, inv: te.Tensor) -> te.Tensor:
-        half = inv.shape[0]
-        B, T = positions.shape
-
-        def value(which, b, t, i):
-            angle = _f32(positions[b, t]) * inv[i % max(int(half), 1)]     # (no element when half is 0)
-            return tirx.Cast(dtype, tirx.Select(which == 0, tirx.cos(angle), tirx.sin(angle)))
-        return te.compute((2, B, T, 2 * half), value, name="rotary")
-    return compute
-
-
-def l2norm_te(scale: float | None):
-    """x / sqrt(sum(x * x) + 1e-6) over the last axis (float32), times ``scale`` when given: the
-    Gated DeltaNet q / k normalisation as one kernel (the operators were two: the sum, then the
-    scaling that reads it)."""
-    from tvm import te, tirx
-
-    def compute(x: te.Tensor) -> te.Tensor:
-        squares = _sum_squares(lambda *i: x[i], x.shape)
-
-        def scaled(*i):
-            v = x[i] / tirx.sqrt(squares[i[:-1]] + tirx.const(1e-6, "float32"))
-            return v * tirx.const(scale, "float32") if scale is not None else v
-        return te.compute(tuple(x.shape), scaled, name="l2norm")
-    return compute
-
-
-def gated_norm_te(eps: float, dtype: str, spelled: bool = True):
-    """The Gated DeltaNet output gate as one kernel: o (float32) rounded to ``dtype``, RMSNorm per
-    value head (`rms_norm_te`'s arithmetic), times silu(z) in float32, rounded to ``dtype``:
-    (o[..., dv], w[dv], z[..., dv]) -> [..., dv]."""
-    from tvm import te, tirx
-
-    def compute(o: te.Tensor, w: te.Tensor, z: te.Tensor) -> te.Tensor:
-        def x(*i):      # o as the dtype value the norm reads
-            return round_to(dtype, o[i], spelled)
-        squares = _sum_squares(x, o.shape)
-
-        def gated(*i):
-            normed = round_to(dtype, _rms_scaled(x(*i), squares[i[:-1]], o.shape[-1], w[i[-1]], eps, False, dtype,
-                                                 spelled), spelled)
-            zf = _f32(z[i])
-            return tirx.Cast(dtype, normed * (zf * tirx.sigmoid(zf)))
-        return te.compute(tuple(o.shape), gated, name="gated_norm")
-    return compute
-
-
-def round_to(dtype: str, v, spelled: bool):
-    """float32 ``v`` rounded to ``dtype`` and read back as float32, inside an expression.  On GPUs
-    (``spelled`` False) two casts: CUDA computes bf16 natively and keeps them.  TVM's CPU
-    legalization computes bf16 arithmetic in float32 and drops a bf16 cast whose value only feeds
-    more arithmetic, which would skip this rounding (the reference rounds here, e.g.
-    ``weight * h.to(bf16)``), so there (``spelled``) the rounding to nearest even is written out
-    on the bits (a NaN becomes bf16's 0x7FC0).  That form names ``v`` three times (the
-    fewest it can: the NaN test, the bits, their lowest kept bit) and these roundings nest, so a
-    nest's expression grows as 3^depth (4^depth with the NaN's own bits kept) -- most of TVM's CPU
-    build time of the q / k norm and rotary kernels in bf16; LLVM shares the repeats, nvcc did not
-    (a 130 us gated norm), hence the GPU's casts."""
-    from tvm import tirx
-    if dtype == "float32":
-        return v
-    if dtype != "bfloat16" or not spelled:
-        return tirx.Cast("float32", tirx.Cast(dtype, v))
-    bits = tirx.reinterpret("uint32", v)
-    rounded = (bits + tirx.const(0x7FFF, "uint32") + ((bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32"))) \
-        & tirx.const(0xFFFF0000, "uint32")
-    return tirx.reinterpret("float32", tirx.Select(tirx.isnan(v), tirx.const(0x7FC00000, "uint32"), rounded))
 
 
 class MLP(nn.Module):

@@ -33,7 +33,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 
 FORMAT = "specpilot-memory"
 VERSION = 1
@@ -95,19 +95,6 @@ def canonical(pipeline_text: str) -> str:
 def pass_options(pipeline_text: str) -> dict[str, dict]:
     from specpilot.passes.pipeline import parse
     return {p.name: dict(p.values) for p in parse(pipeline_text)}
-
-
-def reproduce_hash(entry: Entry) -> str:
-    """Lower stock from the entry's spec, apply its pipeline, hash the IRModule."""
-    from specpilot.compiler.build import system_hash
-    from specpilot.compiler.spec import parse_spec
-    from specpilot.compiler.target import parse_target
-
-    spec = parse_spec({**entry.spec, "passes": ""}, Path(entry.spec_path) if entry.spec_path else None)
-    params = entry.constraints.get("params", "file")     # how the source system was built
-    if params not in ("file", "seeded"):
-        raise SpecPilotError(f"entry {entry.id}: unknown params mode {params!r}")
-    return system_hash(spec, parse_target(entry.target), entry.pipeline, params)
 
 
 _SCHEMA = """
@@ -195,7 +182,7 @@ class Memory:
         return sorted(found, key=lambda e: (-(e.results.get("lcb") or 0.0), e.id))
 
     # ---- writing
-    def check(self, entry: Entry, reproduce: Callable[[Entry], str] = reproduce_hash) -> list[str]:
+    def check(self, entry: Entry, reproduce: Callable[[Entry], str]) -> list[str]:
         """Why ``entry`` may not be stored (empty: it may)."""
         from specpilot.passes.pipeline import parse
 
@@ -224,7 +211,7 @@ class Memory:
                             f"not the source system's {entry.source_hash}")
         return problems
 
-    def add(self, entry: Entry, reproduce: Callable[[Entry], str] = reproduce_hash) -> Entry:
+    def add(self, entry: Entry, reproduce: Callable[[Entry], str]) -> Entry:
         """Store (or refresh the results of) a verified entry; raises if it does not reproduce."""
         try:
             entry = entry.model_copy(update={"pipeline": canonical(entry.pipeline)})
@@ -244,7 +231,7 @@ class Memory:
                      entry.model_dump_json(), entry.created, entry.updated))
         return entry
 
-    def verify(self, entry_id: str, reproduce: Callable[[Entry], str] = reproduce_hash) -> list[str]:
+    def verify(self, entry_id: str, reproduce: Callable[[Entry], str]) -> list[str]:
         entry = self.get(entry_id)
         problems = [f"dependency {d} is not in the memory" for d in entry.dependencies
                     if not self.db.execute("SELECT 1 FROM entries WHERE id = ?", (d,)).fetchone()]
@@ -255,7 +242,7 @@ class Memory:
         return {"format": FORMAT, "version": VERSION,
                 "entries": [json.loads(e.model_dump_json()) for e in self.entries()]}
 
-    def import_(self, data, reproduce: Callable[[Entry], str] = reproduce_hash) -> list[Entry]:
+    def import_(self, data, reproduce: Callable[[Entry], str]) -> list[Entry]:
         """Validate a whole export file, then store its entries (dependencies first)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise SpecPilotError(f"not a SpecPilot memory export (expected format {FORMAT!r})")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class Pass:
     after: ClassVar[tuple[str, ...]] = ()
     targets: ClassVar[tuple[str, ...]] = ("llvm", "cuda")
     statistics: ClassVar[tuple[str, ...]] = ()
-    manifest_key: ClassVar[str | None] = None   # a build records `manifest_entry` under this key (what the
-                                                # engine needs to redo `transform_params` on redrawn weights)
+    manifest_key: ClassVar[str | None] = None   # a build records `manifest_entry` under this key: the pass's
+                                                # effect as the runtime must know it (`core.manifest`)
     proposable: ClassVar[bool] = True     # False: a test instrument the search never proposes
 
     def __init__(self, **values: Any):
@@ -105,7 +105,7 @@ class Pass:
         return params
 
     def manifest_entry(self, context: PassContext):
-        """What a seeded build's engine needs to redo `transform_params` (with ``manifest_key``)."""
+        """The pass's effect as the runtime must know it, recorded under ``manifest_key`` (None: nothing)."""
         return None
 
     def __str__(self) -> str:

@@ -1,8 +1,8 @@
 """draft-length: a serving-schedule pass -- how many tokens the drafter proposes per verification.
 
-What it changes: no kernel.  It records the draft-length policy on the module
-(``specpilot.draft_len``, ``specpilot.draft_dynamic``, ``specpilot.draft_min``); the build
-copies it into the manifest's ``serving`` section and the engine drafts accordingly.  With
+What it changes: no kernel.  It records the draft-length policy in the manifest's
+``serving`` section (and as module attributes, so pipelines that differ in it differ in IR
+identity); the engine drafts accordingly.  With
 ``dynamic=true`` each request picks its own length every step from its recent acceptance
 (an exponential average of accepted drafts, plus one, clamped to [min, length]): requests
 whose drafts keep failing stop paying for long drafts.  Any draft length is lossless --
@@ -25,6 +25,11 @@ class DraftLength(Pass):
                Option("min", int, 1, "shortest dynamic draft"))
     conflicts = ("tree-verify",)   # trees are sized by their node budget, not a chain length
     statistics = ("draft_len", "dynamic")
+    manifest_key = "serving"
+
+    def manifest_entry(self, context: PassContext) -> dict:
+        """The policy; a length of 0 (the spec's draft_len) is filled in by the build."""
+        return {"draft_len": self["length"], "draft_dynamic": self["dynamic"], "draft_min": self["min"]}
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 0 <= self["length"] <= 64:

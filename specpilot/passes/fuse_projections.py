@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from specpilot.compiler.weights import FUSED, fuse_params
+from specpilot.core.weights import FUSED, fuse_params
 from specpilot.passes.base import Pass, PassContext
 from specpilot.passes.packed_uses import packed_functions, packed_uses, rebuild_packed
 

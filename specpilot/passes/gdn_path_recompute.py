@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from specpilot.compiler import gdn_tree, kernels
+from specpilot import kernels
+from specpilot.kernels import gdn_tree
+from specpilot.core.pipeline_text import TREE_BUDGET_DEFAULT
 from specpilot.passes.base import Option, Pass, PassContext
 
 
@@ -52,7 +54,7 @@ class GdnPathRecompute(Pass):
                       "up to 104 tokens: compiler/gdn_tree.py) or sequential (node after node)",
                       ("chunked", "sequential")),)
     requires = ("tree-verify",)
-    manifest_key = "gdn_verify"   # the engine's limit on tokens a recording pass (verify) may take
+    manifest_key = "gdn_verify"   # the form, and the engine's limit on tokens a recording pass (verify) may take
     statistics = ("kernels_rewritten",)
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
@@ -62,12 +64,12 @@ class GdnPathRecompute(Pass):
 
     def chunked(self, context: PassContext) -> dict | None:
         """The chunked form's arguments (`gdn_tree.form_for` the budget's nodes + root), or None."""
-        budget = int(context.statistics.get("tree-verify", {}).get("budget", 64))
+        budget = int(context.statistics.get("tree-verify", {}).get("budget", TREE_BUDGET_DEFAULT))
         return gdn_tree.form_for(budget + 1) if self["form"] == "chunked" else None
 
     def manifest_entry(self, context: PassContext):
         form = self.chunked(context)
-        return {"form": "chunked", "max_tokens": form["nmax"]} if form else None
+        return {"form": "chunked", "max_tokens": form["nmax"]} if form else {"form": "sequential"}
 
     def apply(self, mod, context: PassContext):
         out = mod.clone() if hasattr(mod, "clone") else mod

@@ -1,8 +1,8 @@
 """kernel-schedule: which schedule set turns the graph into kernels (a tuning knob).
 
-What it changes: no function.  It records the set on the module (``specpilot.schedule``);
-the build's Relax-to-TIR pipeline uses it (`schedules.relax_pipeline`).  Every set computes
-exactly what the graph says, so the choice is lossless; only speed differs, which is why the
+What it changes: no function.  It records the set in its manifest entry, which the build's
+Relax-to-TIR pipeline compiles with (`schedules.relax_pipeline`), and on the module
+(``specpilot.schedule``) for the IR's identity.  Every set computes exactly what the graph says, so the choice is lossless; only speed differs, which is why the
 search's kernel-tuning phase turns it.
 
 ``graph=true`` (cuda) also has the build capture the step functions' runs of static-shape
@@ -28,6 +28,12 @@ class KernelSchedule(Pass):
                Option("graph", bool, False, "replay the step functions' static-shape kernel runs as CUDA graphs "
                       "(TVM's RewriteCUDAGraph; cuda only)"))
     statistics = ("schedule", "cuda_graph")
+    manifest_key = "kernel_schedule"
+
+    def manifest_entry(self, context: PassContext) -> dict:
+        from specpilot.schedules.relax_pipeline import default_schedule
+        chosen = default_schedule(context.target_kind, context.arch) if self["set"] == "default" else self["set"]
+        return {"schedule": chosen, "cuda_graph": self["graph"] and context.target_kind == "cuda"}
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         allowed = _FOR_TARGET[context.target_kind]

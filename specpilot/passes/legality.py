@@ -10,14 +10,18 @@ Each pass of a candidate set gets a Boolean "present" and an integer position.  
 
 `check` fixes presence and positions to the given pipeline and, if that is unsatisfiable,
 returns the violated rules in words (z3's unsat core over named assertions).  `orderings`
-enumerates every legal order of a set of passes (the search uses that).
+enumerates every legal order of a set of passes (the search uses that) as the topological orders
+of the passes' precedence graph (networkx).
 """
 
 from __future__ import annotations
 
+import itertools
+
+import networkx as nx
 import z3
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import Pass, PassContext
 from specpilot.passes.pipeline import Pipeline
 
@@ -90,21 +94,26 @@ def require_legal(pipeline: Pipeline, context: PassContext) -> None:
         raise SpecPilotError(f"illegal pipeline {str(pipeline)!r}: " + "; ".join(reasons))
 
 
-def orderings(passes: list[Pass], context: PassContext, limit: int = 1000) -> list[Pipeline]:
-    """Every legal ordering of all of ``passes`` (at most ``limit``), in a deterministic order."""
-    present = {p.name: z3.Bool(f"present_{p.name}") for p in passes}
-    pos = {p.name: z3.Int(f"pos_{p.name}") for p in passes}
-    solver = z3.Solver()
-    n = len(passes)
+def precedence(passes: list[Pass]) -> nx.DiGraph:
+    """The ordering rules among ``passes`` as a graph: an edge q -> p where p requires q or must come
+    after it."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(p.name for p in passes)
     for p in passes:
-        solver.add(present[p.name], pos[p.name] >= 0, pos[p.name] < n)
-    solver.add(z3.Distinct(*pos.values()) if n > 1 else z3.BoolVal(True))
-    for _, rule in _rules(passes, context, present, pos):
-        solver.add(rule)
-    found = []
-    while len(found) < limit and solver.check() == z3.sat:
-        model = solver.model()
-        order = sorted(passes, key=lambda p: model.eval(pos[p.name]).as_long())
-        found.append(Pipeline(order))
-        solver.add(z3.Or([pos[p.name] != model.eval(pos[p.name]) for p in passes]))
-    return sorted(found, key=str)
+        for q in (*p.requires, *p.after):
+            if q in graph:
+                graph.add_edge(q, p.name)
+    return graph
+
+
+def orderings(passes: list[Pass], context: PassContext, limit: int = 1000) -> list[Pipeline]:
+    """Every legal ordering of all of ``passes`` (at most ``limit``), in a deterministic order: the
+    topological orders of `precedence`, when the order-free rules hold (they hold for all or none)."""
+    by_name = {p.name: p for p in passes}
+    try:
+        orders = list(itertools.islice(nx.all_topological_sorts(precedence(passes)), limit))
+    except nx.NetworkXUnfeasible:     # a cycle of requires / after: no order
+        return []
+    if not orders or check(Pipeline([by_name[n] for n in orders[0]]), context):
+        return []
+    return sorted((Pipeline([by_name[n] for n in order]) for order in orders), key=str)

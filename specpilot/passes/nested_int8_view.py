@@ -21,8 +21,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.relax.utils import copy_with_new_vars
 
-from specpilot.compiler import kernels
-from specpilot.errors import SpecPilotError
+from specpilot import kernels
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import Option, Pass, PassContext
 
 

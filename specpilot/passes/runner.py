@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.legality import require_legal
 from specpilot.passes.pipeline import Pipeline

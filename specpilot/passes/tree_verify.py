@@ -18,18 +18,23 @@ from __future__ import annotations
 
 from tvm import relax, tirx
 
-from specpilot.compiler import kernels
-from specpilot.errors import SpecPilotError
+from specpilot import kernels
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.pipeline_text import TREE_BUDGET_DEFAULT
 from specpilot.passes.base import Option, Pass, PassContext
 
 
 class TreeVerify(Pass):
     name = "tree-verify"
     doc = "verify a best-first draft tree of up to `budget` nodes per target pass; adds target_compact_kv"
-    options = (Option("budget", int, 64, "tree nodes drafted per verification (1..1024)"),)
+    options = (Option("budget", int, TREE_BUDGET_DEFAULT, "tree nodes drafted per verification (1..1024)"),)
     after = ("w12-layout", "nested-int8-view")
     needs_when = (("hybrid", "gdn-path-recompute"),)   # each node's Gated DeltaNet state follows its root path
     statistics = ("functions_added", "budget")
+    manifest_key = "tree"
+
+    def manifest_entry(self, context: PassContext) -> dict:
+        return {"budget": self["budget"]}
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 1 <= self["budget"] <= 1024:

@@ -14,7 +14,7 @@ verification and KV compaction) earlier in the pipeline.
 
 from __future__ import annotations
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import Pass, PassContext
 
 
@@ -23,6 +23,10 @@ class TwoLevelVerify(Pass):
     doc = "propose a chain with target_verify_view over the draft tree, then verify chain + new drafts exactly"
     requires = ("nested-int8-view", "tree-verify")
     statistics = ("view_function",)
+    manifest_key = "two_level"
+
+    def manifest_entry(self, context: PassContext) -> bool:
+        return True
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         return True, ""
@@ -31,4 +35,4 @@ class TwoLevelVerify(Pass):
         if "target_verify_view" not in [gv.name_hint for gv in mod.get_global_vars()]:
             raise SpecPilotError("two-level-verify: the module has no target_verify_view (nested-int8-view makes it)")
         context.statistics[self.name].update(view_function="target_verify_view")
-        return mod.clone()   # the graph is unchanged; the pipeline text tells the engine
+        return mod.clone()   # the graph is unchanged; the manifest's two_level tells the engine

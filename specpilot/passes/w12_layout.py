@@ -28,8 +28,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from specpilot.compiler import kernels, w12
-from specpilot.compiler.w12 import PLANES
+from specpilot.core import w12
+from specpilot import kernels
+from specpilot.core.w12 import PLANES
 from specpilot.passes.base import Option, Pass, PassContext
 from specpilot.passes.packed_uses import packed_functions, packed_uses, rebuild_packed
 

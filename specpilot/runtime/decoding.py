@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specpilot.schedules.serving import DraftSchedule
+from specpilot.runtime.draft_schedule import DraftSchedule
 
 from specpilot.runtime.tree import Tree, accept, best_first
 
@@ -44,9 +44,9 @@ def top2(row: torch.Tensor):
     row is (no host copy): ties go to the lowest index, as argmax's do -- the same choice on every
     device and in every loop, where topk's order among equal values is its own (exact ties are
     common in bf16-rounded logits over a large vocabulary) -- and the runner-up is the best of the
-    rest.  H200, 152k float32 logits, back to back (bench/results/top2-20261201-155645.json):
-    73 us a call against topk(2)'s 132 (argmax alone 15); the 8B-shape engine step with tokens on
-    the device 1.35 ms with topk(2), 1.32 with this, in two device calls (bench/README session 17)."""
+    rest.  H200, 152k float32 logits, back to back: 73 us a call against topk(2)'s 132 (argmax
+    alone 15); the 8B-shape engine step with tokens on the device 1.35 ms with topk(2), 1.32 with
+    this (bench/README "Token choice"; docs/bench-log.md)."""
     best, at = row.max(0)
     second, runner = row.index_fill(0, at.reshape(1), float("-inf")).max(0)
     return best, at, second, runner

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specpilot.compiler.adapter import adapter_shapes, target_digest
-from specpilot.compiler.config import ModelConfig
-from specpilot.errors import SpecPilotError
+from specpilot.core.adapter import adapter_shapes, target_digest
+from specpilot.core.config import ModelConfig
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.reference.model import linear, rms_norm, rotate_half
 
 

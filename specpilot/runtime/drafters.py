@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 import numpy as np
 import torch
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.lattice import Lattice
 from specpilot.runtime.reference.model import ReferenceModel
 

@@ -15,7 +15,6 @@ functions (padded to the longest; padding writes nothing).
 from __future__ import annotations
 
 import gc
-import json
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,14 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.compiler.config import ModelConfig, cache_shapes
-from specpilot.errors import SpecPilotError
+from specpilot.core.config import ModelConfig, cache_shapes
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.manifest import read_manifest
 
-BUILD_FORMAT = "specpilot-build"
-BUILD_VERSION = 3   # compiler.build.MANIFEST_VERSION (not imported: the engine runs without the compiler)
-
-
-def _import_tvm_runtime(gpu: bool):
+def import_tvm_runtime(gpu: bool):
     """tvm without needing its compiler; on GPUs also load the CUDA runtime library."""
     import tvm
 
@@ -44,22 +40,6 @@ def _import_tvm_runtime(gpu: bool):
         if not tvm.cuda(0).exist:
             raise SpecPilotError("this build is for CUDA but no CUDA device is visible")
     return tvm
-
-
-def read_manifest(build_dir: Path) -> dict:
-    path = Path(build_dir) / "manifest.json"
-    if not path.is_file():
-        raise SpecPilotError(f"{build_dir}: not a build directory (no manifest.json); run `specpilot compile` first")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecPilotError(f"{path}: not valid JSON ({e.msg})") from None
-    if manifest.get("format") != BUILD_FORMAT:
-        raise SpecPilotError(f"{path}: not a SpecPilot build manifest")
-    if manifest.get("version") != BUILD_VERSION:
-        raise SpecPilotError(f"{path}: build format version {manifest.get('version')}, this SpecPilot reads "
-                             f"version {BUILD_VERSION}; rebuild with `specpilot compile`")
-    return manifest
 
 
 def pack_inputs(arrays) -> tuple[np.ndarray, list]:
@@ -91,8 +71,8 @@ class CompiledModule:
     def __init__(self, build_dir: Path, verify_hashes: bool = True):
         self.dir = Path(build_dir)
         self.manifest = read_manifest(self.dir)
-        gpu = self.manifest["target_kind"] == "cuda"
-        tvm = _import_tvm_runtime(gpu)
+        gpu = self.manifest.target_kind == "cuda"
+        tvm = import_tvm_runtime(gpu)
         self.tvm = tvm
         self.device = tvm.cuda(0) if gpu else tvm.cpu(0)
         if verify_hashes:
@@ -108,12 +88,12 @@ class CompiledModule:
         self._stored, self._aliases = self._read_params()
         self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
-        self.functions = {name: self.vm[name] for name in self.manifest["functions"]}
+        self.functions = {name: self.vm[name] for name in self.manifest.functions}
         self._models: dict[str, CompiledModel] = {}
 
     def _check_hashes(self) -> None:
-        from specpilot.compiler.weights import file_digest
-        for rel, digest in self.manifest["hashes"].items():
+        from specpilot.core.weights import file_digest
+        for rel, digest in self.manifest.hashes.items():
             path = self.dir / rel
             if not path.is_file():
                 raise SpecPilotError(f"{path}: missing from the build")
@@ -123,18 +103,18 @@ class CompiledModule:
     def _read_params(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """(stored values by name, aliases): from params/, or regenerated from the manifest's seeds."""
         m = self.manifest
-        if m.get("params_source", "file") == "file":
+        if m.params_source == "file":
             from safetensors.torch import load_file
-            return load_file(str(self.dir / "params" / "params.safetensors")), m["aliases"]
+            return load_file(str(self.dir / "params" / "params.safetensors")), m.aliases
         from types import SimpleNamespace
 
-        from specpilot.compiler.weights import dedupe, random_weights, rewritten_parameters
-        cfgs = {which: ModelConfig.from_dict(d) for which, d in m["models"].items()}
-        seeds = m["seeds"]
+        from specpilot.core.weights import dedupe, random_weights, rewritten_parameters
+        cfgs = {which: ModelConfig.from_dict(d) for which, d in m.models.items()}
+        seeds = m.seeds
         target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], **seeds["target"]))
         drafter = None
         if "drafter" in cfgs:
-            if m["drafter"]["kind"] == "early-exit":   # the target's own first layers
+            if m.drafter.kind == "early-exit":   # the target's own first layers
                 n = cfgs["drafter"].num_hidden_layers
                 weights = {k: v for k, v in target.weights.items()
                            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
@@ -143,7 +123,7 @@ class CompiledModule:
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         values = rewritten_parameters(m, target, drafter,
                                       device="cuda" if self.device.dlpack_device_type() == 2 else None)
-        if list(values) != m["params"]:
+        if list(values) != m.params:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")
         return dedupe(values)
@@ -155,7 +135,7 @@ class CompiledModule:
             host = self.tvm.runtime.from_dlpack(tensor.clone())   # safetensors data may be unaligned
             on_device[name] = host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
         try:
-            return [on_device[aliases.get(name, name)] for name in self.manifest["params"]]
+            return [on_device[aliases.get(name, name)] for name in self.manifest.params]
         except KeyError as e:
             raise SpecPilotError(f"{self.dir}: parameter {e} listed in manifest.json is missing") from None
 
@@ -169,8 +149,8 @@ class CompiledModule:
     def tensors(self, *arrays: np.ndarray) -> list:
         """A step's small host inputs on the device.  On a GPU in one host-to-device copy into
         torch's caching allocator (64-byte aligned pieces of one buffer, as TVM wants): a tensor of
-        its own each was a device allocation, a copy and a (synchronizing) free apiece: 0.2-0.28 ms
-        of the 8B-shape decode step on the H200 (bench/README, session 15).  The pieces
+        its own each would cost a device allocation, a copy and a (synchronizing) free apiece:
+        0.2-0.28 ms of the 8B-shape decode step on the H200 (docs/bench-log.md).  The pieces
         are views TVM holds through DLPack; TVM and torch launch on the same (default) stream, so
         the buffer goes back to torch's pool only behind the kernels that read it."""
         if self.device.dlpack_device_type() == 1:
@@ -183,7 +163,7 @@ class CompiledModule:
 
     def model(self, which: str) -> "CompiledModel":
         """The model's engine (one per build and model: it owns the model's KV-cache pool)."""
-        if which not in self.manifest["models"]:
+        if which not in self.manifest.models:
             raise SpecPilotError(f"{self.dir}: the build has no {which} model")
         if which not in self._models:
             self._models[which] = CompiledModel(self, which)
@@ -199,22 +179,22 @@ class CompiledModule:
     def _reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         stored, aliases = self._stored, self._aliases
         value = lambda name: stored[aliases.get(name, name)]  # noqa: E731
-        names = self.manifest["params"]
-        fused = self.manifest.get("fused") or {}
+        names = self.manifest.params
+        fused = self.manifest.fused or {}
         prefix = which + "."
         if fused:
-            from specpilot.compiler.weights import parameter_shapes
-            shapes = parameter_shapes(ModelConfig.from_dict(self.manifest["models"][which]))
+            from specpilot.core.weights import parameter_shapes
+            shapes = parameter_shapes(ModelConfig.from_dict(self.manifest.models[which]))
         out = {}
         for name in names:
             if not name.startswith(prefix) or name.endswith("rope_inv_freq") or ".w12_" in name:
                 continue
             if f"{name}.w12_lo" in names:   # stored in the W12 layout: decode the exact weights back
-                from specpilot.compiler import w12
+                from specpilot.core import w12
                 planes = w12.W12Kernel(value(name), *(value(f"{name}.{s}") for s in w12.PLANES))
-                if self.manifest.get("w12", {}).get("layout", "cpu") == "gpu":
+                if (self.manifest.w12 or {}).get("layout", "cpu") == "gpu":
                     planes = w12.cpu_layout(planes)
-                weight = w12.decode_kernel_layout(planes).to(getattr(torch, self.manifest["dtype"]))
+                weight = w12.decode_kernel_layout(planes).to(getattr(torch, self.manifest.dtype))
             else:
                 weight = value(name)
             if name in fused:               # stacked projections: back to one tensor each
@@ -314,19 +294,19 @@ class CompiledModel:
 
     def __init__(self, module: CompiledModule, which: str):
         self.module, self.which = module, which
-        self.cfg = ModelConfig.from_dict(module.manifest["models"][which])
-        self.dtype = module.manifest["dtype"]
-        self.capacity = module.manifest["capacity"]
-        self.max_batch = module.manifest["max_batch"]
+        self.cfg = ModelConfig.from_dict(module.manifest.models[which])
+        self.dtype = module.manifest.dtype
+        self.capacity = module.manifest.capacity
+        self.max_batch = module.manifest.max_batch
         self.has_gdn = self.cfg.is_hybrid
         fns = module.functions
         self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
         self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
-        self.path_recompute = "gdn-path-recompute" in module.manifest["pipeline"]   # every GDN verify kernel, drafter too
+        self.path_recompute = module.manifest.gdn_verify is not None   # every GDN verify kernel, drafter too
         # tokens a recording (verify) pass may take: the chunked GDN tree form holds a fixed number
-        limit = (module.manifest.get("gdn_verify") or {}).get("max_tokens") if self.has_gdn else None
+        limit = (module.manifest.gdn_verify.max_tokens if module.manifest.gdn_verify else None) if self.has_gdn else None
         self.max_verify_tokens = int(limit) if limit else None
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")

@@ -6,12 +6,17 @@ and reports its own greedy choice at every position.  Exact means choice == stoc
 everywhere.  In fp32 on the CPU nothing is excused.  In lower precision a mismatch is
 excused only where stock's margin is below ``tie_tolerance``; each excused position is
 listed in the report.
+
+`force` is the one entry point (``specpilot verify``, the search's workers, sealed validation,
+the GPU forcing benchmark and the tests) and `tolerance_rule` the one rule for what is excused.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.decoding import top2
 
 
@@ -101,3 +106,36 @@ def runner_up_fault(after: int, bias: float):
         logits[top2(logits)[3]] += bias
         return logits
     return hook
+
+
+def tolerance_rule(system, prompts: list[list[int]], stock_runs, setting="auto") -> tuple[float, int | None]:
+    """(tie tolerance, near-tie budget) for forcing ``system`` on these requests.  ``auto``: derived
+    from stock's own arithmetic (`System.derived_near_ties`: 0 and no budget in float32); a number is
+    taken as given, with no budget."""
+    if setting is None or setting == "auto":
+        return system.derived_near_ties(prompts, stock_runs)
+    try:
+        value = float(setting)
+    except (TypeError, ValueError):
+        raise SpecPilotError(f"tie tolerance: expected a number or 'auto', got {setting!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise SpecPilotError(f"tie tolerance must be a finite number >= 0, got {setting!r}")
+    return value, None
+
+
+def force(system, engine: str, requests: list[tuple[list[int], int]], tolerance="auto", logits_hook=None,
+          batch: bool = False, stock_runs=None):
+    """Token forcing of ``engine`` against stock greedy decoding on ``requests`` ((prompt ids, new
+    tokens) each).  Returns (report, stock runs, system runs); ``stock_runs`` given are reused."""
+    prompts = [ids for ids, _ in requests]
+    if stock_runs is None:
+        stock_runs = [system.generate("stock", ids, limit) for ids, limit in requests]
+    tie_tolerance, max_excused = tolerance_rule(system, prompts, stock_runs, tolerance)
+    forced = [s.tokens for s in stock_runs]
+    if batch:
+        runs = system.generate_batch(engine, prompts, [limit for _, limit in requests], forces=forced,
+                                     logits_hook=logits_hook)
+    else:
+        runs = [system.generate(engine, ids, limit, force=tokens, logits_hook=logits_hook)
+                for (ids, limit), tokens in zip(requests, forced)]
+    return force_requests(stock_runs, runs, tie_tolerance, max_excused), stock_runs, runs

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 
 FORMAT = "specpilot-lattices"
 VERSION = 1
@@ -67,10 +67,10 @@ class LatticeRecorder:
         self.file.close()
 
 
-class ReplayDrafter:
+class LatticeReplayer:
     """Hands back recorded lattices in order; refuses to go on if the run has diverged."""
 
-    name = "replay"
+    name = "lattice-replay"
 
     def __init__(self, path: Path):
         path = Path(path)

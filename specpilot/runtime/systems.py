@@ -8,21 +8,23 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.pipeline_text import tree_budget
+from specpilot.core.spec import replay_plan
 from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
                                         speculative_tree, speculative_two_level)
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
-from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
+from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
+from specpilot.runtime.replay import Oracle, ReplayDrafter
 from specpilot.runtime.tokenizer import load_tokenizer
-from specpilot.schedules.serving import DraftSchedule
+from specpilot.runtime.draft_schedule import DraftSchedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,10 +63,14 @@ class Engines(dict):
 
 class System:
     def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
-                 eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False):
+                 eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False,
+                 setup: DrafterSetup | None = None, oracle: Oracle | None = None, draft_reference=None):
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
         self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
+        self.setup, self.draft_reference = setup, draft_reference
+        self.oracle = oracle or Oracle()     # replay drafters' continuations
+        self._hf: dict[str, tuple] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +82,38 @@ class System:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise SpecPilotError(f"prompt token {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def autoregressive_engine(self) -> str:
+        return "compiled" if "compiled" in self.engines else "stock"
+
+    def hf_engines(self) -> list[str]:
+        """The transformers reference rows this system can run: greedy ``generate`` always; assisted
+        generation for an n-gram drafter (prompt lookup) or a draft model, on targets without
+        recurrent state (transformers refuses assisted generation on stateful models)."""
+        names = ["hf-generate"]
+        cfg = self.engines["stock"].model.cfg
+        kind = self.setup.kind if self.setup else None
+        if not cfg.is_hybrid and (kind == "ngram" or (kind == "model" and self.draft_reference is not None)):
+            names.append("hf-assisted")
+        return names
+
+    def hf_models(self, name: str) -> tuple:
+        """(transformers model, assisted-generation arguments) for a reference row, made once."""
+        from specpilot.runtime.hf_reference import hf_model
+
+        if name not in self.hf_engines():
+            raise SpecPilotError(f"no transformers row {name!r} for this system; available: {', '.join(self.hf_engines())}")
+        if name not in self._hf:
+            ref = self.engines["stock"].model
+            model = hf_model(ref.cfg, ref.w, ref.dtype, ref.device)
+            assist = {}
+            if name == "hf-assisted" and self.setup.kind == "ngram":
+                assist = {"prompt_lookup_num_tokens": self.draft_len, "max_matching_ngram_size": self.setup.max_ngram}
+            elif name == "hf-assisted":
+                d = self.draft_reference
+                assist = {"assistant_model": hf_model(d.cfg, d.w, d.dtype, d.device)}
+            self._hf[name] = (model, assist)
+        return self._hf[name]
 
     def derived_tie_tolerance(self, prompts: list[list[int]], stock_runs: list[Generation]) -> float:
         """The tie tolerance stock's own arithmetic justifies: the largest error of stock's top-2
@@ -91,10 +129,9 @@ class System:
         one unstable position can make it large for every position (2 logits on the tiny bf16
         hybrid); the budget bounds how many near-ties may be excused: 4 x the positions where
         stock's margin is below its own error there (decisions stock's precision leaves open) + 8,
-        and at least 2 % of the positions (None in fp32: nothing is excused).  A build whose verify
-        was wrong mismatched nearly every position of a tree run under that tolerance
-        (bench/results/gpu-forcing-20261130-180133: 483 of 512); the correct build of the same
-        spec 40-43 (-180901)."""
+        and at least 2 % of the positions (None in fp32: nothing is excused).  A build with a wrong
+        verify mismatches nearly every position of a tree run under that tolerance (483 of 512; the
+        correct build of the same spec 40-43: docs/bench-log.md)."""
         if self.dtype == "float32":
             return 0.0, None
         exact = self.engines["stock-fp32"].model
@@ -143,10 +180,14 @@ class System:
                                  f"deployment.max_seq_len={self.capacity}")
         stop_ids = self.eos_ids if stop_at_eos else ()
         e = self.engines[engine]
+        if self.setup is not None and self.setup.kind == "replay" and e.drafter is not None \
+                and not self.oracle.has(prompt):
+            self.oracle.register(prompt, force if force is not None else
+                                 self.generate(self.autoregressive_engine(), prompt, max_new).tokens)
         if e.drafter is None:
             return autoregressive(e.model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
         own = e.drafter()   # per generation: a compiled drafter holds a KV-cache row only while it runs
-        drafter = ReplayDrafter(replay_lattices) if replay_lattices else own
+        drafter = LatticeReplayer(replay_lattices) if replay_lattices else own
         if record_lattices:
             drafter = LatticeRecorder(drafter, record_lattices, prompt)
         try:
@@ -168,35 +209,40 @@ class System:
                 own.state = None
 
 
-def _drafter_factory(kind: str, model, top_k: int, capacity: int, max_ngram: int, min_ngram: int,
-                     temperature: float = 1.0):
-    if kind == "ngram":
-        return lambda: NGramDrafter(max_ngram, min_ngram, top_k)
-    return lambda: ModelDrafter(model, top_k, capacity, name=kind, temperature=temperature)
+@dataclass
+class DrafterSetup:
+    """How a system's drafters are made (the spec's or the manifest's drafter options)."""
+    kind: str
+    top_k: int
+    capacity: int
+    max_ngram: int = 4
+    min_ngram: int = 1
+    temperature: float = 1.0
+    replay: dict | None = None        # a replay drafter's plan (`runtime.replay`)
 
-
-def tree_budget(pipeline_text: str) -> int:
-    """The tree-verify budget of a canonical pipeline text (0 without tree-verify).  Read from
-    the text alone: the runtime must not import the pass toolkit (TVMScript kernels), which a
-    runtime-only TVM cannot load."""
-    for item in re.finditer(r"(^|,)tree-verify(\{([^}]*)\})?(?=,|$)", pipeline_text.strip()):
-        options = dict(kv.split("=", 1) for kv in (item.group(3) or "").split(",") if kv)
-        return int(options.get("budget", TREE_BUDGET_DEFAULT))
-    return 0
-
-
-TREE_BUDGET_DEFAULT = 64    # passes.tree_verify's default (tests check they agree)
+    def factory(self, model, oracle: Oracle, vocab_size: int) -> Callable[[], object]:
+        """A fresh drafter per generation: n-gram, a model's (the drafter network), or a replay drafter
+        spending a model drafter's time."""
+        if self.kind == "ngram":
+            return lambda: NGramDrafter(self.max_ngram, self.min_ngram, self.top_k)
+        network = lambda: ModelDrafter(model, self.top_k, self.capacity, name=self.kind,  # noqa: E731
+                                       temperature=self.temperature)
+        if self.kind == "replay":
+            return lambda: ReplayDrafter(network(), oracle, self.replay, self.top_k, vocab_size)
+        return network
 
 
 def from_spec(spec) -> System:
-    from specpilot.compiler.loader import load_models
+    from specpilot.core.loader import load_models
 
     dtype = DTYPES[spec.deployment.dtype]
     target, drafter = load_models(spec)
     capacity, d = spec.deployment.max_seq_len, spec.drafter
     reference = ReferenceModel(target.cfg, target.weights, dtype)
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
-    make = _drafter_factory(d.kind, draft_model, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature)
+    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, replay_plan(spec))
+    oracle = Oracle()
+    make = setup.factory(draft_model, oracle, target.cfg.vocab_size)
     engines = Engines({"stock": Engine(reference), "stock-spec": Engine(reference, make)})
     budget = tree_budget(spec.passes)
     if budget:
@@ -204,46 +250,46 @@ def from_spec(spec) -> System:
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32)))
     return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
-                  d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype)
+                  d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype,
+                  setup=setup, oracle=oracle, draft_reference=draft_model)
 
 
 def from_build(build_dir: Path) -> System:
-    from specpilot.compiler.config import ModelConfig
+    from specpilot.core.config import ModelConfig
     from specpilot.runtime.engine import CompiledModule
 
     module = CompiledModule(build_dir)
     m = module.manifest
-    dtype, capacity, d = DTYPES[m["dtype"]], m["capacity"], m["drafter"]
-    device = "cuda" if m["target_kind"] == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
-    refs = {which: ReferenceModel(ModelConfig.from_dict(m["models"][which]), module.reference_weights(which), dtype,
-                                  device) for which in m["models"]}
-    compiled = {which: module.model(which) for which in m["models"]}
-    temperature = d.get("temperature", 1.0)     # builds before it was a drafter option
-    ref_make = _drafter_factory(d["kind"], refs.get("drafter"), d["top_k"], capacity, d["max_ngram"], d["min_ngram"],
-                                temperature)
-    cmp_make = _drafter_factory(d["kind"], compiled.get("drafter"), d["top_k"], capacity, d["max_ngram"],
-                                d["min_ngram"], temperature)
+    dtype, capacity, d = DTYPES[m.dtype], m.capacity, m.drafter
+    device = "cuda" if m.target_kind == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
+    refs = {which: ReferenceModel(ModelConfig.from_dict(m.models[which]), module.reference_weights(which), dtype,
+                                  device) for which in m.models}
+    compiled = {which: module.model(which) for which in m.models}
+    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
+    oracle, vocab = Oracle(), refs["target"].cfg.vocab_size
+    ref_make = setup.factory(refs.get("drafter"), oracle, vocab)
+    cmp_make = setup.factory(compiled.get("drafter"), oracle, vocab)
     engines = Engines({"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
                        "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)})
-    budget = tree_budget(m["pipeline"])
+    budget = m.tree_budget
     if budget:
         engines["stock-tree"] = Engine(refs["target"], ref_make, budget)
         engines["compiled-tree"] = Engine(compiled["target"], cmp_make, budget)
-        if "two-level-verify" in m["pipeline"]:
+        if m.two_level:
             engines["compiled-two-level"] = Engine(compiled["target"], cmp_make, budget, two_level=True)
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
                                                                   torch.float32, device)))
-    tok = Path(build_dir) / m["tokenizer"] if m.get("tokenizer") else None
+    tok = Path(build_dir) / m.tokenizer if m.tokenizer else None
     cfg = refs["target"].cfg
-    serving = m.get("serving") or {"draft_len": d["draft_len"]}
-    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, serving["draft_len"],
-                  tuple(cfg.eos_token_ids), m["dtype"], serving.get("draft_min", 1), serving.get("draft_dynamic", False))
+    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
+                  tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
+                  setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
 
 
 def load_system(spec_or_build: str | Path) -> System:
     path = Path(spec_or_build)
     if path.is_dir():
         return from_build(path)
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core.spec import load_spec
     return from_spec(load_spec(path))

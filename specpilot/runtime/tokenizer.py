@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 
 
 class ByteTokenizer:

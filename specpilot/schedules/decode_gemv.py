@@ -1,17 +1,17 @@
 """The batch-1 decode step's projections as one GEMV kernel each, with the RMSNorm before them
 inside: y[1, N] = norm(x)[1, K] . W[N, K]^T.
 
-In a decode step every projection reads a weight matrix once for one row of x, and every norm
-(two a layer and the final one) was a kernel of its own between them: 17 of the 81 kernels of a
-Qwen3-8B-shape step (8 layers), ~35 us of GPU time plus their launch gaps on the H200
-(bench/results/decode-20261201-131255.json, ``--trace``).  dlight's GEMV rule cannot take a
-reduction before its own.  Here the norm is the kernel's prologue: each block reads the row of
-x (8 KB at hidden 4096, from L2), sums its squares (float32, a fixed order: each thread's pieces,
-then a warp butterfly, then the warps in order), and writes the normalized row -- `lower`'s own
-RMSNorm expression (`lower._rms_scaled`, the same roundings) -- to shared memory, while the
-block's first weight loads are already in flight.  The order of the float32 sum of squares is
-not the standalone norm kernel's, so a fused build may differ from an unfused one in the last
-bit of a norm's scale; token forcing is the check (bench/gpu_forcing.py).
+In a decode step every projection reads a weight matrix once for one row of x; every norm (two a
+layer and the final one) as a kernel of its own between them would be 17 of the 81 kernels of a
+Qwen3-8B-shape step (8 layers), ~35 us of GPU time plus their launch gaps on the H200 (``--trace``,
+docs/bench-log.md).  dlight's GEMV rule cannot take a reduction before its own.  Here the norm is
+the kernel's prologue: each block reads the row of x (8 KB at hidden 4096, from L2), sums its
+squares (float32, a fixed order: each thread's pieces, then a warp butterfly, then the warps in
+order), and writes the normalized row -- `lower`'s own RMSNorm expression (`lower._rms_scaled`, the
+same roundings) -- to shared memory, while the block's first weight loads are already in flight.
+The order of the float32 sum of squares is not the standalone norm kernel's, so a fused build may
+differ from an unfused one in the last bit of a norm's scale; token forcing is the check
+(bench/gpu_forcing.py).
 
 The GEMV: a block of ``THREADS`` (8 warps); each warp takes ``rows_per_warp`` weight rows in
 turn; a lane reads 16-byte pieces q = 32 p + lane of a row (a warp's load is 512 contiguous
@@ -22,12 +22,12 @@ warp are chosen so that the grid is about one wave of resident blocks (`rows_per
 warp does the same work and no tail wave is left.  Elementwise epilogues (the cast to bf16, the
 residual add, the logits' rounding) fuse into the store through `epilogue.fuse_epilogues`.
 
-SwiGLU over a fused gate / up projection (silu(gate) * up of the output's two halves) joins the
-GEMV too (`fuse_pairs`, after FuseTIR): in the paired form a warp takes rows c and c + N / 2 one
-after the other and stores the activation of the two sums once.  H200, Qwen3-8B shapes, context
-512 (bench/results/decode-20261201-152333.json, same device session): step function 1.37 ms
-(81 kernels) -> 1.31 with the norm prologue -> 1.26 (56 kernels, 80.2 % of the copy bandwidth)
-with the pairs and decode attention's value rows loaded with its keys; 1.24 with CUDA graphs.
+SwiGLU over a fused gate / up projection (silu(gate) * up of the output's two halves) joins the GEMV
+too (`fuse_pairs`, after FuseTIR): in the paired form a warp takes rows c and c + N / 2 one after
+the other and stores the activation of the two sums once.  H200, Qwen3-8B shapes, context 512
+(docs/bench-log.md): step function 1.37 ms (81 kernels) -> 1.31 with the norm prologue -> 1.26 (56
+kernels, 80.2 % of the copy bandwidth) with the pairs and decode attention's value rows loaded with
+its keys; 1.24 with CUDA graphs.
 
 `substitute` (before FuseOps) points each static one-row bf16 NT matmul at this kernel, and a
 matmul whose x is an `lower.RMSNorm` output (its PrimFunc carries ``lower.NORM_ATTR``) at the
@@ -70,7 +70,7 @@ def decode_gemv(n_out: int, k_in: int, norm: str | None = None, dtype: str = "bf
     ``paired`` (N even, H = N / 2): a warp takes rows c and c + H one after the other and stores
     y[0, c], then y[0, c + H] -- the same y, in the form `epilogue.fuse_pair` turns into one store
     of a SwiGLU-like consumer of both.  Carries ``DECODE_ATTR`` (how to make it again, paired)."""
-    from specpilot.compiler.fast_frames import quick_stack
+    from specpilot.kernels.fast_frames import quick_stack
     if paired and n_out % 2:
         raise ValueError(f"decode GEMV: a paired form needs an even N, not {n_out}")
     with quick_stack():
@@ -81,7 +81,7 @@ def decode_gemv(n_out: int, k_in: int, norm: str | None = None, dtype: str = "bf
 def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: bool):
     from tvm.script import tirx as T
 
-    from specpilot.compiler.lower import _rms_scaled
+    from specpilot.kernels.norms import rms_scaled
 
     if not applicable(n_out, k_in):
         raise ValueError(f"decode GEMV: K={k_in} is not a multiple of {PIECE} or its row does not fit in shared memory")
@@ -160,7 +160,7 @@ def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: b
             for i in T.unroll(SR):
                 if not stage_ragged or i * THREADS + tid < row_pieces:
                     for v in T.unroll(PIECE):
-                        xs[(i * THREADS + tid) * PIECE + v] = T.Cast(dtype, _rms_scaled(
+                        xs[(i * THREADS + tid) * PIECE + v] = T.Cast(dtype, rms_scaled(
                             f32(xr[i, v]), ss[0], K, g[(i * THREADS + tid) * PIECE + v], float(norm["eps"]),
                             bool(norm["zero_centered"]), dtype, bool(norm["spelled"])))
         T.tvm_storage_sync("shared")
@@ -229,7 +229,7 @@ def substitute(mod):
     from tvm import relax, tirx
     from tvm.relax.expr_functor import PyExprMutator, mutator
 
-    from specpilot.compiler.lower import NORM_ATTR
+    from specpilot.kernels.norms import NORM_ATTR
     from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT, dataflow_blocks, rewrite_functions, tir_call
     shapes = {gv: decode_shape(f) for gv, f in mod.functions.items()}
     shapes = {gv: s for gv, s in shapes.items() if s is not None}

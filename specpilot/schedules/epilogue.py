@@ -12,12 +12,12 @@ expression and every store ``y[r, c] = acc`` of the kernel becomes ``out[r, c] =
 The arithmetic is the user's own expression tree with the same dtypes and casts; only where it
 runs changes (TVM's bf16 legalization then lowers it the same way), so a fused build computes bit
 for bit what the unfused one does (on the H200, the 27B-style hybrid's prefill, AR-step and
-tree-verify logits, conv states and records: bench/results/compare-builds-20261201-041853.json).
+tree-verify logits, conv states and records: bench/README "Build comparison").
 Users that move or drop elements (a slice, a transpose, a repeat) keep the float32 output; SwiGLU's
 two columns of a fused gate/up output (`paired_epilogue`) go into the paired forms of the decode
 GEMV (`decode_gemv.fuse_pairs`) and of the skinny warpgroup kernels (`skinny_mma.fuse_pairs`).
-(Column slices fused with one kernel output per user were measured in session 13 -- bit-identical,
-no faster, prefill slower -- and not kept; bench/README "Session 13".)
+(Column slices fused with one kernel output per user measure bit-identical, no faster and with
+prefill slower, so they are not fused; docs/bench-log.md.)
 
 Producers are PrimFuncs carrying the ``specpilot.epilogue_output`` attribute: the index of the
 parameter they only ever store to (the skinny kernels: 2).

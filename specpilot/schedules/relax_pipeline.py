@@ -53,8 +53,7 @@ def runs_on(schedule: str, kind: str, arch: str | None) -> bool:
 def default_schedule(kind: str, arch: str | None = None) -> str:
     """The set a build uses when nothing chose one: on sm_80+ GPUs ``skinny-mma`` (measured on the
     H200 against ``nt-gemv``: batch-1 decode the same, batch 4 / 8 decode 1.3x / 1.5x faster,
-    bench/results/decode-20261130-075234.json; 64-node tree verification 1.9x faster,
-    tree-verify-20261130-072340.json vs -073323.json)."""
+    64-node tree verification 1.9x faster; docs/bench-log.md)."""
     if runs_on("skinny-mma", kind, arch):
         return "skinny-mma"
     return DEFAULT[kind]

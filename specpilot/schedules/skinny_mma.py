@@ -1,7 +1,7 @@
 """Skinny bf16 GEMMs on tensor cores: y[M, N] = x[M, K] . W[N, K]^T for the few rows of
 decode (M <= 8), chain and tree verification (M up to ~72), where dlight's schedules are
 GEMVs (one weight read per row group, CUDA cores) or 128-row tensor-core tiles (most of the
-tile wasted, weights re-read): bench/results/tree-verify-* measured 0.11-0.28x cuBLAS.
+tile wasted, weights re-read): 0.11-0.28x cuBLAS on the H200 (docs/bench-log.md).
 
 The kernel swaps the operands: ``mma.sync.m16n8k16`` with W as the 16-row A operand and x as
 the 8-column B operand, so the long side N fills the tensor core's M and a group of 8 rows of x
@@ -12,7 +12,7 @@ tiles it holds ~200 registers, 8 warps per SM, and waits on DRAM every iteration
 ``Config.stages``) copies chunks of W and x into a ring in shared memory with ``cp.async``,
 ``stages - 1`` chunks ahead, so the weight stream stays in flight without registers.  On
 Hopper (sm_90a) a third, `_wgmma_kernel` (``Config.wgmma``), reads the same kind of ring with
-warpgroup MMAs straight from shared memory: the mma kernels were issue-bound at 65 rows.
+warpgroup MMAs straight from shared memory: the mma kernels are issue-bound at 65 rows.
 
 The K permutation: the dot product over K does not care about the order of its terms, so
 a lane's four k-slots of one mma ({2t, 2t+1, 2t+8, 2t+9}, t = lane % 4) may stand for any
@@ -33,7 +33,7 @@ of the shape is an unsplit warpgroup kernel, the paired form loads a block's wei
 the gate half and the same 32 of the up half, and each thread stores silu(gate) * up once from its
 two accumulators -- the float32 [m, 2 H] output and the activation's kernel gone; every output bit
 the unfused build's (H200, the 27B-style hybrid's prefill, AR steps, tree-verify logits, conv states
-and records: bench/results/compare-builds-20261201-181941.json).
+and records: bench/README "Build comparison").
 """
 
 from __future__ import annotations
@@ -114,12 +114,11 @@ SWIZZLE_ALIGN = 1024        # the 128-byte swizzle repeats every 8 rows: tiles s
 
 
 # (largest M the configuration serves, candidates in order of preference), from the H200 runs of
-# bench/skinny_gemm.py (bench/results/skinny-gemm-*).  The pipelined kernel led at every M measured
-# (skinny-gemm-20261130-175117: 1.2-2x the register kernel at 16-65 rows, at or above cuBLAS at 16
-# rows): 16 rows x 64 channels per block with 4 warps along N up to 8 rows, 8 warps splitting K at
-# 9-16, 32 rows x 128 channels at 17-32 where N gives half the SMs a block (else 16-row blocks;
-# skinny-gemm-20261130-180049), 72 rows with 3 stages beyond.  The register kernel stays as the
-# fallback for shapes those do not tile.
+# bench/skinny_gemm.py (docs/bench-log.md).  The pipelined kernel leads at every M measured (1.2-2x
+# the register kernel at 16-65 rows, at or above cuBLAS at 16 rows): 16 rows x 64 channels per
+# block with 4 warps along N up to 8 rows, 8 warps splitting K at 9-16, 32 rows x 128 channels at
+# 17-32 where N gives half the SMs a block (else 16-row blocks), 72 rows with 3 stages beyond.  The
+# register kernel stays as the fallback for shapes those do not tile.
 REGISTER = (
     (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
     (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
@@ -141,14 +140,14 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
     )
     if not wgmma:
         return mma
-    # H200, results/skinny-gemm-20261130-223924 and -225704 (27B and 8B shapes, 4-65 rows): the
-    # wgmma kernel 1.1-1.5x the mma kernels (lm_head at 65 rows 931 -> 657 us, cuBLAS 610; 17408 x
-    # 5120 88 -> 59, cuBLAS 48).  Per range two wgmma candidates; `pick` takes the one whose blocks
-    # fill the GPU's block slots best (`wave_efficiency`): 6 stages with one wgmma group in flight
-    # past the barrier led in most shapes, 4 stages (more blocks per SM) or two warpgroups (fewer
-    # blocks) where 6 stages would leave a nearly empty last wave (17408 channels at 65 rows: 272
-    # blocks for 264 slots, 69 us vs 59).  At 9-16 rows with few channel blocks mma's in-block K
-    # split led (17408 -> 5120: 46.7 vs 48.1 us) and stays.
+    # H200, 27B and 8B shapes at 4-65 rows (docs/bench-log.md): the wgmma kernel 1.1-1.5x the mma
+    # kernels (lm_head at 65 rows 931 -> 657 us, cuBLAS 610; 17408 x 5120 88 -> 59, cuBLAS 48).  Per
+    # range two wgmma candidates; `pick` takes the one whose blocks fill the GPU's block slots best
+    # (`wave_efficiency`): 6 stages with one wgmma group in flight past the barrier lead in most
+    # shapes, 4 stages (more blocks per SM) or two warpgroups (fewer blocks) where 6 stages would
+    # leave a nearly empty last wave (17408 channels at 65 rows: 272 blocks for 264 slots, 69 us vs
+    # 59).  At 9-16 rows with few channel blocks mma's in-block K split leads (17408 -> 5120: 46.7 vs
+    # 48.1 us) and stays.
     few = n_out // 64 < SMS
 
     def wg(mt, wn, stages, overlap=1):
@@ -159,9 +158,8 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
               72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
     wide = (WIDE,) if wide_fills(n_out) else ()
     # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
-    # 256 rows of x a block, unsplit (results/skinny-gemm-20261201-005512, 27B gate/up and down at
-    # 128-1024 rows: 1.3-1.9x the 72-row dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us;
-    # cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
+    # 256 rows of x a block, unsplit (27B gate/up and down at 128-1024 rows: 1.3-1.9x the 72-row
+    # dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us; cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
     # rows (17408 -> 5120 at 128 rows: 113 us vs 145).
     r128, r256 = wg(16, 1, 4), Config(32, 4, 2, 1, stages=3, wgmma=True)
     ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
@@ -172,12 +170,12 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
 
 # 33-72 rows: one warpgroup multiplying two 64-channel weight tiles by each x tile, 8 stages (one
 # block an SM), where those 128-channel blocks fill the GPU -- one wave of at least 80 % of the SMs
-# or at least 8 waves (`wide_fills`); elsewhere the last wave's few blocks run alone and it lost.
-# H200, results/skinny-gemm-20261201-202209.json, 65 rows (us, vs the 64-channel pick): 5120 ->
-# 16480 (129 blocks) 47.8 vs 52.2, -> 14336 (112) 43.6 vs 47.2, -> 248320 648.4 vs 656.7 (cuBLAS
-# 46.9 / 42.1 / 616.4); -> 34816 (272 blocks, 2.06 waves) 114.0 vs 108.0; with K split over
-# blocks (N = 5120, 17408 -> 5120) two tiles lost too (6 stages, split 8: 72.1 vs 61.2).  Three
-# tiles (192 channels, 6 stages) were no better where they fit (-> 248320 646.0, -> 16480 51.6).
+# or at least 8 waves (`wide_fills`); elsewhere the last wave's few blocks run alone and it loses.
+# H200, 65 rows (us, vs the 64-channel pick; bench/README "Skinny GEMMs"): 5120 -> 16480 (129
+# blocks) 47.8 vs 52.2, -> 14336 (112) 43.6 vs 47.2, -> 248320 648.4 vs 656.7 (cuBLAS 46.9 / 42.1
+# / 616.4); -> 34816 (272 blocks, 2.06 waves) 114.0 vs 108.0; with K split over blocks (N = 5120,
+# 17408 -> 5120) two tiles lose too (6 stages, split 8: 72.1 vs 61.2).  Three
+# tiles (192 channels, 6 stages) are no better where they fit (-> 248320 646.0, -> 16480 51.6).
 WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
 
 
@@ -195,12 +193,12 @@ def wide_split(n_out: int, k_in: int) -> Config | None:
     """33-72 rows, few channel blocks (fewer 64-channel blocks than SMs: K split over blocks anyway)
     and a long K (the down projection 17408 -> 5120): `WIDE` with K split over two blocks (so its
     blocks, doubled, fit one wave) -- x paid once per 128 channels and two float32 partials a
-    channel to add, where the 64-channel kernel split K eight ways (eight partials).  H200, 65 rows: 58.0 us vs 61.5 (8 splits of 64-channel blocks; three
-    tiles split 4 58.4: results/skinny-gemm-20261201-210920.json), round-robin 55.0 vs 66.4 (cuBLAS
-    59.4; skinny-gemm-20261201-224548); the 27B-style tree verification 1999-2020 us vs 2037-2057
-    with the tail form alone (1.28-1.29x vs 1.30x the AR step, tree-verify-20261201-2246* to
-    -2249*); bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml (its 17408 -> 512 down
-    projection takes it) passes (gpu-forcing-20261201-224538).  None elsewhere."""
+    channel to add, where the 64-channel kernel splits K eight ways (eight partials).  H200, 65 rows:
+    58.0 us vs 61.5 (8 splits of 64-channel blocks; three tiles split 4 58.4), round-robin 55.0 vs
+    66.4 (cuBLAS 59.4); the 27B-style tree verification 1999-2020 us vs 2037-2057 with the tail form
+    alone (1.28-1.29x vs 1.30x the AR step; bench/README "Skinny GEMMs", "Tree verification"); bf16
+    forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml (its 17408 -> 512 down projection takes it)
+    passes.  None elsewhere."""
     cfg = replace(WIDE, splits=2)
     if k_in < WIDE_SPLIT_K or n_out // 64 >= SMS or not cfg.fits(n_out, k_in):
         return None
@@ -241,10 +239,10 @@ def with_tail(cfg: Config, n_out: int, k_in: int) -> Config:
     whole 64-k chunks) that keep one block an SM: 5120 -> 34816 (the 27B gate / up, 544 blocks of 64
     channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths instead of 2 waves and 16
     blocks alone.  The eighths' partial sums go to a float32 workspace that a second kernel adds in a
-    fixed order (deterministic).  H200, results/skinny-gemm-20261201-222112.json, 65 rows round-robin:
-    107.3 us vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style
-    tree verification 2054-2056 vs 2062-2068 us (tree-verify-20261201-2221* to -2224*); bf16 forcing
-    of bench/specs/tiny-llama-tail-mlp-bf16.yaml, paired form, passes (gpu-forcing-20261201-222100)."""
+    fixed order (deterministic).  H200, 65 rows round-robin (bench/README "Skinny GEMMs"): 107.3 us
+    vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style tree
+    verification 2054-2056 vs 2062-2068 us; bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml,
+    paired form, passes."""
     if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
         return cfg
     _, rest = tail_blocks(cfg, n_out, k_in)
@@ -272,13 +270,13 @@ SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks stop
 def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
     """A pipelined configuration whose channel blocks alone leave SMs idle (fewer blocks than SMs,
     at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
-    each.  H200, results/skinny-gemm-20261130-203456.json: N = 5120 at 65 rows, K = 17408 111 ->
-    76 us (8 splits), K = 6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with
-    more channel blocks than SMs (N >= 14336) did not gain and keep one.  `pick` splits the mma
+    each.  H200 (docs/bench-log.md): N = 5120 at 65 rows, K = 17408 111 -> 76 us (8 splits), K =
+    6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with more channel blocks
+    than SMs (N >= 14336) do not gain and keep one.  `pick` splits the mma
     kernels only beyond 16 rows: in decode batches of 4 / 8 (Qwen3-8B shapes) the second kernel's
-    launch cost more than the split saved (results/decode-20261130-204510.json: 3.17 -> 3.32 ms at
-    batch 4, 3.32 -> 3.59 at 8), while tree verification gained (tree-verify-20261130-204330: 3495 ->
-    3319 us); the wgmma kernel's split paid at every row count (see `pick`)."""
+    launch costs more than the split saves (3.17 -> 3.32 ms at batch 4, 3.32 -> 3.59 at 8), while
+    tree verification gains (3495 -> 3319 us); the wgmma kernel's split pays at every row count
+    (see `pick`)."""
     if not cfg.stages or n_out // cfg.block_n() >= SMS:
         return cfg
     splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
@@ -288,7 +286,7 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
 def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, Config]] | None:
     """One configuration per M range for this shape, or None when no configuration tiles it.  K
     is split over blocks beyond 16 rows, and by the wgmma kernel at any row count (its split
-    measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit, skinny-gemm-20261130-223924)."""
+    measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit)."""
     out = []
     for limit, candidates in configs(n_out, wgmma):
         fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72 and c.a_tiles == 4) or
@@ -445,7 +443,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
         go to y rows row0 + ..."""
         # one buffer: TVM's shared-memory planner does not count the cp.async writes
         # (addresses) as uses, so two buffers read in different statements (one chunk
-        # in all) were given the same bytes -- W rows first, then the rows of x
+        # in all) get the same bytes -- W rows first, then the rows of x
         ring = T.alloc_buffer((S, BN + BM, KC), "bfloat16", scope="shared.dyn")
         wa = T.alloc_buffer((AT, 2, 8), "bfloat16", scope="local")
         af = T.alloc_buffer((2, AT, 8), "bfloat16", scope="local")
@@ -753,7 +751,7 @@ def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma:
     the last unbounded, to use instead of `pick`'s (benchmarks); ``wgmma``: `pick` may choose the
     sm_90a warpgroup kernel (build for sm_90a then); ``paired`` (`pairable` shapes): the kernels
     store y[r, c] and y[r, c + N / 2] one after the other (`fuse_pairs`)."""
-    from specpilot.compiler.fast_frames import quick_stack
+    from specpilot.kernels.fast_frames import quick_stack
     if paired and (configs is not None or not pairable(n_out, k_in, wgmma)):
         raise ValueError(f"N={n_out}, K={k_in}: no paired form (it needs unsplit warpgroup kernels throughout)")
     with quick_stack():

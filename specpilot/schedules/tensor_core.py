@@ -2,8 +2,8 @@
 
 TVM 0.27's dlight ``Matmul`` rule tensorizes float16 and int8 only; bf16 matmuls (every
 projection of a bf16 model with more than a few rows: prefill and verification) get its
-CUDA-core tiling, which on the H200 ran verification 20-30x slower than the weights' bytes
-allow (bench/results/tree-verify-*).  CUDA's WMMA API has bf16 fragments (16x16x16, float32
+CUDA-core tiling, which on the H200 runs verification 20-30x slower than the weights' bytes
+allow (docs/bench-log.md).  CUDA's WMMA API has bf16 fragments (16x16x16, float32
 accumulators, sm_80 and later), so this module registers bf16 forms of TVM's WMMA load and
 multiply intrinsics (the fill and store intrinsics are float32's, already registered) and
 applies dlight's own ``MatmulTensorization`` schedule with them.  The arithmetic is the
@@ -27,7 +27,7 @@ def _register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from specpilot.compiler.fast_frames import quick_stack
+    from specpilot.kernels.fast_frames import quick_stack
     with quick_stack():   # the import parses ~500 TVMScript intrinsics
         from tvm.s_tir.tensor_intrin import cuda as intrin
     names = {
@@ -98,7 +98,7 @@ class BF16Matmul(dl.ScheduleRule):
 def nt_matmul(n_out: int, k_in: int, dtype: str = "bfloat16", rows: int = 0):
     """A plain x[m, k] . W[n, k]^T PrimFunc with float32 products and sums, as Relax legalizes
     the models' projections (m symbolic, or ``rows``): what the rule is tested and timed on."""
-    from specpilot.compiler.fast_frames import quick_stack
+    from specpilot.kernels.fast_frames import quick_stack
     with quick_stack():
         return _nt_matmul(n_out, k_in, dtype, rows)
 

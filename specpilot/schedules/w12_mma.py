@@ -35,16 +35,15 @@ BLOCK = 64   # weights of one row per k block: 4 lanes x 16
 
 def candidates(n_out: int, k_in: int):
     """(largest M, configurations in order of preference) per range of M for this shape; ``unroll``
-    counts 64-wide k blocks in flight.  From the H200 runs of bench/w12_gemm.py
-    (results/w12-gemm-20261130-101324.json, -105524.json and -113709.json, tiled planes): up to 8 rows one 8-row
-    tile per warp, split-K over the fewest warps (4, 8 or 16 a block) that still give >= 3072
-    warps (N/16 tiles x warps); up to 16 rows two tiles over 8 warps; beyond, 32 rows a block
-    (x re-read per tile -- W12 loses to cuBLAS there, see bench/README)."""
+    counts 64-wide k blocks in flight.  From the H200 runs of bench/w12_gemm.py (tiled planes;
+    bench/README "W12 GEMM"): up to 8 rows one 8-row tile per warp, split-K over the fewest warps
+    (4, 8 or 16 a block) that still give >= 3072 warps (N/16 tiles x warps); up to 16 rows two
+    tiles over 8 warps; beyond, 32 rows a block (x re-read per tile -- W12 loses to cuBLAS there)."""
     tiles = n_out // 16
     wk = next((w for w in (4, 8) if tiles * w >= 3072), 16)
     wk32 = 2 if (n_out // 16) * 2 >= 1792 else 4
     # up to 1024 channels (64 tiles) beyond 16 rows: 16 rows a block over 8 warps beat 32-row blocks
-    # 1.4-2x (results/w12-gemm-20261130-113709.json, 4096 -> 1024 at 32-65 rows)
+    # 1.4-2x (4096 -> 1024 at 32-65 rows, bench/README "W12 GEMM")
     narrow = (Config(2, 1, 1, 8, 2),) if tiles <= 64 else ()
     return (
         (8, (Config(1, 1, 1, wk, 4 if wk == 4 else 2), Config(1, 1, 1, 8, 2), Config(1, 1, 1, 4, 2),
@@ -168,7 +167,7 @@ def w12_mma(n_out: int, k_in: int, hi_only: bool = False, configs: tuple | None 
     escapes (CSR by row: ptr (N+1,), col, exact bits; any number of entries, at least one slot:
     the kernel does not depend on the weights' values, so seeded builds can use it).
     One configuration per range of m, chosen at run time; ``configs`` overrides `pick` (benchmarks)."""
-    from specpilot.compiler.fast_frames import quick_stack
+    from specpilot.kernels.fast_frames import quick_stack
     with quick_stack():
         return _w12_mma(n_out, k_in, hi_only, configs)
 

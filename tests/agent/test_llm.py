@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from specpilot.agent.llm import LLMProposer
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
 

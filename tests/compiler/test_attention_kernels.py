@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from specpilot.compiler import kernels
+from specpilot import kernels
 from tests.kernel_helpers import run_cpu as _run, sm90_source
 
 
@@ -74,7 +74,7 @@ def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
 
 
 def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
-    text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    text = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'partial': kernels.attention_decode(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
                        "'rows': kernels.attention_rows_partial(1, 0, 1, 4, 4352, 256, 6, 'bfloat16', True, split=256, splits=16), "
 
@@ -89,13 +89,13 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     assert decode.rindex("mask_ptr[") < decode.index("__syncthreads()")
     # 16 query heads per KV head (Qwen3-235B-style): the P V partial sums meet a few heads a round,
     # so the block's static shared memory stays under 48 KB
-    wide = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    wide = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'partial': kernels.attention_decode(1, 0, 1, 4, 512, 128, 16, 'bfloat16')}")
     shared = [int(n) for n in re.findall(r"__shared__ alignas\(64\) float \w+\[(\d+)\]", wide)]
     assert shared and 4 * sum(shared) <= 48 * 1024
     # the builds' form: q holds the new token's keys and values too, and the kernel writes them into
     # the pool (kv_write's work); the key rows it reads are still all loaded before the first product
-    writing = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    writing = sm90_source(tmp_path, "from specpilot import kernels",
                           "{'partial': kernels.attention_decode(2, 1, 3, 8, 256, 128, 4, 'bfloat16', "
                           "q_heads=48, write_at=(32, 40))}")
     writing = writing[writing.index("partial_kernel("):]
@@ -108,7 +108,7 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     assert "__expf" in tail or "expf(" in tail
     assert re.search(r"counters_ptr\[[^;]*\] = 0;", tail) and "o_ptr[" in tail
     # without the merge (wide query groups: attention_combine's own kernel) no counter, no fence
-    split = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    split = sm90_source(tmp_path, "from specpilot import kernels",
                         "{'partial': kernels.attention_decode(1, 0, 1, 4, 512, 256, 6, 'bfloat16', q_heads=32, "
                         "write_at=(24, 28), merges=False)}")
     split = split[split.index("partial_kernel("):]
@@ -119,7 +119,7 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     assert rows.count("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 32
     assert "ptx_cp_async_cg" in rows and "cp.async.cg.shared.global" in text
     # the float16 form (a module of its own: CUDA wants one type per extern shared array name)
-    half = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    half = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'rows': kernels.attention_rows_partial(1, 0, 1, 2, 512, 64, 2, 'float16', True, splits=1)}")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in half and "ldmatrix" in half
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 import yaml
 
-from specpilot.compiler.build import build
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.compiler.build import BuildRequest, build
+from specpilot.core.manifest import Manifest, read_manifest
+from specpilot.core.spec import load_spec
+from specpilot.core.target import parse_target
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.systems import from_build
 from tests.conftest import TINY_CONFIGS
@@ -49,7 +50,7 @@ def _spec(tmp_path, arch):
 def built(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     spec = _spec(tmp, request.param)
-    manifest = build(spec, parse_target("llvm"), tmp / "build")
+    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp / "build"))
     return tmp / "build", manifest
 
 
@@ -57,13 +58,13 @@ def test_manifest_and_functions(built):
     out, manifest = built
     assert (out / "model.so").is_file() and (out / "params" / "params.safetensors").is_file()
     on_disk = json.loads((out / "manifest.json").read_text())
-    assert on_disk == manifest
-    hybrid = manifest["models"]["target"]["layer_types"].count("linear_attention") > 0
+    assert Manifest.model_validate(on_disk) == manifest
+    hybrid = manifest.models["target"]["layer_types"].count("linear_attention") > 0
     for fn in ("prefill", "decode", "verify"):
-        assert f"target_{fn}" in manifest["functions"]
-    assert ("target_commit" in manifest["functions"]) == hybrid
-    assert manifest["versions"]["apache-tvm"] == "0.27.0.post1"
-    assert set(manifest["hashes"]) == {"model.so", "params/params.safetensors"}
+        assert f"target_{fn}" in manifest.functions
+    assert ("target_commit" in manifest.functions) == hybrid
+    assert manifest.versions["apache-tvm"] == "0.27.0.post1"
+    assert set(manifest.hashes) == {"model.so", "params/params.safetensors"}
 
 
 @pytest.mark.parametrize("engine", ["compiled", "compiled-spec"])
@@ -211,7 +212,7 @@ def test_corrupt_build_is_refused(built, tmp_path):
 def test_unknown_pass_is_refused_before_building(tmp_path):
     spec = _spec(tmp_path, "Qwen3ForCausalLM")
     with pytest.raises(SpecPilotError, match="unknown pass"):
-        build(spec, parse_target("llvm"), tmp_path / "b", passes="fuse-everything")
+        build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b", passes="fuse-everything"))
 
 
 def test_cli_compile_run_verify(run_cli, tmp_path):
@@ -247,6 +248,6 @@ def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = (tmp_path / "b" / "model.so").read_bytes()
     assert data.count(b"\x50\xed\x55\xba") >= 1 and b"__global__" not in data
-    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert manifest["cuda_graph"] is True and manifest["pipeline"] == "kernel-schedule{graph=true}"
-    assert "target_decode_cuda_graph_capture" in manifest["functions"]
+    manifest = read_manifest(tmp_path / "b")
+    assert manifest.cuda_graph is True and manifest.pipeline == "kernel-schedule{graph=true}"
+    assert "target_decode_cuda_graph_capture" in manifest.functions

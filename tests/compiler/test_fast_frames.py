@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from specpilot.compiler.fast_frames import quick_stack
+from specpilot.kernels.fast_frames import quick_stack
 
 
 def _records(context):

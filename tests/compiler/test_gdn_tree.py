@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from specpilot.compiler import gdn_tree, kernels
+from specpilot import kernels
+from specpilot.kernels import gdn_tree
 from specpilot.compiler.lower import lower_deployment
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
@@ -125,7 +126,7 @@ def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
     """27B-class heads (2 blocks of 64 value columns a head, 8 warps), a narrow head and a
     stacked layer; the k / q rows, S_0 block and deltas in dynamic shared memory (> 48 KB at
     27B-class heads: TVM raises the kernel's limit at launch)."""
-    text = sm90_source(tmp_path, "from specpilot.compiler.gdn_tree import gated_delta_rule_tree as f",
+    text = sm90_source(tmp_path, "from specpilot.kernels.gdn_tree import gated_delta_rule_tree as f",
                        "{'big': f(48, 128, 128, True), 'narrow': f(3, 8, 5, True), "
                        "'stacked': f(4, 16, 12, True, stack=(3, 1))}")
     for name in ("big", "narrow", "stacked"):
@@ -141,7 +142,7 @@ def test_level_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
     of the k rows, S_0 and v blocks a cp.async before the first barrier, 32-bit indexing, the
     8-lane groups' shuffles."""
     f = gdn_tree.gated_delta_rule_tree
-    text = sm90_source(tmp_path, "from specpilot.compiler.gdn_tree import gated_delta_rule_tree as f",
+    text = sm90_source(tmp_path, "from specpilot.kernels.gdn_tree import gated_delta_rule_tree as f",
                        "{'big': f(48, 128, 128, True, levels=True, nmax=72, columns=32), "
                        "'odd': f(3, 10, 5, True, levels=True, nmax=16, columns=32), "
                        "'stacked': f(4, 16, 12, True, stack=(3, 1), levels=True, nmax=24, columns=32), "
@@ -204,7 +205,7 @@ def test_the_pass_picks_the_form(text, form, solve, tokens):
 def test_a_chunked_build_verifies_at_most_its_limit(tmp_path, monkeypatch):
     """The limit travels in the manifest: within it tree decoding is exact, past it the engine
     says so before calling the kernel (the kernel's own check is the backstop)."""
-    from specpilot.errors import SpecPilotError
+    from specpilot.core.errors import SpecPilotError
     from specpilot.runtime.decoding import speculative_tree
     from specpilot.runtime.systems import from_build
     from tests.conftest import TINY_CONFIGS, build_spec

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.compiler.kernels import gated_delta_rule, gdn_commit
+from specpilot.kernels import gated_delta_rule, gdn_commit
 from tests.kernel_helpers import sm90_source
 
 
@@ -34,7 +34,7 @@ def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
 
 
 def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
-    text = sm90_source(tmp_path, "from specpilot.compiler.kernels import gated_delta_rule, gdn_commit",
+    text = sm90_source(tmp_path, "from specpilot.kernels import gated_delta_rule, gdn_commit",
                        "{'tree': gated_delta_rule(4, 16, 12, True, True, True), "
                        "'chain': gated_delta_rule(4, 16, 12, True, True), "
                        "'step': gated_delta_rule(4, 16, 12, False, True), "
@@ -50,7 +50,7 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
 def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
     """27B-class layers have 10240 conv channels: a block per (token or sequence, 256 channels),
     not one block looping over all of them (one block per sequence in decode)."""
-    from specpilot.compiler import kernels
+    from specpilot import kernels
     text = getattr(kernels, make)(10240, 4, "bfloat16", True).script()
     assert 'T.thread_binding(40, thread="blockIdx.y")' in text and 'T.thread_binding(256, thread="threadIdx.x")' in text
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specpilot.compiler.lower import attention_heads_te, rms_norm_te
+from specpilot.kernels.norms import attention_heads_te, rms_norm_te
 from specpilot.runtime.reference.model import rms_norm as reference_rms_norm, rotate_half
 
 
@@ -152,7 +152,7 @@ def _build_gdn(kind: str, dtype: str, shape, fused: bool):
     import tvm
     from tvm import relax, tirx
 
-    from specpilot.compiler.lower import gated_norm_te, l2norm_te
+    from specpilot.kernels.norms import gated_norm_te, l2norm_te
     bb = relax.BlockBuilder()
     T = tirx.Var("T", "int64")
     full = [T, *shape[1:]]
@@ -207,7 +207,7 @@ def test_gpu_forms_keep_the_roundings_as_native_casts(tmp_path):
     keeps the float32 <- bf16 <- float32 pair (CUDA computes bf16 natively; nothing folds it away)."""
     from tests.kernel_helpers import sm90_source
     setup = ("from tvm import te\nfrom tvm.s_tir import dlight as dl\n"
-             "from specpilot.compiler.lower import attention_heads_te, rms_norm_te, gated_norm_te\n"
+             "from specpilot.kernels.norms import attention_heads_te, rms_norm_te, gated_norm_te\n"
              "x = te.placeholder((4, 4096), 'bfloat16', name='x'); w = te.placeholder((4096,), 'bfloat16', name='w')\n"
              "o = te.placeholder((1, 48, 128), 'float32', name='o'); v = te.placeholder((128,), 'bfloat16', name='v')\n"
              "z = te.placeholder((1, 48, 128), 'bfloat16', name='z')\n"
@@ -284,7 +284,7 @@ def test_one_kernel_rotary_is_the_operators_bit_for_bit(dtype, half, B, T):
     import tvm
     from tvm import relax
 
-    from specpilot.compiler.lower import rotary_te
+    from specpilot.kernels.norms import rotary_te
     bb = relax.BlockBuilder()
     pos = relax.Var("pos", relax.TensorType([B, T], "int32"))
     inv = relax.Var("inv", relax.TensorType([half], "float32"))
@@ -317,7 +317,7 @@ def test_spelled_bf16_rounding_is_torchs_bit_for_bit():
     import tvm
     from tvm import te
 
-    from specpilot.compiler.lower import round_to
+    from specpilot.kernels.norms import round_to
     rng = np.random.default_rng(0)
     special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001,
                         0x7FFFFFFF, 0xFFFFFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x00000001, 0x00008000,

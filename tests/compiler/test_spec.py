@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpilot.compiler.loader import load_models
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.weights import random_weights, save_checkpoint
-from specpilot.errors import SpecError, SpecPilotError
+from specpilot.core.loader import load_models
+from specpilot.core.spec import load_spec
+from specpilot.core.weights import random_weights, save_checkpoint
+from specpilot.core.errors import SpecError, SpecPilotError
 from tests.conftest import TINY_CONFIGS, tiny_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specpilot.cli import _join_target_flags
-from specpilot.compiler.target import DEVICES, parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.compiler.build import tvm_target
+from specpilot.core.target import DEVICES, parse_target
+from specpilot.core.errors import SpecPilotError
 
 
 @pytest.mark.parametrize("text,kind,arch,device,compiled", [
@@ -21,10 +22,10 @@ def test_parse(text, kind, arch, device, compiled):
     t = parse_target(text)
     assert (t.kind, t.arch, t.device) == (kind, arch, device)
     assert parse_target(t.text()) == t
-    tvm_target = t.tvm_target()
-    assert tvm_target.kind.name == kind
+    compiled_for = tvm_target(t)
+    assert compiled_for.kind.name == kind
     if arch:
-        assert str(tvm_target.attrs["arch"]) == compiled
+        assert str(compiled_for.attrs["arch"]) == compiled
 
 
 @pytest.mark.parametrize("text,message", [

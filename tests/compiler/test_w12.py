@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.compiler import w12
-from specpilot.errors import CheckpointError, SpecPilotError
+from specpilot.core import w12
+from specpilot.core.errors import CheckpointError, SpecPilotError
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specpilot.compiler.weights import load_checkpoint, parameter_shapes, random_weights, save_checkpoint
-from specpilot.errors import CheckpointError
+from specpilot.core.weights import load_checkpoint, parameter_shapes, random_weights, save_checkpoint
+from specpilot.core.errors import CheckpointError
 from tests.conftest import TINY_CONFIGS, tiny_config
 
 
@@ -101,7 +101,7 @@ def test_broken_checkpoints(tmp_path, damage, message):
 
 
 def test_not_a_gguf_file(tmp_path):
-    from specpilot.compiler.weights import gguf_to_checkpoint
+    from specpilot.core.weights import gguf_to_checkpoint
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 not gguf")
     with pytest.raises(CheckpointError, match="not a GGUF file"):

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from specpilot.compiler.build import system_hash
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.core.spec import load_spec
+from specpilot.core.target import parse_target
+from specpilot.core.errors import SpecPilotError
+from specpilot.agent.reproduce import reproduce_hash
 from specpilot.memory.store import Applicability, Entry, Memory
 
 SPEC = Path(__file__).parents[2] / "examples" / "tiny-llama.yaml"
@@ -38,51 +39,51 @@ def hashes():
 def test_entry_stored_only_if_it_reproduces(tmp_path, hashes):
     mem = Memory(tmp_path / "m.sqlite")
     assert mem.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    good = mem.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    good = mem.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]), reproduce_hash)
     assert good.id == good.key() and good.options == {"draft-length": {"length": 2, "dynamic": False, "min": 1}}
-    assert mem.verify(good.id) == []
+    assert mem.verify(good.id, reproduce_hash) == []
     # a source hash from another system: not stored, and the message says what differed
     with pytest.raises(SpecPilotError, match=r"gives IRModule [0-9a-f]{16}, not the source system's 00000000"):
-        mem.add(_entry("draft-length{length=3}", "0" * 16))
+        mem.add(_entry("draft-length{length=3}", "0" * 16), reproduce_hash)
     # non-canonical text is canonicalized before the check (defaults dropped, options ordered)
     dyn = mem.add(_entry("draft-length{dynamic=true,length=2,min=1}", hashes["draft-length{dynamic=true,length=2}"],
-                         dependencies=[good.id]))
-    assert dyn.pipeline == "draft-length{length=2,dynamic=true}" and mem.verify(dyn.id) == []
+                         dependencies=[good.id]), reproduce_hash)
+    assert dyn.pipeline == "draft-length{length=2,dynamic=true}" and mem.verify(dyn.id, reproduce_hash) == []
     # a dependency whose passes the entry lacks, or one that is not stored
     bad = _entry("draft-length{length=2}", hashes["draft-length{length=2}"], dependencies=["feedbeef0000"])
     with pytest.raises(SpecPilotError, match="dependency feedbeef0000 is not in the memory"):
-        mem.add(bad)
+        mem.add(bad, reproduce_hash)
     assert [e.id for e in mem.entries()] == [good.id, dyn.id]
     # tampering with a stored entry: verify reports it
     body = json.loads(mem.db.execute("SELECT body FROM entries WHERE id = ?", (good.id,)).fetchone()[0])
     body["source_hash"] = "1" * 16
     mem.db.execute("UPDATE entries SET body = ? WHERE id = ?", (json.dumps(body), good.id))
-    assert any("not the source system's 1111111111111111" in p for p in mem.verify(good.id))
+    assert any("not the source system's 1111111111111111" in p for p in mem.verify(good.id, reproduce_hash))
 
 
 def test_export_import_round_trip_and_garbage(tmp_path, hashes):
     src = Memory(tmp_path / "a.sqlite")
-    first = src.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    first = src.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]), reproduce_hash)
     src.add(_entry("draft-length{length=2,dynamic=true}", hashes["draft-length{dynamic=true,length=2}"],
-                   dependencies=[first.id]))
+                   dependencies=[first.id]), reproduce_hash)
     data = src.export()
     data["entries"].reverse()             # dependencies after dependents: import orders them
     dst = Memory(tmp_path / "b.sqlite")
-    assert len(dst.import_(json.loads(json.dumps(data)))) == 2
+    assert len(dst.import_(json.loads(json.dumps(data)), reproduce_hash)) == 2
     assert [e.pipeline for e in dst.entries()] == [e.pipeline for e in src.entries()]
     with pytest.raises(SpecPilotError, match="not a SpecPilot memory export"):
-        dst.import_({"entries": []})
+        dst.import_({"entries": []}, reproduce_hash)
     with pytest.raises(SpecPilotError, match="entry field entries|entry field applicability"):
-        dst.import_({"format": "specpilot-memory", "version": 1, "entries": [{"pipeline": "x"}]})
+        dst.import_({"format": "specpilot-memory", "version": 1, "entries": [{"pipeline": "x"}]}, reproduce_hash)
     forged = json.loads(json.dumps(data))
     forged["entries"][0]["pipeline"] = "w12-layout"   # id no longer matches the content
     with pytest.raises(SpecPilotError, match="does not match its pipeline and scope"):
-        Memory(tmp_path / "c.sqlite").import_(forged)
+        Memory(tmp_path / "c.sqlite").import_(forged, reproduce_hash)
     evil = json.loads(json.dumps(data))
     evil["entries"] = [evil["entries"][1]]
     evil["entries"][0].update(pipeline="__import__('os').system('true')", id="")
     with pytest.raises(SpecPilotError, match="pipeline does not parse"):
-        Memory(tmp_path / "d.sqlite").import_(evil)
+        Memory(tmp_path / "d.sqlite").import_(evil, reproduce_hash)
     (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
     with pytest.raises(SpecPilotError, match="not a usable SpecPilot memory"):
         Memory(tmp_path / "junk.sqlite")
@@ -112,7 +113,7 @@ def test_concurrent_writers(tmp_path):
 
 def test_cli_ls_show_verify(tmp_path, run_cli, hashes):
     path = tmp_path / "m.sqlite"
-    e = Memory(path).add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]))
+    e = Memory(path).add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]), reproduce_hash)
     code, out, _ = run_cli("memory", "ls", "--json", "--memory", path)
     rows = json.loads(out)
     assert code == 0 and rows[0]["id"] == e.id and rows[0]["pipeline"] == "draft-length{length=2}"
@@ -165,7 +166,7 @@ def test_an_entry_from_a_seeded_gpu_build_reproduces_with_seeded_lowering(tmp_pa
         return Entry(pipeline="w12-layout", source_hash=seeded, applicability=scope, target="cuda -arch=sm_90",
                      spec=spec.model_dump(mode="json"), spec_path=str(spec_path), constraints=constraints)
     mem = Memory(tmp_path / "m.sqlite")
-    stored = mem.add(entry(params="seeded"))
-    assert mem.verify(stored.id) == []
+    stored = mem.add(entry(params="seeded"), reproduce_hash)
+    assert mem.verify(stored.id, reproduce_hash) == []
     with pytest.raises(SpecPilotError, match="not the source system's"):     # lowered with the weights: another module
-        mem.add(entry())
+        mem.add(entry(), reproduce_hash)

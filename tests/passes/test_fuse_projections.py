@@ -11,8 +11,8 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from specpilot.compiler.weights import fuse_params
-from specpilot.errors import SpecPilotError
+from specpilot.core.weights import fuse_params
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.legality import check
 from specpilot.passes.pipeline import parse
@@ -120,15 +120,15 @@ def test_w12_layout_must_come_after_it():
     ("tiny-llama.yaml", "fuse-projections,w12-layout", "file"),  # W12 converts the stacked weights
 ])
 def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, params, tmp_path):
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
 
-    manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b", passes=passes,
-                     params=params)
-    stats = manifest["passes"][0]["statistics"]
+    manifest = build(BuildRequest(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b", passes=passes,
+                     params=params))
+    stats = manifest.passes[0]["statistics"]
     assert stats["groups"] > 0 and stats["parameters_after"] < stats["parameters_before"]
-    assert manifest["fused"] and all("+" in name for name in manifest["fused"])
+    assert manifest.fused and all("+" in name for name in manifest.fused)
     if "w12-layout" in passes:
-        assert any("+" in name for name in manifest["w12"]["weights"])
+        assert any("+" in name for name in manifest.w12["weights"])
     assert_forces_exactly(tmp_path / "b", 96)

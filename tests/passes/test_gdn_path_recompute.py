@@ -10,9 +10,9 @@ import pytest
 import torch
 import tvm_ffi
 
-from specpilot.compiler import kernels
+from specpilot import kernels
 from specpilot.compiler.lower import lower_deployment
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline

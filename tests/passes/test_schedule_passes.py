@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from specpilot.compiler.build import build, lower_and_apply
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.compiler.build import BuildRequest, build, lower_and_apply
+from specpilot.core.spec import load_spec
+from specpilot.core.target import parse_target
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.legality import check
 from specpilot.passes.pipeline import parse
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.systems import from_build
-from specpilot.schedules.serving import DraftSchedule
+from specpilot.runtime.draft_schedule import DraftSchedule
 
 LLAMA = Path(__file__).parents[2] / "examples" / "tiny-llama.yaml"
 
@@ -48,8 +48,9 @@ def test_legality_of_schedule_passes():
 
 def test_schedule_passes_only_annotate():
     spec, target = load_spec(LLAMA), parse_target("llvm")
-    stock, *_ = lower_and_apply(spec, target, "")
-    mod, records, *_ = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true},kernel-schedule{set=cpu-nt}")
+    stock = lower_and_apply(spec, target, "").mod
+    lowered = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true},kernel-schedule{set=cpu-nt}")
+    mod, records = lowered.mod, lowered.records
     assert {k: str(v) for k, v in mod.attrs.items()} == {
         "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1",
         "specpilot.schedule": "cpu-nt"}
@@ -72,8 +73,8 @@ def test_fault_passes_short_forcing_and_fails_long(tmp_path):
     40 on is invisible to forcing that stops before it and caught by forcing past it."""
     spec = load_spec(LLAMA)
     d = tmp_path / "b"
-    manifest = build(spec, parse_target("llvm"), d, passes="draft-length{length=2},logit-bias-fault{after=40,token=5}")
-    assert manifest["serving"]["draft_len"] == 2 and manifest["passes"][1]["statistics"] == {"functions_faulted": 3}
+    manifest = build(BuildRequest(spec, parse_target("llvm"), d, passes="draft-length{length=2},logit-bias-fault{after=40,token=5}"))
+    assert manifest.serving.draft_len == 2 and manifest.passes[1]["statistics"] == {"functions_faulted": 3}
     system = from_build(d)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]                         # 8 tokens: new token i sits at position 8 + i - 1
     for engine in ("compiled", "compiled-spec"):
@@ -111,4 +112,4 @@ def test_skinny_mma_is_the_default_on_sm80_and_later_and_illegal_before():
 
 def test_build_refuses_skinny_mma_where_it_cannot_run(tmp_path):
     with pytest.raises(SpecPilotError, match="skinny-mma needs a cuda target of sm_80 or later"):
-        build(load_spec(LLAMA), parse_target("llvm"), tmp_path / "b", schedule="skinny-mma")
+        build(BuildRequest(load_spec(LLAMA), parse_target("llvm"), tmp_path / "b", schedule="skinny-mma"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import Option, Pass, PassContext
 from specpilot.passes.legality import check, orderings
 from specpilot.passes.pipeline import Pipeline, parse
@@ -164,16 +164,23 @@ def test_runner_applies_instruments_and_refuses_illegal():
 
 
 def test_empty_registry_and_spec_passes_key(tmp_path):
+    """A spec's pipeline is checked in two places: its grammar when the spec loads (core knows no
+    passes), which passes exist when it is lowered; both errors name the spec's ``passes`` field."""
     import yaml
 
-    from specpilot.compiler.spec import load_spec
-    from specpilot.errors import SpecError
+    from specpilot.compiler.build import lower_and_apply
+    from specpilot.core.spec import load_spec
+    from specpilot.core.errors import SpecError
+    from specpilot.core.target import parse_target
     assert Pipeline() == parse("")
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump({"target": {"architecture": "LlamaForCausalLM", "config": {
         "vocab_size": 300, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 1,
         "num_attention_heads": 2}, "init": {"seed": 0}}, "passes": "no-such-pass{x=1}"}))
     with pytest.raises(SpecError, match=r"m.yaml: passes: pipeline 'no-such-pass\{x=1\}', column 1: unknown pass"):
+        lower_and_apply(load_spec(path), parse_target("llvm"))
+    path.write_text(path.read_text().replace("no-such-pass{x=1}", "tree-verify{budget"))
+    with pytest.raises(SpecError, match=r"m.yaml: passes: pipeline 'tree-verify\{budget', column 13: expected key=value"):
         load_spec(path)
 
 

@@ -8,12 +8,12 @@ import pytest
 import tvm
 import yaml
 
-from specpilot.compiler.build import build
-from specpilot.compiler.config import ModelConfig
+from specpilot.compiler.build import BuildRequest, build
+from specpilot.core.config import ModelConfig
 from specpilot.compiler.lower import lower_deployment
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.core.spec import load_spec
+from specpilot.core.target import parse_target
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
@@ -51,7 +51,7 @@ def test_illegal_uses_are_refused_with_the_reason(text, context, reason):
 
 def test_compact_kv_kernel_moves_entries_within_a_row():
     """Reference semantics on random data: entries move in order inside the given pool row only."""
-    from specpilot.compiler import kernels
+    from specpilot import kernels
     A, R, H, S, d = 2, 3, 2, 11, 5
     kernel = kernels.compact_kv(A, R, H, S, d, "float32", gpu=False)
     lib = tvm.compile(kernel.with_attr("global_symbol", "compact_kv"), target="llvm")
@@ -76,7 +76,7 @@ def tree_build(tmp_path_factory):
             "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
             "passes": "tree-verify{budget=16}"}
     (tmp / "model.yaml").write_text(yaml.safe_dump(data))
-    build(load_spec(tmp / "model.yaml"), parse_target("llvm"), tmp / "b")
+    build(BuildRequest(load_spec(tmp / "model.yaml"), parse_target("llvm"), tmp / "b"))
     return tmp / "b"
 
 
@@ -101,7 +101,7 @@ def test_a_build_without_tree_verify_cannot_keep_a_tree_path(tmp_path):
     data = {"target": {"architecture": DENSE, "config": TINY_CONFIGS[DENSE], "init": {"seed": 1}},
             "drafter": {"kind": "ngram"}, "deployment": {"dtype": "float32", "max_seq_len": 64}}
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
-    build(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b")
+    build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b"))
     model = from_build(tmp_path / "b").engines["compiled"].model
     st = model.new_state(64)
     model.forward([1, 2, 3, 4], st)
@@ -112,8 +112,8 @@ def test_a_build_without_tree_verify_cannot_keep_a_tree_path(tmp_path):
 
 @pytest.mark.parametrize("text", ["tree-verify", "tree-verify{budget=8}", "w12-layout,tree-verify{budget=32},gdn-path-recompute",
                                   "draft-length{length=2}", ""])
-def test_runtime_reads_the_budget_from_pipeline_text_like_the_parser(text):
+def test_the_grammar_reads_the_budget_like_the_parser(text):
     from specpilot.passes.pipeline import parse
-    from specpilot.runtime.systems import tree_budget
+    from specpilot.core.pipeline_text import tree_budget
     want = next((p["budget"] for p in parse(text).passes if p.name == "tree-verify"), 0)
     assert tree_budget(text) == want

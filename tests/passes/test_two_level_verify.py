@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpilot.compiler.build import build
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.target import parse_target
-from specpilot.errors import SpecPilotError
+from specpilot.compiler.build import BuildRequest, build
+from specpilot.core.spec import load_spec
+from specpilot.core.target import parse_target
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.legality import require_legal
 from specpilot.passes.pipeline import parse
@@ -33,7 +33,7 @@ def test_two_level_decoding_is_exact(example, tmp_path):
     data["passes"] = PIPELINES[example]
     spec_path = tmp_path / example
     spec_path.write_text(yaml.safe_dump(data))
-    build(load_spec(spec_path), parse_target("llvm"), tmp_path / "b")
+    build(BuildRequest(load_spec(spec_path), parse_target("llvm"), tmp_path / "b"))
     system = from_build(tmp_path / "b")
     model, make = system.engines["compiled"].model, system.engines["compiled-two-level"].drafter
     prompt = system.tokenizer.encode("def fibonacci(n):")

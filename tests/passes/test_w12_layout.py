@@ -12,8 +12,9 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from specpilot.compiler import kernels, w12
-from specpilot.errors import SpecPilotError
+from specpilot.core import w12
+from specpilot import kernels
+from specpilot.core.errors import SpecPilotError
 from specpilot.passes.base import PassContext
 from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
@@ -119,25 +120,25 @@ def test_illegal_contexts_raise(context, reason):
 
 @pytest.mark.parametrize("example", ["tiny-llama.yaml", "tiny-hybrid.yaml"])
 def test_compiled_w12_builds_pass_token_forcing_exactly(example, tmp_path):
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
 
-    manifest = build(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b",
-                     passes="w12-layout")
-    stats = manifest["passes"][0]["statistics"]
-    assert manifest["pipeline"] == "w12-layout" and stats["weights"] > 0 and stats["rewritten"] > 0
+    manifest = build(BuildRequest(load_spec(ROOT / "examples" / example), parse_target("llvm"), tmp_path / "b",
+                     passes="w12-layout"))
+    stats = manifest.passes[0]["statistics"]
+    assert manifest.pipeline == "w12-layout" and stats["weights"] > 0 and stats["rewritten"] > 0
     assert stats["bytes_after"] < 0.8 * stats["bytes_before"]
     assert_forces_exactly(tmp_path / "b", 128)
 
 
 def test_seeded_build_refuses_w12(tmp_path):
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
     with pytest.raises(SpecPilotError, match="w12-layout: on the CPU it needs the weights at build time"):
-        build(load_spec(ROOT / "examples" / "tiny-llama.yaml"), parse_target("llvm"), tmp_path / "b",
-              passes="w12-layout", params="seeded")
+        build(BuildRequest(load_spec(ROOT / "examples" / "tiny-llama.yaml"), parse_target("llvm"), tmp_path / "b",
+              passes="w12-layout", params="seeded"))
 
 
 def test_nested_int8_view_before_expected():
@@ -177,13 +178,13 @@ def test_nested_int8_view_needs_w12_layout():
 def test_view_function_in_a_build_is_close_not_exact(tmp_path):
     import numpy as np
 
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
     from specpilot.runtime.engine import CompiledModule
-    manifest = build(load_spec(ROOT / "examples" / "tiny-hybrid.yaml"), parse_target("llvm"), tmp_path / "b",
-                     passes="w12-layout,nested-int8-view")
-    assert "target_verify_view" in manifest["functions"]
+    manifest = build(BuildRequest(load_spec(ROOT / "examples" / "tiny-hybrid.yaml"), parse_target("llvm"), tmp_path / "b",
+                     passes="w12-layout,nested-int8-view"))
+    assert "target_verify_view" in manifest.functions
     module = CompiledModule(tmp_path / "b")
     model = module.model("target")
     state = model.new_state(1024)
@@ -207,18 +208,19 @@ def test_gpu_w12_converts_the_same_weights_with_or_without_them_at_build_time():
     on the redrawn weights (stacked projections, then W12 planes) gives the names and values a
     build with the weights stores."""
     from specpilot.compiler.build import lower_and_apply
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
-    from specpilot.compiler.weights import packed_parameters, rewritten_parameters
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
+    from specpilot.core.weights import packed_parameters, rewritten_parameters
 
     spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-w12-bf16.yaml")
     target = parse_target("cuda -arch=sm_90")
     pipeline_text = "fuse-projections,w12-layout,nested-int8-view"
     runs = {}
     for mode in ("file", "seeded"):
-        mod, records, context, pipeline, names, models = lower_and_apply(spec, target, pipeline_text, mode)
-        entries = {p.name: p.manifest_entry(context) for p in pipeline if p.manifest_key}
-        runs[mode] = (mod, records, context.params, entries, models)
+        lowered = lower_and_apply(spec, target, pipeline_text, mode)
+        entries = {p.name: p.manifest_entry(lowered.context) for p in lowered.pipeline if p.manifest_key}
+        runs[mode] = (lowered.mod, lowered.records, lowered.context.params, entries,
+                      (lowered.target_model, lowered.drafter_model))
     (mod, records, stored, entries, (tgt, drf)), (smod, srecords, snames, sentries, _) = runs["file"], runs["seeded"]
     fused, entry = entries["fuse-projections"], entries["w12-layout"]
     stats = records[1].statistics
@@ -252,12 +254,13 @@ def test_gpu_w12_does_not_fire_on_shapes_the_kernel_does_not_tile():
     """tiny-llama-bf16 (hidden 96, MLP 203): no target matrix has N % 16 == 0 and K % 64 == 0, so on
     cuda nothing is converted and the IR is stock's."""
     from specpilot.compiler.build import lower_and_apply
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
 
     spec = load_spec(ROOT / "bench" / "specs" / "tiny-llama-bf16.yaml")
     target = parse_target("cuda -arch=sm_90")
-    stock, _, context, *_ = lower_and_apply(spec, target, "", "seeded")
+    lowered = lower_and_apply(spec, target, "", "seeded")
+    stock, context = lowered.mod, lowered.context
     mod, records = run_pipeline(parse("w12-layout"), stock, context)
     assert records[0].statistics["weights"] == 0
     tvm.ir.assert_structural_equal(mod, stock)
@@ -270,14 +273,14 @@ def test_view_copy_shares_no_constant_nodes_with_its_source(tmp_path):
     import yaml
 
     from specpilot.compiler.build import lower_and_apply
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
 
     data = yaml.safe_load((ROOT / "bench" / "specs" / "tiny-llama-w12-bf16.yaml").read_text())
     data["target"]["config"]["num_attention_heads"] = 8
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(data))
     spec = load_spec(tmp_path / "spec.yaml")
-    mod, *_ = lower_and_apply(spec, parse_target("cuda -arch=sm_90"), "w12-layout,nested-int8-view", "seeded")
+    mod = lower_and_apply(spec, parse_target("cuda -arch=sm_90"), "w12-layout,nested-int8-view", "seeded").mod
 
     def constants(func):
         found = []

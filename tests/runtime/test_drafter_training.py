@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from specpilot.compiler import adapter
-from specpilot.compiler.loader import early_exit, load_models
-from specpilot.compiler.spec import load_spec
-from specpilot.compiler.weights import random_weights
-from specpilot.errors import CheckpointError, SpecError, SpecPilotError
+from specpilot.core import adapter
+from specpilot.core.loader import early_exit, load_models
+from specpilot.core.spec import load_spec
+from specpilot.core.weights import random_weights
+from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 from specpilot.runtime import drafter_training as dt
 from specpilot.runtime.decoding import autoregressive
 from specpilot.runtime.reference.model import ReferenceModel
@@ -48,7 +48,7 @@ def test_batched_forward_is_the_reference(arch):
     for b, row in enumerate(rows):
         want = ref.forward(row, ref.new_state(32))
         torch.testing.assert_close(logits[b, :len(row)], want, rtol=1e-5, atol=1e-5)
-    from specpilot.compiler.loader import LoadedModel
+    from specpilot.core.loader import LoadedModel
     for L in (1, 2):
         sub = early_exit(LoadedModel(cfg, w, None, "t"), L)
         small = ReferenceModel(sub.cfg, sub.weights)
@@ -219,8 +219,8 @@ def test_missing_adapter_file_names_the_key(tmp_path):
 def test_cli_train_then_compiled_build_is_lossless(tmp_path, trained, run_cli):
     """`specpilot drafter train` writes adapters a spec then uses; the compiled build of that
     spec (llvm) passes token forcing against stock, and stores the target's shared layers once."""
-    from specpilot.compiler.build import build
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.target import parse_target
     from specpilot.runtime.forcing import force_requests
     from specpilot.runtime.systems import from_build
 
@@ -235,11 +235,11 @@ def test_cli_train_then_compiled_build_is_lossless(tmp_path, trained, run_cli):
     assert report["steps"] == 6 and report["adapters"][0]["file"] == "adapter-L2.safetensors"
     spec = load_spec(_spec(tmp_path, {"kind": "early-exit", "layers": 2, "adapter": "ad/adapter-L2.safetensors",
                                       "draft_len": 4, "top_k": 3}))
-    manifest = build(spec, parse_target("llvm"), tmp_path / "build")
-    assert manifest["aliases"]["target.model.layers.0.self_attn.q_proj.weight"] == \
+    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "build"))
+    assert manifest.aliases["target.model.layers.0.self_attn.q_proj.weight"] == \
         "drafter.model.layers.0.self_attn.q_proj.weight"
-    assert not any(k.startswith("target.model.layers.2.") for k in manifest["aliases"])   # the adapter's own
-    assert "drafter.model.layers.2.mlp.up_proj.weight" in manifest["params"]
+    assert not any(k.startswith("target.model.layers.2.") for k in manifest.aliases)   # the adapter's own
+    assert "drafter.model.layers.2.mlp.up_proj.weight" in manifest.params
     system = from_build(tmp_path / "build")
     prompts = [[(7 * i + r) % 300 for i in range(5 + 6 * r)] for r in range(2)]
     stock = [system.generate("stock", p, 64) for p in prompts]

@@ -3,9 +3,12 @@ at the position they start."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.decoding import autoregressive, speculative
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.forcing import compare, force_requests, runner_up_fault
@@ -109,7 +112,7 @@ def test_bf16_tie_tolerance_is_derived_from_stocks_own_noise(run_cli, tmp_path):
 
 
 def _bf16_spec(arch="Qwen3ForCausalLM", seed=1):
-    from specpilot.compiler.spec import parse_spec
+    from specpilot.core.spec import parse_spec
     from tests.conftest import TINY_CONFIGS
     return parse_spec({"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": seed}},
                        "drafter": {"kind": "ngram", "draft_len": 4},
@@ -120,7 +123,7 @@ def test_derived_tolerance_reads_stocks_own_run_and_equals_rerunning_it():
     """The tolerance takes stock's margins and top-2 tokens from its unforced runs and runs only
     float32 again: the same number as re-running stock forced onto its own tokens.  The float32
     reference is built on first use only; a forced (not stock's own) run is refused."""
-    from specpilot.errors import SpecPilotError
+    from specpilot.core.errors import SpecPilotError
     from specpilot.runtime.decoding import top2
     from specpilot.runtime.systems import from_spec
 
@@ -157,7 +160,7 @@ def test_near_tie_budget_fails_a_build_that_mismatches_everywhere_under_a_loose_
     stock = SimpleNamespace(tokens=list(range(100)), margins=[0.5] * 100)
     wrong = SimpleNamespace(choices=[t + 1 for t in range(100)])
     near = SimpleNamespace(choices=[t + (1 if t % 25 == 0 else 0) for t in range(100)])     # 4 near-ties
-    assert force_requests([stock], [wrong], tie_tolerance=2.0).passed              # the old gate
+    assert force_requests([stock], [wrong], tie_tolerance=2.0).passed              # tolerance alone
     report = force_requests([stock], [wrong], tie_tolerance=2.0, max_excused=near_tie_budget(100, 3))
     assert not report.passed and report.first_divergence is None and report.max_excused == 20
     assert "100 excused near-ties" in report.reason and "at most 20" in report.reason
@@ -183,8 +186,8 @@ def test_derived_near_ties_budget_counts_what_stocks_precision_leaves_open():
 
 def test_an_engine_excusing_far_more_than_its_builds_ar_engine_fails():
     """The GPU forcing bench holds a build's speculative / tree engines to its own AR engine:
-    same arithmetic per token, so many times its near-ties is a different computation (the
-    tree-64 build of bench/results/gpu-forcing-20261130-180133: 483 excused vs 64)."""
+    same arithmetic per token, so many times its near-ties is a different computation (a tree-64
+    build with a wrong verify: 483 excused vs 64, docs/bench-log.md)."""
     from types import SimpleNamespace
 
     from specpilot.runtime.forcing import against_baseline
@@ -213,3 +216,13 @@ def test_top2_breaks_ties_to_the_lowest_index_and_ranks_the_rest():
             rest = row.clone()
             rest[int(at)] = float("-inf")
             assert int(runner) == int(rest.argmax()) and float(second) == float(rest.max()) and int(runner) != int(at)
+
+
+@pytest.mark.parametrize("setting", ["inf", "nan", "-0.5", "loose"])
+def test_the_tolerance_rule_refuses_what_would_excuse_anything(setting):
+    from specpilot.runtime.forcing import tolerance_rule
+    system = SimpleNamespace(derived_near_ties=lambda prompts, runs: (0.25, 9))
+    with pytest.raises(SpecPilotError, match="tie tolerance"):
+        tolerance_rule(system, [[1]], [], setting)
+    assert tolerance_rule(system, [[1]], [], "auto") == (0.25, 9) == tolerance_rule(system, [[1]], [], None)
+    assert tolerance_rule(system, [[1]], [], "0.5") == (0.5, None)

@@ -7,7 +7,7 @@ import pytest
 
 from specpilot.runtime.decoding import autoregressive, speculative
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
-from specpilot.runtime.lattice import LatticeRecorder, ReplayDrafter
+from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 17, 29, 41]
@@ -74,21 +74,21 @@ def test_lattices_record_and_replay_exactly(tmp_path):
     rec = LatticeRecorder(ModelDrafter(noisy_copy(target, 0.3), 3, 512), path, PROMPT)
     live = speculative(target, rec, PROMPT, 64, 4, 512)
     rec.close()
-    replayed = speculative(target, ReplayDrafter(path), PROMPT, 64, 4, 512)
+    replayed = speculative(target, LatticeReplayer(path), PROMPT, 64, 4, 512)
     assert replayed.tokens == live.tokens
     assert replayed.accepted == live.accepted
     # replaying against a different run is refused, not silently wrong
-    from specpilot.errors import SpecPilotError
+    from specpilot.core.errors import SpecPilotError
     with pytest.raises(SpecPilotError, match="diverged|asks for more|asked for more"):
-        speculative(target, ReplayDrafter(path), PROMPT[:-1], 64, 4, 512)
+        speculative(target, LatticeReplayer(path), PROMPT[:-1], 64, 4, 512)
 
 
 def test_corrupt_lattice_file_is_a_clear_error(tmp_path):
-    from specpilot.errors import SpecPilotError
+    from specpilot.core.errors import SpecPilotError
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"format": "something-else"}\n')
     with pytest.raises(SpecPilotError, match="not a specpilot-lattices"):
-        ReplayDrafter(bad)
+        LatticeReplayer(bad)
     bad.write_text("not json\n")
     with pytest.raises(SpecPilotError, match="not a lattice recording"):
-        ReplayDrafter(bad)
+        LatticeReplayer(bad)

@@ -18,7 +18,7 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
-from specpilot.compiler.lower import NORM_ATTR, rms_norm_te
+from specpilot.kernels.norms import NORM_ATTR, rms_norm_te
 from specpilot.schedules.decode_gemv import RESIDENT_BLOCKS, THREADS, rows_per_warp
 from specpilot.schedules.relax_pipeline import pipeline
 from tests.kernel_helpers import sm90_source
@@ -138,7 +138,7 @@ def test_the_paired_store_becomes_one_store_of_the_activation(tmp_path):
     setup = (
         "import json\n"
         "from tvm import relax\n"
-        "from specpilot.compiler.lower import NORM_ATTR, rms_norm_te\n"
+        "from specpilot.kernels.norms import NORM_ATTR, rms_norm_te\n"
         "from specpilot.schedules.relax_pipeline import pipeline\n"
         "norm = {'eps': 1e-6, 'zero_centered': False, 'spelled': False}\n"
         "bb = relax.BlockBuilder()\n"

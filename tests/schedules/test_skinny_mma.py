@@ -174,8 +174,8 @@ def test_pipelined_configurations_need_two_stages():
 def test_pipelined_x_rows_never_share_bytes_with_the_weight_rows(tmp_path):
     """W and x chunks live in one ring buffer, x rows past the block's weight rows.  (With two
     buffers, TVM's shared-memory planner -- which does not count cp.async writes as uses --
-    once put x on the weights' bytes when K was one chunk: error ~1.0 on the H200,
-    skinny-gemm-20261130-181039.)  Here 32 weight rows x 128 k per chunk precede x."""
+    puts x on the weights' bytes when K is one chunk: error ~1.0 on the H200.)  Here 32 weight
+    rows x 128 k per chunk precede x."""
     text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
                        "{'ring': skinny_nt_matmul(128, 256, ((None, Config(9, 1, 2, 2, 2, stages=3)),))}")
     assert text.count("extern __shared__") == 1
@@ -274,9 +274,9 @@ def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     m64nRk16 wgmma per 16 k of a 64-k chunk from descriptors (128-byte swizzle, 1024-byte groups),
     cp.async copies, the proxy fence before the barrier, a wgmma wait per chunk; K split over blocks
     adds the fixed-order sum kernel.  No launch argument is 64-bit unsigned (TVM's runtime cannot
-    pass one: an earlier form's hoisted descriptor constant failed on the H200).  Its numbers are
-    checked on the H200 (bench/skinny_gemm.py: results/skinny-gemm-20261130-223924, <= 2.5e-5 of
-    the float32 product at 1-65 rows)."""
+    pass one: a hoisted descriptor constant fails on the H200).  Its numbers are checked on the
+    H200 (bench/skinny_gemm.py, bench/README "Skinny GEMMs": <= 2.5e-5 of the float32 product at
+    1-65 rows)."""
     text = sm90_source(
         tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
         "{'wg': skinny_nt_matmul(256, 512, ((8, Config(1, 4, 1, 1, stages=6, wgmma=True)),"
@@ -352,8 +352,8 @@ def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
     tiles per k16 step, the second's descriptor 8 KB further), 72 accumulators a thread, every one
     stored once (plain: to its channel; paired: silu(gate) * up of its pair, 36 stores); 128 threads
     a block.  Its numbers (plain) are the 64-channel kernel's bit for bit on the H200 -- only the
-    tiling across channels changes (results/compare-builds-20261201-203802.json, the 27B-style
-    hybrid's prefill, AR steps and tree verification); the paired form is held to bf16 forcing
+    tiling across channels changes (bench/README "Build comparison": the 27B-style hybrid's
+    prefill, AR steps and tree verification); the paired form is held to bf16 forcing
     (bench/specs/tiny-llama-wide-mlp-bf16.yaml)."""
     setup = (
         "import sys\n"

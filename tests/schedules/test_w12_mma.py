@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.compiler import w12
+from specpilot.core import w12
 from specpilot.schedules.w12_mma import BLOCK, applicable, pick
 from tests.kernel_helpers import sm90_source
 

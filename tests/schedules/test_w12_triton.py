@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from specpilot.compiler import kernels, w12
+from specpilot.core import w12
+from specpilot import kernels
 from specpilot.runtime.decoding import autoregressive
-from specpilot.schedules import w12_triton as wt
+from specpilot.runtime.reference import w12_triton as wt
 from tests.conftest import HYBRID, tiny_config
 
 
@@ -78,7 +79,7 @@ def test_matches_the_tir_w12_kernel():
 
 
 def test_reference_engine_with_w12_weights_keeps_every_token():
-    from specpilot.compiler.weights import random_weights
+    from specpilot.core.weights import random_weights
     from specpilot.runtime.reference.model import ReferenceModel
 
     cfg = tiny_config(HYBRID)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specpilot.compiler.config import ModelConfig
-from specpilot.errors import SpecPilotError
+from specpilot.core.config import ModelConfig
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.reference.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from specpilot.runtime.reference.state import KVCache, ModelState, RecurrentState
 
@@ -51,8 +51,8 @@ class ReferenceModel:
         if weight_format not in ("dense", "w12"):
             raise SpecPilotError(f"unknown weight format {weight_format!r}; expected dense or w12")
         if weight_format == "w12":
-            from specpilot.compiler.w12 import to_bf16
-            from specpilot.schedules.w12_triton import W12Matrix
+            from specpilot.core.w12 import to_bf16
+            from specpilot.runtime.reference.w12_triton import W12Matrix
             for name, t in weights.items():
                 if name.startswith("model.layers.") and t.dim() == 2:
                     bf, exact = to_bf16(t)

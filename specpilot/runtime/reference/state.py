@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.compiler.config import ModelConfig
-from specpilot.errors import SpecPilotError
+from specpilot.core.config import ModelConfig
+from specpilot.core.errors import SpecPilotError
 
 
 class KVCache:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.compiler.w12 import decode_hi, encode, to_bf16
+from specpilot.core.w12 import decode_hi, encode, to_bf16
 from specpilot.runtime.reference.model import ReferenceModel
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.compiler.weights import load_checkpoint, random_weights, save_checkpoint
+from specpilot.core.weights import load_checkpoint, random_weights, save_checkpoint
 from specpilot.runtime.decoding import autoregressive
 from specpilot.runtime.reference.model import ReferenceModel
 from tests.conftest import TINY_CONFIGS, tiny_config

@@ -23,8 +23,8 @@ def system():
 
 def test_parity_with_transformers(system):
     transformers = pytest.importorskip("transformers")
-    from specpilot.compiler.weights import gguf_to_checkpoint
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core.weights import gguf_to_checkpoint
+    from specpilot.core.spec import load_spec
     spec = load_spec(SPEC)
     directory = gguf_to_checkpoint(spec.resolve(spec.target.gguf, "target.gguf"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -54,12 +54,12 @@ def test_stock_spec_token_forcing(system):
 
 def test_compiled_build_token_forcing(tmp_path):
     """The CPU build of SmolLM2-135M: compiled AR and compiled-spec exact over 256 tokens."""
-    from specpilot.compiler.build import build
-    from specpilot.compiler.spec import load_spec
-    from specpilot.compiler.target import parse_target
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
     from specpilot.runtime.forcing import force_requests
     from specpilot.runtime.systems import from_build
-    build(load_spec(SPEC), parse_target("llvm"), tmp_path / "build")
+    build(BuildRequest(load_spec(SPEC), parse_target("llvm"), tmp_path / "build"))
     system = from_build(tmp_path / "build")
     prompt = system.tokenizer.encode("def fibonacci(n):\n")
     stock = system.generate("stock", prompt, 256)
@@ -71,9 +71,9 @@ def test_compiled_build_token_forcing(tmp_path):
 
 
 def test_w12_on_every_smollm2_weight():
-    from specpilot.compiler import w12
-    from specpilot.compiler.loader import load_source
-    from specpilot.compiler.spec import load_spec
+    from specpilot.core import w12
+    from specpilot.core.loader import load_source
+    from specpilot.core.spec import load_spec
     spec = load_spec(SPEC)
     result = w12.stats(load_source(spec, spec.target, "target").weights)
     print(f"\nSmolLM2-135M W12: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate {result['escape_rate']:.4%}")

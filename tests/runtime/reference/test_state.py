@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.errors import SpecPilotError
+from specpilot.core.errors import SpecPilotError
 from tests.conftest import DENSE, HYBRID, tiny_model
 
 

@@ -1,0 +1,84 @@
+"""From a validated spec to configs and weights for the target and the drafter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specpilot.core.adapter import attach as attach_adapter
+from specpilot.core.config import ModelConfig, config_from_hf
+from specpilot.core.spec import ModelSource, Spec
+from specpilot.core.weights import gguf_to_checkpoint, load_checkpoint, random_weights
+from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_path: Path | None   # a directory with tokenizer.json, or the file itself
+    description: str
+    own: frozenset[str] | None = None   # an early-exit drafter's tensors that are not the target's (None: all)
+
+
+def load_source(spec: Spec, source: ModelSource, key: str, weights: bool = True) -> LoadedModel:
+    """``weights=False`` (seeded random models only): the config alone, no tensors drawn."""
+    try:
+        if source.checkpoint:
+            directory = spec.resolve(source.checkpoint, f"{key}.checkpoint")
+            cfg, weights = load_checkpoint(directory)
+            tok, desc = directory, str(directory)
+        elif source.gguf:
+            path = spec.resolve(source.gguf, f"{key}.gguf")
+            directory = gguf_to_checkpoint(path)
+            cfg, weights = load_checkpoint(directory)
+            tok, desc = directory, str(path)
+        else:
+            cfg = config_from_hf(source.config, where=f"{spec.path}: {key}.config", architecture=source.architecture)
+            weights = random_weights(cfg, source.init.seed, source.init.round_to) if weights else {}
+            tok, desc = None, f"{source.architecture} (random, seed {source.init.seed})"
+    except (CheckpointError, SpecError):
+        raise
+    except SpecPilotError as e:  # config problems: say which spec key led there
+        raise SpecError(spec.path, key, str(e)) from None
+    if source.tokenizer:
+        tok = spec.resolve(source.tokenizer, f"{key}.tokenizer")
+    if tok is not None and tok.is_dir() and not (tok / "tokenizer.json").is_file():
+        tok = None
+    return LoadedModel(cfg, weights, tok, desc)
+
+
+def early_exit(target: LoadedModel, layers: int, adapter: Path | None = None) -> LoadedModel:
+    """The target's first ``layers`` layers with its final norm and head: a self-drafter; with
+    ``adapter`` (compiler.adapter), a trained layer and final norm follow them instead."""
+    cfg = target.cfg
+    if adapter is not None:
+        cut, keep, own = attach_adapter(adapter, cfg, target.weights, layers)
+        return LoadedModel(cut, keep, target.tokenizer_path,
+                           f"first {layers} layers of the target + adapter {Path(adapter).name}", own)
+    cut = replace(cfg, num_hidden_layers=layers, layer_types=cfg.layer_types[:layers])
+    keep = {k: v for k, v in target.weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    return LoadedModel(cut, keep, target.tokenizer_path, f"first {layers} layers of the target", frozenset())
+
+
+def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and (for model drafters) drafter, with the drafter's vocabulary checked."""
+    target = load_source(spec, spec.target, "target", weights)
+    d = spec.drafter
+    if d.kind == "ngram":
+        return target, None
+    if d.kind == "early-exit":
+        if d.layers >= target.cfg.num_hidden_layers:
+            raise SpecError(spec.path, "drafter.layers",
+                            f"{d.layers} is not fewer than the target's {target.cfg.num_hidden_layers} layers")
+        adapter = spec.resolve(d.adapter, "drafter.adapter") if d.adapter else None
+        return target, early_exit(target, d.layers, adapter)
+    drafter = load_source(spec, d.cost, "drafter.cost", weights) if d.kind == "replay" else \
+        load_source(spec, d, "drafter", weights)
+    if drafter.cfg.vocab_size != target.cfg.vocab_size:
+        raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "
+                        f"target's {target.cfg.vocab_size}; a drafter must share the target's vocabulary")
+    return target, drafter

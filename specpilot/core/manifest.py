@@ -1,0 +1,133 @@
+"""The build manifest: the contract between a build and everything that runs it (the Python engine,
+the memory, the cost model; no TVM needed to read it).
+
+A build directory holds ``model.so``, ``params/``, an optional ``tokenizer.json`` and
+``manifest.json``, whose fields are `Manifest`'s.  Every pass whose effect the runtime must know
+records it here (`Pass.manifest_key`): the tree budget (``tree``), two-level verification
+(``two_level``), the serving schedule (``serving``), W12 planes (``w12``), fused projections
+(``fused``), the Gated DeltaNet tree form (``gdn_verify``) and the kernel schedule.  Readers take
+facts from these fields, never from the pipeline text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.files import atomic_write_text
+
+FORMAT = "specpilot-build"
+VERSION = 4     # 4: typed manifest, pass effects recorded as fields (tree, two_level, serving, kernel_schedule)
+FILE = "manifest.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Serving(_Strict):
+    """The draft-length policy (`draft-length`): fixed, or per request from recent acceptance."""
+    draft_len: int = Field(ge=1)
+    draft_dynamic: bool = False
+    draft_min: int = Field(1, ge=1)
+
+
+class TreeVerify(_Strict):
+    budget: int = Field(ge=1)          # nodes a verification takes (`tree-verify`)
+
+
+class GdnVerify(_Strict):
+    form: Literal["chunked", "sequential"]
+    max_tokens: int | None = None      # the most tokens one recording verification may take
+
+
+class DrafterInfo(_Strict):
+    kind: str
+    draft_len: int
+    top_k: int
+    temperature: float = 1.0
+    max_ngram: int
+    min_ngram: int
+    replay: dict | None = None         # a replay drafter's plan: {"accepted": [[...], ...]} or {"alpha", "seed"}
+
+
+class Manifest(_Strict):
+    format: Literal["specpilot-build"] = FORMAT
+    version: int = VERSION
+    created: str
+    spec: dict
+    spec_path: str | None = None
+    pipeline: str                      # canonical text: the build's identity, not read for facts
+    passes: list[dict]                 # per-pass records: name, options, statistics, seconds
+    target: str
+    target_kind: Literal["llvm", "cuda"]
+    arch: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"]
+    capacity: int = Field(ge=1)
+    max_batch: int = Field(ge=1)
+    schedule: str
+    cuda_graph: bool = False
+    ir_hash: str
+    serving: Serving
+    tree: TreeVerify | None = None
+    two_level: bool = False
+    gdn_verify: GdnVerify | None = None
+    w12: dict | None = None
+    fused: dict | None = None
+    models: dict[str, dict]
+    drafter: DrafterInfo
+    functions: list[str]
+    params: list[str]
+    aliases: dict[str, str] = {}
+    tokenizer: str | None = None
+    versions: dict[str, str | None]
+    params_source: Literal["file", "seeded"] = "file"
+    seeds: dict
+    hashes: dict[str, str]
+    build_seconds: float = 0.0
+
+    @property
+    def tree_budget(self) -> int:
+        return self.tree.budget if self.tree else 0
+
+    def engines(self) -> list[str]:
+        """The compiled engines this build runs: AR first, then the speculative ones it was built for."""
+        names = ["compiled", "compiled-spec"]
+        if self.tree:
+            names.append("compiled-tree")
+            if self.two_level:
+                names.append("compiled-two-level")
+        return names
+
+    def preferred_engine(self) -> str:
+        """The engine that runs the build as its pipeline meant (the most speculative it has)."""
+        return self.engines()[-1]
+
+
+def read_manifest(build_dir: Path | str) -> Manifest:
+    path = Path(build_dir) / FILE
+    if not path.is_file():
+        raise SpecPilotError(f"{build_dir}: not a build directory (no {FILE}); run `specpilot compile` first")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecPilotError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SpecPilotError(f"{path}: not a SpecPilot build manifest")
+    if data.get("version") != VERSION:
+        raise SpecPilotError(f"{path}: build format version {data.get('version')}, this SpecPilot reads "
+                             f"version {VERSION}; rebuild with `specpilot compile`")
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise SpecPilotError(f"{path}: field {field!r}: {first['msg']}") from None
+
+
+def write_manifest(build_dir: Path | str, manifest: Manifest) -> None:
+    atomic_write_text(Path(build_dir) / FILE, manifest.model_dump_json(indent=2))

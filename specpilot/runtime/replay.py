@@ -1,0 +1,146 @@
+"""The replay drafter, for projections: it proposes the target's own greedy continuation, so that
+acceptance follows a recorded profile or a per-token acceptance rate exactly, while a real drafter
+network (``cost``) runs every draft step, so that drafting time is real.  Verification is untouched:
+tokens are still the target's, and token forcing still holds.
+
+Acceptance is a function of position: a plan marks the generated positions at which a draft is
+wrong (the *rejection points*).  A recorded profile (tokens per verification t_1, t_2, ...) puts
+them at the running sums t_1, t_1 + t_2, ... -- a chain or tree verification starting right after a
+rejection point then commits exactly t_i tokens, as in the recorded run; a rate alpha makes each
+position a rejection point with probability 1 - alpha (seeded per request and position), so accepted
+runs are geometric.  Drafts past the last planned segment are all wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import numpy as np
+import torch
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.lattice import Lattice
+
+ON_PLAN = -1e-3     # log-probability offered for the continuation's token: best-first keeps the path first
+OFF_PLAN = -8.0     # and for the wrong tokens beside it (rank r: OFF_PLAN - r)
+
+
+class Oracle:
+    """The target's own greedy continuation of each prompt (registered before a replay run)."""
+
+    def __init__(self):
+        self.runs: dict[tuple[int, ...], list[int]] = {}
+
+    def register(self, prompt: list[int], tokens: list[int]) -> None:
+        self.runs.setdefault(tuple(prompt), list(tokens))
+
+    def has(self, prompt: list[int]) -> bool:
+        return tuple(prompt) in self.runs
+
+    def find(self, context: list[int]) -> tuple[int, tuple[int, ...], list[int]]:
+        """(request index, prompt, continuation) of the registered run ``context`` follows."""
+        for index, (prompt, tokens) in enumerate(self.runs.items()):
+            n = len(prompt)
+            if tuple(context[:n]) == prompt and list(context[n:]) == tokens[:len(context) - n]:
+                return index, prompt, tokens
+        raise SpecPilotError("the replay drafter has no greedy continuation of this prompt; run the target "
+                             "autoregressively on it first (`specpilot bench` does)")
+
+
+def rejection_points(plan: dict, request: int, prompt: tuple[int, ...], length: int) -> set[int]:
+    """Generated positions (0-based) where a draft is wrong, for positions < ``length``."""
+    if "accepted" in plan:
+        counts = plan["accepted"][request % len(plan["accepted"])]
+        return set(itertools.accumulate(counts))
+    digest = hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).digest()
+    rng = np.random.default_rng([int(plan.get("seed", 0)), int.from_bytes(digest[:8], "little")])
+    wrong = rng.random(length) >= float(plan["alpha"])
+    return {i for i in range(1, length) if wrong[i]}
+
+
+class ReplayDrafter:
+    """Proposes the oracle's continuation up to the next rejection point; runs ``cost`` alongside."""
+
+    name = "replay"
+
+    def __init__(self, cost, oracle: Oracle, plan: dict, top_k: int, vocab_size: int):
+        self.cost, self.oracle, self.plan = cost, oracle, plan
+        self.top_k, self.vocab_size = top_k, vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.cost.reset()
+        self.run = None
+
+    def _locate(self, context: list[int]):
+        """(generated index of the next position, continuation, rejection points) for ``context``."""
+        if self.run is None or tuple(context[:len(self.run[0])]) != self.run[0]:
+            index, prompt, tokens = self.oracle.find(context)
+            self.run = (prompt, tokens, rejection_points(self.plan, index, prompt, len(tokens) + 1))
+        prompt, tokens, wrong = self.run
+        return len(context) - len(prompt), tokens, wrong
+
+    def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool) -> list[tuple[int, float]]:
+        """The top-k at generated ``position``: the continuation's token first where the plan accepts it."""
+        right = tokens[position] if position < len(tokens) else None
+        others = [(t, OFF_PLAN - r) for r, t in enumerate(self._wrong_tokens(right, self.top_k))]
+        if on_path and right is not None and position not in wrong:
+            return [(right, ON_PLAN)] + others[:self.top_k - 1]
+        return others
+
+    def _wrong_tokens(self, right: int | None, k: int) -> list[int]:
+        start = 0 if right is None else right + 1
+        return [(start + j) % self.vocab_size for j in range(k)]
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        self.cost.propose(context, n)                          # the real drafting work, its tokens unused
+        position, tokens, wrong = self._locate(context)
+        rows, on_path = [], True
+        for i in range(n):
+            rows.append(self._children(position + i, tokens, wrong, on_path))
+            on_path = on_path and rows[-1][0][1] == ON_PLAN
+        if not rows:
+            return Lattice.empty(self.top_k)
+        return Lattice(torch.tensor([[t for t, _ in row] for row in rows]),
+                       torch.tensor([[p for _, p in row] for row in rows], dtype=torch.float32))
+
+    def expander(self, context: list[int]):
+        """A tree drafter's expansion; each node also expands the cost drafter's node of the same
+        shape (the same ranks down the same depth), so the cost network does a real tree's work."""
+        cost_expand = self.cost.expander(context)
+        position, tokens, wrong = self._locate(context)
+        cost_paths: dict[tuple, list[int]] = {(): []}
+        cost_children: dict[tuple, list] = {}
+
+        def children(path: list[int]) -> list[tuple[int, float]]:
+            depth = len(path)
+            on_path = path == tokens[position:position + depth]
+            return self._children(position + depth, tokens, wrong, on_path)
+
+        def cost_path(path: tuple) -> list[int] | None:
+            if path in cost_paths:
+                return cost_paths[path]
+            parent = cost_path(path[:-1])
+            if parent is None or path[:-1] not in cost_children:
+                return None
+            rank = [t for t, _ in children(list(path[:-1]))].index(path[-1])
+            below = cost_children[path[:-1]]
+            cost_paths[path] = parent + [below[rank][0]] if rank < len(below) else None
+            return cost_paths[path]
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            mapped = cost_path(tuple(path))
+            if mapped is not None:
+                cost_children[tuple(path)] = cost_expand(mapped)
+            return children(path)
+
+        if getattr(cost_expand, "batch", None) is not None:
+            def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
+                mapped = [(tuple(p), cost_path(tuple(p))) for p in paths]
+                known = [(key, m) for key, m in mapped if m is not None]
+                for (key, _), found in zip(known, cost_expand.batch([m for _, m in known])):
+                    cost_children[key] = found
+                return [children(p) for p in paths]
+            expand.batch = batch
+        return expand

@@ -1,0 +1,112 @@
+"""`specpilot bench` and the replay drafter: a tiny CPU build benchmarked with its tokens checked
+against AR and its JSON complete; replayed acceptance equal to the recorded profile, exactly."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from specpilot.core.acceptance_profile import read_profile, write_profile
+from specpilot.core.errors import SpecError, SpecPilotError
+from specpilot.core.spec import load_spec
+from specpilot.runtime.bench import check_tokens
+from specpilot.runtime.systems import from_build, from_spec
+from tests.conftest import TINY_CONFIGS, build_spec
+
+DENSE_TARGET = {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"], "init": {"seed": 4}}
+COST = {"architecture": "LlamaForCausalLM", "init": {"seed": 9},
+        "config": {**TINY_CONFIGS["LlamaForCausalLM"], "num_hidden_layers": 1}}
+PROFILE = [[3, 1, 4, 1, 5, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
+
+
+def _replay_spec(tmp_path, drafter_extra: dict, passes: str = "") -> dict:
+    return {"target": DENSE_TARGET, "passes": passes,
+            "drafter": {"kind": "replay", "cost": COST, "draft_len": 7, "top_k": 3, **drafter_extra},
+            "deployment": {"dtype": "float32", "max_seq_len": 256}}
+
+
+def test_bench_on_a_tiny_build_checks_tokens_and_writes_its_json(run_cli, tmp_path):
+    data = {"target": DENSE_TARGET, "drafter": {"kind": "ngram", "draft_len": 3}, "passes": "tree-verify{budget=8}",
+            "deployment": {"dtype": "float32", "max_seq_len": 256}}
+    build = build_spec(tmp_path, data)
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code, stdout, err = run_cli("bench", build, "--requests", 2, "--max-new-tokens", 24, "--json", "-o", out,
+                                "--plot", png, "--record-profile", tmp_path / "profile.json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report == json.loads(out.read_text()) and png.stat().st_size > 1000
+    assert report["format"] == "specpilot-bench" and report["tokens_checked"] and report["ar_engine"] == "compiled"
+    assert {"date", "torch", "apache-tvm"} <= set(report["environment"])
+    names = [e["engine"] for e in report["engines"]]
+    assert names[:3] == ["compiled", "compiled-spec", "compiled-tree"]
+    assert {"stock", "stock-spec", "stock-tree", "hf-generate", "hf-assisted"} <= set(names)
+    for e in report["engines"]:
+        assert e["check"]["passed"] and e["check"]["identical"] == 2 and len(e["decode_tokens_per_s"]) == 2
+        assert all(r > 0 for r in e["decode_tokens_per_s"]) and e["speedup"] > 0 and len(e["ttft_seconds"]) == 2
+        if e["engine"] in ("compiled-spec", "compiled-tree"):
+            shares = e["cycle"]["shares"]
+            assert set(shares) == {"draft", "verify", "commit", "host"} and abs(sum(shares.values()) - 1) < 1e-6
+            assert e["tokens_per_verification"] >= 1
+    assert report["engines"][0]["speedup"] == 1.0
+    recorded = read_profile(tmp_path / "profile.json")
+    tree = next(e for e in report["engines"] if e["engine"] == "compiled-tree")
+    assert recorded == tree["accepted"] and sum(recorded[0]) == 23     # every token after the first
+
+
+@pytest.mark.parametrize("passes,engine", [("", "stock-spec"), ("tree-verify{budget=12}", "stock-tree")])
+def test_replay_acceptance_equals_the_profile_exactly(tmp_path, passes, engine):
+    write_profile(tmp_path / "p.json", PROFILE, "test")
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(_replay_spec(tmp_path, {"profile": "p.json"}, passes)))
+    system = from_spec(load_spec(tmp_path / "m.yaml"))
+    prompts = [[5, 9, 2, 7], [11, 3, 8]]
+    for prompt, counts in zip(prompts, PROFILE):
+        want = system.generate("stock", prompt, sum(counts) + 1)
+        system.oracle.register(prompt, want.tokens)
+        got = system.generate(engine, prompt, sum(counts) + 1)
+        assert got.tokens == want.tokens and got.accepted[1:] == counts
+
+
+def test_replay_from_a_compiled_build_runs_its_cost_network_and_stays_exact(tmp_path):
+    build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}"))
+    system = from_build(build)
+    assert "drafter_decode" in system.engines["compiled"].model.module.manifest.functions   # the cost network
+    prompt = [4, 8, 15, 16, 23, 42]
+    ar = system.generate("compiled", prompt, 48)
+    runs = [system.generate(e, prompt, 48) for e in ("compiled-spec", "compiled-tree", "compiled-tree")]
+    assert all(r.tokens == ar.tokens for r in runs)
+    assert runs[1].accepted == runs[2].accepted          # seeded: the same plan every time
+    assert 1.5 < runs[1].mean_accepted < 4.5              # alpha 0.7: about 1 / (1 - 0.7) tokens a verification
+
+
+@pytest.mark.parametrize("drafter,message", [
+    ({"kind": "replay", "cost": COST}, "one of 'profile'"),
+    ({"kind": "replay", "alpha": 0.5}, "drafter.cost: missing"),
+    ({"kind": "replay", "alpha": 1.5, "cost": COST}, "less than or equal to 1"),
+    ({"kind": "replay", "profile": "nope.json", "cost": COST}, "does not exist"),
+    ({"kind": "replay", "alpha": 0.5, "cost": COST, "init": {"seed": 1}}, "goes under 'cost'"),
+])
+def test_bad_replay_drafters_are_refused_with_the_key(tmp_path, drafter, message):
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump({"target": DENSE_TARGET, "drafter": drafter}))
+    with pytest.raises(SpecError, match=message):
+        load_spec(tmp_path / "m.yaml")
+
+
+def test_a_corrupt_profile_is_a_clear_error(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps({"format": "specpilot-acceptance-profile", "version": 1,
+                                                 "accepted": [[2, 0]]}))
+    with pytest.raises(SpecPilotError, match="integers in 1..1025"):
+        read_profile(tmp_path / "p.json")
+
+
+def test_token_check_fails_fp32_differences_and_excuses_only_near_ties():
+    ar = [SimpleNamespace(tokens=[1, 2, 3, 4], margins=[5.0, 0.01, 3.0, 2.0])]
+    assert check_tokens(ar, [[1, 2, 3, 4]], 0.0).passed
+    wrong = check_tokens(ar, [[1, 9, 3, 4]], 0.0)
+    assert not wrong.passed and wrong.failed[0]["position"] == 1 and wrong.failed[0]["ar_token"] == 2
+    tie = check_tokens(ar, [[1, 9, 3, 4]], 0.05)
+    assert tie.passed and tie.excused == [{"request": 0, "position": 1, "ar_margin": 0.01}]
+    assert not check_tokens(ar, [[1, 2, 7, 4]], 0.05).passed          # a margin of 3 is no tie
+    assert not check_tokens(ar, [[1, 2, 3]], 0.05).passed             # a short run is a difference
