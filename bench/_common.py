@@ -3,39 +3,12 @@
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from specpilot.runtime.environment import environment
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def environment() -> dict:
-    import torch
-
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": platform.node(),
-           "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "torch": torch.__version__}
-    for pkg in ("apache-tvm", "apache-tvm-ffi", "triton", "transformers"):
-        try:
-            env[pkg] = version(pkg)
-        except PackageNotFoundError:
-            env[pkg] = None
-    try:
-        import tvm
-        env["tvm_runtime"] = tvm.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            env["driver"] = None
-    return env
 
 
 def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | None = None) -> Path:

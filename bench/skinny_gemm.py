@@ -43,7 +43,7 @@ def split_variants(n: int, k: int) -> dict:
     """mma_s{S}: the shipped dispatch with each configuration's K split over S blocks where it tiles."""
     from dataclasses import replace
 
-    from specpilot.schedules.skinny_mma import pick
+    from specpilot.schedules.skinny_config import pick
     out = {}
     for splits in SPLITS:
         cfgs = tuple((limit, replace(cfg, splits=splits) if replace(cfg, splits=splits).fits(n, k) else cfg)
@@ -53,7 +53,7 @@ def split_variants(n: int, k: int) -> dict:
 
 
 def _variants():
-    from specpilot.schedules.skinny_mma import Config
+    from specpilot.schedules.skinny_config import Config
     # "mma": the dispatch of `pick` for GPUs before Hopper; "hopper": `pick(wgmma=True)` (sm_90a)
     return {"mma": None, "hopper": None,
             "mma_1x1x8": ((None, Config(1, 1, 1, 8, 4)),), "mma_1x2x4": ((None, Config(1, 2, 1, 4, 4)),),
@@ -109,7 +109,7 @@ def _variants():
 
 def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):
     """"o": one wgmma group left in flight past the next barrier (`Config.overlap`)."""
-    from specpilot.schedules.skinny_mma import Config
+    from specpilot.schedules.skinny_config import Config
     return tuple((limit, Config(mt, 4, wn, 1, stages=stages, wgmma=True, splits=-1 if split else 1, overlap=overlap))
                  for limit, mt in ((8, 1), (16, 2), (32, 4), (None, 9)))
 
@@ -118,7 +118,7 @@ def resolve(cfgs, n: int, k: int):
     """A variant's configurations for one shape: splits=-1 stands for `with_splits`' choice."""
     from dataclasses import replace
 
-    from specpilot.schedules.skinny_mma import with_splits
+    from specpilot.schedules.skinny_config import with_splits
     if cfgs is None:
         return None
     return tuple((limit, with_splits(replace(cfg, splits=1), n, k) if cfg.splits == -1 else cfg) for limit, cfg in cfgs)
@@ -130,7 +130,7 @@ def build(out: Path) -> None:
 
     from bench._common import export_kernels
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.schedules.skinny_mma import skinny_nt_matmul
+    from specpilot.schedules.skinny_kernels import skinny_nt_matmul
     from specpilot.schedules.tensor_core import BF16Matmul, nt_matmul
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")

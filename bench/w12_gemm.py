@@ -29,7 +29,7 @@ MS = [1, 2, 4, 8, 16, 32, 64, 65]
 
 def variants():
     """name -> ((limit, Config),) single W12 configurations (``unroll`` counts 64-wide k blocks)."""
-    from specpilot.schedules.skinny_mma import Config
+    from specpilot.schedules.skinny_config import Config
     return {"1x1x8u2": Config(1, 1, 1, 8, 2), "2x1x8u2": Config(2, 1, 1, 8, 2), "2x1x8u4": Config(2, 1, 1, 8, 4),
             "1x1x4u4": Config(1, 1, 1, 4, 4), "2x1x4u4": Config(2, 1, 1, 4, 4), "1x1x4u2": Config(1, 1, 1, 4, 2),
             "1x2x4u4": Config(1, 2, 1, 4, 4), "2x2x4u2": Config(2, 2, 1, 4, 2), "1x2x4u2": Config(1, 2, 1, 4, 2),
@@ -42,7 +42,7 @@ def build(out: Path) -> None:
     import tvm
 
     from specpilot.compiler.build import load_cuda_runtime
-    from specpilot.schedules.skinny_mma import skinny_nt_matmul
+    from specpilot.schedules.skinny_kernels import skinny_nt_matmul
     from specpilot.schedules.w12_mma import BLOCK, w12_mma
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")

@@ -271,8 +271,10 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 @click.option("--dump-ir", type=click.Path(file_okay=False, path_type=Path), help="write the IR after every stage here")
 @click.option("--schedule", type=click.Choice(["tvm-default", "nt-gemv", "skinny-mma", "cpu-nt"]), default=None,
               help="kernel schedule set (default: skinny-mma on sm_80+ GPUs, nt-gemv on older ones, tvm-default on the CPU)")
-@click.option("--params", "params_mode", type=click.Choice(["file", "seeded"]), default="file", show_default=True,
-              help="seeded: write no weights; seeded random models are regenerated at load")
+@click.option("--params", "params_mode", type=click.Choice(["file", "seeded", "load"]), default="file",
+              show_default=True, help="seeded: write no weights, seeded random models are redrawn at load; load: "
+                                      "write none, the engine reads the referenced checkpoint (SPECPILOT_WEIGHTS "
+                                      "elsewhere) and checks it")
 @click.option("--json", "as_json", is_flag=True)
 def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedule, params_mode, as_json):
     """Lower a spec to TVM, apply the pipeline, build and export to a directory."""

@@ -20,57 +20,22 @@ resumes (builds, forcing results and verdicts already there are reused).  The re
 
 from __future__ import annotations
 
-import gc
-import json
-import random
-import shutil
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from specpilot.agent.adjudicate import adjudicate, measure_pairs, noise_level, paired_interval
+from specpilot.agent.adjudicate import Interval, noise_level
 from specpilot.agent.cost_model import engine_for, explain
 from specpilot.agent.executor import make_executor
+from specpilot.agent.measurement import Measurements
 from specpilot.agent.proposers import BuiltinProposer, Candidate, from_memory, with_change
 from specpilot.agent.reproduce import reproduce_hash
+from specpilot.agent.run_log import RunLog, requests_for
+from specpilot.agent.search_report import write_report
 from specpilot.core.errors import SpecPilotError
 from specpilot.passes.pipeline import Pipeline, parse
 
 
 MEMORY_PICKS = 2    # a new deployment starts from stock plus the best verified entries legal for it
-SYSTEMS_LOADED = 2  # loaded builds kept between measurements
-
-
-def _release_memory() -> None:
-    gc.collect()
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-class RunLog:
-    def __init__(self, path: Path):
-        self.path = path
-        self.events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
-            if path.is_file() else []
-
-    def add(self, event: str, **data) -> dict:
-        rec = {"event": event, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **data}
-        self.events.append(rec)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        return rec
-
-    def find(self, event: str, **match) -> dict | None:
-        for e in reversed(self.events):
-            if e["event"] == event and all(e.get(k) == v for k, v in match.items()):
-                return e
-        return None
-
-
-def requests_for(vocab: int, n: int, seed: int, length: tuple[int, int] = (6, 14)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(*length))] for _ in range(n)]
 
 
 class Search:
@@ -116,90 +81,8 @@ class Search:
         self.dev_tokens = min(dev_tokens, cap - max(map(len, self.dev)) - 1)      # token forcing in the workers
         self.time_tokens = min(time_tokens, self.dev_tokens)                         # cost model and timing
         self.sealed_tokens = min(sealed_tokens, cap - max(map(len, self.sealed)) - 1)
-        self.builds: list[str] = []          # candidate pipelines built, in order (stock excluded)
-        self.systems: dict[str, object] = {}
-
-    # ---- building (workers) and measuring (here)
-    def _dir(self, pipeline: str) -> Path:
-        import hashlib
-        return self.out / "builds" / (hashlib.sha256(pipeline.encode()).hexdigest()[:10])
-
-    def _with_fault(self, pipeline: str) -> str:
-        if self.inject_fault is None or not pipeline:
-            return pipeline
-        return str(Pipeline(list(parse(pipeline)) + [parse(f"logit-bias-fault{{after={self.inject_fault}}}").passes[0]]))
-
-    def build_all(self, candidates: list[Candidate]) -> dict[str, dict]:
-        jobs, results = [], {}
-        for c in candidates:
-            done = self.log.find("built", pipeline=c.pipeline)
-            if done and (Path(done["build_dir"]) / "manifest.json").is_file():
-                results[c.pipeline] = done
-                continue
-            built = self._with_fault(c.pipeline)
-            jobs.append({"spec": self.spec.model_dump(mode="json"), "spec_path": str(self.spec_path),
-                         "target": self.target.text(), "pipeline": built, "build_dir": str(self._dir(c.pipeline)),
-                         "engine": engine_for(built, self.spec.drafter.kind != "none"), "prompts": self.dev,
-                         "max_new": self.dev_tokens, "candidate": c.pipeline, "params": self.params})
-        if jobs:
-            self.say(f"  building {len(jobs)} candidate(s) in {getattr(self.executor, 'workers', 1)} worker(s)")
-        for job, res in zip(jobs, self.executor.map(jobs)):
-            rec = self.log.add("built", pipeline=job["candidate"], built=job["pipeline"], **{
-                k: v for k, v in res.to_dict().items() if k != "pipeline"})
-            results[job["candidate"]] = rec
-            if job["candidate"]:
-                self.builds.append(job["candidate"])
-            self.say(f"  {'ok ' if res.ok else 'REJ'} {job['candidate'] or '(stock)'}  "
-                     f"{res.seconds:.0f} s{'' if res.ok else '  ' + str(res.error)}")
-        return results
-
-    def system(self, pipeline: str):
-        """The loaded build of ``pipeline``; the two most recently used stay loaded (a paired
-        measurement needs two; a realistic-shape build holds its weights twice on the device)."""
-        from specpilot.runtime.systems import from_build
-        if pipeline in self.systems:
-            self.systems[pipeline] = self.systems.pop(pipeline)       # most recent last
-        else:
-            while len(self.systems) >= SYSTEMS_LOADED:
-                del self.systems[next(iter(self.systems))]
-                _release_memory()
-            self.systems[pipeline] = from_build(self._dir(pipeline))
-        return self.systems[pipeline]
-
-    def _runner(self, pipeline: str, prompts, max_new):
-        system = self.system(pipeline)
-        engine = engine_for(pipeline, "compiled-spec" in system.engines)
-        outputs = {}
-
-        def run(request, _device):
-            gc.collect()   # the previous run's cache rows come back here, not inside the timed run
-            start = time.perf_counter()
-            g = system.generate(engine, prompts[request], max_new)
-            outputs.setdefault(request, g.tokens)
-            return time.perf_counter() - start
-        return run, outputs
-
-    def measure(self, base: str, cand: str, prompts=None, max_new=None, key: str = "measured") -> dict:
-        prompts, max_new = prompts or self.dev, max_new or self.time_tokens
-        done = self.log.find(key, base=base, candidate=cand)
-        if done:
-            return done
-        run_b, out_b = self._runner(base, prompts, max_new)
-        run_c, out_c = self._runner(cand, prompts, max_new)
-        run_b(0, None), run_c(0, None)     # warm-up
-        b, c = measure_pairs(run_b, run_c, len(prompts), self.repeats)
-        interval = paired_interval(b, c)
-        differ = out_b != out_c
-        verdict = adjudicate(interval, self.noise, differ) if base != cand else None
-        base_median = sorted(b)[len(b) // 2]
-        # the base's median against its own A/A run on the same requests: a large drift says the
-        # conditions moved between the two (another build loaded, clocks) -- shown, not corrected
-        aa = self.log.find("aa")
-        drift = base_median / aa["base_median"] - 1 if aa and base == "" and prompts is self.dev and \
-            max_new == self.time_tokens else None
-        return self.log.add(key, base=base, candidate=cand, interval=interval.to_dict(),
-                            verdict=verdict.to_dict() if verdict else None,
-                            base_median=base_median, candidate_median=sorted(c)[len(c) // 2], base_drift=drift)
+        self.lab = Measurements(self.out, self.spec, self.spec_path, self.target, self.params, self.executor, self.log,
+                                say, self.dev, self.dev_tokens, self.time_tokens, repeats, inject_fault)
 
     # ---- the loop
     def run(self) -> dict:
@@ -208,12 +91,12 @@ class Search:
         say(f"search: {self.spec_path} on {self.target.text()}, {self.rounds} round(s); {len(self.dev)} development "
             f"requests (forced over {self.dev_tokens} tokens, timed over {self.time_tokens})")
         stock = Candidate("", "stock", "", 0.0, "the spec with no passes")
-        built = self.build_all([stock])
+        built = self.lab.build_all([stock])
         if not built[""]["ok"]:
             raise SpecPilotError(f"stock itself failed to build or force: {built['']['error']}")
-        aa = self.measure("", "", key="aa")
-        self.noise = noise_level(_interval(aa["interval"]))
-        say(f"stock noise (A/A): {self.noise:.2%}; adoption needs a 95% lower bound above {0.01 + 2 * self.noise:.2%}")
+        aa = self.lab.measure("", "", key="aa")
+        self.lab.noise = noise_level(Interval(**aa["interval"]))
+        say(f"stock noise (A/A): {self.lab.noise:.2%}; adoption needs a 95% lower bound above {0.01 + 2 * self.lab.noise:.2%}")
         state = self.log.find("round_done")
         current = state["current"] if state else ""
         history = state["history"] if state else []
@@ -255,7 +138,7 @@ class Search:
             f"token forcing over {self.sealed_tokens} new tokens")
         sealed = self.sealed_validation(current)
         final = current if sealed["passed"] else ""
-        report = self._report(current, final, sealed, history, reused, time.perf_counter() - started)
+        report = write_report(self, current, final, sealed, history, reused, time.perf_counter() - started)
         return report
 
     def _cost_model(self, rnd: int, round_start: str):
@@ -269,8 +152,8 @@ class Search:
             nonlocal report, refs
             if report is None:
                 self.say(f"round {rnd}: phase 0 (cost model of {round_start or 'stock'})")
-                system = self.system(round_start)
-                report = explain(self._dir(round_start), self.dev, self.time_tokens, system=system)
+                system = self.lab.system(round_start)
+                report = explain(self.lab.build_dir(round_start), self.dev, self.time_tokens, system=system)
                 self.log.add("cost_model", round=rnd, pipeline=round_start, factors=report["factors"],
                              bottleneck=report["bottleneck"], tree_acceptance=report["tree_acceptance"],
                              accepted_per_verification=report["accepted_per_verification"],
@@ -280,7 +163,7 @@ class Search:
                          + f" -> {report['bottleneck']}")
                 refs = self._references(round_start)
             tried = {e["pipeline"] for e in self.log.events if e["event"] == "built"}
-            return report, parse(current), self.context, self.system(current).draft_len, refs, tried
+            return report, parse(current), self.context, self.lab.system(current).draft_len, refs, tried
         return cost
 
     def _proposals(self, rnd: int, phase: str, propose) -> list[Candidate]:
@@ -295,7 +178,7 @@ class Search:
         return cands
 
     def _references(self, pipeline: str) -> list[list[int]]:
-        system = self.system(pipeline)
+        system = self.lab.system(pipeline)
         return [system.generate("stock", p, self.time_tokens).tokens for p in self.dev]
 
     def _stack(self, base: str, adopted: list[str]) -> str | None:
@@ -322,20 +205,20 @@ class Search:
         (here); the best adopted one becomes current.  Returns (current, adopted pipelines)."""
         if not cands:
             return current, []
-        results = self.build_all(cands)
+        results = self.lab.build_all(cands)
         adopted = []
         best, best_lcb = current, None
         for c in cands:
             res = results[c.pipeline]
             if not res["ok"]:
                 continue
-            m = self.measure(current, c.pipeline)
+            m = self.lab.measure(current, c.pipeline)
             v = m["verdict"]
             drift = m.get("base_drift")
             self.say(f"    {c.pipeline}: gain {v['gain']:+.1%} [95% {v['lcb']:+.1%}, {v['ucb']:+.1%}] -> "
                      f"{'ADOPT' if v['adopt'] else 'reject'}"
                      + (f"  (stock's median {drift:+.1%} from its A/A run)" if drift is not None
-                        and abs(drift) > 2 * self.noise else ""))
+                        and abs(drift) > 2 * self.lab.noise else ""))
             if v["adopt"]:
                 adopted.append(c.pipeline)
                 self._remember(c, current, m, res)
@@ -378,7 +261,7 @@ class Search:
         from dataclasses import asdict
 
         from specpilot.runtime.decoding import Generation
-        system = self.system(pipeline)
+        system = self.lab.system(pipeline)
         engine = engine_for(pipeline, "compiled-spec" in system.engines)
         stock, runs = [], []
         for i, p in enumerate(self.sealed):     # request by request, logged: a resumed run goes on from here
@@ -396,55 +279,10 @@ class Search:
             return self.log.add("sealed", pipeline=pipeline, passed=False, forcing=forcing.to_dict(),
                                 reason=f"token forcing failed on held-out request {d.request} at new token {d.position} "
                                        f"(stock {d.stock_token}, system {d.system_token})")
-        speed = self.measure("", pipeline, prompts=self.sealed, max_new=min(self.time_tokens, self.sealed_tokens),
+        speed = self.lab.measure("", pipeline, prompts=self.sealed, max_new=min(self.time_tokens, self.sealed_tokens),
                              key="sealed_speed")
         v = speed["verdict"]
         return self.log.add("sealed", pipeline=pipeline, passed=bool(v["adopt"]), forcing=forcing.to_dict(),
                             speed=v, reason=("faster than stock and exact" if v["adopt"]
                                              else f"not faster than stock on held-out requests: {v['reason']}"))
 
-    def _report(self, current, final, sealed, history, reused, seconds) -> dict:
-        final_dir = self.out / "final"
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        shutil.copytree(self._dir(final), final_dir, ignore=shutil.ignore_patterns("job.json", "result.json",
-                                                                                  "worker.log"))
-        builds = [e["pipeline"] for e in self.log.events if e["event"] == "built" and e["pipeline"]]
-        to_result = builds.index(final) + 1 if final in builds else 0
-        vs_stock = self.log.find("sealed_speed", base="", candidate=final) if final else None
-        report = {
-            "spec": str(self.spec_path), "target": self.target.text(), "rounds": self.rounds,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(seconds, 1),
-            "noise": self.noise, "result": final or "(stock)", "best_before_sealed": current or "(stock)",
-            "sealed": {k: v for k, v in sealed.items() if k not in ("event", "time")},
-            "speedup_vs_stock": vs_stock["verdict"] if vs_stock else None,
-            "candidate_builds": len(builds), "builds_to_result": to_result,
-            "reused_entries": reused, "history": history,
-            "memory": [e.id for e in self.memory.entries() if e.spec_path == str(self.spec_path)],
-            "events": len(self.log.events), "final_build": str(final_dir),
-        }
-        (self.out / "report.json").write_text(json.dumps(report, indent=2))
-        (self.out / "report.md").write_text(render_markdown(report))
-        return report
-
-
-def _interval(d: dict):
-    from specpilot.agent.adjudicate import Interval
-    return Interval(**d)
-
-
-def render_markdown(r: dict) -> str:
-    lines = [f"# SpecPilot search: {r['spec']} on {r['target']}", "",
-             f"- date: {r['date']}, {r['rounds']} round(s), {r['seconds']} s",
-             f"- result: `{r['result']}` (best before sealed validation: `{r['best_before_sealed']}`)",
-             f"- sealed validation: {'PASSED' if r['sealed'].get('passed') else 'FAILED'} -- {r['sealed'].get('reason')}",
-             f"- stock timing noise (A/A): {r['noise']:.2%}",
-             f"- candidate builds: {r['candidate_builds']} (the result was build #{r['builds_to_result']})",
-             f"- reused memory entries: {', '.join(r['reused_entries']) or 'none'}"]
-    if r["speedup_vs_stock"]:
-        v = r["speedup_vs_stock"]
-        lines.append(f"- vs stock on held-out requests: gain {v['gain']:+.1%} (95% lower bound {v['lcb']:+.1%}, "
-                     f"threshold {v['threshold']:.1%})")
-    lines += ["", "| round | phase | adopted |", "| --- | --- | --- |"]
-    lines += [f"| {h['round']} | {h['phase']} | `{h['pipeline']}` |" for h in r["history"]]
-    return "\n".join(lines) + "\n"

@@ -95,111 +95,153 @@ def _expansions(report: dict) -> list[dict]:
     return [{int(p): {tuple(k): v for k, v in rows} for p, rows in lat.items()} for lat in report.get("lattices", [])]
 
 
+@dataclass
+class Facts:
+    """What the cost report says about the current pipeline, in the terms the proposals use."""
+    report: dict
+    current: Pipeline
+    context: PassContext
+    draft_len: int
+    references: list[list[int]]
+    call: float          # a drafter call in verifications: a model's counted as one, an n-gram lookup as none
+    names: set
+    slow_mm: float       # seconds of weight GEMMs beyond 2x their bound (the part counted as removable)
+
+    @property
+    def chain_cost(self) -> float:
+        return self.draft_len * self.call + 1
+
+    @property
+    def accepted(self) -> float:
+        return self.report["accepted_per_verification"]
+
+    @property
+    def wall(self) -> float:
+        return self.report["wall_seconds"]
+
+    @property
+    def kernel_s(self) -> float:
+        return self.report["kernel_seconds"] or 1.0
+
+    def speedup_removing(self, kernel_seconds: float) -> float:
+        """The estimated gain of removing ``kernel_seconds`` of kernel time (scaled to wall time)."""
+        return self.wall / max(self.wall - kernel_seconds * (self.wall / self.kernel_s), 1e-9) - 1
+
+
+Proposal = tuple   # (direction, passes, estimated gain, rationale, passes to drop)
+
+
 class BuiltinProposer:
+    """Candidates per cost factor (acceptance, kernel, overhead) from cheap evidence: replayed
+    drafter expansions, the profile's kernels against their bounds, and host time."""
+
     name = "builtin"
 
     def propose(self, report: dict, current: Pipeline, context: PassContext, draft_len: int,
                 references: list[list[int]], tried: set[str]) -> list[Candidate]:
-        out: list[Candidate] = []
-        # a step's cost in verifications: one, plus its drafter calls -- a model drafter's call is
-        # counted as one (the cost report has no per-model split), an n-gram lookup as nothing
-        call = 0.0 if report.get("drafter_kind") == "ngram" else 1.0
-        chain_cost = draft_len * call + 1
-        current_acc = report["accepted_per_verification"]
-        step_s = report["wall_seconds"] / max(report["verifications"], 1)
-        names = set(current.names())
-
-        def add(direction: str, change: list[Pass], gain: float, why: str, drop=()):
-            pipeline = with_change(current, change, context, drop)
-            if pipeline is None or str(pipeline) == str(current) or str(pipeline) in tried:
-                return
-            out.append(Candidate(str(pipeline), direction, ",".join(map(str, change)), gain, why))
-
-        exps = _expansions(report)
-        if "tree-verify" not in names and "compiled-spec" in report.get("engine", "compiled-spec"):
-            # chains of other lengths and the dynamic schedule, replayed
-            from specpilot.runtime.draft_schedule import DraftSchedule
-            for length in sorted({1, 2, 3, max(1, draft_len // 2), draft_len, 2 * draft_len}):
-                for dynamic in (False, True):
-                    if length == 1 and dynamic:
-                        continue
-                    acc, drafted = self._replay_chain(exps, references, length, dynamic, DraftSchedule)
-                    cost_ratio = (drafted * call + 1) / chain_cost
-                    gain = (acc / current_acc) / cost_ratio - 1
-                    add("overhead" if length < draft_len else "acceptance",
-                        [REGISTRY["draft-length"](length=length, dynamic=dynamic)], gain,
-                        f"replayed: {acc:.2f} tokens/verification with {drafted:.2f} drafts (now {current_acc:.2f} "
-                        f"with {draft_len})")
-        for budget_text, acc in report.get("tree_acceptance", {}).items():
-            budget = int(budget_text)
-            cost_ratio = (budget * call + 1) / chain_cost      # node expansions are drafter calls
-            gain = (acc / current_acc) / cost_ratio - 1
-            change = [REGISTRY["tree-verify"](budget=budget)]
-            if context.hybrid:
-                change.append(REGISTRY["gdn-path-recompute"]())
-            add("acceptance", change, gain, f"replayed best-first tree: {acc:.2f} tokens/verification "
-                f"(now {current_acc:.2f}) for {budget} drafter expansions per step"
-                + (" (n-gram lookups, not counted)" if not call else ""), drop=("draft-length",))
-        # kernel direction
-        transposes = sum(k["seconds"] for k in report["kernels"] if k["name"].startswith("transpose"))
-        kernel_s = report["kernel_seconds"] or 1.0
-        wall = report["wall_seconds"]
-        from specpilot.schedules.relax_pipeline import runs_on
-        sets = [s for s in {"llvm": ("cpu-nt", "tvm-default"), "cuda": ("skinny-mma", "nt-gemv", "tvm-default")}[
-            context.target_kind] if runs_on(s, context.target_kind, context.arch)]
-        # matmuls more than 2x from their bound: skinny-mma's tensor-core kernel brings the measured
-        # ones (bench/README "Skinny GEMMs") to ~1.5x of cuBLAS, itself near the bytes bound -- count
-        # what is above 2x of the bound as removable
         slow_mm = sum(max(0.0, k["seconds"] * (1 - 2.0 / k["ratio"])) for k in report["kernels"]
                       if is_weight_gemm(k["name"]) and k.get("ratio", 0) > 2.0)
-        in_effect = next((p["set"] for p in current.passes if p.name == "kernel-schedule"), "default")
-        if in_effect == "default":
-            from specpilot.schedules.relax_pipeline import default_schedule
-            in_effect = default_schedule(context.target_kind, context.arch)
+        facts = Facts(report, current, context, draft_len, references,
+                      0.0 if report.get("drafter_kind") == "ngram" else 1.0, set(current.names()), slow_mm)
+        out: list[Candidate] = []
+        for direction, change, gain, why, drop in [*self.acceptance(facts), *self.kernel(facts),
+                                                   *self.overhead(facts)]:
+            pipeline = with_change(current, change, context, drop)
+            if pipeline is None or str(pipeline) == str(current) or str(pipeline) in tried:
+                continue
+            out.append(Candidate(str(pipeline), direction, ",".join(map(str, change)), gain, why))
+        return _best_per_direction(out, report["factors"])
+
+    def acceptance(self, f: Facts) -> list[Proposal]:
+        """Longer chains and the dynamic schedule (replayed), and best-first trees of each budget."""
+        found = [p for p in self._draft_lengths(f) if p[0] == "acceptance"]
+        for budget_text, acc in f.report.get("tree_acceptance", {}).items():
+            budget = int(budget_text)
+            cost_ratio = (budget * f.call + 1) / f.chain_cost      # node expansions are drafter calls
+            change = [REGISTRY["tree-verify"](budget=budget)]
+            if f.context.hybrid:
+                change.append(REGISTRY["gdn-path-recompute"]())
+            found.append(("acceptance", change, (acc / f.accepted) / cost_ratio - 1,
+                          f"replayed best-first tree: {acc:.2f} tokens/verification (now {f.accepted:.2f}) for "
+                          f"{budget} drafter expansions per step" + (" (n-gram lookups, not counted)" if not f.call else ""),
+                          ("draft-length",)))
+        return found
+
+    def overhead(self, f: Facts) -> list[Proposal]:
+        """Shorter chains (replayed), and CUDA graphs where the host's launch work shows."""
+        found = [p for p in self._draft_lengths(f) if p[0] == "overhead"]
+        if f.context.target_kind == "cuda":
+            now = next((p for p in f.current.passes if p.name == "kernel-schedule"), None)
+            if now is None or not now["graph"]:
+                host = max(f.wall - f.kernel_s, 0.0)
+                found.append(("overhead", [REGISTRY["kernel-schedule"](set=now["set"] if now else "default", graph=True)],
+                              f.wall / max(f.wall - 0.5 * host, 1e-9) - 1,
+                              f"{host * 1e3:.1f} ms of {f.wall * 1e3:.1f} ms is outside kernels (launches, host work); "
+                              "CUDA graphs replay the static kernel runs", ()))
+        return found
+
+    def kernel(self, f: Facts) -> list[Proposal]:
+        """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds."""
+        return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f)]
+
+    def _draft_lengths(self, f: Facts) -> list[Proposal]:
+        if "tree-verify" in f.names or "compiled-spec" not in f.report.get("engine", "compiled-spec"):
+            return []
+        from specpilot.runtime.draft_schedule import DraftSchedule
+        exps, found = _expansions(f.report), []
+        for length in sorted({1, 2, 3, max(1, f.draft_len // 2), f.draft_len, 2 * f.draft_len}):
+            for dynamic in (False, True):
+                if length == 1 and dynamic:
+                    continue
+                acc, drafted = self._replay_chain(exps, f.references, length, dynamic, DraftSchedule)
+                gain = (acc / f.accepted) / ((drafted * f.call + 1) / f.chain_cost) - 1
+                found.append(("overhead" if length < f.draft_len else "acceptance",
+                              [REGISTRY["draft-length"](length=length, dynamic=dynamic)], gain,
+                              f"replayed: {acc:.2f} tokens/verification with {drafted:.2f} drafts (now {f.accepted:.2f} "
+                              f"with {f.draft_len})", ()))
+        return found
+
+    def _schedule_sets(self, f: Facts) -> list[Proposal]:
+        from specpilot.schedules.relax_pipeline import default_schedule, runs_on
+        kind, arch, found = f.context.target_kind, f.context.arch, []
+        transposes = sum(k["seconds"] for k in f.report["kernels"] if k["name"].startswith("transpose"))
+        sets = [s for s in {"llvm": ("cpu-nt", "tvm-default"), "cuda": ("skinny-mma", "nt-gemv", "tvm-default")}[kind]
+                if runs_on(s, kind, arch)]
+        in_effect = next((p["set"] for p in f.current.passes if p.name == "kernel-schedule"), "default")
+        in_effect = default_schedule(kind, arch) if in_effect == "default" else in_effect
         for s in sets:
             if s == in_effect:          # the set the current build already runs
                 continue
-            removed = transposes * (wall / kernel_s) if s in ("cpu-nt", "nt-gemv", "skinny-mma") else 0.0
-            why = f"{transposes * 1e3:.1f} ms of {report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time " \
+            removed = transposes if s in ("cpu-nt", "nt-gemv", "skinny-mma") else 0.0
+            why = f"{transposes * 1e3:.1f} ms of {f.report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time " \
                   f"weight transposes, which {s} fuses away" if removed else f"{s}: no cheap evidence of a gain"
-            if s == "skinny-mma" and slow_mm:
-                removed += slow_mm * (wall / kernel_s)
-                why = f"{slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound (skinny-mma: " \
+            if s == "skinny-mma" and f.slow_mm:
+                # matmuls more than 2x from their bound: skinny-mma's tensor-core kernel brings the measured
+                # ones near cuBLAS (bench/README "Skinny GEMMs") -- what is above 2x of the bound counts
+                removed += f.slow_mm
+                why = f"{f.slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound (skinny-mma: " \
                       f"tensor-core GEMMs for few rows)" + (f"; {why}" if transposes else "")
-            gain = wall / max(wall - removed, 1e-9) - 1
-            add("kernel", [REGISTRY["kernel-schedule"](set=s)], gain, why)
-        if context.target_kind == "cuda":
-            # CUDA graphs replay the static-shape kernel runs: the host's launch work goes away
-            now = next((p for p in current.passes if p.name == "kernel-schedule"), None)
-            if now is None or not now["graph"]:
-                host = max(wall - kernel_s, 0.0)
-                gain = wall / max(wall - 0.5 * host, 1e-9) - 1
-                add("overhead", [REGISTRY["kernel-schedule"](set=now["set"] if now else "default", graph=True)], gain,
-                    f"{host * 1e3:.1f} ms of {wall * 1e3:.1f} ms is outside kernels (launches, host work); "
-                    "CUDA graphs replay the static kernel runs")
-        if "fuse-projections" not in names and slow_mm:
-            # projections that read one activation (q/k/v, gate/up, GDN inputs): the narrow ones run
-            # far from their bound (too few blocks to fill the device); stacked, one GEMM reads them
-            # in one wide pass -- half the far-from-bound time counted (not every such matmul stacks)
-            gain = wall / max(wall - 0.5 * slow_mm * (wall / kernel_s), 1e-9) - 1
-            add("kernel", [REGISTRY["fuse-projections"]()], gain,
-                f"{slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound; stacking the "
-                "projections that share an activation makes fewer, wider GEMMs")
-        if "w12-layout" not in names:     # legality (with_change) says where it cannot go
-            matmul = [k for k in report["kernels"] if is_weight_gemm(k["name"]) or "matmul" in k["name"]]
-            near = [k for k in matmul if k["ratio"] < 2.0]
-            saved = 0.25 * sum(k["seconds"] for k in near)
-            gain = report["wall_seconds"] / max(report["wall_seconds"] - saved * report["wall_seconds"] / kernel_s, 1e-9) - 1
-            add("kernel", [REGISTRY["w12-layout"]()], gain,
-                f"W12 moves 0.75 of the weight bytes; {len(near)} of {len(matmul)} matmul kernels are within 2x "
-                "of their bound (only those gain from fewer bytes)")
-        # the largest factor's direction first, then by estimate; keep the best few per direction
-        order = sorted(report["factors"], key=lambda f: -report["factors"][f])
-        kept = []
-        for direction in order:
-            mine = sorted((c for c in out if c.direction == direction), key=lambda c: -c.estimated_gain)
-            kept += [c for c in mine if c.estimated_gain >= MIN_ESTIMATED_GAIN][:PER_DIRECTION]
-        return kept
+            found.append(("kernel", [REGISTRY["kernel-schedule"](set=s)], f.speedup_removing(removed), why, ()))
+        return found
+
+    def _fused_projections(self, f: Facts) -> list[Proposal]:
+        if "fuse-projections" in f.names or not f.slow_mm:
+            return []
+        # projections that read one activation (q/k/v, gate/up, GDN inputs): the narrow ones run far
+        # from their bound (too few blocks to fill the device); stacked, one GEMM reads them in one
+        # wide pass -- half the far-from-bound time counted (not every such matmul stacks)
+        return [("kernel", [REGISTRY["fuse-projections"]()], f.speedup_removing(0.5 * f.slow_mm),
+                 f"{f.slow_mm * 1e3:.1f} ms of NT matmul time is more than 2x from its bound; stacking the "
+                 "projections that share an activation makes fewer, wider GEMMs", ())]
+
+    def _w12(self, f: Facts) -> list[Proposal]:
+        if "w12-layout" in f.names:     # legality (with_change) says where it cannot go
+            return []
+        matmul = [k for k in f.report["kernels"] if is_weight_gemm(k["name"]) or "matmul" in k["name"]]
+        near = [k for k in matmul if k["ratio"] < 2.0]
+        return [("kernel", [REGISTRY["w12-layout"]()], f.speedup_removing(0.25 * sum(k["seconds"] for k in near)),
+                 f"W12 moves 0.75 of the weight bytes; {len(near)} of {len(matmul)} matmul kernels are within 2x "
+                 "of their bound (only those gain from fewer bytes)", ())]
 
     @staticmethod
     def _replay_chain(exps, references, length, dynamic, schedule_cls) -> tuple[float, float]:
@@ -216,6 +258,15 @@ class BuiltinProposer:
             drafts.append(d)
         n = max(len(accs), 1)
         return sum(accs) / n, sum(drafts) / n
+
+
+def _best_per_direction(candidates: list[Candidate], factors: dict) -> list[Candidate]:
+    """The largest factor's direction first, then by estimate; the best few per direction."""
+    kept = []
+    for direction in sorted(factors, key=lambda f: -factors[f]):
+        mine = sorted((c for c in candidates if c.direction == direction), key=lambda c: -c.estimated_gain)
+        kept += [c for c in mine if c.estimated_gain >= MIN_ESTIMATED_GAIN][:PER_DIRECTION]
+    return kept
 
 
 def from_memory(entries, current: Pipeline, context: PassContext, tried: set[str]) -> list[Candidate]:

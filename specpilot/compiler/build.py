@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specpilot.core.loader import load_models
+from specpilot.core.loader import load_models, weights_reference
 from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
-from specpilot.core.weights import dedupe, file_digest, packed_parameters
+from specpilot.core.weights import dedupe, file_digest, packed_parameters, params_digest
 from specpilot.passes.base import PassContext
 from specpilot.core.spec import Spec, replay_plan
 from specpilot.core.target import TargetSpec, compile_arch
@@ -129,7 +129,9 @@ class BuildRequest:
     """What to build: a spec for a target into ``out_dir``, with ``passes`` (empty: the spec's own).
 
     params="seeded" (seeded random models only) writes no weights: the engine regenerates them from
-    the seeds, so realistic-shape builds travel as a few megabytes."""
+    the seeds, so realistic-shape builds travel as a few megabytes.  params="load" writes none either:
+    the manifest references the target's checkpoint (path and digest) and the digest of the parameters
+    built from it, and the engine reads and converts the weights at load (`core.loader.load_referenced`)."""
     spec: Spec
     target: TargetSpec
     out_dir: Path
@@ -179,9 +181,9 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     dtype_name = spec.deployment.dtype
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
-    tgt, drf = load_models(spec, weights=params == "file")
+    tgt, drf = load_models(spec, weights=params != "seeded")
     context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
-                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params == "file")
+                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params != "seeded")
     require_legal(pipeline, context)   # before the long steps
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
@@ -189,7 +191,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
                                   n_rows=spec.deployment.max_batch)
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
-    context.params = packed_parameters(names, tgt, drf, dtype) if params == "file" else dict.fromkeys(names)
+    context.params = packed_parameters(names, tgt, drf, dtype) if params != "seeded" else dict.fromkeys(names)
     if instrument:
         instrument("lower", mod)
     records = []
@@ -267,7 +269,14 @@ def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: P
     lib_path = out_dir / "model.so"
     executable.export_library(str(lib_path))
     files = {"hashes": {"model.so": file_digest(lib_path)}, "aliases": {}, "tokenizer": None}
-    if request.params == "file":       # seeded builds: the engine works out aliases when it draws the weights
+    if request.params == "load":
+        files["weights"] = weights_reference(request.spec)
+        files["weights"]["params_sha256"] = params_digest(lowered.context.params)
+        adapter = request.spec.drafter.adapter
+        if adapter:      # small, and part of the drafter: it travels with the build
+            shutil.copyfile(request.spec.resolve(adapter, "drafter.adapter"), out_dir / "adapter.safetensors")
+            files["hashes"]["adapter.safetensors"] = file_digest(out_dir / "adapter.safetensors")
+    if request.params == "file":       # other builds: the engine works out aliases when it makes the weights
         stored, files["aliases"] = dedupe(lowered.context.params)
         (out_dir / "params").mkdir(exist_ok=True)
         params_path = out_dir / "params" / "params.safetensors"
@@ -311,8 +320,10 @@ def build(request: BuildRequest, progress=None) -> Manifest:
     """Lower, apply the pipeline, compile and export into ``request.out_dir``.  Returns the manifest."""
     say = progress or (lambda message: None)
     spec, started = request.spec, time.perf_counter()
-    if request.params not in ("file", "seeded"):
-        raise SpecPilotError(f"params must be 'file' or 'seeded', not {request.params!r}")
+    if request.params not in ("file", "seeded", "load"):
+        raise SpecPilotError(f"params must be 'file', 'seeded' or 'load', not {request.params!r}")
+    if request.params == "load":
+        weights_reference(spec)          # refused up front when the weights cannot be referenced
     if request.params == "seeded" and not seeded_models(spec):
         raise SpecPilotError("params='seeded' needs seeded random models (init: {seed: N}) for target and drafter")
     stages: list[tuple[str, object]] = []

@@ -82,3 +82,46 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
         raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "
                         f"target's {target.cfg.vocab_size}; a drafter must share the target's vocabulary")
     return target, drafter
+
+
+def source_digest(path: Path) -> str:
+    """A checkpoint's identity: the GGUF file's sha256, or a directory's config.json and weight files'."""
+    import hashlib
+
+    from specpilot.core.weights import file_digest
+    path = Path(path)
+    if path.is_file():
+        return file_digest(path)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "tokenizer.json")
+    return hashlib.sha256("".join(f"{p.name}:{file_digest(p)}\n" for p in files).encode()).hexdigest()
+
+
+def weights_reference(spec: Spec) -> dict:
+    """What a build made with ``--params load`` records about its target's weights instead of carrying
+    them: the checkpoint or GGUF file it was built from and that file's digest."""
+    source = spec.target
+    if not (source.checkpoint or source.gguf):
+        raise SpecError(spec.path, "target", "--params load references a checkpoint or GGUF file; this target "
+                        "is a seeded random model (use --params seeded)")
+    d = spec.drafter
+    if d.kind == "model" and d.init is None or d.kind == "replay" and d.cost.init is None:
+        raise SpecError(spec.path, "drafter", "--params load covers the target's weights; a drafter model from a "
+                        "checkpoint would have to travel too (use --params file)")
+    kind = "gguf" if source.gguf else "checkpoint"
+    path = spec.resolve(source.gguf or source.checkpoint, f"target.{kind}")
+    return {"kind": kind, "path": str(path), "sha256": source_digest(path)}
+
+
+def load_referenced(reference: dict, override: Path | None = None) -> LoadedModel:
+    """The target of a ``--params load`` build, from ``override`` (the same weights, elsewhere) or the
+    recorded path, checked against the recorded digest."""
+    path = Path(override) if override else Path(reference["path"])
+    if not path.exists():
+        raise CheckpointError(f"{path}: the build's weights are not there; point SPECPILOT_WEIGHTS at the "
+                              f"{reference['kind']} it was built from")
+    if source_digest(path) != reference["sha256"]:
+        raise CheckpointError(f"{path}: not the {reference['kind']} this build was made from (its digest differs)")
+    directory = gguf_to_checkpoint(path) if reference["kind"] == "gguf" else path
+    cfg, weights = load_checkpoint(directory)
+    return LoadedModel(cfg, weights, directory, str(path))
+

@@ -85,7 +85,8 @@ class Manifest(_Strict):
     aliases: dict[str, str] = {}
     tokenizer: str | None = None
     versions: dict[str, str | None]
-    params_source: Literal["file", "seeded"] = "file"
+    params_source: Literal["file", "seeded", "load"] = "file"
+    weights: dict | None = None        # params_source "load": {kind, path, sha256, params_sha256}
     seeds: dict
     hashes: dict[str, str]
     build_seconds: float = 0.0

@@ -63,7 +63,7 @@ class TargetSpec:
 
 def compile_arch(arch: str) -> str:
     """The arch TVM compiles for: sm_90 as sm_90a, whose architecture-specific instructions
-    (wgmma, used by `schedules.skinny_mma`) every compute-capability-9.0 GPU (H100, H200) runs;
+    (wgmma, used by `schedules.skinny_kernels`) every compute-capability-9.0 GPU (H100, H200) runs;
     code built for sm_90a runs on no other architecture, as sm_90 code runs on none either."""
     return "sm_90a" if arch == "sm_90" else arch
 

@@ -249,6 +249,16 @@ def packed_parameters(names: list[str], target, drafter, dtype: torch.dtype) -> 
     return full
 
 
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes, in order: equal iff the same values."""
+    h = hashlib.sha256()
+    for name, tensor in params.items():
+        t = tensor.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def dedupe(full: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(unique tensors by their first name, alias map other name -> that name)."""
     stored, aliases, first = {}, {}, {}

@@ -55,7 +55,7 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
     chunks of ``ROWS_KEYS`` keys and values go to shared memory with cp.async (the next chunk in
     flight while this one is multiplied).  Each warp: S = Q K^T for its 16 rows (mma.sync m16n8k16,
-    float32 sums; a lane's k slots stand for 8 consecutive dims, as in `schedules.skinny_mma`),
+    float32 sums; a lane's k slots stand for 8 consecutive dims, as in `schedules.skinny_kernels`),
     masked and scaled, the running max / sum per row (quad shuffles), P = exp(S - m) rounded to the
     value dtype as the A operand of O += P V straight from the S registers, V's B operands by
     ldmatrix.trans.  Shared rows are swizzled so each 8-lane phase of the operand loads hits 32

@@ -101,20 +101,28 @@ class CompiledModule:
                 raise SpecPilotError(f"{path}: content hash differs from manifest.json (corrupt or modified build)")
 
     def _read_params(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """(stored values by name, aliases): from params/, or regenerated from the manifest's seeds."""
+        """(stored values by name, aliases): from params/, or made again -- redrawn from the manifest's
+        seeds, or read from the checkpoint the manifest references -- with the passes' rewrites redone."""
         m = self.manifest
         if m.params_source == "file":
             from safetensors.torch import load_file
             return load_file(str(self.dir / "params" / "params.safetensors")), m.aliases
         from types import SimpleNamespace
 
-        from specpilot.core.weights import dedupe, random_weights, rewritten_parameters
+        from specpilot.core.weights import dedupe, params_digest, random_weights, rewritten_parameters
         cfgs = {which: ModelConfig.from_dict(d) for which, d in m.models.items()}
         seeds = m.seeds
-        target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], **seeds["target"]))
+        if m.params_source == "load":
+            target = self._referenced_target(cfgs["target"])
+        else:
+            target = SimpleNamespace(cfg=cfgs["target"], weights=random_weights(cfgs["target"], **seeds["target"]))
         drafter = None
         if "drafter" in cfgs:
-            if m.drafter.kind == "early-exit":   # the target's own first layers
+            if m.drafter.kind == "early-exit" and (self.dir / "adapter.safetensors").is_file():
+                from specpilot.core.loader import early_exit
+                n = int(m.spec["drafter"]["layers"])
+                weights = early_exit(target, n, self.dir / "adapter.safetensors").weights
+            elif m.drafter.kind == "early-exit":   # the target's own first layers
                 n = cfgs["drafter"].num_hidden_layers
                 weights = {k: v for k, v in target.weights.items()
                            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
@@ -126,7 +134,20 @@ class CompiledModule:
         if list(values) != m.params:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")
+        if m.params_source == "load" and params_digest(values) != m.weights["params_sha256"]:
+            raise SpecPilotError(f"{self.dir}: the parameters made from {m.weights['path']} differ from the "
+                                 "ones the build was made with")
         return dedupe(values)
+
+    def _referenced_target(self, cfg: ModelConfig):
+        """A ``--params load`` build's target: its checkpoint from SPECPILOT_WEIGHTS or the recorded path."""
+        import os
+
+        from specpilot.core.loader import load_referenced
+        loaded = load_referenced(self.manifest.weights, os.environ.get("SPECPILOT_WEIGHTS") or None)
+        if loaded.cfg.to_dict() != cfg.to_dict():
+            raise SpecPilotError(f"{loaded.description}: its config differs from the one this build was made for")
+        return loaded
 
     def _load_params(self):
         aliases = self._aliases

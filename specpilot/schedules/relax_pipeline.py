@@ -13,7 +13,7 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   (`schedules.tensor_core`: dlight's WMMA schedule with bf16 intrinsics; dlight's own
   Matmul rule tensorizes float16 only).
 - ``skinny-mma`` (GPU, sm_80+): ``nt-gemv`` with every plain bf16 projection whose shape it
-  tiles (N a multiple of 16, K of 32) on `schedules.skinny_mma`'s tensor-core kernel, made for
+  tiles (N a multiple of 16, K of 32) on `schedules.skinny_kernels`' tensor-core kernel, made for
   few rows (decode batches, chain and tree verification) and taking prefill's symbolic rows
   too: weights streamed once per launch through a shared-memory ring (``wgmma`` on sm_90a,
   ``mma.sync`` elsewhere; on sm_90a 128- and 256-row blocks beyond 72 rows), one kernel choice

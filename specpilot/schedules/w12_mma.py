@@ -1,6 +1,6 @@
 """The W12 GEMM on tensor cores: y[M, N] = x[M, K] . W[N, K]^T with W read in its W12 planes
 (12 bits a weight) and decoded to exact bf16 in registers, straight into ``mma.sync`` A
-fragments -- `schedules.skinny_mma`'s kernel with the weight loads swapped for plane loads and
+fragments -- `schedules.skinny_kernels`' kernel with the weight loads swapped for plane loads and
 an integer decode.
 
 Per 64-wide k block, the four lanes of a row group own 16 consecutive weights each: one 16-byte
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from specpilot.schedules.skinny_mma import Config, choose
+from specpilot.schedules.skinny_config import Config, choose
 
 BLOCK = 64   # weights of one row per k block: 4 lanes x 16
 

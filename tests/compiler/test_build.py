@@ -251,3 +251,36 @@ def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     manifest = read_manifest(tmp_path / "b")
     assert manifest.cuda_graph is True and manifest.pipeline == "kernel-schedule{graph=true}"
     assert "target_decode_cuda_graph_capture" in manifest.functions
+
+
+def test_params_load_references_the_checkpoint_and_checks_it(tmp_path, monkeypatch):
+    """--params load: no weights in the build; the engine reads the checkpoint it references (or the same
+    one elsewhere, SPECPILOT_WEIGHTS), refuses another, and decodes exactly as a build with its weights."""
+    import shutil
+
+    from specpilot.core.weights import random_weights, save_checkpoint
+    from tests.conftest import tiny_config
+    cfg = tiny_config("Qwen3ForCausalLM", vocab_size=300)
+    save_checkpoint(tmp_path / "ckpt", cfg, random_weights(cfg, 3))
+    spec_path = tmp_path / "m.yaml"
+    spec_path.write_text("target: {checkpoint: ckpt}\ndrafter: {kind: ngram, draft_len: 3}\n"
+                         "deployment: {max_seq_len: 128}\npasses: tree-verify{budget=6}\n")
+    spec = load_spec(spec_path)
+    loaded = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "load", params="load"))
+    build(BuildRequest(spec, parse_target("llvm"), tmp_path / "file"))
+    assert not (tmp_path / "load" / "params").exists() and loaded.weights["kind"] == "checkpoint"
+    prompt = [5, 7, 11, 13, 17]
+    want = from_build(tmp_path / "file").generate("compiled-tree", prompt, 24).tokens
+    assert from_build(tmp_path / "load").generate("compiled-tree", prompt, 24).tokens == want
+    shutil.move(tmp_path / "ckpt", tmp_path / "moved")
+    with pytest.raises(SpecPilotError, match="SPECPILOT_WEIGHTS"):
+        from_build(tmp_path / "load")
+    monkeypatch.setenv("SPECPILOT_WEIGHTS", str(tmp_path / "moved"))
+    assert from_build(tmp_path / "load").generate("compiled-tree", prompt, 24).tokens == want
+    save_checkpoint(tmp_path / "other", cfg, random_weights(cfg, 4))
+    monkeypatch.setenv("SPECPILOT_WEIGHTS", str(tmp_path / "other"))
+    with pytest.raises(SpecPilotError, match="not the checkpoint this build was made from"):
+        from_build(tmp_path / "load")
+    seeded = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml")
+    with pytest.raises(SpecPilotError, match="use --params seeded"):
+        build(BuildRequest(seeded, parse_target("llvm"), tmp_path / "x", params="load"))

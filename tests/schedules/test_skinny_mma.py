@@ -13,7 +13,9 @@ import pytest
 import tvm
 from tvm import relax
 
-from specpilot.schedules.skinny_mma import WIDE, Config, applicable, nt_matmul_shape, pick, skinny_nt_matmul, substitute
+from specpilot.schedules.skinny_config import Config, WIDE, applicable, pick
+from specpilot.schedules.skinny_kernels import skinny_nt_matmul
+from specpilot.schedules.skinny_mma import nt_matmul_shape, substitute
 from specpilot.schedules.tensor_core import nt_matmul
 from tests.kernel_helpers import sm90_source
 
@@ -188,7 +190,7 @@ def test_k_splits_over_blocks_only_where_channel_blocks_leave_sms_idle():
     of >= 2048 that the configuration tiles; N = 17408 and the lm_head (more blocks than SMs) and
     short K keep one; the register kernel never splits; `pick` splits only beyond 16 rows (decode
     batches lost more to the second launch than they gained)."""
-    from specpilot.schedules.skinny_mma import with_splits
+    from specpilot.schedules.skinny_config import with_splits
     down = dict(pick(5120, 17408))
     assert down[None].splits == 8 and down[32].splits == 8 and down[8].splits == down[16].splits == 1
     assert with_splits(down[8], 5120, 17408).splits == 8
@@ -308,7 +310,7 @@ def test_wide_blocks_at_33_to_72_rows_only_where_they_fill_the_gpu():
     block an SM, unsplit) where those blocks fill one wave to >= 80 % of the SMs or make >= 8
     waves; elsewhere (a nearly empty last wave, or K split over blocks) the 64-channel kernels stay,
     and nothing changes at other row counts."""
-    from specpilot.schedules.skinny_mma import SMS, WIDE, wide_fills
+    from specpilot.schedules.skinny_config import SMS, WIDE, wide_fills
     assert WIDE.block_n() == 128 and WIDE.block_m() == 72 and WIDE.splits == 1
     assert WIDE.shared_bytes(5120) <= 227 * 1024 < 2 * (WIDE.shared_bytes(5120) + 1024)   # one block an SM
     for n_out, wide in ((16480, True), (14336, True), (248320, True), (151936, True),
@@ -333,7 +335,7 @@ def test_wide_blocks_split_k_in_two_where_few_channel_blocks_meet_a_long_k():
     blocks still fit one wave (17408 -> 5120: 40 x 2 = 80 blocks) -- not where K is shorter (6144,
     12288 -> 5120 / 4096) or where the 64-channel blocks fill the SMs (8448: 132 of them; below that
     the doubled 128-channel blocks fit one wave); other row ranges keep their kernels."""
-    from specpilot.schedules.skinny_mma import SMS, wide_split
+    from specpilot.schedules.skinny_config import SMS, wide_split
     assert wide_split(5120, 17408) == replace(WIDE, splits=2) and wide_split(5120, 16384) is not None
     assert wide_split(4096, 28672) is not None                      # 32 x 2 blocks
     for n, k in ((5120, 16320), (5120, 6144), (4096, 12288), (64 * SMS, 17408), (34816, 17408)):
@@ -389,7 +391,7 @@ def test_a_nearly_empty_last_wave_takes_k_in_pieces():
     2 a SM: 264 slots) runs 528 blocks over all of K and the last 16 as 8 blocks of 10 chunks each
     (16 x 8 = 128 <= 132 SMs); nowhere else of the 27B / 8B shapes, never outside 33-72 rows, never
     with K split already or a last wave fuller than a quarter of the slots; pieces of whole chunks."""
-    from specpilot.schedules.skinny_mma import SMS, block_slots, tail_blocks, with_tail
+    from specpilot.schedules.skinny_config import SMS, block_slots, tail_blocks, with_tail
     six = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
     assert block_slots(six, 5120) == 2 * SMS and tail_blocks(six, 34816, 5120) == (528, 16)
     assert tail_blocks(six, 64 * 2 * SMS, 5120) == (2 * SMS, 0)          # whole waves: no tail
@@ -428,7 +430,7 @@ def test_the_tail_form_sums_its_pieces_in_a_second_kernel(tmp_path):
 
 
 def test_wave_efficiency_counts_blocks_against_slots():
-    from specpilot.schedules.skinny_mma import SMS, wave_efficiency
+    from specpilot.schedules.skinny_config import SMS, wave_efficiency
     one = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)          # ~105 KB: 2 blocks a SM
     assert one.shared_bytes(5120) == 6 * (64 + 72) * 128 + 1024
     assert wave_efficiency(one, 64 * 2 * SMS, 5120) == 1.0                  # exactly one wave
@@ -468,7 +470,7 @@ def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, 
     from tvm import tirx
 
     from specpilot.schedules.relax_pipeline import pipeline
-    from specpilot.schedules.skinny_mma import pairable
+    from specpilot.schedules.skinny_kernels import pairable
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     with target:
         mod = pipeline(target, "skinny-mma")(_swiglu_module(n_half, k_in))

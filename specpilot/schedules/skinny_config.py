@@ -1,0 +1,277 @@
+"""Which skinny-GEMM configuration runs a shape (`skinny_kernels`): tile layouts, pipeline depth and
+K splits per range of rows, chosen to fill the GPU's block slots (one wave of blocks, a nearly
+empty last wave split over K, 128-channel blocks where they fill the GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Config:
+    m_tiles: int    # groups of 8 rows of x per block
+    a_tiles: int    # 16-channel A tiles per warp
+    wn: int         # warps along N
+    wk: int         # warps along K (split-K inside the block)
+    unroll: int = 4  # k steps whose loads are in flight together
+    stages: int = 0  # >= 2: the pipelined kernel (cp.async into shared memory, this many chunks in flight)
+    splits: int = 1  # pipelined: K split over this many blocks too (partial sums summed by a second kernel)
+    wgmma: bool = False  # sm_90a warpgroup kernel (`_wgmma_kernel`): wn warpgroups of a_tiles / 4 x 64 channels, wk 1
+    overlap: int = 0     # wgmma: groups left in flight past the next barrier (1: copies run stages - 2 ahead)
+    tail: int = 1        # wgmma, unsplit: the channel blocks past the last whole wave of block slots take K in
+                         # this many pieces, a block each, summed in a fixed order by a second kernel (`with_tail`)
+
+    def block_n(self) -> int:
+        return 16 * self.a_tiles * self.wn
+
+    def block_m(self) -> int:
+        return 8 * self.m_tiles
+
+    def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
+        """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
+        pipelined, its ring of chunks fits in a block's shared memory."""
+        if self.wgmma:
+            # one to three 64-channel tiles per warpgroup (the last block of a ragged N clamps its
+            # weight rows and stores only real channels), x rows as wgmma's N (a multiple of 8,
+            # <= 256), 64-k chunks
+            return (n_out % 8 == 0 and self.a_tiles in (4, 8, 12) and self.wk == 1 and self.stages >= 2 + self.overlap
+                    and (self.tail == 1 or (self.tail > 1 and self.splits == 1 and k_in % (self.tail * WGMMA_K) == 0))
+                    and self.block_m() * self.a_tiles <= 4 * 256   # <= 128 accumulators a thread
+                    and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
+                    and self.shared_bytes(k_in) <= MAX_SHARED)
+        if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
+            return False
+        # pipelined: at least two chunks per block (the regime the H200 runs checked; one chunk takes
+        # the register kernel) and a ring that fits in a block's shared memory
+        return not self.stages or (k_in // self.splits >= 2 * self.chunk(k_in)
+                                   and self.shared_bytes(k_in) <= MAX_SHARED)
+
+    def chunk(self, k_in: int) -> int:
+        """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32); wgmma:
+        one 128-byte swizzle atom per row."""
+        return WGMMA_K if self.wgmma else 32 * self.wk * self.unroll_for(k_in)
+
+    def unroll_for(self, k_in: int) -> int:
+        """The k steps per warp per iteration: ``unroll``, or the largest of 2, 1 that divides."""
+        steps = k_in // (32 * self.wk * self.splits)
+        return next(u for u in (self.unroll, 2, 1) if steps % u == 0)
+
+    def shared_bytes(self, k_in: int) -> int:
+        """Pipelined: the ring of W and x chunks plus the split-K partial sums."""
+        ring = self.stages * (self.block_n() + self.block_m()) * self.chunk(k_in) * 2
+        if self.wgmma:
+            return ring + SWIZZLE_ALIGN    # room to align the ring to the swizzle pattern's 1024 bytes
+        return ring + (self.wk * self.slots() * 4 if self.wk > 1 else 0)
+
+    def threads(self) -> int:
+        """Threads per block: wn x wk warps, or wn warpgroups of four warps (wgmma)."""
+        return 32 * self.wn * self.wk * (4 if self.wgmma else 1)
+
+    def slots(self) -> int:
+        """Accumulator values per block per k share (the split-K partial sums)."""
+        return self.wn * self.a_tiles * self.m_tiles * 4 * 32
+
+
+MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runtime raises the limit)
+WGMMA_K = 64                # wgmma kernel: k per chunk, 64 bf16 = one 128-byte swizzled row
+SWIZZLE_ALIGN = 1024        # the 128-byte swizzle repeats every 8 rows: tiles start 1024-byte aligned
+
+
+# (largest M the configuration serves, candidates in order of preference), from the H200 runs of
+# bench/skinny_gemm.py (docs/bench-log.md).  The pipelined kernel leads at every M measured (1.2-2x
+# the register kernel at 16-65 rows, at or above cuBLAS at 16 rows): 16 rows x 64 channels per
+# block with 4 warps along N up to 8 rows, 8 warps splitting K at 9-16, 32 rows x 128 channels at
+# 17-32 where N gives half the SMs a block (else 16-row blocks), 72 rows with 3 stages beyond.  The
+# register kernel stays as the fallback for shapes those do not tile.
+REGISTER = (
+    (16, (Config(2, 1, 1, 8, 4), Config(2, 1, 1, 4, 4), Config(2, 1, 1, 2, 4), Config(2, 1, 1, 1, 4))),
+    (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
+    (None, (Config(9, 2, 2, 2, 2), Config(9, 1, 2, 2, 2), Config(9, 1, 1, 2, 2), Config(9, 1, 1, 1, 2))),
+)
+SMS = 132    # H200 SMs: a 32-row tile of 128 channels paid from N = 14336 (112 blocks), not at 5120 (40)
+
+
+def configs(n_out: int, wgmma: bool = False) -> tuple:
+    """The (largest M, candidates) ranges for an N-channel GEMM; ``wgmma`` (sm_90a): the
+    warpgroup kernel's candidates first (any N a multiple of 8: a ragged last block of channels)."""
+    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * SMS else ()
+    mma = (
+        (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
+        (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),
+        (32, wide + (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[1][1]),
+        # N not a multiple of 64 (the 27B hybrid's stacked GDN projections: 16480): 32-channel blocks
+        (None, (Config(9, 2, 2, 2, 2, stages=3), Config(9, 1, 2, 2, 2, stages=3)) + REGISTER[2][1]),
+    )
+    if not wgmma:
+        return mma
+    # H200, 27B and 8B shapes at 4-65 rows (docs/bench-log.md): the wgmma kernel 1.1-1.5x the mma
+    # kernels (lm_head at 65 rows 931 -> 657 us, cuBLAS 610; 17408 x 5120 88 -> 59, cuBLAS 48).  Per
+    # range two wgmma candidates; `pick` takes the one whose blocks fill the GPU's block slots best
+    # (`wave_efficiency`): 6 stages with one wgmma group in flight past the barrier lead in most
+    # shapes, 4 stages (more blocks per SM) or two warpgroups (fewer blocks) where 6 stages would
+    # leave a nearly empty last wave (17408 channels at 65 rows: 272 blocks for 264 slots, 69 us vs
+    # 59).  At 9-16 rows with few channel blocks mma's in-block K split leads (17408 -> 5120: 46.7 vs
+    # 48.1 us) and stays.
+    few = n_out // 64 < SMS
+
+    def wg(mt, wn, stages, overlap=1):
+        return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=overlap)
+    hopper = {8: (wg(1, 1, 6), wg(1, 1, 4)),
+              16: () if few else (wg(2, 1, 6), wg(2, 1, 4)),
+              32: (wg(4, 1, 6), wg(4, 1, 4)),
+              72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
+    wide = (WIDE,) if wide_fills(n_out) else ()
+    # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
+    # 256 rows of x a block, unsplit (27B gate/up and down at 128-1024 rows: 1.3-1.9x the 72-row
+    # dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us; cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
+    # rows (17408 -> 5120 at 128 rows: 113 us vs 145).
+    r128, r256 = wg(16, 1, 4), Config(32, 4, 2, 1, stages=3, wgmma=True)
+    ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
+              for limit, candidates in mma]
+    rest = hopper[72] + mma[-1][1]
+    return tuple(ranges) + ((128, (rest if few else (r128,) + rest)), (256, (r128,) + rest), (None, (r256,) + rest))
+
+
+# 33-72 rows: one warpgroup multiplying two 64-channel weight tiles by each x tile, 8 stages (one
+# block an SM), where those 128-channel blocks fill the GPU -- one wave of at least 80 % of the SMs
+# or at least 8 waves (`wide_fills`); elsewhere the last wave's few blocks run alone and it loses.
+# H200, 65 rows (us, vs the 64-channel pick; bench/README "Skinny GEMMs"): 5120 -> 16480 (129
+# blocks) 47.8 vs 52.2, -> 14336 (112) 43.6 vs 47.2, -> 248320 648.4 vs 656.7 (cuBLAS 46.9 / 42.1
+# / 616.4); -> 34816 (272 blocks, 2.06 waves) 114.0 vs 108.0; with K split over blocks (N = 5120,
+# 17408 -> 5120) two tiles lose too (6 stages, split 8: 72.1 vs 61.2).  Three
+# tiles (192 channels, 6 stages) are no better where they fit (-> 248320 646.0, -> 16480 51.6).
+WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
+
+
+def wide_fills(n_out: int) -> bool:
+    """Whether `WIDE`'s blocks of an N-channel GEMM (one an SM) fill one wave to >= 80 % of the
+    SMs or make >= 8 waves (a last partial wave then costs little)."""
+    blocks = -(-n_out // WIDE.block_n())
+    return 0.8 * SMS <= blocks <= SMS or blocks >= 8 * SMS
+
+
+WIDE_SPLIT_K = 16384   # k from which `wide_split` takes WIDE with K split in two
+
+
+def wide_split(n_out: int, k_in: int) -> Config | None:
+    """33-72 rows, few channel blocks (fewer 64-channel blocks than SMs: K split over blocks anyway)
+    and a long K (the down projection 17408 -> 5120): `WIDE` with K split over two blocks (so its
+    blocks, doubled, fit one wave) -- x paid once per 128 channels and two float32 partials a
+    channel to add, where the 64-channel kernel splits K eight ways (eight partials).  H200, 65 rows:
+    58.0 us vs 61.5 (8 splits of 64-channel blocks; three tiles split 4 58.4), round-robin 55.0 vs
+    66.4 (cuBLAS 59.4); the 27B-style tree verification 1999-2020 us vs 2037-2057 with the tail form
+    alone (1.28-1.29x vs 1.30x the AR step; bench/README "Skinny GEMMs", "Tree verification"); bf16
+    forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml (its 17408 -> 512 down projection takes it)
+    passes.  None elsewhere."""
+    cfg = replace(WIDE, splits=2)
+    if k_in < WIDE_SPLIT_K or n_out // 64 >= SMS or not cfg.fits(n_out, k_in):
+        return None
+    return cfg
+
+
+SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
+
+
+def block_slots(cfg: Config, k_in: int) -> int:
+    """The blocks of ``cfg`` the GPU runs at once: SMs x blocks per SM (by shared memory and threads)."""
+    return SMS * max(min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // cfg.threads()), 1)
+
+
+def wave_efficiency(cfg: Config, n_out: int, k_in: int) -> float:
+    """How well one row block of ``cfg``'s blocks fills the GPU's block slots (`block_slots`): 1
+    when they fit in one wave, else waves / whole waves (a last wave with few blocks runs nearly
+    alone)."""
+    waves = -(-n_out // cfg.block_n()) * cfg.splits / block_slots(cfg, k_in)
+    return 1.0 if waves <= 1 else waves / -(-waves // 1)
+
+
+def tail_blocks(cfg: Config, n_out: int, k_in: int) -> tuple[int, int]:
+    """(whole-K channel blocks, channel blocks past the last whole wave of `block_slots`) of one
+    row block; (all, 0) within one wave.  The paired form has as many blocks (N / 2 pairs, block_n / 2
+    a block)."""
+    blocks, slots = -(-n_out // cfg.block_n()), block_slots(cfg, k_in)
+    rest = blocks % slots if blocks > slots else 0
+    return blocks - rest, rest
+
+
+TAIL_MOST = 0.25    # split the last wave's K where it holds at most this share of the block slots
+
+
+def with_tail(cfg: Config, n_out: int, k_in: int) -> Config:
+    """An unsplit 72-row warpgroup configuration whose last wave of channel blocks is nearly empty
+    (at most ``TAIL_MOST`` of the block slots) with those blocks' K split over the most pieces (<= 8,
+    whole 64-k chunks) that keep one block an SM: 5120 -> 34816 (the 27B gate / up, 544 blocks of 64
+    channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths instead of 2 waves and 16
+    blocks alone.  The eighths' partial sums go to a float32 workspace that a second kernel adds in a
+    fixed order (deterministic).  H200, 65 rows round-robin (bench/README "Skinny GEMMs"): 107.3 us
+    vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style tree
+    verification 2054-2056 vs 2062-2068 us; bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml,
+    paired form, passes."""
+    if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
+        return cfg
+    _, rest = tail_blocks(cfg, n_out, k_in)
+    if not rest or rest > TAIL_MOST * block_slots(cfg, k_in):
+        return cfg
+    pieces = [t for t in (8, 4, 2) if rest * t <= SMS and replace(cfg, tail=t).fits(n_out, k_in)]
+    return replace(cfg, tail=pieces[0]) if pieces else cfg
+
+
+def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
+    """The first configuration that ``fits`` in each (largest M, candidates) range, or None when
+    some range has none."""
+    out = []
+    for limit, candidates in ranges:
+        chosen = next((c for c in candidates if fits(c)), None)
+        if chosen is None:
+            return None
+        out.append((limit, chosen))
+    return out
+
+
+SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks stopped paying
+
+
+def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
+    """A pipelined configuration whose channel blocks alone leave SMs idle (fewer blocks than SMs,
+    at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
+    each.  H200 (docs/bench-log.md): N = 5120 at 65 rows, K = 17408 111 -> 76 us (8 splits), K =
+    6144 43.6 -> 32.3 (3); at 1 row 64.9 -> 51.1 / 28.5 -> 21.0; shapes with more channel blocks
+    than SMs (N >= 14336) do not gain and keep one.  `pick` splits the mma
+    kernels only beyond 16 rows: in decode batches of 4 / 8 (Qwen3-8B shapes) the second kernel's
+    launch costs more than the split saves (3.17 -> 3.32 ms at batch 4, 3.32 -> 3.59 at 8), while
+    tree verification gains (3495 -> 3319 us); the wgmma kernel's split pays at every row count
+    (see `pick`)."""
+    if not cfg.stages or n_out // cfg.block_n() >= SMS:
+        return cfg
+    splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
+    return replace(cfg, splits=max(splits)) if splits else cfg
+
+
+def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, Config]] | None:
+    """One configuration per M range for this shape, or None when no configuration tiles it.  K
+    is split over blocks beyond 16 rows, and by the wgmma kernel at any row count (its split
+    measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit)."""
+    out = []
+    for limit, candidates in configs(n_out, wgmma):
+        fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72 and c.a_tiles == 4) or
+                   (not c.wgmma and (limit is None or limit > 16)) else c
+                   for c in candidates if c.fits(n_out, k_in)]
+        if not fitting:
+            return None
+        if fitting[0] == WIDE:      # offered only where its blocks fill the GPU (`wide_fills`)
+            out.append((limit, WIDE))
+            continue
+        split = wide_split(n_out, k_in) if limit == 72 else None
+        if split is not None:
+            out.append((limit, split))
+            continue
+        # the wgmma candidate that fills the block slots best (the first of equals) among those
+        # with the first one's rows a block, else the first configuration that tiles
+        hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
+        out.append((limit, with_tail(max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)), n_out, k_in)
+                    if hopper else fitting[0]))
+    return out
+
+
+def applicable(n_out: int, k_in: int, wgmma: bool = False) -> bool:
+    return pick(n_out, k_in, wgmma) is not None
