@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from specpilot.core.errors import SpecPilotError
+from specpilot.core.schedule_sets import SCHEDULES
 
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    ",
@@ -121,7 +122,7 @@ def _bench_prompts(prompts: str, system, limit: int | None) -> list[list[int]]:
     from specpilot.runtime.prompt_sets import SETS, texts
 
     if prompts in SETS:
-        if not hasattr(system.tokenizer, "vocab_size") or system.vocab_size < 256:   # tiny random models
+        if getattr(system.tokenizer, "vocab_size", 256) < 256:     # random models too small for bytes
             ids = [[(7 * i + 3 * j + 1) % system.vocab_size for j in range(6 + i % 5)] for i in range(16)]
         else:
             ids = [system.tokenizer.encode(t) for t in texts(prompts)]
@@ -269,7 +270,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 @click.option("--passes", default="", help="pipeline text; overrides the spec's passes")
 @click.option("--print-ir-after", help="print the IR after this stage (lower, relax-pipeline, a pass) or 'all'")
 @click.option("--dump-ir", type=click.Path(file_okay=False, path_type=Path), help="write the IR after every stage here")
-@click.option("--schedule", type=click.Choice(["tvm-default", "nt-gemv", "skinny-mma", "cpu-nt"]), default=None,
+@click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
               help="kernel schedule set (default: skinny-mma on sm_80+ GPUs, nt-gemv on older ones, tvm-default on the CPU)")
 @click.option("--params", "params_mode", type=click.Choice(["file", "seeded", "load"]), default="file",
               show_default=True, help="seeded: write no weights, seeded random models are redrawn at load; load: "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from specpilot.core.schedule_sets import FOR_TARGET, FUSES_TRANSPOSES, default_schedule, runs_on
 from specpilot.passes.base import Pass, PassContext
 from specpilot.passes.legality import check, orderings
 from specpilot.passes.pipeline import Pipeline, parse
@@ -202,17 +203,15 @@ class BuiltinProposer:
         return found
 
     def _schedule_sets(self, f: Facts) -> list[Proposal]:
-        from specpilot.schedules.relax_pipeline import default_schedule, runs_on
         kind, arch, found = f.context.target_kind, f.context.arch, []
         transposes = sum(k["seconds"] for k in f.report["kernels"] if k["name"].startswith("transpose"))
-        sets = [s for s in {"llvm": ("cpu-nt", "tvm-default"), "cuda": ("skinny-mma", "nt-gemv", "tvm-default")}[kind]
-                if runs_on(s, kind, arch)]
+        sets = [s for s in FOR_TARGET[kind] if runs_on(s, kind, arch)]
         in_effect = next((p["set"] for p in f.current.passes if p.name == "kernel-schedule"), "default")
         in_effect = default_schedule(kind, arch) if in_effect == "default" else in_effect
         for s in sets:
             if s == in_effect:          # the set the current build already runs
                 continue
-            removed = transposes if s in ("cpu-nt", "nt-gemv", "skinny-mma") else 0.0
+            removed = transposes if s in FUSES_TRANSPOSES else 0.0
             why = f"{transposes * 1e3:.1f} ms of {f.report['kernel_seconds'] * 1e3:.1f} ms kernel time is run-time " \
                   f"weight transposes, which {s} fuses away" if removed else f"{s}: no cheap evidence of a gain"
             if s == "skinny-mma" and f.slow_mm:

@@ -227,7 +227,7 @@ def pass_effects(lowered: Lowered) -> dict:
 
 def _schedule(request: BuildRequest, effects: dict) -> tuple[str, bool]:
     """The schedule set the build compiles with, and whether it captures CUDA graphs."""
-    from specpilot.schedules.relax_pipeline import SCHEDULES, default_schedule, runs_on
+    from specpilot.core.schedule_sets import SCHEDULES, default_schedule, runs_on
 
     target = request.target
     chosen = effects.get("kernel_schedule", {})

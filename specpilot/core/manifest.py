@@ -95,19 +95,6 @@ class Manifest(_Strict):
     def tree_budget(self) -> int:
         return self.tree.budget if self.tree else 0
 
-    def engines(self) -> list[str]:
-        """The compiled engines this build runs: AR first, then the speculative ones it was built for."""
-        names = ["compiled", "compiled-spec"]
-        if self.tree:
-            names.append("compiled-tree")
-            if self.two_level:
-                names.append("compiled-two-level")
-        return names
-
-    def preferred_engine(self) -> str:
-        """The engine that runs the build as its pipeline meant (the most speculative it has)."""
-        return self.engines()[-1]
-
 
 def read_manifest(build_dir: Path | str) -> Manifest:
     path = Path(build_dir) / FILE

@@ -140,7 +140,7 @@ class W12Layout(Pass):
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if context.target_kind == "cuda":
-            from specpilot.schedules.relax_pipeline import sm_version
+            from specpilot.core.schedule_sets import sm_version
             if sm_version(context.arch) < 80:
                 return False, f"the GPU W12 GEMM runs on bf16 tensor cores: needs sm_80 or later, not {context.arch}"
             if context.dtype != "bfloat16":

@@ -95,7 +95,7 @@ def test_skinny_mma_is_the_default_on_sm80_and_later_and_illegal_before():
     import tvm
 
     from specpilot.passes.runner import run_pipeline
-    from specpilot.schedules.relax_pipeline import default_schedule, sm_version
+    from specpilot.core.schedule_sets import default_schedule, sm_version
     Ctx = PassContext
     assert [sm_version(a) for a in ("sm_80", "sm_90a", "sm_120", None, "")] == [80, 90, 120, 0, 0]
     assert default_schedule("cuda", "sm_90") == default_schedule("cuda", "sm_120") == "skinny-mma"

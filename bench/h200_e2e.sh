@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# End to end on the H200 (bench/README "End to end"): `specpilot bench` on the SmolLM2-135M-Instruct bf16
+# builds of bench/make_smollm2_builds.sh (--params load) under a runtime-only TVM.  One warm machine,
+# calls in a row (each carries at most 64 MiB with the working tree; /tmp stays between calls):
+#   bash bench/h200_e2e.sh stage DIR...     copy carried folders into /tmp/e2e (runtime TVM, wheels, GGUF parts)
+#   bash bench/h200_e2e.sh smol [BUILD...]  assemble + check the GGUF, run the bench on each build, JSON to $OUT
+# Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), pydantic and gguf wheels, the GGUF split in
+# three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
+set -euo pipefail
+E=/tmp/e2e
+setup() {
+  [ -d /tmp/rt/site ] || { mkdir -p /tmp/rt && tar xzf $E/site.tgz -C /tmp/rt; }
+  [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site $E/*.whl
+  export PYTHONPATH=/tmp/rt/site:/tmp/site:$PWD TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
+    SPECPILOT_CACHE=/tmp/spcache SPECPILOT_WEIGHTS=$E/SmolLM2-135M-Instruct.Q4_1.gguf
+}
+case "${1:-}" in
+  stage)
+    shift; mkdir -p $E; for d in "$@"; do cp -r "$d"/. $E/; done; ls -la $E ;;
+  smol)
+    shift
+    G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f $G ] || cat $E/smolpart.* > $G
+    echo "$(cat $E/sha256)  $G" | sha256sum -c
+    setup
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    b=$E/builds; mkdir -p $b
+    for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+    # a process per run: two loads of a CUDA-graph build in one process crashed (illegal address)
+    for build in ${@:-ngram l4 l12 l12-two-level}; do
+      engines=compiled,compiled-spec,compiled-tree
+      grep -q '"two_level": true' $b/$build/manifest.json && engines=compiled,compiled-tree,compiled-two-level
+      for set in ${SETS:-code chat}; do
+        timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build --prompts $set --requests ${REQUESTS:-6} \
+          --max-new-tokens ${TOKENS:-256} --engines $engines -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -3
+      done
+    done
+    # what a user has without SpecPilot, on the same weights: stock PyTorch and transformers generate
+    [ -n "${REFERENCE:-1}" ] && timeout ${REF_S:-200} python3 -m specpilot.cli bench $b/ngram --prompts code \
+      --requests ${REF_REQUESTS:-3} --max-new-tokens ${TOKENS:-256} \
+      --engines compiled,stock,stock-spec,hf-generate,hf-assisted -o $OUT/e2e-smollm2-ngram-code-reference.json \
+      2>&1 | tail -3
+    ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...]" >&2; exit 2 ;;
+esac
