@@ -16,17 +16,18 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# the real SmolLM2-135M-Instruct (GGUF from the registry package) with prompt lookup drafting a best-first
-# tree, compiled for this CPU: real text, token forcing against stock decoding, then the measured speedup
+# the real SmolLM2-135M-Instruct (GGUF from the registry package) drafted by prompt lookup, compiled for
+# this CPU (cpu-nt: 4x the default CPU schedule here): real text, token forcing against stock decoding,
+# then the bench -- compiled AR and speculative beside stock PyTorch's, tokens checked
 DEMO_BUILD := build/smollm2-demo
 $(DEMO_BUILD)/manifest.json: $(STAMP) examples/smollm2.yaml
-	$(BIN)/specpilot compile examples/smollm2.yaml --target llvm -o $(DEMO_BUILD) --passes "tree-verify{budget=16}"
+	$(BIN)/specpilot compile examples/smollm2.yaml --target llvm -o $(DEMO_BUILD) --passes "kernel-schedule{set=cpu-nt}"
 
 demo: $(DEMO_BUILD)/manifest.json
-	$(BIN)/specpilot run $(DEMO_BUILD) --prompt "def fibonacci(n):" --max-new-tokens 64 --engine compiled-tree
-	$(BIN)/specpilot verify $(DEMO_BUILD) --engine compiled-tree --max-new-tokens 64
-	$(BIN)/specpilot bench $(DEMO_BUILD) --prompts mixed --requests 4 --max-new-tokens 96 \
-	    --engines compiled,compiled-spec,compiled-tree,hf-generate
+	$(BIN)/specpilot run $(DEMO_BUILD) --prompt "def fibonacci(n):" --max-new-tokens 48
+	$(BIN)/specpilot verify $(DEMO_BUILD) --max-new-tokens 48
+	$(BIN)/specpilot bench $(DEMO_BUILD) --prompts mixed --requests 2 --max-new-tokens 48 \
+	    --engines compiled,compiled-spec,stock,stock-spec
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

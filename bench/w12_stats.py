@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write  # noqa: E402
 from specpilot.cli import _model_weights  # noqa: E402
-from specpilot.compiler import w12  # noqa: E402
+from specpilot.core import w12  # noqa: E402
 
 
 def main() -> None:

@@ -204,7 +204,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     if as_json:
         click.echo(json.dumps(result))
     else:
-        Console().print(table(result))
+        Console(width=None if sys.stdout.isatty() else 160).print(table(result))
     sys.exit(0 if result["tokens_checked"] else 1)
 
 
@@ -311,8 +311,8 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
 @click.option("--prompt", help="prompt text")
 @click.option("--prompt-ids", help="prompt as comma-separated token ids")
 @click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)
-@click.option("--engine", type=click.Choice(["compiled", "compiled-spec"]), default="compiled-spec",
-              show_default=True)
+@click.option("--engine", type=click.Choice([e for e in ENGINES if e.startswith("compiled")]), default="compiled-spec",
+              show_default=True, help="a compiled engine the build has (tree: tree-verify; two-level: two-level-verify)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context

@@ -173,7 +173,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
                 force=None, logits_hook=None, stop_ids=()) -> Generation:
     """Stock speculative decoding: draft a chain, verify it in one target pass, keep the
     longest prefix the target agrees with plus the target's own next token.  ``draft_len``:
-    an int (fixed) or a `schedules.serving.DraftSchedule` (its length per step)."""
+    an int (fixed) or a `runtime.draft_schedule.DraftSchedule` (its length per step)."""
     schedule = draft_len if isinstance(draft_len, DraftSchedule) else DraftSchedule(draft_len)
     start = time.perf_counter()
     state = model.new_state(capacity)

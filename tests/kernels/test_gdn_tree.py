@@ -199,7 +199,7 @@ def test_the_pass_picks_the_form(text, form, solve, tokens):
     assert got("gdn.form") == {form} and got("gdn.solve") == {solve}
     assert got("gdn.max_tokens") == {str(tokens) if tokens else None}
     recompute = next(p for p in pipeline.passes if p.name == "gdn-path-recompute")
-    assert recompute.manifest_entry(context) == ({"form": "chunked", "max_tokens": tokens} if tokens else None)
+    assert recompute.manifest_entry(context) == ({"form": "chunked", "max_tokens": tokens} if tokens else {"form": "sequential"})
 
 
 def test_a_chunked_build_verifies_at_most_its_limit(tmp_path, monkeypatch):

@@ -56,7 +56,7 @@ def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
 
 
 def test_gdn_conv_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
-    text = sm90_source(tmp_path, "from specpilot.compiler import kernels",
+    text = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'tree': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, True), "
                        "'windows': kernels.conv_window_states(300, 4, 'bfloat16', True), "
                        "'stacked': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, True, stack=(3, 1))}")

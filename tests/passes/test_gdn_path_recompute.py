@@ -199,7 +199,9 @@ def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path, monkeypatc
             "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
             "passes": "tree-verify{budget=16},gdn-path-recompute"}
     out = build_spec(tmp_path, data)
-    assert ("attention_rows" in (out / "kernels.json").read_text()) == pool_rows
+    import tvm
+    kernel_names = [gv.name_hint for gv in tvm.ir.load_json((out / "kernels.json").read_text()).get_global_vars()]
+    assert any("attention_rows" in name for name in kernel_names) == pool_rows
     system = from_build(out)
     compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
     off_rank = 0

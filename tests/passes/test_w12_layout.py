@@ -240,7 +240,8 @@ def test_gpu_w12_converts_the_same_weights_with_or_without_them_at_build_time():
     assert isinstance(fields(smod)[-1].shape[0], tvm.tirx.Var) and isinstance(fields(mod)[-1].shape[0], tvm.tirx.IntImm)
     assert str(fields(mod)[head].dtype) == "int32"                 # the hi plane, tiled words
     # what the engine does for a seeded build
-    manifest = {"dtype": "bfloat16", "params": list(stored), "w12": entry, "fused": fused}
+    from types import SimpleNamespace
+    manifest = SimpleNamespace(dtype="bfloat16", params=list(stored), w12=entry, fused=fused)   # its fields
     redrawn = rewritten_parameters(manifest, tgt, drf)
     assert list(redrawn) == list(stored)
     assert all(torch.equal(redrawn[n], stored[n]) for n in stored)

@@ -143,7 +143,7 @@ def test_substitution_leaves_shapes_no_configuration_tiles():
 
 
 def test_kernel_compiles_to_sm90_mma_without_a_gpu(tmp_path):
-    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import skinny_nt_matmul",
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
                        "{'mm': skinny_nt_matmul(48, 96)}")
     assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 3   # one per M configuration
     # the operands are addressed in bf16 elements: their local arrays must be bf16, not vector-typed
@@ -155,7 +155,7 @@ def test_pipelined_configurations_compile_to_cp_async_mma_without_a_gpu(tmp_path
     wait per chunk, and tensor-core mma; with split-K inside the block (partial sums meet in
     shared memory) and without (accumulators stored directly)."""
     text = sm90_source(
-        tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+        tmp_path, "from specpilot.schedules.skinny_config import Config; from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
         "{'split': skinny_nt_matmul(128, 384, ((None, Config(3, 1, 2, 2, 2, stages=3)),)),"
         " 'direct': skinny_nt_matmul(128, 384, ((None, Config(3, 2, 4, 1, 2, stages=4)),))}")
     bodies = {name: body for name, body in re.findall(r"void __launch_bounds__\(\d+\) (\w+)_kernel\([^)]*\) \{(.*?)\n\}",
@@ -178,7 +178,7 @@ def test_pipelined_x_rows_never_share_bytes_with_the_weight_rows(tmp_path):
     buffers, TVM's shared-memory planner -- which does not count cp.async writes as uses --
     puts x on the weights' bytes when K is one chunk: error ~1.0 on the H200.)  Here 32 weight
     rows x 128 k per chunk precede x."""
-    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_config import Config; from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
                        "{'ring': skinny_nt_matmul(128, 256, ((None, Config(9, 1, 2, 2, 2, stages=3)),))}")
     assert text.count("extern __shared__") == 1
     x_reads = [line for line in text.splitlines() if "*(uint4*)(xb_ptr + " in line]
@@ -207,7 +207,7 @@ def test_k_splits_over_blocks_only_where_channel_blocks_leave_sms_idle():
 def test_k_split_over_blocks_sums_partials_in_a_second_kernel(tmp_path):
     """Config.splits > 1: the GEMM kernel runs over a z grid of K pieces and writes partial sums
     to a float32 workspace; a second kernel adds the pieces in a fixed order into y."""
-    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_config import Config; from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
                        "{'spl': skinny_nt_matmul(128, 4096, ((None, Config(3, 1, 2, 2, 2, stages=3, splits=4)),))}")
     bodies = dict(re.findall(r"void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{", text))
     assert set(bodies) == {"spl_kernel", "spl_kernel_1"}
@@ -280,7 +280,7 @@ def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     H200 (bench/skinny_gemm.py, bench/README "Skinny GEMMs": <= 2.5e-5 of the float32 product at
     1-65 rows)."""
     text = sm90_source(
-        tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+        tmp_path, "from specpilot.schedules.skinny_config import Config; from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
         "{'wg': skinny_nt_matmul(256, 512, ((8, Config(1, 4, 1, 1, stages=6, wgmma=True)),"
         " (None, Config(9, 4, 2, 1, stages=4, wgmma=True)))),"
         " 'wgk': skinny_nt_matmul(200, 1024, ((None, Config(4, 4, 1, 1, stages=4, wgmma=True, splits=2)),))}",
@@ -362,7 +362,8 @@ def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
         "sys.path.insert(0, '.')\n"
         "from tests.schedules.test_skinny_mma import _swiglu_module\n"
         "from specpilot.schedules.relax_pipeline import pipeline\n"
-        "from specpilot.schedules.skinny_mma import WIDE, skinny_nt_matmul\n"
+        "from specpilot.schedules.skinny_config import WIDE\n"
+        "from specpilot.schedules.skinny_kernels import skinny_nt_matmul\n"
         "t0 = tvm.target.Target({'kind': 'cuda', 'arch': 'sm_90a'})\n"
         "with t0:\n"
         "    mod = pipeline(t0, 'skinny-mma')(_swiglu_module(8448, 512))\n"
@@ -415,7 +416,7 @@ def test_the_tail_form_sums_its_pieces_in_a_second_kernel(tmp_path):
     """Config.tail: blocks 528.. of the GEMM kernel store to the float32 workspace (rows piece * m..,
     columns channel - 528 * 64) and run an eighth of the chunks; the second kernel adds
     the eight pieces in order into channels 33792.. of y (a ragged N: below N only)."""
-    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_mma import Config, skinny_nt_matmul",
+    text = sm90_source(tmp_path, "from specpilot.schedules.skinny_config import Config; from specpilot.schedules.skinny_kernels import skinny_nt_matmul",
                        "{'t': skinny_nt_matmul(34816 - 40, 5120, ((None, Config(9, 4, 1, 1, stages=6, wgmma=True,"
                        " overlap=1, tail=8)),))}", arch="sm_90a")
     heads = dict(re.findall(r"void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{", text))

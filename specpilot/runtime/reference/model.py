@@ -45,7 +45,7 @@ class ReferenceModel:
                  device: str | torch.device = "cpu", weight_format: str = "dense"):
         """weight_format: ``dense`` (weights in ``dtype``) or ``w12``: the decoder layers' linear
         weights held in the W12 layout and multiplied by the Triton W12 kernel on GPUs
-        (`schedules.w12_triton`); they must be bf16 values (random models: ``round_to: bfloat16``)."""
+        (`runtime.reference.w12_triton`); they must be bf16 values (random models: ``round_to: bfloat16``)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         if weight_format not in ("dense", "w12"):
