@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test smollm2-test ray-test clean
+.PHONY: setup demo test test-fast smollm2-test ray-test clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,11 @@ demo: $(DEMO_BUILD)/manifest.json
 	    --engines compiled,compiled-spec,stock,stock-spec
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
+
+# the inner loop: the suite without its slow tests (whole builds forced end to end, sm_90 compiles, the search)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # opt-in: parity with transformers and token forcing on the real SmolLM2-135M (a few minutes)
 smollm2-test: $(STAMP)

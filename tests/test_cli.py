@@ -40,6 +40,7 @@ def test_generate_prompt_ids_and_lattice_replay(run_cli, tmp_path):
     assert live["tokens"] == again["tokens"] and live["verifications"] == again["verifications"]
 
 
+@pytest.mark.slow
 def test_verify_passes_and_fault_names_position_32(run_cli):
     code, out, _ = run_cli("verify", HYBRID, "--max-new-tokens", 48)
     assert code == 0 and out.startswith("PASS") and "excused near-ties: 0" in out

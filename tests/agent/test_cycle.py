@@ -39,6 +39,7 @@ def _search(out: Path, memory: Path, **kw) -> Search:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_search_adopts_seals_remembers_and_resumes(tmp_path):
     out, memory = tmp_path / "s", tmp_path / "memory.sqlite"
     report = _search(out, memory).run()
@@ -85,6 +86,7 @@ def test_search_adopts_seals_remembers_and_resumes(tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_a_fault_past_development_forcing_is_caught_by_sealed_validation(tmp_path):
     report = _search(tmp_path / "f", tmp_path / "memory.sqlite", inject_fault=40).run()
     assert report["best_before_sealed"] == WIN          # dev forcing (16 tokens) could not see it; it was faster

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specpilot.agent.executor import LocalExecutor
 
 
@@ -22,6 +24,7 @@ def test_crashed_and_hung_workers_are_rejected(tmp_path, monkeypatch):
     assert hang.seconds < 60
 
 
+@pytest.mark.slow
 def test_bf16_candidates_are_forced_with_the_derived_tolerance(tmp_path):
     """A bf16 worker forces against the PyTorch reference with the tolerance stock's own
     arithmetic justifies (not 0, not a constant); a candidate that biases logits still fails.

@@ -236,6 +236,7 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
     assert code == 2 and "autoregressive engine" in stderr
 
 
+@pytest.mark.slow
 def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     """Through the stub driver, as `specpilot compile` does: the library embeds a fatbin, no CUDA source."""
     spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"

@@ -73,6 +73,7 @@ def test_rows_kernel_refuses_heads_its_gpu_form_cannot_tile():
         kernels.attention_rows_partial(1, 0, 1, 2, 64, 32, 2, "float32", False)
 
 
+@pytest.mark.slow
 def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'partial': kernels.attention_decode(2, 1, 3, 8, 256, 128, 4, 'bfloat16'), "
@@ -126,6 +127,7 @@ def test_attention_gpu_forms_compile_to_sm90_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("head_dim,dtype,rows_kernel", [(32, "bfloat16", True), (24, "bfloat16", False),
                                                         (32, "float32", False)])
+@pytest.mark.slow
 def test_gpu_lowering_reads_the_pool_in_place_where_the_rows_kernel_serves(head_dim, dtype, rows_kernel):
     """GPU lowering: prefill and verify attention through `attention_rows_partial` (verify with capped
     key splits, prefill with one) when its GPU form serves the heads (bf16 / fp16, head_dim % 32 == 0),

@@ -136,6 +136,7 @@ def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
     assert 'T.thread_binding(8, thread="threadIdx.y")' in script and "batch * T.int64(96)" in script
 
 
+@pytest.mark.slow
 def test_level_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
     """The level form (what a budget-64 build runs on the GPU): 27B-class heads in blocks of 32
     value columns, odd head sizes (4-byte copies), a stacked layer and the probe form; every load
@@ -202,6 +203,7 @@ def test_the_pass_picks_the_form(text, form, solve, tokens):
     assert recompute.manifest_entry(context) == ({"form": "chunked", "max_tokens": tokens} if tokens else {"form": "sequential"})
 
 
+@pytest.mark.slow
 def test_a_chunked_build_verifies_at_most_its_limit(tmp_path, monkeypatch):
     """The limit travels in the manifest: within it tree decoding is exact, past it the engine
     says so before calling the kernel (the kernel's own check is the backstop)."""

@@ -146,6 +146,7 @@ def test_an_entry_survives_a_killed_writer_in_the_database_file_alone(tmp_path):
     assert [e.pipeline for e in Memory(tmp_path / "copy.sqlite").entries()] == ["draft-length{length=2}"]
 
 
+@pytest.mark.slow
 def test_an_entry_from_a_seeded_gpu_build_reproduces_with_seeded_lowering(tmp_path):
     """A GPU search builds seeded random models without their weights, and a W12 module then
     differs from one lowered with them; the entry records the mode and is checked with it."""

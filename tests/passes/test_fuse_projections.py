@@ -119,6 +119,7 @@ def test_w12_layout_must_come_after_it():
     ("tiny-hybrid.yaml", "fuse-projections", "seeded"),          # the engine redoes the stacking
     ("tiny-llama.yaml", "fuse-projections,w12-layout", "file"),  # W12 converts the stacked weights
 ])
+@pytest.mark.slow
 def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, params, tmp_path):
     from specpilot.compiler.build import BuildRequest, build
     from specpilot.core.spec import load_spec

@@ -185,6 +185,7 @@ def test_illegal_pipelines_name_the_rule(text, context, reason):
 
 
 @pytest.mark.parametrize("pool_rows", [False, True])
+@pytest.mark.slow
 def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path, monkeypatch, pool_rows):
     """pool_rows: prefill and verification attention through `kernels.attention_rows_partial`
     (the GPU's path; its CPU form here) instead of gathered keys and matmuls; verification's 16

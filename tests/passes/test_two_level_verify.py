@@ -27,6 +27,7 @@ PIPELINES = {"tiny-llama.yaml": "w12-layout,nested-int8-view,tree-verify{budget=
 
 
 @pytest.mark.parametrize("example", sorted(PIPELINES))
+@pytest.mark.slow
 def test_two_level_decoding_is_exact(example, tmp_path):
     data = yaml.safe_load((ROOT / "examples" / example).read_text())
     data["deployment"]["max_batch"] = 2

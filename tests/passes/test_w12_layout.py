@@ -119,6 +119,7 @@ def test_illegal_contexts_raise(context, reason):
 
 
 @pytest.mark.parametrize("example", ["tiny-llama.yaml", "tiny-hybrid.yaml"])
+@pytest.mark.slow
 def test_compiled_w12_builds_pass_token_forcing_exactly(example, tmp_path):
     from specpilot.compiler.build import BuildRequest, build
     from specpilot.core.spec import load_spec
@@ -175,6 +176,7 @@ def test_nested_int8_view_needs_w12_layout():
         run_pipeline(parse("nested-int8-view{function=main},w12-layout"), Before, _context(_weights()))
 
 
+@pytest.mark.slow
 def test_view_function_in_a_build_is_close_not_exact(tmp_path):
     import numpy as np
 
@@ -267,6 +269,7 @@ def test_gpu_w12_does_not_fire_on_shapes_the_kernel_does_not_tile():
     tvm.ir.assert_structural_equal(mod, stock)
 
 
+@pytest.mark.slow
 def test_view_copy_shares_no_constant_nodes_with_its_source(tmp_path):
     """target_verify_view is a copy of target_verify: a constant node in both made pattern fusion on
     cuda (FuseTransposeMatmul) reject the module ("appears in multiple partitions").  Heads of 16

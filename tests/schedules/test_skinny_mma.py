@@ -464,6 +464,7 @@ def _swiglu_module(n_half: int, k_in: int):
     (17408, 512, True),
     (2176, 512, False),      # few channel blocks: K split over blocks at some row count, no pair form
 ])
+@pytest.mark.slow
 def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, k_in, fused):
     """Verification / prefill rows (symbolic): SwiGLU over a fused gate / up projection becomes the
     skinny kernel's paired store where every configuration is an unsplit wgmma kernel; else the
@@ -488,6 +489,7 @@ def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, 
         skinny_nt_matmul(2 * 17408, 512, wgmma=False, paired=True)
 
 
+@pytest.mark.slow
 def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     """The fused kernel's CUDA for sm_90a: every row range's kernel stores silu(gate) * up once, in
     bf16 (no float32 output parameter); a block's 64 weight rows are 32 of the gate half and the

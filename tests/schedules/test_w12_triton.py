@@ -78,6 +78,7 @@ def test_matches_the_tir_w12_kernel():
     torch.testing.assert_close(y_triton, torch.from_numpy(y_tir.numpy()), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reference_engine_with_w12_weights_keeps_every_token():
     from specpilot.core.weights import random_weights
     from specpilot.runtime.reference.model import ReferenceModel
