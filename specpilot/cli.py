@@ -31,6 +31,34 @@ def _default_engine(spec_or_build: str, engine: str | None) -> str:
     return "compiled-spec" if Path(spec_or_build).is_dir() else "stock-spec"
 
 
+def sampling_options(command):
+    """--temperature / --top-p / --top-k / --seed, handed to the command as ``sampling`` (None: greedy)."""
+    options = [
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="sample at this temperature (0: greedy); every engine draws the same tokens for the same seed"),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="nucleus sampling's mass"),
+        click.option("--top-k", type=int, default=0, show_default=True, help="sample among the k best tokens (0: all)"),
+        click.option("--seed", type=int, default=0, show_default=True, help="the sampling seed (0 .. 2**64-1)"),
+    ]
+
+    def wrapped(temperature, top_p, top_k, seed, **kwargs):
+        from pydantic import ValidationError
+
+        from specpilot.core.sampling import SamplingParams
+        try:
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise SpecPilotError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+        return command(sampling=None if params.greedy else params, **kwargs)
+
+    import functools
+    wrapped = functools.update_wrapper(wrapped, command)
+    for option in reversed(options):
+        wrapped = option(wrapped)
+    return wrapped
+
+
 ENGINES = ["stock", "stock-spec", "stock-tree", "compiled", "compiled-spec", "compiled-tree", "compiled-two-level"]
 
 
@@ -95,16 +123,17 @@ def cli():
 @click.option("--replay-lattices", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="draft from a recorded lattice file instead of running the drafter")
 @click.option("--json", "as_json", is_flag=True)
+@sampling_options
 def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, record_lattices,
-             replay_lattices, as_json):
-    """Generate greedily from a prompt (a spec: stock engines; a build directory: compiled ones too)."""
+             replay_lattices, as_json, sampling=None):
+    """Generate from a prompt, greedy or sampled (a spec: stock engines; a build directory: compiled ones too)."""
     if (prompt is None) == (prompt_ids is None):
         raise SpecPilotError("give exactly one of --prompt or --prompt-ids")
     engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else system.tokenizer.encode(prompt)
     gen = system.generate(engine, ids, max_new_tokens, stop_at_eos=not ignore_eos,
-                          record_lattices=record_lattices, replay_lattices=replay_lattices)
+                          record_lattices=record_lattices, replay_lattices=replay_lattices, sampling=sampling)
     text = system.tokenizer.decode(gen.tokens)
     if as_json:
         click.echo(json.dumps({"engine": engine, "prompt_tokens": len(ids), "tokens": gen.tokens, "text": text,
@@ -226,25 +255,29 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
               help="run the system's requests as one continuous batch (autoregressive engines; at most "
                    "deployment.max_batch at once)")
 @click.option("--json", "as_json", is_flag=True)
+@sampling_options
 def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, inject_fault_after, fault_bias,
-           batch, as_json):
-    """Token forcing: check the system under test against stock greedy decoding."""
+           batch, as_json, sampling=None):
+    """Token forcing: check the system under test against stock decoding (greedy, or sampled with the same seed)."""
     from specpilot.runtime.forcing import force, runner_up_fault
 
     engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
     reqs = _read_requests(requests, system, max_new_tokens)
     hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
-    report, _, system_runs = force(system, engine, reqs, tie_tolerance, logits_hook=hook, batch=batch)
+    report, _, system_runs = force(system, engine, reqs, tie_tolerance, logits_hook=hook, batch=batch,
+                                   sampling=sampling)
     tie_tolerance = report.tie_tolerance
     summary = report.to_dict()
     summary.update(engine=engine, fault_injected_after=inject_fault_after,
+                   sampling=sampling.model_dump() if sampling else None,
                    mean_accepted=round(sum(r.mean_accepted for r in system_runs) / len(system_runs), 4))
     if as_json:
         click.echo(json.dumps(summary))
     else:
         verdict = "PASS" if report.passed else "FAIL"
-        click.echo(f"{verdict}: {engine} vs stock over {report.requests} requests, {report.positions} positions, "
+        how = f" sampled (T={sampling.temperature:g}, seed {sampling.seed})" if sampling else ""
+        click.echo(f"{verdict}: {engine} vs stock{how} over {report.requests} requests, {report.positions} positions, "
                    f"tie tolerance {tie_tolerance:.4g}; excused near-ties: {len(report.excused)}")
         for e in report.excused:
             click.echo(f"  excused: request {e.request} position {e.position}: stock {e.stock_token}, "
@@ -315,14 +348,22 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
               show_default=True, help="a compiled engine the build has (tree: tree-verify; two-level: two-level-verify)")
 @click.option("--ignore-eos", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
+@sampling_options
 @click.pass_context
-def run(ctx, build_dir, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, as_json):
+def run(ctx, build_dir, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, as_json, sampling=None):
     """Generate with a compiled build (the TVM runtime drives its step functions)."""
     if not build_dir.is_dir():
         raise SpecPilotError(f"{build_dir}: not a build directory; run `specpilot compile` first")
     ctx.invoke(generate, spec_or_build=str(build_dir), prompt=prompt, prompt_ids=prompt_ids,
                max_new_tokens=max_new_tokens, engine=engine, ignore_eos=ignore_eos, record_lattices=None,
-               replay_lattices=None, as_json=as_json)
+               replay_lattices=None, as_json=as_json, **_sampling_arguments(sampling))
+
+
+def _sampling_arguments(sampling) -> dict:
+    """A parsed ``sampling`` back as the options `sampling_options` reads (for ctx.invoke)."""
+    if sampling is None:
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    return sampling.model_dump()
 
 
 def _model_weights(spec_or_checkpoint: str) -> dict:

@@ -505,6 +505,13 @@ class Deployment(nn.Module):
     def drafter_commit(self, conv_states, rec_records, rec_state, path, index):
         return self.drafter.commit(conv_states, rec_records, rec_state, path, index)
 
+    def sample_scores(self, logits, keys, controls):
+        """Sampling's scores for rows of logits (`kernels.sample_scores`): their argmax is the
+        sampled token; the noise is made here from each row's (seed, position) key."""
+        kernel = kernels.sample_scores(self.target.cfg.vocab_size, self.target.gpu)
+        return op.tensor_ir_op(kernel, "sample_scores", [logits, keys, controls],
+                               Tensor.placeholder(logits.shape, "float32"))
+
 
 def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) -> None:
     """An early-exit drafter reads the target's own weights: point its parameters at them
@@ -536,6 +543,15 @@ def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens,
         "conv": per_sequence("conv") if "conv" in caches else absent,
         "rec": per_sequence("rec") if "rec" in caches else absent,
         "$": {"param_mode": "packed", "effect_mode": "none"},
+    }
+
+
+def _sampling_spec(cfg: ModelConfig) -> dict:
+    return {
+        "logits": nn.spec.Tensor(["rows", cfg.vocab_size], "float32"),
+        "keys": nn.spec.Tensor(["rows", kernels.KEY_WORDS], "int32"),
+        "controls": nn.spec.Tensor(["rows", 2], "float32"),
+        "$": {"param_mode": "none", "effect_mode": "none"},
     }
 
 
@@ -577,5 +593,6 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n", parents=True)
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
+    spec["sample_scores"] = _sampling_spec(target_cfg)
     mod, params = Deployment(target, drafter).export_tvm(spec=spec)
     return mod, [name for name, _ in params]

@@ -182,6 +182,23 @@ class CompiledModule:
         dev = torch.from_numpy(host).pin_memory().to(f"cuda:{self.device.index}", non_blocking=True)
         return [self.tvm.runtime.from_dlpack(view(dev)) for view in views]
 
+    def sample_scores(self, logits: torch.Tensor, keys: np.ndarray, controls: torch.Tensor) -> torch.Tensor:
+        """The build's ``sample_scores`` (`runtime.sampling`'s contract) on rows of float32 logits
+        where the build runs: the sampling scores as a torch tensor there."""
+        fn = self.functions.get("sample_scores")
+        if fn is None:
+            raise SpecPilotError(f"{self.dir}: this build has no sample_scores function (made by an older "
+                                 "SpecPilot); compile it again to sample")
+        cpu = self.device.dlpack_device_type() == 1
+        if cpu:
+            args = [self.tensor(np.ascontiguousarray(a.cpu().numpy() if isinstance(a, torch.Tensor) else a))
+                    for a in (logits.float(), keys, controls.float())]
+        else:
+            args = [self.tvm.runtime.from_dlpack(logits.float().contiguous()), *self.tensors(keys),
+                    self.tvm.runtime.from_dlpack(controls.float().contiguous())]
+        out = fn(*args)
+        return torch.from_numpy(out.numpy()) if cpu else torch.from_dlpack(out).clone()
+
     def model(self, which: str) -> "CompiledModel":
         """The model's engine (one per build and model: it owns the model's KV-cache pool)."""
         if which not in self.manifest.models:

@@ -108,11 +108,14 @@ def runner_up_fault(after: int, bias: float):
     return hook
 
 
-def tolerance_rule(system, prompts: list[list[int]], stock_runs, setting="auto") -> tuple[float, int | None]:
+def tolerance_rule(system, prompts: list[list[int]], stock_runs, setting="auto",
+                   sampling=None) -> tuple[float, int | None]:
     """(tie tolerance, near-tie budget) for forcing ``system`` on these requests.  ``auto``: derived
     from stock's own arithmetic (`System.derived_near_ties`: 0 and no budget in float32); a number is
     taken as given, with no budget."""
     if setting is None or setting == "auto":
+        if sampling is not None and not sampling.greedy:
+            return system.derived_near_ties(prompts, stock_runs, sampling)
         return system.derived_near_ties(prompts, stock_runs)
     try:
         value = float(setting)
@@ -124,18 +127,20 @@ def tolerance_rule(system, prompts: list[list[int]], stock_runs, setting="auto")
 
 
 def force(system, engine: str, requests: list[tuple[list[int], int]], tolerance="auto", logits_hook=None,
-          batch: bool = False, stock_runs=None):
-    """Token forcing of ``engine`` against stock greedy decoding on ``requests`` ((prompt ids, new
-    tokens) each).  Returns (report, stock runs, system runs); ``stock_runs`` given are reused."""
+          batch: bool = False, stock_runs=None, sampling=None):
+    """Token forcing of ``engine`` against stock decoding on ``requests`` ((prompt ids, new tokens)
+    each): greedy, or sampled with ``sampling`` (`core.sampling.SamplingParams`: stock draws with the
+    same seed, choices are the argmax of the same scores).  Returns (report, stock runs, system
+    runs); ``stock_runs`` given are reused."""
     prompts = [ids for ids, _ in requests]
     if stock_runs is None:
-        stock_runs = [system.generate("stock", ids, limit) for ids, limit in requests]
-    tie_tolerance, max_excused = tolerance_rule(system, prompts, stock_runs, tolerance)
+        stock_runs = [system.generate("stock", ids, limit, sampling=sampling) for ids, limit in requests]
+    tie_tolerance, max_excused = tolerance_rule(system, prompts, stock_runs, tolerance, sampling)
     forced = [s.tokens for s in stock_runs]
     if batch:
         runs = system.generate_batch(engine, prompts, [limit for _, limit in requests], forces=forced,
-                                     logits_hook=logits_hook)
+                                     logits_hook=logits_hook, sampling=sampling)
     else:
-        runs = [system.generate(engine, ids, limit, force=tokens, logits_hook=logits_hook)
+        runs = [system.generate(engine, ids, limit, force=tokens, logits_hook=logits_hook, sampling=sampling)
                 for (ids, limit), tokens in zip(requests, forced)]
     return force_requests(stock_runs, runs, tie_tolerance, max_excused), stock_runs, runs

@@ -16,6 +16,7 @@ import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.pipeline_text import tree_budget
+from specpilot.core.sampling import SamplingParams
 from specpilot.core.spec import replay_plan
 from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
                                         speculative_tree, speculative_two_level)
@@ -23,6 +24,7 @@ from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.replay import Oracle, ReplayDrafter
+from specpilot.runtime.sampling import sampled
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.runtime.draft_schedule import DraftSchedule
 
@@ -124,7 +126,8 @@ class System:
         float32 model runs again."""
         return self.derived_near_ties(prompts, stock_runs)[0]
 
-    def derived_near_ties(self, prompts: list[list[int]], stock_runs: list[Generation]) -> tuple[float, int | None]:
+    def derived_near_ties(self, prompts: list[list[int]], stock_runs: list[Generation],
+                          sampling: SamplingParams | None = None) -> tuple[float, int | None]:
         """(the tie tolerance, the near-tie budget).  The tolerance is a maximum over positions, so
         one unstable position can make it large for every position (2 logits on the tiny bf16
         hybrid); the budget bounds how many near-ties may be excused: 4 x the positions where
@@ -134,7 +137,7 @@ class System:
         correct build of the same spec 40-43: docs/bench-log.md)."""
         if self.dtype == "float32":
             return 0.0, None
-        exact = self.engines["stock-fp32"].model
+        exact = sampled(self.engines["stock-fp32"].model, sampling)   # margins of the same scores
         worst, unresolved, positions = 0.0, 0, 0
         for prompt, run in zip(prompts, stock_runs):
             if run.choices != run.tokens or len(run.runner_up) != len(run.tokens):
@@ -152,7 +155,8 @@ class System:
         return worst, near_tie_budget(positions, unresolved)
 
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
-                       logits_hook=None, max_batch: int | None = None) -> list[Generation]:
+                       logits_hook=None, max_batch: int | None = None,
+                       sampling: SamplingParams | None = None) -> list[Generation]:
         """Autoregressive engines only: the requests as one continuous batch (at most
         ``max_batch`` at once; default: the build's deployment.max_batch)."""
         if engine not in self.engines:
@@ -167,11 +171,14 @@ class System:
                 raise SpecPilotError(f"prompt ({len(prompt)}) + max new tokens ({n}) exceeds "
                                      f"deployment.max_seq_len={self.capacity}")
         limit = max_batch or getattr(e.model, "max_batch", len(prompts))
-        return batched_autoregressive(e.model, prompts, max_new, self.capacity, limit, forces, logits_hook)
+        return batched_autoregressive(sampled(e.model, sampling), prompts, max_new, self.capacity, limit, forces,
+                                      logits_hook)
 
     def generate(self, engine: str, prompt: list[int], max_new: int, force=None, logits_hook=None,
                  stop_at_eos: bool = False, record_lattices: Path | None = None,
-                 replay_lattices: Path | None = None) -> Generation:
+                 replay_lattices: Path | None = None, sampling: SamplingParams | None = None) -> Generation:
+        """One request on ``engine``; greedy, or sampled under ``sampling`` (`runtime.sampling`: the
+        same tokens on every engine for the same seed)."""
         if engine not in self.engines:
             raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
         self.check_prompt(prompt)
@@ -183,10 +190,11 @@ class System:
         if self.setup is not None and self.setup.kind == "replay" and e.drafter is not None \
                 and not self.oracle.has(prompt):
             self.oracle.register(prompt, force if force is not None else
-                                 self.generate(self.autoregressive_engine(), prompt, max_new).tokens)
+                                 self.generate(self.autoregressive_engine(), prompt, max_new, sampling=sampling).tokens)
+        model = sampled(e.model, sampling)
         if e.drafter is None:
-            return autoregressive(e.model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
-        own = e.drafter()   # per generation: a compiled drafter holds a KV-cache row only while it runs
+            return autoregressive(model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
+        own = e.drafter(sampling)   # per generation: a compiled drafter holds a KV-cache row only while it runs
         drafter = LatticeReplayer(replay_lattices) if replay_lattices else own
         if record_lattices:
             drafter = LatticeRecorder(drafter, record_lattices, prompt)
@@ -195,12 +203,12 @@ class System:
                 if record_lattices or replay_lattices:
                     raise SpecPilotError("lattice recording/replay covers chain drafting; use a -spec engine")
                 if e.two_level:
-                    return speculative_two_level(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
+                    return speculative_two_level(model, drafter, prompt, max_new, e.tree_budget, self.capacity,
                                                  force, logits_hook, stop_ids)
-                return speculative_tree(e.model, drafter, prompt, max_new, e.tree_budget, self.capacity,
+                return speculative_tree(model, drafter, prompt, max_new, e.tree_budget, self.capacity,
                                         force, logits_hook, stop_ids)
             schedule = DraftSchedule(self.draft_len, self.draft_min, self.draft_dynamic)   # per request
-            return speculative(e.model, drafter, prompt, max_new, schedule, self.capacity,
+            return speculative(model, drafter, prompt, max_new, schedule, self.capacity,
                                force, logits_hook, stop_ids)
         finally:
             if record_lattices:
@@ -220,15 +228,17 @@ class DrafterSetup:
     temperature: float = 1.0
     replay: dict | None = None        # a replay drafter's plan (`runtime.replay`)
 
-    def factory(self, model, oracle: Oracle, vocab_size: int) -> Callable[[], object]:
+    def factory(self, model, oracle: Oracle, vocab_size: int) -> Callable[..., object]:
         """A fresh drafter per generation: n-gram, a model's (the drafter network), or a replay drafter
-        spending a model drafter's time."""
+        spending a model drafter's time.  Called with the request's sampling, a drafter network
+        samples with the same keyed noise as the target (so it proposes what the target will draw
+        where the two agree)."""
         if self.kind == "ngram":
-            return lambda: NGramDrafter(self.max_ngram, self.min_ngram, self.top_k)
-        network = lambda: ModelDrafter(model, self.top_k, self.capacity, name=self.kind,  # noqa: E731
-                                       temperature=self.temperature)
+            return lambda sampling=None: NGramDrafter(self.max_ngram, self.min_ngram, self.top_k)
+        network = lambda sampling=None: ModelDrafter(sampled(model, sampling), self.top_k,  # noqa: E731
+                                                     self.capacity, name=self.kind, temperature=self.temperature)
         if self.kind == "replay":
-            return lambda: ReplayDrafter(network(), oracle, self.replay, self.top_k, vocab_size)
+            return lambda sampling=None: ReplayDrafter(network(sampling), oracle, self.replay, self.top_k, vocab_size)
         return network
 
 

@@ -285,3 +285,51 @@ def test_params_load_references_the_checkpoint_and_checks_it(tmp_path, monkeypat
     seeded = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml")
     with pytest.raises(SpecPilotError, match="use --params seeded"):
         build(BuildRequest(seeded, parse_target("llvm"), tmp_path / "x", params="load"))
+
+
+def test_sampled_engines_draw_stock_s_tokens(built):
+    """Sampled decoding (`runtime.sampling`): the build's own noise kernel draws, with the same seed,
+    the tokens stock draws -- autoregressive, speculative and as a continuous batch -- and unforced
+    speculative sampling equals unforced autoregressive sampling; another seed draws others."""
+    from specpilot.core.sampling import SamplingParams
+    from specpilot.runtime.forcing import force
+    out, _ = built
+    system = from_build(out)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=2 ** 36 + 1)
+    requests = [(p, 64) for p in PROMPTS]
+    stock_runs = None
+    for engine, batch in (("compiled", False), ("compiled-spec", False), ("compiled", True)):
+        report, stock_runs, _ = force(system, engine, requests, tolerance="auto", batch=batch,
+                                      stock_runs=stock_runs, sampling=params)
+        assert report.passed and not report.excused, (engine, batch, report.reason)
+    greedy = system.generate("stock", PROMPTS[0], 64).tokens
+    assert stock_runs[0].tokens != greedy
+    ar = system.generate("compiled", PROMPTS[1], 64, sampling=params).tokens
+    assert system.generate("compiled-spec", PROMPTS[1], 64, sampling=params).tokens == ar
+    other = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=2)
+    assert system.generate("compiled", PROMPTS[1], 64, sampling=other).tokens != ar
+
+
+def test_compiled_sampling_kernel_equals_reference(built):
+    """The build's sample_scores against the PyTorch reference on fresh random rows (odd count),
+    every kind of key and cut; and its draws follow softmax(logits / T) (chi-square)."""
+    import numpy as np
+    import torch
+
+    from specpilot.core.sampling import SamplingParams
+    from specpilot.runtime.engine import CompiledModule
+    from specpilot.runtime.sampling import controls, reference_scores
+    from tests.runtime.test_sampling import chi_square_draws, chi_square_p
+    out, manifest = built
+    module = CompiledModule(out)
+    vocab = manifest.models["target"]["vocab_size"]
+    rng = np.random.default_rng(7)
+    logits = torch.from_numpy(rng.standard_normal((7, vocab)).astype(np.float32)) * 3
+    key = rng.integers(-2 ** 31, 2 ** 31, size=(7, 3)).astype(np.int32)
+    ctl = controls(logits, SamplingParams(temperature=0.7, top_p=0.9))
+    ctl[::2] = controls(logits[::2], SamplingParams(temperature=1.7))
+    torch.testing.assert_close(module.sample_scores(logits, key, ctl), reference_scores(logits, key, ctl),
+                               rtol=2e-6, atol=2e-6)
+    params = SamplingParams(temperature=0.8, top_k=40)
+    counts, expected, kept = chi_square_draws(module.sample_scores, logits[:1], params, 4000)
+    assert counts[~kept].sum() == 0 and chi_square_p(counts, expected, kept) > 1e-3

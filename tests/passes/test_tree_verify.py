@@ -97,6 +97,18 @@ def test_compiled_tree_decoding_is_exact(tree_build):
     assert off_rank > 0
 
 
+def test_sampled_tree_decoding_draws_stock_s_tokens(tree_build):
+    from specpilot.core.sampling import SamplingParams
+    from specpilot.runtime.forcing import force
+    system = from_build(tree_build)
+    params = SamplingParams(temperature=1.1, top_k=30, seed=5)
+    requests = [([(7 * i + r) % 301 for i in range(8 + 3 * r)], 48) for r in range(3)]
+    report, stock_runs, runs = force(system, "compiled-tree", requests, sampling=params)
+    assert report.passed and not report.excused, report.reason
+    assert system.generate("compiled-tree", requests[0][0], 48, sampling=params).tokens == stock_runs[0].tokens
+    assert system.generate("stock-tree", requests[0][0], 48, sampling=params).tokens == stock_runs[0].tokens
+
+
 def test_a_build_without_tree_verify_cannot_keep_a_tree_path(tmp_path):
     data = {"target": {"architecture": DENSE, "config": TINY_CONFIGS[DENSE], "init": {"seed": 1}},
             "drafter": {"kind": "ngram"}, "deployment": {"dtype": "float32", "max_seq_len": 64}}

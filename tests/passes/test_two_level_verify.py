@@ -43,6 +43,13 @@ def test_two_level_decoding_is_exact(example, tmp_path):
         gen = speculative_two_level(model, make(), prompt, 40, budget, system.capacity, force=stock.tokens)
         assert gen.choices == stock.tokens, budget
     assert system.generate("compiled-two-level", prompt, 40).tokens == stock.tokens
+    # sampled: the same seed draws stock's tokens through the view, the trees and the W12 layout
+    from specpilot.core.sampling import SamplingParams
+    from specpilot.runtime.forcing import force
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=99)
+    report, stock_runs, _ = force(system, "compiled-two-level", [(prompt, 40)], sampling=params)
+    assert report.passed and not report.excused, report.reason
+    assert system.generate("compiled-two-level", prompt, 40, sampling=params).tokens == stock_runs[0].tokens
 
 
 @pytest.mark.parametrize("text,reason", [
