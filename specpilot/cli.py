@@ -359,6 +359,34 @@ def run(ctx, build_dir, prompt, prompt_ids, max_new_tokens, engine, ignore_eos, 
                replay_lattices=None, as_json=as_json, **_sampling_arguments(sampling))
 
 
+@cli.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--engine", type=click.Choice([e for e in ENGINES if e.startswith("compiled")]), default=None,
+              help="default: the build's best speculative engine (two-level, tree, chain)")
+@click.option("--served-model-name", default=None,
+              help="the model name clients use (default: the target's Hugging Face id, else the build's folder name)")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="a Jinja chat template (default: the one the build carries from its checkpoint)")
+@click.option("--queue-size", type=click.IntRange(1), default=64, show_default=True,
+              help="requests that may wait; beyond it the server answers 429")
+@click.option("--seed", type=click.IntRange(0, 2 ** 64 - 1), default=0, show_default=True,
+              help="the sampling seed of requests that give none")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)
+def serve(build_dir, host, port, engine, served_model_name, chat_template, queue_size, seed, log_level):
+    """Serve a build over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    import uvicorn
+
+    from specpilot.serve.app import create_app
+    from specpilot.serve.launch import make_server
+
+    server = make_server(build_dir, engine, served_model_name, chat_template, queue_size, seed)
+    click.echo(f"serving {server.model_name} ({server.engine}) on http://{host}:{port}/v1", err=True)
+    uvicorn.run(create_app(server), host=host, port=port, log_level=log_level)
+
+
 def _sampling_arguments(sampling) -> dict:
     """A parsed ``sampling`` back as the options `sampling_options` reads (for ctx.invoke)."""
     if sampling is None:

@@ -1,6 +1,7 @@
 """The floors of `specpilot/` and their import rules, checked on every import statement (function-local
 ones included): cli -> agent -> memory -> compiler -> passes -> schedules -> kernels -> core, each
-floor importing only floors below it; runtime imports core alone; no module imports another's
+floor importing only floors below it; runtime imports core alone; serve (the HTTP server) imports
+runtime and core, and only cli imports it; no module imports another's
 private name."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specpilot"
 FLOORS = ["core", "kernels", "schedules", "passes", "compiler", "memory", "agent", "cli"]
-RUNTIME_USERS = {"agent", "cli"}      # the floors that drive builds and may run them
+RUNTIME_USERS = {"agent", "cli", "serve"}      # the floors that drive builds and may run them
 NARROW = {"runtime": {"core"},         # runs builds with the TVM runtime alone
+          "serve": {"core", "runtime"},   # the HTTP server drives the runtime, nothing that compiles
           "memory": {"core", "passes"}}   # the reproduce check (a compiler call) is handed in by the agent
 
 
@@ -30,6 +32,8 @@ def allowed(importer: str, imported: str) -> bool:
         return imported in NARROW[importer]
     if imported == "runtime":
         return importer in RUNTIME_USERS
+    if imported == "serve":
+        return importer == "cli"
     if importer not in FLOORS or imported not in FLOORS:
         return False
     return FLOORS.index(imported) < FLOORS.index(importer)

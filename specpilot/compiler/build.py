@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -287,7 +288,25 @@ def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: P
         src = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
         shutil.copyfile(src, out_dir / "tokenizer.json")
         files["tokenizer"] = "tokenizer.json"
+        template = chat_template(src.parent)
+        if template is not None:     # what the server renders chat messages with
+            (out_dir / "chat_template.jinja").write_text(template)
+            files["chat_template"] = "chat_template.jinja"
     return files
+
+
+def chat_template(directory: Path) -> str | None:
+    """A checkpoint's chat template: chat_template.jinja, or tokenizer_config.json's chat_template."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text()
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            template = json.loads(config.read_text()).get("chat_template")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return None
+        return template if isinstance(template, str) else None
+    return None
 
 
 def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_mod, schedule: str,

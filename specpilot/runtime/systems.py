@@ -176,9 +176,11 @@ class System:
 
     def generate(self, engine: str, prompt: list[int], max_new: int, force=None, logits_hook=None,
                  stop_at_eos: bool = False, record_lattices: Path | None = None,
-                 replay_lattices: Path | None = None, sampling: SamplingParams | None = None) -> Generation:
+                 replay_lattices: Path | None = None, sampling: SamplingParams | None = None,
+                 on_token=None) -> Generation:
         """One request on ``engine``; greedy, or sampled under ``sampling`` (`runtime.sampling`: the
-        same tokens on every engine for the same seed)."""
+        same tokens on every engine for the same seed).  ``on_token(token)`` hears each token as it
+        is decided; returning False ends the request there."""
         if engine not in self.engines:
             raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
         self.check_prompt(prompt)
@@ -193,7 +195,7 @@ class System:
                                  self.generate(self.autoregressive_engine(), prompt, max_new, sampling=sampling).tokens)
         model = sampled(e.model, sampling)
         if e.drafter is None:
-            return autoregressive(model, prompt, max_new, self.capacity, force, logits_hook, stop_ids)
+            return autoregressive(model, prompt, max_new, self.capacity, force, logits_hook, stop_ids, on_token=on_token)
         own = e.drafter(sampling)   # per generation: a compiled drafter holds a KV-cache row only while it runs
         drafter = LatticeReplayer(replay_lattices) if replay_lattices else own
         if record_lattices:
@@ -204,12 +206,12 @@ class System:
                     raise SpecPilotError("lattice recording/replay covers chain drafting; use a -spec engine")
                 if e.two_level:
                     return speculative_two_level(model, drafter, prompt, max_new, e.tree_budget, self.capacity,
-                                                 force, logits_hook, stop_ids)
+                                                 force, logits_hook, stop_ids, on_token)
                 return speculative_tree(model, drafter, prompt, max_new, e.tree_budget, self.capacity,
-                                        force, logits_hook, stop_ids)
+                                        force, logits_hook, stop_ids, on_token)
             schedule = DraftSchedule(self.draft_len, self.draft_min, self.draft_dynamic)   # per request
             return speculative(model, drafter, prompt, max_new, schedule, self.capacity,
-                               force, logits_hook, stop_ids)
+                               force, logits_hook, stop_ids, on_token)
         finally:
             if record_lattices:
                 drafter.close()

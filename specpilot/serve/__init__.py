@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server on a build (`specpilot serve`): wire format, engine scheduler, app."""
