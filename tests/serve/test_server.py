@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,25 +20,32 @@ from specpilot.compiler.build import BuildRequest, build
 from specpilot.core.spec import load_spec
 from specpilot.core.target import parse_target
 
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """A tiny hybrid build (early-exit drafter, trees) served on a free loopback port."""
-    import uvicorn
-
-    from specpilot.serve.app import create_app
-    from specpilot.serve.launch import make_server
+def serve_build(tmp_path_factory):
+    """A tiny hybrid build (early-exit drafter, trees)."""
     tmp = tmp_path_factory.mktemp("serve")
-    data = yaml.safe_load(open("examples/tiny-hybrid.yaml"))
+    data = yaml.safe_load((ROOT / "examples" / "tiny-hybrid.yaml").read_text())
     data["deployment"].update(max_seq_len=256, max_batch=1)
     data["passes"] = "tree-verify{budget=8},gdn-path-recompute"
     (tmp / "model.yaml").write_text(yaml.safe_dump(data))
     build(BuildRequest(load_spec(tmp / "model.yaml"), parse_target("llvm"), tmp / "build"))
     (tmp / "chat.jinja").write_text(TEMPLATE)
-    server = make_server(tmp / "build", None, None, tmp / "chat.jinja", queue_size=1)
+    return tmp / "build"
+
+
+@pytest.fixture(scope="module")
+def served(serve_build):
+    """The build served in-process on a free loopback port."""
+    import uvicorn
+
+    from specpilot.serve.app import create_app
+    from specpilot.serve.launch import make_server
+    server = make_server(serve_build, None, None, serve_build.parent / "chat.jinja", queue_size=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -199,3 +207,20 @@ def test_full_queue_is_429_and_disconnect_frees_the_row(served, monkeypatch):
     with urllib.request.urlopen(f"{base}/metrics") as r:
         text = r.read().decode()
     assert "specpilot_requests_total" in text and 'outcome="rejected"' in text
+
+
+def test_load_test_in_its_own_server_process(serve_build, tmp_path):
+    """bench/serve_load.py against a real `specpilot serve` process: concurrent clients, every
+    response's tokens equal the prompt's single-request run, nothing lost."""
+    import subprocess
+    import sys
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), str(serve_build), "--engines",
+                    "compiled,compiled-tree", "--clients", "1,3", "--seconds", "2", "--max-tokens", "12",
+                    "--requests", "3", "-o", str(out)], check=True, cwd=ROOT, timeout=600)
+    report = json.loads(out.read_text())
+    assert report["passed"] and set(report["engines"]) == {"compiled", "compiled-tree"}
+    for rows in report["engines"].values():
+        assert [r["clients"] for r in rows] == [1, 3]
+        assert all(r["requests"] > 0 and r["lost"] == 0 and r["tokens_identical"] for r in rows)
+    assert report["environment"]["torch"]
