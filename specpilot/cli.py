@@ -197,8 +197,9 @@ def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[s
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
+@sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, output, plot, as_json):
+          tie_tolerance, record_profile, output, plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -212,14 +213,17 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     system = _load_system(spec_or_build)
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
+    if sampling is not None and not engines:
+        hf = []       # transformers' sampling draws other tokens; its rows are greedy-only
     console = Console(stderr=True)
     kind = system.setup.kind if system.setup else ""
     with Progress(console=console, transient=True, disable=as_json) as progress:
         task = progress.add_task("bench", total=len(ids) * (len(own) + len(hf)))
         run = Bench(system, ids, max_new_tokens, warmup, lambda m, advance=0: progress.update(
-            task, description=m, advance=advance), kind, tie_tolerance).run(own, hf, breakdown_requests)
+            task, description=m, advance=advance), kind, tie_tolerance, sampling).run(own, hf, breakdown_requests)
     meta = {"environment": environment(), "system": str(spec_or_build), "prompts": prompts, "requests": len(ids),
-            "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind}
+            "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind,
+            "sampling": sampling.model_dump() if sampling else None}
     result = bench_report(run, meta)
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))

@@ -95,7 +95,7 @@ class Bench:
     """One benchmark run over a loaded `System`."""
 
     def __init__(self, system, prompts: list[list[int]], max_new: int, warmup: int = 1, progress=None,
-                 drafter_kind: str = "", tie_tolerance="auto"):
+                 drafter_kind: str = "", tie_tolerance="auto", sampling=None):
         for prompt in prompts:
             system.check_prompt(prompt)
             if len(prompt) + max_new > system.capacity:
@@ -104,13 +104,16 @@ class Bench:
         self.system, self.prompts, self.max_new, self.warmup = system, prompts, max_new, warmup
         self.progress = progress or (lambda message, advance=0: None)
         self.drafter_kind, self.tie_tolerance = drafter_kind, tie_tolerance
+        self.sampling = sampling      # core.sampling.SamplingParams, or None: greedy
 
     def run(self, engines: list[str], hf: list[str] = (), breakdown_requests: int = 2) -> dict:
+        if hf and self.sampling is not None:
+            raise SpecPilotError("the transformers rows decode greedily; leave them out of a sampled bench")
         ar = engines[0]
-        ar_runs = [self.system.generate(ar, p, self.max_new) for p in self.prompts]   # registers the oracle
+        ar_runs = [self._timed(ar, p, self.max_new) for p in self.prompts]   # registers the oracle
         for prompt, run in zip(self.prompts, ar_runs):
             self.system.oracle.register(prompt, run.tokens)
-        tolerance, _ = tolerance_rule(self.system, self.prompts, ar_runs, self.tie_tolerance) \
+        tolerance, _ = tolerance_rule(self.system, self.prompts, ar_runs, self.tie_tolerance, self.sampling) \
             if self.system.dtype != "float32" else (0.0, None)
         results = {name: self._engine(name, ar_runs, tolerance, breakdown_requests) for name in engines}
         for name in hf:
@@ -122,7 +125,7 @@ class Bench:
         return {"ar_engine": ar, "tie_tolerance": tolerance, "results": results}
 
     def _timed(self, engine: str, prompt: list[int], max_new: int):
-        return self.system.generate(engine, prompt, max_new)
+        return self.system.generate(engine, prompt, max_new, sampling=self.sampling)
 
     def _engine(self, name: str, ar_runs, tolerance: float, breakdown_requests: int) -> EngineResult:
         for _ in range(self.warmup):
@@ -147,13 +150,13 @@ class Bench:
         engine, clock = self.system.engines[name], Clock()
         timed_name = f"{name} (timed)"
         self.system.engines[timed_name] = Engine(TimedModel(engine.model, clock),
-                                                 lambda: TimedDrafter(engine.drafter(), clock),
+                                                 lambda sampling=None: TimedDrafter(engine.drafter(sampling), clock),
                                                  engine.tree_budget, engine.two_level)
         try:
             wall = 0.0
             for prompt in self.prompts[:requests]:
                 start = time.perf_counter()
-                self.system.generate(timed_name, prompt, self.max_new)
+                self.system.generate(timed_name, prompt, self.max_new, sampling=self.sampling)
                 wall += time.perf_counter() - start
         finally:
             del self.system.engines[timed_name]

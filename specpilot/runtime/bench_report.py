@@ -10,8 +10,10 @@ def table(report: dict):
     """A rich Table of the run: one row per engine, the autoregressive engine first."""
     from rich.table import Table
 
+    sampling = report.get("sampling")
+    how = f", sampled at T={sampling['temperature']:g} seed {sampling['seed']}" if sampling else ", greedy"
     t = Table(title=f"{report['requests']} requests x {report['max_new_tokens']} new tokens "
-                    f"({report['prompts']}), AR = {report['ar_engine']}")
+                    f"({report['prompts']}{how}), AR = {report['ar_engine']}")
     for column in ("engine", "decode tok/s (median, min-max)", "TTFT ms", "tokens/verif", "speedup",
                    "end-to-end", "tokens", "cycle: draft/verify/commit/host"):
         t.add_column(column, justify="left" if column in ("engine", "tokens") else "right")
