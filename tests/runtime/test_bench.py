@@ -54,6 +54,15 @@ def test_bench_on_a_tiny_build_checks_tokens_and_writes_its_json(run_cli, tmp_pa
     recorded = read_profile(tmp_path / "profile.json")
     tree = next(e for e in report["engines"] if e["engine"] == "compiled-tree")
     assert recorded == tree["accepted"] and sum(recorded[0]) == 23     # every token after the first
+    # sampled: every engine draws sampled AR's tokens; the greedy-only transformers rows stay out
+    code, stdout, err = run_cli("bench", build, "--requests", 2, "--max-new-tokens", 24, "--json", "--temperature",
+                                "0.9", "--seed", 5, "--breakdown-requests", 0)
+    assert code == 0, err
+    sampled = json.loads(stdout)
+    assert sampled["sampling"]["temperature"] == 0.9 and sampled["tokens_checked"]
+    assert {e["engine"] for e in sampled["engines"]} == {"compiled", "compiled-spec", "compiled-tree", "stock",
+                                                         "stock-spec", "stock-tree"}
+    assert all(e["check"]["identical"] == 2 for e in sampled["engines"])
 
 
 @pytest.mark.parametrize("passes,engine", [("", "stock-spec"), ("tree-verify{budget=12}", "stock-tree")])
