@@ -4,13 +4,15 @@
 # calls in a row (each carries at most 64 MiB with the working tree; /tmp stays between calls):
 #   bash bench/h200_e2e.sh stage DIR...     copy carried folders into /tmp/e2e (runtime TVM, wheels, GGUF parts)
 #   bash bench/h200_e2e.sh smol [BUILD...]  assemble + check the GGUF, run the bench on each build, JSON to $OUT
-# Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), pydantic and gguf wheels, the GGUF split in
+#   bash bench/h200_e2e.sh serve BUILD      sampled forcing and bench, then bench/serve_load.py (1, 8, 32 clients)
+# Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
+# for serving fastapi, uvicorn, prometheus-client, openai and theirs: `pip download --python-version 3.12`), the GGUF split in
 # three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
 set -euo pipefail
 E=/tmp/e2e
 setup() {
   [ -d /tmp/rt/site ] || { mkdir -p /tmp/rt && tar xzf $E/site.tgz -C /tmp/rt; }
-  [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site $E/*.whl
   export PYTHONPATH=/tmp/rt/site:/tmp/site:$PWD TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     SPECPILOT_CACHE=/tmp/spcache SPECPILOT_WEIGHTS=$E/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -42,5 +44,25 @@ case "${1:-}" in
       --engines compiled,stock,stock-spec,hf-generate,hf-assisted -o $OUT/e2e-smollm2-ngram-code-reference.json \
       2>&1 | tail -3
     ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...]" >&2; exit 2 ;;
+  serve)
+    G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f $G ] || cat $E/smolpart.* > $G
+    echo "$(cat $E/sha256)  $G" | sha256sum -c
+    setup
+    b=$E/builds; mkdir -p $b
+    for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+    build=$b/${2:-ngram}
+    # sampled: the build's noise kernel on the GPU draws stock PyTorch's tokens for the same seed
+    timeout ${VERIFY_S:-120} python3 -m specpilot.cli verify $build --engine compiled-tree --temperature 0.8 \
+      --top-p 0.95 --seed 1 --max-new-tokens 128 --json > $OUT/verify-sampled-smollm2.json || true
+    tail -c 400 $OUT/verify-sampled-smollm2.json; echo
+    for set in ${SETS:-code chat}; do
+      timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $build --prompts $set --requests ${REQUESTS:-4} \
+        --max-new-tokens ${TOKENS:-256} --engines compiled,compiled-spec,compiled-tree --temperature 0.7 --seed 1 \
+        -o $OUT/e2e-smollm2-ngram-$set-sampled.json 2>&1 | tail -3
+    done
+    timeout ${LOAD_S:-300} python3 bench/serve_load.py $build --engines compiled,compiled-tree --clients 1,8,32 \
+      --seconds ${LOAD_SECONDS:-12} --max-tokens 128 -o $OUT/serve-load-smollm2-ngram.json
+    ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD]" >&2; exit 2 ;;
 esac

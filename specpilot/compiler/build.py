@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -81,23 +82,39 @@ def _driver_symbols() -> list[str]:
     return sorted(n for n in names if n.isidentifier())
 
 
+def _private_dir(name: str) -> Path:
+    """A directory under the temp directory that only this user can write: ``name`` when this user
+    made it (mode 0700, not a link), else a fresh one -- a library another user planted in a
+    predictable folder must never be loaded."""
+    path = Path(tempfile.gettempdir()) / name
+    try:
+        os.mkdir(path, 0o700)
+        return path
+    except FileExistsError:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            return path
+    return Path(tempfile.mkdtemp(prefix="specpilot-cuda-stub-"))
+
+
 def cuda_stub_env() -> dict:
     """Environment for a CUDA build on a machine without a driver: a stub libcuda.so.1 whose
     only job is to let TVM's CUDA runtime library load (every entry point answers
     CUDA_ERROR_NO_DEVICE), and nvcc as the compiler, so the build embeds real sm_XX code."""
     symbols = _driver_symbols()
     tag = hashlib.sha256(" ".join(symbols).encode()).hexdigest()[:12]
-    stub_dir = Path(tempfile.gettempdir()) / f"specpilot-cuda-stub-{tag}"
+    stub_dir = _private_dir(f"specpilot-cuda-stub-{os.getuid()}-{tag}")
     stub = stub_dir / "libcuda.so.1"
     if not stub.exists():
-        stub_dir.mkdir(parents=True, exist_ok=True)
         src = stub_dir / "stub.c"
         src.write_text("".join(f"int {name}() {{ return 100; }}\n" for name in symbols))
+        part = stub_dir / f"libcuda.so.1.{os.getpid()}.part"
         try:
-            subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(src)],
+            subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(part), "-Wl,-soname,libcuda.so.1", str(src)],
                            check=True, capture_output=True)
         except (OSError, subprocess.CalledProcessError) as e:
             raise SpecPilotError(f"cannot build a stub libcuda.so.1 for cross-compiling ({e}); is gcc installed?") from None
+        os.replace(part, stub)
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = f"{stub_dir}:{env.get('LD_LIBRARY_PATH', '')}".rstrip(":")
     env.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")

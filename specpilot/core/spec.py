@@ -16,6 +16,7 @@ Every validation error names the file, the key and what was expected, in one lin
 from __future__ import annotations
 
 import importlib.util
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,8 +111,29 @@ def _format_error(err: dict) -> tuple[str, str]:
     if kind == "missing":
         return key, "missing required key"
     if kind == "literal_error":
-        return key, f"expected one of {err['ctx']['expected']}, got {given!r}"
-    return key, f"{err['msg'].lower()}, got {given!r}"
+        return key, f"expected one of {err['ctx']['expected']}, got {_echo(given)}"
+    return key, f"{err['msg'].lower()}, got {_echo(given)}"
+
+
+def _echo(value, limit: int = 120) -> str:
+    """A bad value as an error message shows it: its repr, cut short (a value can be huge)."""
+    short = reprlib.Repr()
+    short.maxstring, short.maxother, short.maxlist, short.maxdict, short.maxlevel = limit, limit, 8, 8, 3
+    text = short.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load that refuses documents with more than ``MAX_ALIASES`` aliases: a few hundred bytes of
+    nested aliases ("billion laughs") otherwise expand into gigabytes once validated or printed."""
+    MAX_ALIASES = 64
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases_seen = getattr(self, "aliases_seen", 0) + 1
+            if self.aliases_seen > self.MAX_ALIASES:
+                raise yaml.YAMLError(f"more than {self.MAX_ALIASES} YAML aliases (an alias bomb?)")
+        return super().compose_node(parent, index)
 
 
 def _check_source(spec: Spec, source: ModelSource, key: str, require: bool) -> None:
@@ -215,10 +237,14 @@ def load_spec(path: str | Path) -> Spec:
     if not path.is_file():
         raise SpecError(path, "", "spec file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_BoundedLoader)   # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise SpecError(path, "", f"malformed YAML: {where}{problem}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(path, "", f"not a text file (byte {e.start} is not UTF-8)") from None
+    except RecursionError:
+        raise SpecError(path, "", "malformed YAML: nested too deeply") from None
     return parse_spec(data, path)

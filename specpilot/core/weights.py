@@ -152,10 +152,16 @@ def load_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: not a safetensors index (expected a 'weight_map' object)") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: not a safetensors index (expected a 'weight_map' object "
+                                  "of tensor name -> shard file)") from None
+        root = directory.resolve()
         for shard in sorted(set(weight_map.values())):
             shard_path = directory / shard
+            if shard_path.resolve().parent != root:    # a shard is a file of the checkpoint, not a path elsewhere
+                raise CheckpointError(f"{index}: shard {shard!r} is outside the checkpoint directory")
             if not shard_path.is_file():
                 raise CheckpointError(f"{index}: shard {shard} is listed but missing")
             weights.update(_load_safetensors(shard_path))

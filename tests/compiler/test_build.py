@@ -333,3 +333,27 @@ def test_compiled_sampling_kernel_equals_reference(built):
     params = SamplingParams(temperature=0.8, top_k=40)
     counts, expected, kept = chi_square_draws(module.sample_scores, logits[:1], params, 4000)
     assert counts[~kept].sum() == 0 and chi_square_p(counts, expected, kept) > 1e-3
+
+
+def test_the_cuda_stub_is_never_taken_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    """A predictable stub folder someone else could have filled (group/world-writable, or a link) is
+    not reused: the stub is built in a fresh private folder instead."""
+    import os
+    import stat
+
+    from specpilot.compiler import build as build_module
+    monkeypatch.setattr(build_module.tempfile, "tempdir", str(tmp_path))
+    env = build_module.cuda_stub_env()
+    mine = Path(env["LD_LIBRARY_PATH"].split(":")[0])
+    assert mine.parent == tmp_path and stat.S_IMODE(os.lstat(mine).st_mode) == 0o700
+    assert (mine / "libcuda.so.1").is_file()
+    assert build_module.cuda_stub_env()["LD_LIBRARY_PATH"].split(":")[0] == str(mine)    # reused: still ours
+    planted = mine / "libcuda.so.1"
+    os.chmod(mine, 0o777)
+    other = Path(build_module.cuda_stub_env()["LD_LIBRARY_PATH"].split(":")[0])
+    assert other != mine and stat.S_IMODE(os.lstat(other).st_mode) == 0o700 and planted.exists()
+    os.chmod(mine, 0o700)
+    os.rename(mine, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", mine)
+    linked = Path(build_module.cuda_stub_env()["LD_LIBRARY_PATH"].split(":")[0])
+    assert linked not in (mine, tmp_path / "elsewhere")

@@ -60,6 +60,24 @@ def test_missing_shard_and_bad_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match="not a safetensors index"):
         load_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": 3}}')
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, shard):
+    cfg = tiny_config("Qwen3ForCausalLM")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _sharded(ckpt, cfg, random_weights(cfg, 0))
+    (tmp_path / "elsewhere.safetensors").write_bytes((ckpt / "model-00001-of-00002.safetensors").read_bytes())
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        load_checkpoint(ckpt)
 
 
 def test_multimodal_prefix_is_read_as_text_model(tmp_path):
