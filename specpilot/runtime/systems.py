@@ -16,7 +16,7 @@ import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.pipeline_text import tree_budget
-from specpilot.core.sampling import SamplingParams
+from specpilot.core.sampling import MASKED, SamplingParams
 from specpilot.core.spec import replay_plan
 from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
                                         speculative_tree, speculative_two_level)
@@ -29,6 +29,9 @@ from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.runtime.draft_schedule import DraftSchedule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+CUT = abs(MASKED) / 2      # a score this far out is a token top-k / top-p cut, not a logit
 
 
 def near_tie_budget(positions: int, unresolved: int) -> int:
@@ -146,11 +149,14 @@ class System:
 
             def hook(pos, logits, run=run, errors=errors):     # the float32 margin at stock's top 2, kept as a number
                 first, second = run.choices[pos], run.runner_up[pos]
-                errors.append(abs(run.margins[pos] - float(logits[first].float() - logits[second].float())))
+                pair = (float(logits[first].float()), float(logits[second].float()), run.margins[pos])
+                # sampled: a token one precision keeps and the other cuts (top-k / top-p at its boundary) has
+                # no margin error to measure -- the decision is open, and it must not set the tolerance
+                errors.append(None if any(abs(v) >= CUT for v in pair) else abs(pair[2] - (pair[0] - pair[1])))
                 return logits
             autoregressive(exact, prompt, len(run.tokens), self.capacity, force=run.tokens, logits_hook=hook)
-            worst = max([worst, *errors])
-            unresolved += sum(m < e for m, e in zip(run.margins, errors))
+            worst = max([worst, *(e for e in errors if e is not None)])
+            unresolved += sum(e is None or m < e for m, e in zip(run.margins, errors))
             positions += len(errors)
         return worst, near_tie_budget(positions, unresolved)
 

@@ -139,3 +139,25 @@ def test_reference_draws_follow_softmax(params):
     wrong = SamplingParams(temperature=params.temperature * 1.6, top_k=params.top_k, top_p=params.top_p)
     counts, _, _ = chi_square_draws(reference_scores, logits, wrong, 20000)
     assert chi_square_p(counts, expected, kept) < 1e-6
+
+
+def test_sampled_bf16_tolerance_stays_on_the_logits_scale(tmp_path):
+    """bf16 stock against its float32 twin under top-p: where one precision cuts a token the other
+    keeps, the cut is an open decision, never a 3e38 'margin error' that would excuse everything."""
+    import yaml
+
+    from specpilot.core.spec import load_spec
+    from specpilot.runtime.forcing import force
+    from specpilot.runtime.systems import from_spec
+    data = {"target": {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"],
+                       "init": {"seed": 2}},
+            "drafter": {"kind": "ngram", "draft_len": 4}, "deployment": {"dtype": "bfloat16", "max_seq_len": 256}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    system = from_spec(load_spec(tmp_path / "m.yaml"))
+    params = SamplingParams(temperature=1.0, top_p=0.3, seed=4)
+    requests = [([(5 * i + r) % 301 for i in range(7 + r)], 48) for r in range(4)]
+    report, stock_runs, _ = force(system, "stock-spec", requests, sampling=params)
+    assert report.passed, report.reason
+    assert 0 <= report.tie_tolerance < 1.0
+    tolerance, budget = system.derived_near_ties([p for p, _ in requests], stock_runs, params)
+    assert tolerance == report.tie_tolerance and budget >= 8
