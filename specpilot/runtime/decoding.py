@@ -52,6 +52,9 @@ def top2(row: torch.Tensor):
     return best, at, second, runner
 
 
+STREAM_WINDOW = 4     # tokens a streamed on-device decode hands over at once (a host round trip each)
+
+
 class _Emitter:
     """Turns logits rows into emitted tokens, choices and margins, honouring forcing.  ``on_token``
     hears each emitted token as it is decided (streaming); returning False stops the generation
@@ -90,10 +93,11 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
     the logits are and its argmax fed to the next step there: the host never waits on a step
     and enqueues the next while the device runs; every ``window`` steps (and at the end) the
     choices come back, to stop at a stop token.  Same tokens, choices, margins and runner-ups
-    as the host loop (the same `top2` on the same logits).  Streaming (``on_token``) takes the host
-    loop: each token is heard as soon as it is chosen."""
-    if force is None and logits_hook is None and on_token is None and hasattr(model, "step_on_device"):
-        return _autoregressive_on_device(model, prompt, max_new, capacity, stop_ids, window)
+    as the host loop (the same `top2` on the same logits).  Streaming (``on_token``) hears the
+    tokens every ``STREAM_WINDOW`` steps there (the host loop: each as soon as it is chosen)."""
+    if force is None and logits_hook is None and hasattr(model, "step_on_device"):
+        return _autoregressive_on_device(model, prompt, max_new, capacity, stop_ids,
+                                         window if on_token is None else STREAM_WINDOW, on_token)
     start = time.perf_counter()
     state = model.new_state(capacity)
     out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
@@ -115,29 +119,40 @@ def _close(state) -> None:
         state.close()
 
 
-def tops_on_device(model, state, first, n: int, stop_ids=(), window: int = 16) -> list:
+def tops_on_device(model, state, first, n: int, stop_ids=(), window: int = 16, on_token=None) -> list:
     """``first`` (the `top2` of the prefill's last logits row) and the `top2` of each decode step
     after it, up to ``n`` in all: each step is fed its predecessor's choice where the build runs
     (`CompiledModel.step_on_device`), so nothing waits on the device except, every ``window``
-    steps, the choices coming back to stop after a stop token (the steps past it are wasted, not
-    wrong: the caller cuts there)."""
+    steps, the choices coming back -- to stop after a stop token (the steps past it are wasted, not
+    wrong: the caller cuts there) and to hand them to ``on_token`` (streaming in bursts of a window;
+    False from it ends the generation at that token)."""
     stops = set(stop_ids)
-    tops, checked = [first], 0
+    tops, heard = [first], 0
+
+    def hear(upto: int) -> bool:
+        nonlocal heard
+        for token in torch.stack([t[1] for t in tops[heard:upto]]).tolist():
+            heard += 1
+            if (on_token is not None and on_token(token) is False) or token in stops:
+                return False
+        return True
+
     while len(tops) < n:
-        if stops and len(tops) - checked >= window:     # the choices so far back on the host
-            chosen = torch.stack([t[1] for t in tops[checked:]]).tolist()
-            if stops.intersection(chosen):
-                break
-            checked = len(tops)
+        if (stops or on_token is not None) and len(tops) - heard >= window and not hear(len(tops)):
+            return tops[:heard]
         tops.append(top2(model.step_on_device(tops[-1][1], state)))
+    if on_token is not None:
+        hear(len(tops))
+        return tops[:heard]
     return tops
 
 
-def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_ids, window: int) -> Generation:
+def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_ids, window: int,
+                              on_token=None) -> Generation:
     start = time.perf_counter()
     state = model.new_state(capacity)
     stops = set(stop_ids)
-    tops = tops_on_device(model, state, top2(model.forward(prompt, state)[-1]), max_new, stops, window)
+    tops = tops_on_device(model, state, top2(model.forward(prompt, state)[-1]), max_new, stops, window, on_token)
     values = torch.stack([torch.stack([t[0], t[2]]) for t in tops]).float().cpu().tolist()
     indices = torch.stack([torch.stack([t[1], t[3]]) for t in tops]).cpu().tolist()
     tokens = [i for i, _ in indices]

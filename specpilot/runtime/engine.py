@@ -196,8 +196,8 @@ class CompiledModule:
         else:
             args = [self.tvm.runtime.from_dlpack(logits.float().contiguous()), *self.tensors(keys),
                     self.tvm.runtime.from_dlpack(controls.float().contiguous())]
-        out = fn(*args)
-        return torch.from_numpy(out.numpy()) if cpu else torch.from_dlpack(out).clone()
+        out = fn(*args)     # a fresh output: the VM hands it over, nothing writes it again
+        return torch.from_numpy(out.numpy()) if cpu else torch.from_dlpack(out)
 
     def model(self, which: str) -> "CompiledModel":
         """The model's engine (one per build and model: it owns the model's KV-cache pool)."""

@@ -15,6 +15,8 @@ lowest kept logit per row (`controls`) goes to the scoring function with 1 / T.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -54,17 +56,24 @@ def controls(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logit at or above the threshold is kept, so equal logits are kept or cut together."""
     rows, vocab = logits.shape
     inv_t = float(np.float32(1.0 / params.temperature))
-    low = torch.full((rows,), float("-inf"), device=logits.device)
     k = params.top_k if 0 < params.top_k < vocab else vocab
-    if k < vocab or params.top_p < 1.0:
-        values = torch.topk(logits.float(), k, dim=-1).values       # descending
-        low = values[:, -1] if k < vocab else low
-        if params.top_p < 1.0:
-            probs = torch.softmax(values * inv_t, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs
-            keep = (before < params.top_p).sum(-1).clamp(min=1)
-            low = values.gather(1, (keep - 1)[:, None])[:, 0]
+    if k == vocab and params.top_p >= 1.0:      # nothing cut: the same controls for any logits
+        return _uncut(inv_t, str(logits.device)).expand(rows, 2)
+    values = torch.topk(logits.float(), k, dim=-1).values       # descending
+    low = values[:, -1] if k < vocab else torch.full((rows,), float("-inf"), device=logits.device)
+    if params.top_p < 1.0:
+        probs = torch.softmax(values * inv_t, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs
+        keep = (before < params.top_p).sum(-1).clamp(min=1)
+        low = values.gather(1, (keep - 1)[:, None])[:, 0]
     return torch.stack([torch.full_like(low, inv_t), low], dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _uncut(inv_t: float, device: str) -> torch.Tensor:
+    """(1, 2) controls that cut nothing, made once per temperature and device (a copy to a GPU
+    from host memory would wait for the device)."""
+    return torch.tensor([[inv_t, float("-inf")]], device=device)
 
 
 def keys(params: SamplingParams, positions) -> np.ndarray:

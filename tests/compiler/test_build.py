@@ -101,6 +101,17 @@ def test_unforced_decoding_with_tokens_on_the_device_equals_the_host_loop(built)
         stopped = autoregressive(model, prompt, 45, 400, stop_ids=[stop], window=8)
         assert stopped.tokens == host.tokens[:first + 1] == \
             autoregressive(model, prompt, 45, 400, stop_ids=[stop], logits_hook=lambda pos, row: row).tokens
+        # streamed: every token heard once, in order, in bursts; a listener's False ends it at that token
+        heard = []
+        streamed = autoregressive(model, prompt, 45, 400, on_token=heard.append)
+        assert heard == streamed.tokens == host.tokens
+        heard.clear()
+        cut = autoregressive(model, prompt, 45, 400, on_token=lambda t: heard.append(t) or len(heard) < 7)
+        assert heard == cut.tokens == host.tokens[:7]
+        heard.clear()
+        assert autoregressive(model, prompt, 45, 400, stop_ids=[stop], on_token=heard.append).tokens == heard == \
+            host.tokens[:first + 1]
+    assert len(model.free_rows) == model.max_batch       # every finished sequence gave its row back
 
 
 def test_continuous_batch_forcing_exact(built):
