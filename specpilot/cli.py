@@ -4,6 +4,7 @@ errors print one line (``error: ...``) and exit with status 2, divergence exits 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -316,7 +317,6 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 @click.option("--json", "as_json", is_flag=True)
 def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedule, params_mode, as_json):
     """Lower a spec to TVM, apply the pipeline, build and export to a directory."""
-    import os
 
     from rich.console import Console
 
@@ -761,6 +761,13 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
+    except Exception as e:  # a fault nothing above named: still one line (SPECPILOT_DEBUG=1: the traceback)
+        if os.environ.get("SPECPILOT_DEBUG"):
+            raise
+        message = " ".join(str(e).split())
+        message = message if len(message) <= 300 else message[:300] + "..."
+        click.echo(f"error: {type(e).__name__}: {message} (unexpected; SPECPILOT_DEBUG=1 shows where)", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -98,3 +98,17 @@ def test_console_script_runs_as_a_process():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["passed"] is True
+
+
+def test_an_unexpected_fault_is_one_line_and_exit_2(run_cli, monkeypatch):
+    import specpilot.cli as cli_module
+
+    def broken(_):
+        raise ValueError("boom\n" + "x" * 5000)
+    monkeypatch.setattr(cli_module, "_load_system", broken)
+    code, out, err = run_cli("generate", "examples/tiny-llama.yaml", "--prompt-ids", "1,2")
+    assert code == 2 and err.startswith("error: ValueError: boom") and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and len(err) < 500
+    monkeypatch.setenv("SPECPILOT_DEBUG", "1")
+    with pytest.raises(ValueError):
+        run_cli("generate", "examples/tiny-llama.yaml", "--prompt-ids", "1,2")
