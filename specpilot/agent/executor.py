@@ -70,12 +70,13 @@ class LocalExecutor:
 
     def _one(self, job: dict) -> JobResult:
         out = Path(job["build_dir"])
-        out.mkdir(parents=True, exist_ok=True)
-        job_file, result_file = out / "job.json", out / "result.json"
+        work = out.parent / f"{out.name}.job"      # beside the build: the build directory is the build's alone
+        work.mkdir(parents=True, exist_ok=True)
+        job_file, result_file = work / "job.json", work / "result.json"
         job_file.write_text(json.dumps(job))
         result_file.unlink(missing_ok=True)
         start = time.perf_counter()
-        log = open(out / "worker.log", "w")
+        log = open(work / "worker.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "specpilot.agent.executor", str(job_file)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -89,7 +90,7 @@ class LocalExecutor:
             log.close()
         seconds = time.perf_counter() - start
         if rc != 0 or not result_file.is_file():
-            tail = (out / "worker.log").read_text(errors="replace").strip().splitlines()[-3:]
+            tail = (work / "worker.log").read_text(errors="replace").strip().splitlines()[-3:]
             return JobResult(job["pipeline"], False, str(out), seconds,
                              error=f"worker exited with status {rc}: {' | '.join(tail) or 'no output'}")
         try:

@@ -11,8 +11,7 @@ def write_report(search, current: str, final: str, sealed: dict, history: list, 
     final_dir = search.out / "final"
     if final_dir.exists():
         shutil.rmtree(final_dir)
-    shutil.copytree(search.lab.build_dir(final), final_dir,
-                    ignore=shutil.ignore_patterns("job.json", "result.json", "worker.log"))
+    shutil.copytree(search.lab.build_dir(final), final_dir)
     builds = [e["pipeline"] for e in search.log.events if e["event"] == "built" and e["pipeline"]]
     to_result = builds.index(final) + 1 if final in builds else 0
     vs_stock = search.log.find("sealed_speed", base="", candidate=final) if final else None

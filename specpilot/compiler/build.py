@@ -379,10 +379,37 @@ def build(request: BuildRequest, progress=None) -> Manifest:
     schedule, cuda_graph = _schedule(request, effects)
     executable, compiled_mod = _compile(lowered, request, schedule, cuda_graph, say, instrument)
     out_dir = Path(request.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = _staging_dir(out_dir)
     say("exporting")
-    files = _export(executable, compiled_mod, lowered, request, out_dir)
-    manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
-                         time.perf_counter() - started)
-    write_manifest(out_dir, manifest)
+    try:
+        files = _export(executable, compiled_mod, lowered, request, staging)
+        manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
+                             time.perf_counter() - started)
+        write_manifest(staging, manifest)
+        _swap_in(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return manifest
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    """A fresh sibling of ``out_dir`` the build is written into before it replaces ``out_dir`` -- only
+    an empty folder or an earlier build is replaced, never a folder with anything else in it."""
+    if out_dir.exists() and not (out_dir.is_dir() and (not any(out_dir.iterdir())
+                                                       or (out_dir / "manifest.json").is_file())):
+        raise SpecPilotError(f"{out_dir}: exists and is not a SpecPilot build; give -o a new or empty folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Put the finished build in place: a build killed before this leaves the previous one whole."""
+    os.chmod(staging, 0o755)
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.rename(out_dir, old / "build")
+    os.rename(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

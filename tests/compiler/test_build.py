@@ -368,3 +368,28 @@ def test_the_cuda_stub_is_never_taken_from_a_folder_others_can_write(tmp_path, m
     os.symlink(tmp_path / "elsewhere", mine)
     linked = Path(build_module.cuda_stub_env()["LD_LIBRARY_PATH"].split(":")[0])
     assert linked not in (mine, tmp_path / "elsewhere")
+
+
+def test_a_recompile_replaces_the_build_whole_and_refuses_other_folders(tmp_path, monkeypatch):
+    """The build is written beside -o and swapped in at the end: a build that dies on the way leaves
+    the previous one loadable and nothing behind; a folder that is not a build is never replaced."""
+    from specpilot.compiler import build as build_module
+    from specpilot.core.errors import SpecPilotError
+    spec = _spec(tmp_path, "LlamaForCausalLM")
+    out = tmp_path / "build"
+    first = build(BuildRequest(spec, parse_target("llvm"), out))
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt          # as a kill during export would
+    monkeypatch.setattr(build_module, "write_manifest", dies)
+    with pytest.raises(KeyboardInterrupt):
+        build(BuildRequest(spec, parse_target("llvm"), out, passes="tree-verify{budget=4}"))
+    assert Manifest.model_validate(json.loads((out / "manifest.json").read_text())) == first
+    from_build(out)                       # the previous build, whole: its hashes check
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "model.yaml"]
+    monkeypatch.undo()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SpecPilotError, match="not a SpecPilot build"):
+        build(BuildRequest(spec, parse_target("llvm"), tmp_path / "mine"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
