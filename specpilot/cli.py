@@ -655,9 +655,12 @@ def _summary(e) -> dict:
 @click.option("--json", "as_json", is_flag=True)
 def memory_ls(memory_path, as_json):
     """List the entries."""
-    from specpilot.memory.store import Memory
-    with Memory(memory_path) as mem:
-        rows = [_summary(e) for e in mem.entries()]
+    from specpilot.memory.store import Memory, default_path
+    if not Path(memory_path or default_path()).exists():
+        rows = []                       # nothing added yet; a read command makes no file
+    else:
+        with Memory(memory_path, create=False) as mem:
+            rows = [_summary(e) for e in mem.entries()]
     if as_json:
         click.echo(json.dumps(rows))
         return
@@ -676,7 +679,7 @@ def memory_ls(memory_path, as_json):
 def memory_show(entry_id, memory_path, as_json):
     """One entry, in full."""
     from specpilot.memory.store import Memory
-    with Memory(memory_path) as mem:
+    with Memory(memory_path, create=False) as mem:
         entry = mem.get(entry_id)
     body = json.loads(entry.model_dump_json())
     click.echo(json.dumps(body) if as_json else json.dumps({k: v for k, v in body.items() if k != "spec"}, indent=2))
@@ -690,7 +693,7 @@ def memory_verify(entry_id, memory_path, as_json):
     """Re-apply the entry's pipeline to stock and compare structural hashes (exit 0: reproduces)."""
     from specpilot.agent.reproduce import reproduce_hash
     from specpilot.memory.store import Memory
-    with Memory(memory_path) as mem:
+    with Memory(memory_path, create=False) as mem:
         entry = mem.get(entry_id)
         problems = mem.verify(entry.id, reproduce_hash)
     if as_json:
@@ -712,7 +715,7 @@ def memory_verify(entry_id, memory_path, as_json):
 def memory_export(memory_path, output):
     """All entries as one JSON file."""
     from specpilot.memory.store import Memory
-    with Memory(memory_path) as mem:
+    with Memory(memory_path, create=False) as mem:
         text = json.dumps(mem.export(), indent=2)
     if output:
         output.write_text(text)

@@ -112,9 +112,33 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+def _recognise(path: Path) -> None:
+    """Refuse, without writing to it, a file that is not a SpecPilot memory."""
+    if not path.is_file():
+        raise SpecPilotError(f"{path}: not a file")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as e:
+        raise SpecPilotError(f"{path}: not a SpecPilot memory ({e}); left as it was") from None
+    if meta.get("format") != FORMAT:
+        raise SpecPilotError(f"{path}: not a SpecPilot memory (an SQLite database of something else); left as it was")
+
+
 class Memory:
-    def __init__(self, path: Path | str | None = None):
+    """The memory at ``path``.  An existing file is first read read-only and used only if it is a
+    SpecPilot memory (another application's database is never altered); a missing one is created
+    only with ``create`` (read commands never make files)."""
+
+    def __init__(self, path: Path | str | None = None, create: bool = True):
         self.path = Path(path) if path else default_path()
+        if self.path.exists():
+            _recognise(self.path)
+        elif not create:
+            raise SpecPilotError(f"{self.path}: no memory here (nothing has been added to it yet)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)

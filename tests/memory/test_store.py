@@ -85,7 +85,7 @@ def test_export_import_round_trip_and_garbage(tmp_path, hashes):
     with pytest.raises(SpecPilotError, match="pipeline does not parse"):
         Memory(tmp_path / "d.sqlite").import_(evil, reproduce_hash)
     (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
-    with pytest.raises(SpecPilotError, match="not a usable SpecPilot memory"):
+    with pytest.raises(SpecPilotError, match="not a SpecPilot memory"):
         Memory(tmp_path / "junk.sqlite")
 
 
@@ -171,3 +171,27 @@ def test_an_entry_from_a_seeded_gpu_build_reproduces_with_seeded_lowering(tmp_pa
     assert mem.verify(stored.id, reproduce_hash) == []
     with pytest.raises(SpecPilotError, match="not the source system's"):     # lowered with the weights: another module
         mem.add(entry(), reproduce_hash)
+
+
+def test_another_database_is_refused_untouched_and_reads_make_no_file(tmp_path, run_cli):
+    import hashlib
+    import sqlite3
+    other = tmp_path / "app.db"
+    db = sqlite3.connect(other)
+    db.execute("CREATE TABLE users (name TEXT)")
+    db.execute("INSERT INTO users VALUES ('ada')")
+    db.commit()
+    db.close()
+    before = hashlib.sha256(other.read_bytes()).hexdigest()
+    for args in (("ls",), ("show", "abc"), ("export",)):
+        code, _, err = run_cli("memory", *args, "--memory", other)
+        assert code == 2 and "not a SpecPilot memory" in err and "left as it was" in err
+    assert hashlib.sha256(other.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]        # no -wal / -shm either
+    (tmp_path / "junk").write_bytes(b"\x00garbage" * 100)
+    assert run_cli("memory", "ls", "--memory", tmp_path / "junk")[0] == 2
+    missing = tmp_path / "none.sqlite"
+    code, out, _ = run_cli("memory", "ls", "--json", "--memory", missing)
+    assert code == 0 and json.loads(out) == [] and not missing.exists()
+    code, _, err = run_cli("memory", "show", "abc", "--memory", missing)
+    assert code == 2 and "no memory here" in err and not missing.exists()
