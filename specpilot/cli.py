@@ -661,6 +661,8 @@ def memory_ls(memory_path, as_json):
     else:
         with Memory(memory_path, create=False) as mem:
             rows = [_summary(e) for e in mem.entries()]
+            for problem in mem.unreadable:
+                click.echo(f"warning: skipped unreadable entry {problem}", err=True)
     if as_json:
         click.echo(json.dumps(rows))
         return

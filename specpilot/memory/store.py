@@ -183,16 +183,28 @@ class Memory:
 
     # ---- reading
     def entries(self) -> list[Entry]:
-        rows = self.db.execute("SELECT body FROM entries ORDER BY created, rowid").fetchall()
-        return [Entry.model_validate_json(body) for (body,) in rows]
+        """Every readable entry; a row that does not parse (written by a newer SpecPilot, or damaged)
+        is reported in ``self.unreadable`` and skipped, never fatal for the others."""
+        rows = self.db.execute("SELECT id, body FROM entries ORDER BY created, rowid").fetchall()
+        self.unreadable: list[str] = []
+        out = []
+        for entry_id, body in rows:
+            try:
+                out.append(Entry.model_validate_json(body))
+            except ValidationError as e:
+                self.unreadable.append(f"{entry_id}: {e.errors()[0]['msg']}")
+        return out
 
     def get(self, entry_id: str) -> Entry:
-        rows = self.db.execute("SELECT body FROM entries WHERE id LIKE ?", (entry_id + "%",)).fetchall()
+        rows = self.db.execute("SELECT id, body FROM entries WHERE id LIKE ?", (entry_id + "%",)).fetchall()
         if not rows:
             raise SpecPilotError(f"{self.path}: no entry {entry_id!r}")
         if len(rows) > 1:
             raise SpecPilotError(f"{self.path}: {entry_id!r} matches {len(rows)} entries; give more of the id")
-        return Entry.model_validate_json(rows[0][0])
+        try:
+            return Entry.model_validate_json(rows[0][1])
+        except ValidationError as e:
+            raise SpecPilotError(f"{self.path}: entry {rows[0][0]} is unreadable ({e.errors()[0]['msg']})") from None
 
     def find(self, pipeline: str, scope: Applicability) -> Entry | None:
         for e in self.entries():

@@ -195,3 +195,15 @@ def test_another_database_is_refused_untouched_and_reads_make_no_file(tmp_path, 
     assert code == 0 and json.loads(out) == [] and not missing.exists()
     code, _, err = run_cli("memory", "show", "abc", "--memory", missing)
     assert code == 2 and "no memory here" in err and not missing.exists()
+
+
+def test_an_unreadable_row_is_skipped_and_reported(tmp_path, hashes, run_cli):
+    path = tmp_path / "m.sqlite"
+    mem = Memory(path)
+    kept = mem.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]), reproduce_hash)
+    mem.db.execute("INSERT INTO entries VALUES ('bad1', 'x', 'f', 'llvm', '{\"from\": \"the future\"}', '9', '9')")
+    mem.close()
+    code, out, err = run_cli("memory", "ls", "--json", "--memory", path)
+    assert code == 0 and [r["id"] for r in json.loads(out)] == [kept.id] and "bad1" in err
+    code, _, err = run_cli("memory", "show", "bad1", "--memory", path)
+    assert code == 2 and "unreadable" in err
