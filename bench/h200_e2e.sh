@@ -56,7 +56,7 @@ case "${1:-}" in
     timeout ${VERIFY_S:-120} python3 -m specpilot.cli verify $build --engine compiled-tree --temperature 0.8 \
       --top-p 0.95 --seed 1 --max-new-tokens 128 --json > $OUT/verify-sampled-smollm2.json || true
     tail -c 400 $OUT/verify-sampled-smollm2.json; echo
-    for set in ${SETS:-code chat}; do
+    for set in ${SETS-code chat}; do
       timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $build --prompts $set --requests ${REQUESTS:-4} \
         --max-new-tokens ${TOKENS:-256} --engines compiled,compiled-spec,compiled-tree --temperature 0.7 --seed 1 \
         -o $OUT/e2e-smollm2-ngram-$set-sampled.json 2>&1 | tail -3

@@ -161,3 +161,34 @@ def test_sampled_bf16_tolerance_stays_on_the_logits_scale(tmp_path):
     assert 0 <= report.tie_tolerance < 1.0
     tolerance, budget = system.derived_near_ties([p for p, _ in requests], stock_runs, params)
     assert tolerance == report.tie_tolerance and budget >= 8
+
+
+def test_open_cut_rule_excuses_only_a_cut_the_precision_leaves_open(tmp_path):
+    """Sampled bf16 forcing: a system that kept the token just under stock's top-p cut is excused only
+    when scores off by the tolerance could move that cut; a token far below it never is."""
+    import yaml
+
+    from specpilot.core.spec import load_spec
+    from specpilot.runtime.forcing import open_cut_rule
+    from specpilot.runtime.systems import from_spec
+    data = {"target": {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"],
+                       "init": {"seed": 2}},
+            "drafter": {"kind": "ngram"}, "deployment": {"dtype": "float32", "max_seq_len": 256}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    system = from_spec(load_spec(tmp_path / "m.yaml"))
+    params = SamplingParams(temperature=1.0, top_p=0.5, seed=3)
+    prompt = [5, 9, 14, 77, 120]
+    run = system.generate("stock", prompt, 12, sampling=params)
+    rows = []
+    autoregressive(system.engines["stock"].model, prompt, 12, 256, force=run.tokens,
+                   logits_hook=lambda pos, row: rows.append(row.clone()) or row)
+    pos, row = 5, rows[5]
+    order = torch.argsort(row, descending=True, stable=True)
+    cut = controls(row[None], params)[0, 1]
+    first_cut = int(order[int((row >= cut).sum())])
+    far = int(order[-1])
+    want = run.tokens[pos]
+    generous, strict = open_cut_rule(system, prompt, run.tokens, params, 50.0), \
+        open_cut_rule(system, prompt, run.tokens, params, 1e-4)
+    assert generous(pos, want, first_cut) and not strict(pos, want, first_cut)
+    assert not open_cut_rule(system, prompt, run.tokens, params, 0.3)(pos, want, far)
