@@ -149,10 +149,12 @@ class System:
 
             def hook(pos, logits, run=run, errors=errors):     # the float32 margin at stock's top 2, kept as a number
                 first, second = run.choices[pos], run.runner_up[pos]
-                pair = (float(logits[first].float()), float(logits[second].float()), run.margins[pos])
-                # sampled: a token one precision keeps and the other cuts (top-k / top-p at its boundary) has
-                # no margin error to measure -- the decision is open, and it must not set the tolerance
-                errors.append(None if any(abs(v) >= CUT for v in pair) else abs(pair[2] - (pair[0] - pair[1])))
+                a, b, margin = float(logits[first].float()), float(logits[second].float()), run.margins[pos]
+                # sampled: a runner-up both precisions cut is a decision both resolve (no error); one that
+                # only one precision cuts (top-k / top-p at its boundary) is open -- and sets no tolerance
+                cut_here, cut_there = margin >= CUT, abs(b) >= CUT or abs(a) >= CUT
+                errors.append(0.0 if cut_here and cut_there else None if cut_here or cut_there
+                              else abs(margin - (a - b)))
                 return logits
             autoregressive(exact, prompt, len(run.tokens), self.capacity, force=run.tokens, logits_hook=hook)
             worst = max([worst, *(e for e in errors if e is not None)])
