@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast smollm2-test ray-test clean
+.PHONY: setup demo test test-fast fuzz smollm2-test ray-test clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 # the inner loop: the suite without its slow tests (whole builds forced end to end, sm_90 compiles, the search)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the fuzz suite at 20x the examples CI runs (tests/test_fuzz.py)
+fuzz: $(STAMP)
+	SPECPILOT_FUZZ=20 $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 # opt-in: parity with transformers and token forcing on the real SmolLM2-135M (a few minutes)
 smollm2-test: $(STAMP)

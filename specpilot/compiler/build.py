@@ -400,6 +400,9 @@ def _staging_dir(out_dir: Path) -> Path:
                                                        or (out_dir / "manifest.json").is_file())):
         raise SpecPilotError(f"{out_dir}: exists and is not a SpecPilot build; give -o a new or empty folder")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.iterdir():     # what a killed build of this folder left beside it
+        if stale.name.startswith((f".{out_dir.name}.building-", f".{out_dir.name}.old-")):
+            shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
 
 

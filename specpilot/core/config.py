@@ -9,6 +9,7 @@ and the cost model read one thing.  Defaults follow transformers' own configurat
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,6 +157,33 @@ def _expect(cond: bool, where: str, message: str) -> None:
         raise SpecPilotError(f"{where}: {message}")
 
 
+LIMITS = {"vocab_size": 1 << 22, "num_hidden_layers": 1024, "num_experts": 1 << 12}   # beyond any model these kernels serve
+DIM_LIMIT = 1 << 18
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                  "decoder_sparse_step", "full_attention_interval")
+
+
+def _size(c: dict, key: str, where: str) -> None:
+    """A present size field: a positive integer within its limit."""
+    value = c[key]
+    _expect(isinstance(value, int) and not isinstance(value, bool) and value > 0, where,
+            f"{key}: expected a positive integer, got {_short(value)}")
+    _expect(value <= LIMITS.get(key, DIM_LIMIT), where, f"{key}: {value} is beyond {LIMITS.get(key, DIM_LIMIT)}")
+
+
+def _number(value, where: str, key: str, low: float = 0.0, high: float = float("inf")) -> float:
+    """A float field: a finite number in (low, high]."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and low < value <= high
+    _expect(ok, where, f"{key}: expected a number in ({low:g}, {high:g}], got {_short(value)}")
+    return float(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
 def config_from_hf(hf: dict, where: str = "config", architecture: str | None = None) -> ModelConfig:
     """Normalize a Hugging Face config dict (as in config.json, or a partial one from model.yaml).
 
@@ -167,36 +195,50 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     if arch not in SUPPORTED_ARCHITECTURES:
         raise SpecPilotError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if "text_config" in hf and "hidden_size" not in hf:  # a multimodal wrapper's config: use its text part
+        _expect(isinstance(hf["text_config"], dict), where, "text_config: expected a mapping")
         hf = {**hf["text_config"], "architectures": [arch]}
     c = {**_DEFAULTS[arch], **hf}
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    _expect(isinstance(rope, dict), where, f"rope_parameters: expected a mapping, got {_short(rope)}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     _expect(rope_type == "default", where,
             f"rope type {rope_type!r} is not supported yet; supported: 'default'")
     for key in REQUIRED_KEYS:
         _expect(key in c, where, f"missing key {key!r} (required: {', '.join(REQUIRED_KEYS)})")
-        _expect(isinstance(c[key], int) and not isinstance(c[key], bool) and c[key] > 0, where,
-                f"{key}: expected a positive integer, got {c[key]!r}")
+        _size(c, key, where)
+    for key in OPTIONAL_SIZES:
+        if c.get(key) is not None:
+            _size(c, key, where)
+    experts = c.get("num_experts", 0)
+    _expect(isinstance(experts, int) and not isinstance(experts, bool) and 0 <= experts <= LIMITS["num_experts"],
+            where, f"num_experts: expected a count, got {_short(experts)}")
+    only = c.get("mlp_only_layers") or []
+    _expect(isinstance(only, list) and all(isinstance(i, int) for i in only), where,
+            f"mlp_only_layers: expected a list of layer indices, got {_short(only)}")
     n_heads = c["num_attention_heads"]
     n_kv = c.get("num_key_value_heads") or n_heads
     _expect(n_heads % n_kv == 0, where,
             f"num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv})")
     head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+    _expect(head_dim > 0, where, f"head_dim: hidden_size {c['hidden_size']} over {n_heads} heads leaves none")
     _expect(c.get("hidden_act", "silu") == "silu", where,
             f"hidden_act {c.get('hidden_act')!r} is not supported; expected 'silu'")
     if arch == "Qwen2ForCausalLM":
         _expect(not c.get("use_sliding_window", False), where, "use_sliding_window=true is not supported")
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    _expect(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < c["vocab_size"] for t in eos_ids), where,
+            f"eos_token_id: expected token ids below vocab_size, got {_short(eos)}")
     common = dict(
         architecture=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
-        rms_norm_eps=float(c["rms_norm_eps"]),
-        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        rms_norm_eps=_number(c["rms_norm_eps"], where, "rms_norm_eps", high=1.0),
+        rope_theta=_number(rope.get("rope_theta", c.get("rope_theta", 10000.0)), where, "rope_theta"),
         max_position_embeddings=c["max_position_embeddings"],
         tie_word_embeddings=bool(c["tie_word_embeddings"]),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))),
+        partial_rotary_factor=_number(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)), where,
+                                      "partial_rotary_factor", high=1.0),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
         layer_types=("full_attention",) * c["num_hidden_layers"],
     )
@@ -219,6 +261,8 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
                 f"mixture-of-experts layers {moe_layers} are not supported yet; set num_experts: 0 "
                 "or list them in mlp_only_layers (dense MLP)")
     layer_types = c.get("layer_types")
+    _expect(layer_types is None or (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)),
+            where, f"layer_types: expected a list of names, got {_short(layer_types)}")
     if layer_types is None:
         interval = c.get("full_attention_interval", 4)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"

@@ -66,6 +66,16 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_fits(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, what would not fit this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if nbytes > 0.8 * total:
+        raise SpecPilotError(f"{what} needs ~{nbytes / 2 ** 30:.1f} GiB; this machine has {total / 2 ** 30:.1f} GiB")
+
+
 def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> dict[str, torch.Tensor]:
     """A seeded random model whose greedy output is varied rather than flat.
 
@@ -73,9 +83,11 @@ def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> 
     DeltaNet decay parameters in their trained ranges.  Deterministic for a seed: tensors
     are drawn in sorted-name order from one generator.
     """
+    shapes = parameter_shapes(cfg)
+    check_fits(sum(math.prod(s) for s in shapes.values()) * 4, "drawing this model's float32 weights")
     gen = torch.Generator().manual_seed(seed)
     weights = {}
-    for name, shape in sorted(parameter_shapes(cfg).items()):
+    for name, shape in sorted(shapes.items()):
         if name.endswith("A_log"):
             t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
         elif name.endswith("dt_bias"):
