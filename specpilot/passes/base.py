@@ -20,6 +20,7 @@ parallel processes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -43,11 +44,15 @@ class Option:
                 return value == "true"
             raise SpecPilotError(f"{where}: expected true or false, got {value!r}")
         try:
-            if self.type is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
+            if isinstance(value, bool) or (self.type is int and isinstance(value, float) and not value.is_integer()):
+                raise ValueError     # true is not a number of nodes
             coerced = self.type(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise SpecPilotError(f"{where}: expected {self.type.__name__}, got {value!r}") from None
+        if self.type is int and not -2 ** 31 <= coerced < 2 ** 31:
+            raise SpecPilotError(f"{where}: {coerced} is outside the 32-bit range kernels take")
+        if self.type is float and not math.isfinite(coerced):
+            raise SpecPilotError(f"{where}: expected a finite number, got {value!r}")
         if self.choices and coerced not in self.choices:
             raise SpecPilotError(f"{where}: expected one of {list(self.choices)}, got {coerced!r}")
         return coerced

@@ -80,9 +80,18 @@ def test_options_are_typed():
     assert parse("w12-layout{escape_cap=1}", REG).passes[0]["escape_cap"] == 1.0
 
 
+@pytest.mark.parametrize("text,message", [("logit-bias-fault{after=1,token=5,bias=1e400}", "expected a finite number"),
+                                          ("logit-bias-fault{after=4294967296,token=5}", "outside the 32-bit range")])
+def test_options_beyond_their_type_s_range_are_refused(text, message):
+    from specpilot.passes.registry import REGISTRY
+    with pytest.raises(SpecPilotError, match=message):
+        parse(text, REGISTRY)
+
+
 @pytest.mark.parametrize("text,message", [
     ("tree-verify{budget=many}", "tree-verify{budget=...}: expected int, got 'many'"),
     ("tree-verify{budget=1.5}", "expected int, got 1.5"),
+    ("tree-verify{budget=true}", "expected int, got True"),
     ("tree-verify{exact=yes}", "expected true or false"),
     ("tree-verify{mode=greedy}", "expected one of ['best-first', 'top-k']"),
     ("tree-verify{depth=3}", "unknown option 'depth'; options: budget, exact, mode"),
