@@ -124,3 +124,12 @@ def test_not_a_gguf_file(tmp_path):
     fake.write_bytes(b"PK\x03\x04 not gguf")
     with pytest.raises(CheckpointError, match="not a GGUF file"):
         gguf_to_checkpoint(fake)
+
+
+def test_a_seeded_model_too_large_for_the_machine_is_refused_before_allocating():
+    from specpilot.core.config import config_from_hf
+    from specpilot.core.errors import SpecPilotError
+    cfg = config_from_hf({"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 17,
+                          "num_hidden_layers": 64, "num_attention_heads": 128}, architecture="LlamaForCausalLM")
+    with pytest.raises(SpecPilotError, match=r"needs ~\d+\.\d GiB; this machine has"):
+        random_weights(cfg, 0)
