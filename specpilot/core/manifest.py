@@ -11,6 +11,7 @@ facts from these fields, never from the pipeline text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Literal
@@ -21,6 +22,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
 
 FORMAT = "specpilot-build"
+DIGEST = "manifest.sha256"
 VERSION = 4     # 4: typed manifest, pass effects recorded as fields (tree, two_level, serving, kernel_schedule)
 FILE = "manifest.json"
 
@@ -111,12 +113,31 @@ def read_manifest(build_dir: Path | str) -> Manifest:
         raise SpecPilotError(f"{path}: build format version {data.get('version')}, this SpecPilot reads "
                              f"version {VERSION}; rebuild with `specpilot compile`")
     try:
-        return Manifest.model_validate(data)
+        manifest = Manifest.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"])
         raise SpecPilotError(f"{path}: field {field!r}: {first['msg']}") from None
+    _check_digest(path)
+    required = {"model.so"} | ({"params/params.safetensors"} if manifest.params_source == "file" else set())
+    missing = sorted(required - set(manifest.hashes))
+    if missing:
+        raise SpecPilotError(f"{path}: field 'hashes' has no entry for {missing[0]}; the build cannot be checked")
+    return manifest
+
+
+def _check_digest(path: Path) -> None:
+    """manifest.json against manifest.sha256, written beside it: an edited manifest (its hashes taken
+    out, say) is refused, so the manifest's checks cannot be switched off."""
+    sidecar = path.with_name(DIGEST)
+    if not sidecar.is_file():
+        raise SpecPilotError(f"{path}: no {DIGEST} beside it (a build from an older SpecPilot?); compile it again")
+    want = sidecar.read_text(errors="replace").strip()
+    if hashlib.sha256(path.read_bytes()).hexdigest() != want:
+        raise SpecPilotError(f"{path}: does not match {DIGEST} (edited or corrupt); compile it again")
 
 
 def write_manifest(build_dir: Path | str, manifest: Manifest) -> None:
-    atomic_write_text(Path(build_dir) / FILE, manifest.model_dump_json(indent=2))
+    path = Path(build_dir) / FILE
+    atomic_write_text(path, manifest.model_dump_json(indent=2))
+    atomic_write_text(path.with_name(DIGEST), hashlib.sha256(path.read_bytes()).hexdigest() + "\n")

@@ -218,6 +218,21 @@ def test_corrupt_build_is_refused(built, tmp_path):
     (copy / "manifest.json").write_text("{}")
     with pytest.raises(SpecPilotError, match="not a SpecPilot build manifest"):
         from_build(copy)
+    # the integrity checks cannot be switched off by editing the manifest
+    import hashlib
+    (copy / "manifest.json").write_text(json.dumps({**manifest, "hashes": {}}))
+    with pytest.raises(SpecPilotError, match="does not match manifest.sha256"):
+        from_build(copy)
+    (copy / "manifest.sha256").write_text(hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest())
+    with pytest.raises(SpecPilotError, match="no entry for model.so"):
+        from_build(copy)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.sha256").write_text(hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest())
+    shutil.copyfile(out / "params" / "params.safetensors", params)
+    lib = copy / "model.so"
+    lib.write_bytes(lib.read_bytes()[:4096])      # truncated: refused before it is loaded, never SIGBUS
+    with pytest.raises(SpecPilotError, match="model.so: content hash differs"):
+        from_build(copy)
 
 
 def test_unknown_pass_is_refused_before_building(tmp_path):
