@@ -8,6 +8,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from specpilot.core.files import atomic_write_text
 
 FLOP_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.9
@@ -17,11 +18,15 @@ BANDWIDTH_EFFICIENCY = 0.9
 def _cpu_peaks_cached(cache_file: str) -> tuple[float, float]:
     path = Path(cache_file)
     if path.is_file():
-        data = json.loads(path.read_text())
-        return data["flops"], data["bandwidth"]
+        try:
+            data = json.loads(path.read_text())
+            flops, bandwidth = float(data["flops"]), float(data["bandwidth"])
+            if flops > 0 and bandwidth > 0:
+                return flops, bandwidth
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            pass                 # a broken cache (a crashed writer, an edit): measure again
     flops, bandwidth = measure_cpu_peaks()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"flops": flops, "bandwidth": bandwidth}))
+    atomic_write_text(path, json.dumps({"flops": flops, "bandwidth": bandwidth}))
     return flops, bandwidth
 
 

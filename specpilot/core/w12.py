@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,9 @@ def encode_cached(weight: torch.Tensor, cache: Path | None = None) -> W12Pack:
             print(f"warning: {path}: cached W12 pack is for other weights; rebuilding it", file=sys.stderr)
         except CheckpointError as e:
             print(f"warning: {e}; rebuilding it", file=sys.stderr)
+    elif path.exists():         # not a file where a pack belongs (left by something else): make room
+        print(f"warning: {path}: not a cached W12 pack; replacing it", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
     pack = encode(weight)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -30,3 +31,25 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(TypeError):
         atomic_write_bytes(path, Boom())
     assert path.read_text() == "good" and os.listdir(tmp_path) == ["profile.json"]
+
+
+def test_caches_a_crashed_writer_left_are_rebuilt_not_fatal(tmp_path, monkeypatch, capsys):
+    """A W12 pack cache entry that is a folder, and a CPU-peaks file cut short: both rebuilt."""
+    import torch
+
+    from specpilot.core import costs
+    from specpilot.core.w12 import encode, encode_cached
+    weight = torch.randn(6, 40).to(torch.bfloat16)
+    cache = tmp_path / "cache"
+    first = encode_cached(weight, cache)
+    (entry,) = (cache / "w12").glob("*.safetensors")
+    entry.unlink()
+    entry.mkdir()                                   # what a half-finished writer could leave
+    again = encode_cached(weight, cache)
+    assert torch.equal(again.hi, first.hi) and torch.equal(again.hi, encode(weight).hi) and entry.is_file()
+    assert "not a cached W12 pack" in capsys.readouterr().err
+    peaks = tmp_path / "cpu-peaks.json"
+    peaks.write_text('{"flops": 1e1')
+    monkeypatch.setattr(costs, "measure_cpu_peaks", lambda: (3.0, 5.0))
+    assert costs._cpu_peaks_cached(str(peaks)) == (3.0, 5.0)
+    assert json.loads(peaks.read_text()) == {"flops": 3.0, "bandwidth": 5.0}
