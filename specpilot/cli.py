@@ -431,6 +431,8 @@ def w12_stats(spec_or_checkpoint, as_json):
                        f"escapes {100 * t['escape_rate']:.3f}% exact {t['bit_exact']}")
         click.echo(f"total: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate {100 * result['escape_rate']:.4f}%, "
                    f"bit-exact round trip: {result['bit_exact']}")
+        if not all(t["bf16_exact_cast"] for t in result["tensors"]):
+            click.echo("note: some weights are not bf16 values (W12 packs bf16; casting them loses bits)")
     sys.exit(0 if result["bit_exact"] else 1)
 
 

@@ -218,7 +218,9 @@ def stats(weights: dict[str, torch.Tensor], check_round_trip: bool = True) -> di
             continue
         bf, exact_cast = to_bf16(w)
         pack = encode(bf)
-        ok = bool(torch.equal(decode(pack).view(torch.int16), bf.view(torch.int16))) if check_round_trip else None
+        # exact means the model's own weights come back: bf16 round trip, and nothing lost casting to bf16
+        ok = bool(torch.equal(decode(pack).view(torch.int16), bf.view(torch.int16))) and exact_cast \
+            if check_round_trip else None
         all_exact &= bool(ok) if check_round_trip else True
         rows.append({"name": name, "shape": list(w.shape), "bytes_ratio": pack.nbytes / (2 * pack.numel),
                      "escape_rate": pack.escape_rate, "bit_exact": ok, "source_dtype": str(w.dtype).split(".")[-1],

@@ -110,6 +110,15 @@ def test_stats_cli_json(run_cli):
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "model.norm.weight" not in names
 
 
+def test_stats_of_weights_that_are_not_bf16_values_are_not_bit_exact(run_cli, tmp_path):
+    import yaml
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml").read_text())
+    data["target"]["init"] = {"seed": 7}                 # float32 draws, not rounded to bf16
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    code, out, _ = run_cli("w12", "stats", tmp_path / "m.yaml")
+    assert code == 1 and "bit-exact round trip: False" in out and "not bf16 values" in out   # 1: not exact
+
+
 def test_packs_are_converted_once_and_cached_by_content(tmp_path, capsys):
     w = (torch.randn(33, 70, generator=torch.Generator().manual_seed(8)) * 0.1).to(torch.bfloat16)
     first = w12.encode_cached(w, cache=tmp_path)
