@@ -635,7 +635,10 @@ def search(spec, target_text, rounds, output, proposer, llm_model, workers, back
         click.echo(json.dumps(result))
     else:
         click.echo((output / "report.md").read_text())
-    sys.exit(0 if result["sealed"].get("passed") else 1)
+    nothing = result["sealed"].get("adopted") is False     # a result (stock stays), not a failure
+    if nothing:
+        say("nothing was adopted: stock stays the best system here")
+    sys.exit(0 if result["sealed"].get("passed") or nothing else 1)
 
 
 _memory_option = click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None,

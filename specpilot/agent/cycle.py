@@ -257,7 +257,8 @@ class Search:
             return done
         from specpilot.runtime.forcing import force_requests, tolerance_rule
         if not pipeline:
-            return self.log.add("sealed", pipeline=pipeline, passed=False, reason="no change over stock was adopted")
+            return self.log.add("sealed", pipeline=pipeline, passed=False, adopted=False,
+                                reason="no change over stock was adopted")
         from dataclasses import asdict
 
         from specpilot.runtime.decoding import Generation
