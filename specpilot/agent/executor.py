@@ -77,7 +77,7 @@ class LocalExecutor:
         result_file.unlink(missing_ok=True)
         start = time.perf_counter()
         log = open(work / "worker.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "specpilot.agent.executor", str(job_file)],
+        proc = subprocess.Popen([sys.executable, "-m", "specpilot.agent.executor", str(job_file), str(os.getpid())],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=self.timeout)
@@ -149,8 +149,23 @@ def run_job_safely(job: dict) -> dict:
                 "ir_hash": None, "error": f"{type(e).__name__}: {e}"}
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: this worker gets SIGKILL when the search that started it dies, even by kill -9 -- an
+    orphan would go on writing into a folder the resumed search is rebuilding."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_DEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:        # the parent died before the signal was armed
+        os._exit(1)
+
+
 def main() -> None:
     job_file = Path(sys.argv[1])
+    if len(sys.argv) > 2:
+        die_with_parent(int(sys.argv[2]))
     job = json.loads(job_file.read_text())
     result = run_job_safely(job)
     (job_file.parent / "result.json").write_text(json.dumps(result))

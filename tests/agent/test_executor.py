@@ -43,3 +43,38 @@ def test_bf16_candidates_are_forced_with_the_derived_tolerance(tmp_path):
     assert 0 < good["forcing"]["tie_tolerance"] < 0.5
     bad = run_job({**job, "pipeline": "logit-bias-fault{after=9}", "build_dir": str(tmp_path / "fault")})
     assert not bad["ok"] and "token forcing failed at request 0" in bad["error"]
+
+
+def test_a_worker_dies_with_the_search_that_started_it(tmp_path):
+    """kill -9 of the process running the executor takes its worker with it (no orphan goes on
+    building into a folder a resumed search rebuilds)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    code = ("import json, os, sys; from pathlib import Path; from specpilot.agent.executor import LocalExecutor\n"
+            "os.environ['SPECPILOT_WORKER_TEST'] = '1'\n"
+            f"job = {{'pipeline': 'x', 'build_dir': {str(tmp_path / 'b')!r}, 'simulate': 'hang'}}\n"
+            "LocalExecutor(1, timeout=600)._one(job)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**__import__("os").environ})
+    deadline = time.time() + 60
+    worker = None
+    while worker is None and time.time() < deadline:
+        out = subprocess.run(["pgrep", "-f", f"specpilot.agent.executor {tmp_path}/b.job/job.json"],
+                             capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()]
+        worker = pids[0] if pids else None
+        time.sleep(0.2)
+    assert worker is not None, "the worker did not start"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            state = open(f"/proc/{worker}/stat").read().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):      # dead, waiting to be reaped
+            return
+        time.sleep(0.1)
+    pytest.fail("the worker outlived the search that started it")
