@@ -602,6 +602,8 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("search"), show_default=True)
 @click.option("--proposer", type=click.Choice(["builtin", "llm"]), default="builtin", show_default=True)
 @click.option("--llm-model", default=None, help="model name at OPENAI_BASE_URL (proposer llm)")
+@click.option("--llm-timeout", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
+              help="seconds the LLM endpoint gets per request (then the phase goes on without it)")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True)
 @click.option("--backend", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--memory", "memory_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
@@ -618,7 +620,7 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
               help="candidates built with their weights (file) or redrawn from the spec's seeds at load (seeded); "
                    "auto: seeded for seeded random models on GPUs")
 @click.option("--json", "as_json", is_flag=True)
-def search(spec, target_text, rounds, output, proposer, llm_model, workers, backend, memory_path, dev_requests,
+def search(spec, target_text, rounds, output, proposer, llm_model, llm_timeout, workers, backend, memory_path, dev_requests,
            dev_tokens, time_tokens, sealed_tokens, repeats, inject_fault, params, as_json):
     """The optimization loop: cost model, proposals, parallel builds, paired adjudication, sealed validation."""
     from specpilot.agent.cycle import Search
@@ -626,7 +628,7 @@ def search(spec, target_text, rounds, output, proposer, llm_model, workers, back
     chosen = None
     if proposer == "llm":
         from specpilot.agent.llm import LLMProposer
-        chosen = LLMProposer(model=llm_model)
+        chosen = LLMProposer(model=llm_model, timeout=llm_timeout, retries=1)
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     result = Search(spec, target_text, output, rounds, workers, chosen, memory_path, dev_requests, dev_tokens,
                     sealed_tokens=sealed_tokens, repeats=repeats, inject_fault=inject_fault, backend=backend,

@@ -115,7 +115,7 @@ class Search:
             round_start = current
             cost = self._cost_model(rnd, current)
             cands = self._proposals(rnd, "exploration", lambda: [
-                c for c in self.proposer.propose(*cost(current)) if c.direction != "kernel"])   # kernels: phase 3
+                c for c in self._propose(cost, current) if c.direction != "kernel"])   # kernels: phase 3
             say(f"round {rnd}: phase 1 ({len(cands)} candidate(s) with >= 3% estimated gain)")
             for c in cands:
                 say(f"    {c.pipeline}: est {c.estimated_gain:+.0%} ({c.rationale})")
@@ -130,7 +130,7 @@ class Search:
                     history += [{"round": rnd, "phase": "integration", "pipeline": p} for p in won]
             say(f"round {rnd}: phase 3 (kernel tuning)")
             kernel = self._proposals(rnd, "kernel tuning", lambda: [
-                c for c in self.proposer.propose(*cost(current)) if c.direction == "kernel"])
+                c for c in self._propose(cost, current) if c.direction == "kernel"])
             current, won = self._explore(current, kernel, f"round {rnd}")
             history += [{"round": rnd, "phase": "kernel tuning", "pipeline": p} for p in won]
             self.log.add("round_done", round=rnd, current=current, history=history)
@@ -165,6 +165,22 @@ class Search:
             tried = {e["pipeline"] for e in self.log.events if e["event"] == "built"}
             return report, parse(current), self.context, self.lab.system(current).draft_len, refs, tried
         return cost
+
+    def _propose(self, cost, current: str) -> list[Candidate]:
+        """The proposer's candidates; a proposer that fails (a dead or garbling LLM endpoint) costs
+        this phase its candidates, not the search; what it proposed and was refused is said and logged."""
+        try:
+            cands = self.proposer.propose(*cost(current))
+        except SpecPilotError as e:
+            self.say(f"    proposer failed: {e}; going on without its candidates")
+            self.log.add("proposer_failed", error=str(e))
+            return []
+        rejected = list(getattr(self.proposer, "rejected", []))
+        for reason in rejected:
+            self.say(f"    rejected: {reason}")
+        if rejected:
+            self.log.add("rejected", reasons=rejected)
+        return cands
 
     def _proposals(self, rnd: int, phase: str, propose) -> list[Candidate]:
         """A phase's candidates: from the run log when an interrupted run already proposed them

@@ -38,7 +38,7 @@ class _Proposal(BaseModel):
 
 class _Answer(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    candidates: list[_Proposal] = Field(max_length=16)
+    candidates: list[dict] = Field(max_length=16)     # each checked on its own: one bad one drops only itself
 
 
 SYSTEM = ("You are the proposer of SpecPilot, a compiler for lossless speculative decoding. Given a cost report, "
@@ -90,6 +90,8 @@ class LLMProposer:
                                      f"{str(e.message)[:200]}") from None
             except openai.APITimeoutError:
                 raise SpecPilotError(f"LLM endpoint {self.base_url} timed out after {self.timeout:.0f} s") from None
+            except (openai.APIError, ValueError) as e:     # a 200 whose body is not JSON / a chat completion
+                raise SpecPilotError(f"LLM endpoint {self.base_url} answered garbage: {str(e)[:200]}") from None
             text = (reply.choices[0].message.content or "") if reply.choices else ""
             try:
                 return _Answer.model_validate(json.loads(text))
@@ -111,7 +113,12 @@ class LLMProposer:
                              "already_tried": sorted(tried)})
         answer = self._ask(prompt)
         out, self.rejected = [], []
-        for p in answer.candidates:
+        for raw in answer.candidates:
+            try:
+                p = _Proposal.model_validate(raw)
+            except ValidationError as e:
+                self.rejected.append(f"{str(raw)[:120]}: {e.errors()[0]['msg']}")
+                continue
             try:
                 pipeline = parse(p.pipeline)
             except SpecPilotError as e:

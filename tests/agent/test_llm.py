@@ -100,3 +100,53 @@ def test_garbage_and_dead_endpoints_are_clear_errors():
         _proposer("http://127.0.0.1:9/v1", retries=0).propose(REPORT, parse(""), PassContext(), 5, [], set())
     with pytest.raises(SpecPilotError, match="OPENAI_BASE_URL"):
         LLMProposer(model="m", base_url="")
+
+
+def test_one_out_of_range_candidate_drops_only_itself():
+    answer = {"candidates": [{"pipeline": "draft-length{length=3}", "estimated_gain": 1e9},
+                             {"pipeline": "draft-length{length=2}", "estimated_gain": 0.2}]}
+    server = _Server([(200, json.dumps(answer))])
+    try:
+        p = _proposer(server.url)
+        cands = p.propose(REPORT, parse(""), PassContext(), 5, [], set())
+    finally:
+        server.close()
+    assert [c.pipeline for c in cands] == ["draft-length{length=2}"]
+    assert len(p.rejected) == 1 and "less than or equal" in p.rejected[0]
+
+
+def test_a_200_whose_body_is_not_json_is_a_clear_error():
+    server = _Server([(200, "x")])
+    handler = server.httpd.RequestHandlerClass
+
+    def do_post(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b"<html>proxy error</html>")
+    handler.do_POST = do_post
+    try:
+        with pytest.raises(SpecPilotError, match="LLM endpoint"):
+            _proposer(server.url, retries=0).propose(REPORT, parse(""), PassContext(), 5, [], set())
+    finally:
+        server.close()
+
+
+def test_a_failing_proposer_costs_the_phase_not_the_search():
+    from types import SimpleNamespace
+
+    from specpilot.agent.cycle import Search
+
+    class Dead:
+        rejected = []
+
+        def propose(self, *args):
+            raise SpecPilotError("LLM endpoint http://x unreachable: refused")
+
+    events, said = [], []
+    search = SimpleNamespace(proposer=Dead(), say=said.append,
+                             log=SimpleNamespace(add=lambda kind, **kw: events.append((kind, kw))))
+    assert Search._propose(search, lambda current: (), "") == []
+    assert events == [("proposer_failed", {"error": "LLM endpoint http://x unreachable: refused"})]
+    assert "going on without its candidates" in said[0]
