@@ -123,9 +123,15 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: st
         raise CheckpointError(f"{source}: unexpected tensors {', '.join(unexpected[:3])}{more}; "
                               "is the config from another model?")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+        tensor = weights[name]
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
                                   f"config implies {shape}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{source}: tensor {name} is {str(tensor.dtype).split('.')[-1]}, not floating point "
+                                  "(a quantized checkpoint? only float weights are read)")
+        if not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{source}: tensor {name} holds NaN or infinite values")
     return weights
 
 

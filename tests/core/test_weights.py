@@ -133,3 +133,18 @@ def test_a_seeded_model_too_large_for_the_machine_is_refused_before_allocating()
                           "num_hidden_layers": 64, "num_attention_heads": 128}, architecture="LlamaForCausalLM")
     with pytest.raises(SpecPilotError, match=r"needs ~\d+\.\d GiB; this machine has"):
         random_weights(cfg, 0)
+
+
+@pytest.mark.parametrize("bad,message", [("nan", "NaN or infinite"), ("int", "not floating point")])
+def test_nan_or_integer_weights_are_refused(tmp_path, bad, message):
+    cfg = tiny_config("Qwen3ForCausalLM")
+    weights = random_weights(cfg, 0)
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name] = weights[name].clone()
+    if bad == "nan":
+        weights[name][3, 4] = float("nan")
+    else:
+        weights[name] = weights[name].to(torch.int8)
+    save_checkpoint(tmp_path, cfg, weights)
+    with pytest.raises(CheckpointError, match=f"{name}.*{message}"):
+        load_checkpoint(tmp_path)
