@@ -72,17 +72,21 @@ class LatticeReplayer:
 
     name = "lattice-replay"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, vocab_size: int | None = None):
         path = Path(path)
         try:
             lines = path.read_text().splitlines()
             header = json.loads(lines[0])
             records = [json.loads(line) for line in lines[1:] if line.strip()]
-        except (OSError, IndexError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, IndexError, json.JSONDecodeError) as e:
             raise SpecPilotError(f"{path}: not a lattice recording ({e})") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
             raise SpecPilotError(f"{path}: not a {FORMAT} v{VERSION} file")
+        bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise SpecPilotError(f"{path}: step {bad} is not a record")
         self.path, self.prompt, self.records, self.next = path, header.get("prompt"), records, 0
+        self.vocab_size = vocab_size
 
     def propose(self, context: list[int], n: int) -> Lattice:
         if self.next >= len(self.records):
@@ -100,5 +104,8 @@ class LatticeReplayer:
             tokens, logprobs = Lattice.empty().tokens, Lattice.empty().logprobs
         if tokens.shape != logprobs.shape or tokens.ndim != 2:
             raise SpecPilotError(f"{self.path}: step {self.next}: tokens and logprobs shapes differ")
+        limit = self.vocab_size if self.vocab_size is not None else 2 ** 31
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= limit):
+            raise SpecPilotError(f"{self.path}: step {self.next}: a token id outside the vocabulary (0..{limit - 1})")
         self.next += 1
         return Lattice(tokens[:n], logprobs[:n])

@@ -205,7 +205,7 @@ class System:
         if e.drafter is None:
             return autoregressive(model, prompt, max_new, self.capacity, force, logits_hook, stop_ids, on_token=on_token)
         own = e.drafter(sampling)   # per generation: a compiled drafter holds a KV-cache row only while it runs
-        drafter = LatticeReplayer(replay_lattices) if replay_lattices else own
+        drafter = LatticeReplayer(replay_lattices, self.vocab_size) if replay_lattices else own
         if record_lattices:
             drafter = LatticeRecorder(drafter, record_lattices, prompt)
         try:

@@ -92,3 +92,20 @@ def test_corrupt_lattice_file_is_a_clear_error(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(SpecPilotError, match="not a lattice recording"):
         LatticeReplayer(bad)
+
+
+@pytest.mark.parametrize("ids", [[[-1]], [[301]], [[7, 2 ** 40]]])
+def test_recorded_ids_outside_the_vocabulary_are_refused(tmp_path, ids):
+    import json
+
+    from specpilot.core.errors import SpecPilotError
+    from specpilot.runtime.lattice import FORMAT, VERSION
+    path = tmp_path / "l.jsonl"
+    path.write_text(json.dumps({"format": FORMAT, "version": VERSION, "drafter": "x", "prompt": PROMPT}) + "\n"
+                    + json.dumps({"step": 0, "context_len": len(PROMPT), "tokens": ids,
+                                  "logprobs": [[0.0] * len(ids[0])]}) + "\n")
+    with pytest.raises(SpecPilotError, match="outside the vocabulary"):
+        LatticeReplayer(path, vocab_size=301).propose(PROMPT, 4)
+    path.write_text(path.read_text().splitlines()[0] + "\n[1, 2]\n")
+    with pytest.raises(SpecPilotError, match="step 0 is not a record"):
+        LatticeReplayer(path)
