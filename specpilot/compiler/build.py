@@ -220,9 +220,16 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
 
 
 def system_hash(spec: Spec, target: TargetSpec, passes: str, params: str = "file") -> str:
-    """ir_hash of stock lowered for this spec and target with ``passes`` applied: what a build
-    of that pipeline (with the same ``params``) records as its ``ir_hash``."""
-    return ir_hash(lower_and_apply(spec, target, passes, params=params).mod)
+    """`system_identity` of stock lowered for this spec and target with ``passes`` applied: what a
+    build of that pipeline (with the same ``params``) records as its ``ir_hash``."""
+    return system_identity(lower_and_apply(spec, target, passes, params=params))
+
+
+def system_identity(lowered: "Lowered") -> str:
+    """The IRModule's structural hash together with the passes' runtime-visible effects (`pass_effects`):
+    two tree budgets lower to the same IR but are different systems."""
+    effects = json.dumps(pass_effects(lowered), sort_keys=True, default=str)
+    return hashlib.sha256(f"{ir_hash(lowered.mod)}|{effects}".encode()).hexdigest()[:16]
 
 
 def drafter_init(d):
@@ -374,7 +381,7 @@ def build(request: BuildRequest, progress=None) -> Manifest:
 
     lowered = lower_and_apply(spec, request.target, request.passes or spec.passes, request.params, say,
                               instrument, after_pass=instrument)
-    system_ir_hash = ir_hash(lowered.mod)
+    system_ir_hash = system_identity(lowered)
     effects = pass_effects(lowered)
     schedule, cuda_graph = _schedule(request, effects)
     executable, compiled_mod = _compile(lowered, request, schedule, cuda_graph, say, instrument)

@@ -207,3 +207,10 @@ def test_an_unreadable_row_is_skipped_and_reported(tmp_path, hashes, run_cli):
     assert code == 0 and [r["id"] for r in json.loads(out)] == [kept.id] and "bad1" in err
     code, _, err = run_cli("memory", "show", "bad1", "--memory", path)
     assert code == 2 and "unreadable" in err
+
+
+def test_the_reproduce_check_tells_tree_budgets_apart():
+    """Two tree budgets lower to the same IR; their systems (and memory entries) differ all the same."""
+    spec, target = load_spec(SPEC), parse_target("llvm")
+    eight, sixteen = (system_hash(spec, target, f"tree-verify{{budget={n}}}") for n in (8, 16))
+    assert eight != sixteen == system_hash(spec, target, "tree-verify{budget=16}")
