@@ -252,7 +252,8 @@ class Search:
             deps.append(base_entry.id)
         v = m["verdict"]
         entry = Entry(pipeline=c.pipeline, dependencies=deps, applicability=self.scope, source_hash=res["ir_hash"],
-                      spec=self.spec.model_dump(mode="json"), spec_path=str(self.spec_path.resolve()), target=self.target.text(),
+                      spec=self.spec.model_dump(mode="json"), spec_path=str(self.spec_path.resolve()),
+                      target=self.target.text(),
                       constraints={"token_forcing": "exact" if self.spec.deployment.dtype == "float32" else "tie-tolerant",
                                    "forced_tokens": self.dev_tokens, "requests": len(self.dev), "params": self.params},
                       results={"gain": v["gain"], "lcb": v["lcb"], "ucb": v["ucb"], "noise": v["noise"],
