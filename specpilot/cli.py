@@ -584,9 +584,13 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
     from specpilot.agent.cost_model import explain as run_explain, plot, render
     from specpilot.runtime.systems import from_build
 
-    system = from_build(build_dir)
-    prompts = [p for p, _ in _read_requests(requests, system, max_new_tokens)]
-    report = run_explain(build_dir, prompts, max_new_tokens, engine, system=system)
+    from rich.console import Console
+
+    with Console(stderr=True, quiet=as_json).status("loading the build") as status:
+        system = from_build(build_dir)
+        prompts = [p for p, _ in _read_requests(requests, system, max_new_tokens)]
+        report = run_explain(build_dir, prompts, max_new_tokens, engine, system=system,
+                             progress=lambda message: status.update(message))
     if plot_path:
         plot(report, plot_path)
     if as_json:

@@ -84,8 +84,10 @@ def tree_acceptance(system, prompts: list[list[int]], references: list[list[int]
 
 
 def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str | None = None,
-            budgets=BUDGETS, context: int | None = None, system=None) -> dict:
-    """``system``: the build already loaded (`runtime.systems.from_build`), to avoid loading it again."""
+            budgets=BUDGETS, context: int | None = None, system=None, progress=None) -> dict:
+    """``system``: the build already loaded (`runtime.systems.from_build`), to avoid loading it again.
+    ``progress(message)`` hears each stage (timing, profiling, the replayed trees)."""
+    say = progress or (lambda message: None)
     from specpilot.agent.kernel_costs import KernelTable
     from specpilot.core.costs import device_peaks
     from specpilot.runtime.profile import profiling
@@ -101,16 +103,19 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     table = KernelTable(build_dir)
     peaks = device_peaks(m.target)
     module = system.engines["compiled"].model.module
+    say("warm-up")
     system.generate(engine, prompts[0], min(8, max_new))          # warm-up
     runs, wall = [], 0.0
-    for p in prompts:
+    for i, p in enumerate(prompts):
+        say(f"timing request {i + 1}/{len(prompts)}")
         start = time.perf_counter()
         runs.append(system.generate(engine, p, max_new))
         wall += time.perf_counter() - start
     steps = sum(len(g.accepted) - 1 for g in runs)                 # verifications (the first entry is prefill)
     tokens = sum(len(g.tokens) for g in runs)
     with profiling(module, set(table.kernels)) as prof:
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            say(f"profiling kernels, request {i + 1}/{len(prompts)}")
             system.generate(engine, p, max_new)
     ctx = context or int(sum(len(p) for p in prompts) / len(prompts) + max_new / 2)
     kernels: dict[str, dict] = {}
@@ -130,6 +135,7 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     bound_seconds = sum(k["bound_seconds"] for k in rows)
     current = sum(sum(g.accepted[1:]) for g in runs) / steps if steps else 1.0
     if has_drafter:
+        say("replaying best-first trees on the drafter's expansions")
         trees, lattices = tree_acceptance(system, prompts, [g.tokens for g in runs], budgets)
     else:
         trees, lattices = {}, []
@@ -152,24 +158,37 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     }
 
 
-def plot(report: dict, path: Path) -> None:
-    """Roofline chart (each kernel at its arithmetic intensity and achieved FLOP/s) and the factors."""
+def plot(report: dict, path: Path, label: int = 5) -> None:
+    """Kernels against the device: those that compute at their arithmetic intensity and achieved FLOP/s
+    under the roofline, those that only move bytes (copies, gathers) at their achieved bandwidth against
+    the copy peak -- the ``label`` slowest of each named -- and the gap factors."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     peak_f, peak_b = report["device"]["flops"], report["device"]["bandwidth"]
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    timed = [k for k in report["kernels"] if k["bytes"] and k["seconds"]]
+    computing, moving = [k for k in timed if k["flops"] > 0], [k for k in timed if k["flops"] <= 0]
+    fig, (ax, bw, bars) = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [2, 1.2, 1]})
     xs = [10 ** (i / 10) for i in range(-30, 41)]
     ax.loglog(xs, [min(peak_f, x * peak_b) for x in xs], "k-", label="roofline")
     ax.loglog(xs, [min(0.6 * peak_f, x * 0.9 * peak_b) for x in xs], "k--", lw=0.8, label="bound (60% / 90%)")
-    for k in report["kernels"][:30]:
-        if k["bytes"] and k["seconds"]:
-            ax.scatter(max(k["flops"], 1.0) / k["bytes"], max(k["flops"], 1.0) / k["seconds"], s=12)
+    for i, k in enumerate(computing[:30]):
+        x, y = k["flops"] / k["bytes"], k["flops"] / k["seconds"]
+        ax.scatter(x, y, s=14)
+        if i < label:
+            ax.annotate(k["name"][:28], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("FLOP / byte")
     ax.set_ylabel("achieved FLOP/s")
     ax.set_title(f"kernels of {report['pipeline'] or 'stock'} ({report['device']['name']})")
     ax.legend(loc="lower right")
+    shown = moving[:max(label, 8)]
+    bw.barh([k["name"][:24] for k in shown][::-1], [k["bytes"] / k["seconds"] / peak_b for k in shown][::-1],
+            color="tab:blue")
+    bw.axvline(1.0, color="k", lw=0.8)
+    bw.set_xlabel("achieved bandwidth / copy peak")
+    bw.set_title("kernels that only move bytes" if shown else "no bytes-only kernels")
+    bw.tick_params(axis="y", labelsize=7)
     names = list(report["factors"])
     bars.bar(names, [report["factors"][n] for n in names],
              color=["tab:red" if n == report["bottleneck"] else "tab:gray" for n in names])
