@@ -32,6 +32,9 @@ def _default_engine(spec_or_build: str, engine: str | None) -> str:
     return "compiled-spec" if Path(spec_or_build).is_dir() else "stock-spec"
 
 
+OUTPUT = {"quiet": False}     # -q: progress displays off in every command
+
+
 def sampling_options(command):
     """--temperature / --top-p / --top-k / --seed, handed to the command as ``sampling`` (None: greedy)."""
     options = [
@@ -107,8 +110,13 @@ def _read_requests(path: Path | None, system, max_new: int) -> list[tuple[list[i
 
 @click.group()
 @click.version_option(package_name="specpilot")
-def cli():
+@click.option("-v", "--verbose", is_flag=True, help="tracebacks for unexpected faults (as SPECPILOT_DEBUG=1)")
+@click.option("-q", "--quiet", is_flag=True, help="no progress displays; results and errors only")
+def cli(verbose, quiet):
     """SpecPilot: lossless speculative decoding, lowered to TVM and searched by agents."""
+    OUTPUT["quiet"] = quiet
+    if verbose:
+        os.environ["SPECPILOT_DEBUG"] = "1"
 
 
 @cli.command()
@@ -218,7 +226,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
         hf = []       # transformers' sampling draws other tokens; its rows are greedy-only
     console = Console(stderr=True)
     kind = system.setup.kind if system.setup else ""
-    with Progress(console=console, transient=True, disable=as_json) as progress:
+    with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
         task = progress.add_task("bench", total=len(ids) * (len(own) + len(hf)))
         run = Bench(system, ids, max_new_tokens, warmup, lambda m, advance=0: progress.update(
             task, description=m, advance=advance), kind, tie_tolerance, sampling).run(own, hf, breakdown_requests)
@@ -330,7 +338,7 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
         # TVM embeds device code only when its CUDA runtime loads: re-run with a stub driver
         env = cuda_stub_env()
         os.execve(sys.executable, [sys.executable, "-m", "specpilot.cli", *sys.argv[1:]], env)
-    console = Console(stderr=True, quiet=as_json)
+    console = Console(stderr=True, quiet=as_json or OUTPUT["quiet"])
     with console.status("compiling") as status:
         request = BuildRequest(loaded_spec, target, output, passes or "", params_mode, schedule, print_ir_after, dump_ir)
         manifest = build(request, progress=lambda message: status.update(message))
@@ -586,7 +594,7 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
 
     from rich.console import Console
 
-    with Console(stderr=True, quiet=as_json).status("loading the build") as status:
+    with Console(stderr=True, quiet=as_json or OUTPUT["quiet"]).status("loading the build") as status:
         system = from_build(build_dir)
         prompts = [p for p, _ in _read_requests(requests, system, max_new_tokens)]
         report = run_explain(build_dir, prompts, max_new_tokens, engine, system=system,
@@ -633,7 +641,7 @@ def search(spec, target_text, rounds, output, proposer, llm_model, llm_timeout, 
     if proposer == "llm":
         from specpilot.agent.llm import LLMProposer
         chosen = LLMProposer(model=llm_model, timeout=llm_timeout, retries=1)
-    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    say = (lambda m: None) if OUTPUT["quiet"] else (lambda m: click.echo(m, err=True)) if as_json else click.echo
     result = Search(spec, target_text, output, rounds, workers, chosen, memory_path, dev_requests, dev_tokens,
                     sealed_tokens=sealed_tokens, repeats=repeats, inject_fault=inject_fault, backend=backend,
                     say=say, time_tokens=time_tokens, params=None if params == "auto" else params).run()

@@ -112,3 +112,18 @@ def test_an_unexpected_fault_is_one_line_and_exit_2(run_cli, monkeypatch):
     monkeypatch.setenv("SPECPILOT_DEBUG", "1")
     with pytest.raises(ValueError):
         run_cli("generate", "examples/tiny-llama.yaml", "--prompt-ids", "1,2")
+
+
+def test_verbose_and_quiet_are_global(run_cli, monkeypatch):
+    import specpilot.cli as cli_module
+
+    def broken(_):
+        raise ValueError("boom")
+    monkeypatch.setattr(cli_module, "_load_system", broken)
+    monkeypatch.delenv("SPECPILOT_DEBUG", raising=False)
+    with pytest.raises(ValueError):
+        run_cli("--verbose", "generate", "examples/tiny-llama.yaml", "--prompt-ids", "1,2")
+    monkeypatch.delenv("SPECPILOT_DEBUG", raising=False)
+    code, _, err = run_cli("-q", "generate", "examples/tiny-llama.yaml", "--prompt-ids", "1,2")
+    assert code == 2 and err.startswith("error: ValueError: boom") and cli_module.OUTPUT["quiet"]
+    run_cli("--help")
