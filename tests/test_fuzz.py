@@ -216,3 +216,41 @@ def test_compile_killed_at_random_points_leaves_the_previous_build(tiny_build):
     subprocess.run([sys.executable, "-m", "specpilot.cli", "compile", str(tiny_build / "model.yaml"), "-o", str(out)],
                    cwd=ROOT, check=True, capture_output=True)
     assert not [p for p in tiny_build.iterdir() if p.name.startswith(".b.")]
+
+
+@pytest.mark.slow
+def test_memory_import_killed_at_random_points_keeps_a_readable_memory(tmp_path):
+    """SIGKILL during `memory import`: the memory still opens, holds a subset of the export's
+    entries, each whole; the import run again completes it."""
+    from specpilot.agent.reproduce import reproduce_hash
+    from specpilot.compiler.build import system_hash
+    from specpilot.core.target import parse_target
+    from specpilot.memory.store import Applicability, Entry, Memory
+    spec_path = ROOT / "examples" / "tiny-llama.yaml"
+    spec = load_spec(spec_path)
+    scope = Applicability(family="LlamaForCausalLM", hybrid=False, target_kind="llvm", dtype="float32",
+                          drafter_kind="model")
+    source = Memory(tmp_path / "source.sqlite")
+    for n in (2, 3, 4):
+        pipeline = f"draft-length{{length={n}}}"
+        source.add(Entry(pipeline=pipeline, source_hash=system_hash(spec, parse_target("llvm"), pipeline),
+                         applicability=scope, target="llvm", spec=spec.model_dump(mode="json"),
+                         spec_path=str(spec_path), results={"speedup": 1.1, "lcb": 0.01}), reproduce_hash)
+    export = tmp_path / "export.json"
+    export.write_text(json.dumps(source.export()))
+    want = {e.id for e in source.entries()}
+    target = tmp_path / "m.sqlite"
+    for delay in (2.0, 4.0, 6.0):
+        proc = subprocess.Popen([sys.executable, "-m", "specpilot.cli", "memory", "import", str(export), "--memory",
+                                 str(target)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if target.exists():
+            with Memory(target, create=False) as mem:
+                got = mem.entries()
+                assert {e.id for e in got} <= want and not mem.unreadable
+    subprocess.run([sys.executable, "-m", "specpilot.cli", "memory", "import", str(export), "--memory", str(target)],
+                   cwd=ROOT, check=True, capture_output=True)
+    with Memory(target, create=False) as mem:
+        assert {e.id for e in mem.entries()} == want
