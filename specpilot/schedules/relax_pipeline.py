@@ -23,7 +23,8 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   (one static row) run `schedules.decode_gemv`'s GEMV instead, with the RMSNorm before them as
   its prologue and SwiGLU over a fused gate / up projection in its stores.
 - ``cpu-nt`` (CPU): the same transposed-weight fusion before TVM's default CPU pipeline, so
-  no step transposes a weight matrix at run time.
+  no step transposes a weight matrix at run time, and every projection vectorised over K for any
+  number of rows (`schedules.cpu_matmul`: each weight row read once per call).
 
 Builds take the set from ``--schedule``, else from the ``kernel-schedule`` pass, else the
 target's default.
@@ -117,12 +118,28 @@ def gpu_schedules() -> tvm.transform.Pass:
     return dl.ApplyDefaultSchedule(*(_declining(r) for r in rules), dl.gpu.Fallback())
 
 
+def _cpu_nt(target: tvm.target.Target) -> tvm.transform.Pass:
+    """x @ W^T as one kernel reading W in its stored layout (no per-call weight transpose), vectorised
+    over K for any number of rows (`schedules.cpu_matmul`), then TVM's CPU lowering."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    from specpilot.schedules.cpu_matmul import cpu_matmuls
+
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.cpu_nt_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        with target:
+            seq = tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), *cpu.library_dispatch_passes(target),
+                                            *cpu.legalize_passes(target), cpu_matmuls(),
+                                            *cpu.dataflow_lower_passes(target), *cpu.finalize_passes(target)])
+            return seq(mod)
+    return _pipeline
+
+
 def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     if schedule == "cpu-nt" and target.kind.name != "cuda":
-        # x @ W^T as one kernel reading W in its stored layout: no per-call weight transpose
-        return tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), relax.get_default_pipeline(target)])
+        return _cpu_nt(target)
     if schedule not in ("nt-gemv", "skinny-mma") or target.kind.name != "cuda":
         return relax.get_default_pipeline(target)
     from tvm.relax.backend.cuda import pipeline as cuda
