@@ -254,3 +254,28 @@ def test_memory_import_killed_at_random_points_keeps_a_readable_memory(tmp_path)
                    cwd=ROOT, check=True, capture_output=True)
     with Memory(target, create=False) as mem:
         assert {e.id for e in mem.entries()} == want
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SCALE == 1, reason="minutes of search: run by `make fuzz` (SPECPILOT_FUZZ=20)")
+def test_search_killed_then_resumed_finishes(tmp_path):
+    """SIGKILL of a running `specpilot search` (its workers die with it), then the same command again:
+    it resumes from its log and finishes with a report and a readable memory."""
+    from specpilot.memory.store import Memory
+    out, memory = tmp_path / "search", tmp_path / "memory.sqlite"
+    cmd = [sys.executable, "-m", "specpilot.cli", "-q", "search", str(ROOT / "examples" / "tiny-llama.yaml"),
+           "--target", "llvm", "--rounds", "1", "-o", str(out), "--dev-requests", "2", "--dev-tokens", "8",
+           "--time-tokens", "8", "--sealed-tokens", "32", "--repeats", "1", "--memory", str(memory)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (out / "run.jsonl").is_file() and not (out / "report.json").exists()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["sealed"] and "result" in report
+    if memory.exists():
+        with Memory(memory, create=False) as mem:
+            mem.entries()
+            assert not mem.unreadable
