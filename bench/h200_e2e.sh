@@ -17,18 +17,22 @@ setup() {
   export PYTHONPATH=/tmp/rt/site:/tmp/site:$PWD TVM_USE_RUNTIME_LIB=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     SPECPILOT_CACHE=/tmp/spcache SPECPILOT_WEIGHTS=$E/SmolLM2-135M-Instruct.Q4_1.gguf
 }
+# the GGUF assembled from its parts and checked, the runtime and wheels installed, the builds unpacked to $E/builds
+prepare() {
+  G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f $G ] || cat $E/smolpart.* > $G
+  echo "$(cat $E/sha256)  $G" | sha256sum -c
+  setup
+  b=$E/builds; mkdir -p $b
+  for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+}
 case "${1:-}" in
   stage)
     shift; mkdir -p $E; for d in "$@"; do cp -r "$d"/. $E/; done; ls -la $E ;;
   smol)
     shift
-    G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
-    [ -f $G ] || cat $E/smolpart.* > $G
-    echo "$(cat $E/sha256)  $G" | sha256sum -c
-    setup
+    prepare
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    b=$E/builds; mkdir -p $b
-    for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
     # a process per run: two loads of a CUDA-graph build in one process crashed (illegal address)
     for build in ${@:-ngram l4 l12 l12-two-level}; do
       engines=compiled,compiled-spec,compiled-tree
@@ -45,12 +49,7 @@ case "${1:-}" in
       2>&1 | tail -3
     ;;
   serve)
-    G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
-    [ -f $G ] || cat $E/smolpart.* > $G
-    echo "$(cat $E/sha256)  $G" | sha256sum -c
-    setup
-    b=$E/builds; mkdir -p $b
-    for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+    prepare
     build=$b/${2:-ngram}
     # sampled: the build's noise kernel on the GPU draws stock PyTorch's tokens for the same seed
     timeout ${VERIFY_S:-120} python3 -m specpilot.cli verify $build --engine compiled-tree --temperature 0.8 \

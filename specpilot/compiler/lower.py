@@ -44,6 +44,7 @@ from tvm.relax.frontend.nn.core import wrap_nested
 from specpilot import kernels
 from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, l2norm_te, rms_norm_te, rotary_te
 from specpilot.core.config import ModelConfig, cache_shapes
+from specpilot.core.sampling import KEY_WORDS
 
 
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -549,7 +550,7 @@ def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens,
 def _sampling_spec(cfg: ModelConfig) -> dict:
     return {
         "logits": nn.spec.Tensor(["rows", cfg.vocab_size], "float32"),
-        "keys": nn.spec.Tensor(["rows", kernels.KEY_WORDS], "int32"),
+        "keys": nn.spec.Tensor(["rows", KEY_WORDS], "int32"),
         "controls": nn.spec.Tensor(["rows", 2], "float32"),
         "$": {"param_mode": "none", "effect_mode": "none"},
     }

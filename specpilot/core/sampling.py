@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+WORD = 0xFFFFFFFF                   # the hash works on 32-bit words
 MIX = (0x7FEB352D, 0x846CA68B)      # lowbias32's multipliers (shifts 16, 15, 16)
 GOLDEN = 0x9E3779B9                 # added to each word before it is mixed in
 MASKED = -3.0e38                    # the score of a token top-k / top-p leave out (finite: margins stay numbers)
@@ -43,27 +44,27 @@ class SamplingParams(BaseModel):
 
     def key_words(self, position: int) -> tuple[int, int, int]:
         """The three int32 words keying the noise of ``position`` (two's-complement views of uint32)."""
-        lo, hi = self.seed & 0xFFFFFFFF, self.seed >> 32
-        return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (lo, hi, position & 0xFFFFFFFF))
+        lo, hi = self.seed & WORD, self.seed >> 32
+        return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in (lo, hi, position & WORD))
 
 
 def mix32(x: int) -> int:
     """lowbias32 on a Python int (the definition both implementations are tested against)."""
-    x &= 0xFFFFFFFF
+    x &= WORD
     x ^= x >> 16
-    x = (x * MIX[0]) & 0xFFFFFFFF
+    x = (x * MIX[0]) & WORD
     x ^= x >> 15
-    x = (x * MIX[1]) & 0xFFFFFFFF
+    x = (x * MIX[1]) & WORD
     x ^= x >> 16
     return x
 
 
 def noise_hash(seed: int, position: int, token: int) -> int:
     """The 32-bit hash behind g(seed, position, token)."""
-    h = mix32((seed & 0xFFFFFFFF) + GOLDEN)
+    h = mix32((seed & WORD) + GOLDEN)
     h = mix32(h ^ ((seed >> 32) + GOLDEN))
-    h = mix32(h ^ ((position & 0xFFFFFFFF) + GOLDEN))
-    return mix32(h ^ ((token + GOLDEN) & 0xFFFFFFFF))
+    h = mix32(h ^ ((position & WORD) + GOLDEN))
+    return mix32(h ^ ((token + GOLDEN) & WORD))
 
 
 def uniform(h: int) -> float:

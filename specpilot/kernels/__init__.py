@@ -21,10 +21,10 @@ from specpilot.kernels.base import memo
 from specpilot.kernels.gdn import (conv_window_states, gated_delta_rule, gdn_commit, gdn_conv_verify, record_width,
                                    select_token)
 from specpilot.kernels.kv_cache import compact_kv, kv_write
-from specpilot.kernels.sampling import KEY_WORDS, sample_scores
+from specpilot.kernels.sampling import sample_scores
 from specpilot.kernels.w12_gemm import w12_gemm
 
-__all__ = ["ATTN_CHUNK", "ATTN_FLOOR", "DECODE_MERGE_MAX", "KEY_WORDS", "ROWS_KEYS", "ROWS_SPLIT", "ROWS_SPLITS", "ROWS_WARPS",
+__all__ = ["ATTN_CHUNK", "ATTN_FLOOR", "DECODE_MERGE_MAX", "ROWS_KEYS", "ROWS_SPLIT", "ROWS_SPLITS", "ROWS_WARPS",
            "attention_combine", "attention_decode", "attention_rows_partial", "compact_kv", "conv_window_states",
            "gated_delta_rule", "gdn_commit", "gdn_conv_verify", "key_splits", "kv_write", "memo", "record_width",
            "rows_kernel_fits", "sample_scores", "select_token", "w12_gemm"]

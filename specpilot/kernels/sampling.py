@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from specpilot.core.sampling import GOLDEN, KEY_WORDS, MASKED, MIX  # noqa: F401 (KEY_WORDS: the lowering's spec)
+from specpilot.core.sampling import GOLDEN, KEY_WORDS, MASKED, MIX, WORD
 from specpilot.kernels.base import memo
 
 THREADS = 256
-WORD = 0xFFFFFFFF
 
 
 @memo

@@ -20,9 +20,7 @@ import functools
 import numpy as np
 import torch
 
-from specpilot.core.sampling import GOLDEN, KEY_WORDS, MASKED, MIX, SamplingParams
-
-WORD = 0xFFFFFFFF
+from specpilot.core.sampling import GOLDEN, KEY_WORDS, MASKED, MIX, WORD, SamplingParams
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

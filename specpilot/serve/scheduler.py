@@ -34,7 +34,6 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)   # ("text", str, tokens) ... ("done", reason, info)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    tokens: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event) -> None:
@@ -138,7 +137,6 @@ class _TextStream:
         if self.job.cancelled.is_set():
             return False
         self.tokens.append(token)
-        self.job.tokens = self.tokens
         text = self.detokenize(self.tokens)
         cut = min((i for i in (text.find(s, max(0, len(self.sent_text) - len(s))) for s in self.job.stops)
                    if i >= 0), default=-1)
