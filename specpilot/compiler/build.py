@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import version
@@ -38,7 +37,8 @@ from specpilot.compiler.lower import lower_deployment
 from specpilot.core.weights import dedupe, file_digest, packed_parameters, params_digest
 from specpilot.passes.base import PassContext
 from specpilot.core.spec import Spec, replay_plan
-from specpilot.core.target import TargetSpec, compile_arch
+from specpilot.compiler.launch_check import launch_check
+from specpilot.core.target import STATIC_SHARED, TargetSpec, compile_arch
 from specpilot.core.errors import SpecError, SpecPilotError
 
 def _versions() -> dict:
@@ -173,12 +173,21 @@ class Lowered:
 
 
 def tvm_target(target: TargetSpec):
-    """TVM's Target for ``target`` (the dict form: TVM 0.27 no longer parses ``cuda -arch=sm_XX``)."""
+    """TVM's Target for ``target`` (the dict form: TVM 0.27 no longer parses ``cuda -arch=sm_XX``), with
+    the card's limits from the device table.  TVM's ``max_shared_memory_per_block`` bounds the static
+    shared memory dlight's rules allocate: 48 KiB on every arch (the opt-in dynamic budget is
+    SpecPilot's own kernels' business: `launch_check`)."""
     import tvm
 
     if target.kind == "llvm":
         return tvm.target.Target("llvm")
-    return tvm.target.Target({"kind": "cuda", "arch": compile_arch(target.arch)}, host={"kind": "llvm"})
+    cards = target.launch_devices()
+    return tvm.target.Target({"kind": "cuda", "arch": compile_arch(target.arch),
+                              "max_shared_memory_per_block": STATIC_SHARED,
+                              "max_threads_per_block": min(d.threads_per_block for d in cards),
+                              "registers_per_block": min(d.registers_per_sm for d in cards),
+                              "l2_cache_size_bytes": target.schedule_device().l2_bytes},
+                             host={"kind": "llvm"})
 
 
 def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, params: str = "file",
@@ -200,7 +209,9 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
     tgt, drf = load_models(spec, weights=params != "seeded")
-    context = PassContext(target_kind=target.kind, arch=target.arch, architecture=tgt.cfg.architecture,
+    device = target.schedule_device()
+    context = PassContext(target_kind=target.kind, arch=target.arch, device=device.name if device else None,
+                          architecture=tgt.cfg.architecture,
                           hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params != "seeded")
     require_legal(pipeline, context)   # before the long steps
     say("lowering to Relax")
@@ -265,7 +276,8 @@ def _schedule(request: BuildRequest, effects: dict) -> tuple[str, bool]:
 
 
 def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph: bool, say, instrument):
-    """Relax-to-TIR pipeline and `tvm.compile`; returns (executable, the module it compiled)."""
+    """Relax-to-TIR pipeline and `tvm.compile`; returns (executable, the module it compiled, the launch
+    check's summary: None on the CPU)."""
     import tvm
 
     from specpilot.kernels.fast_frames import quick_stack
@@ -277,12 +289,20 @@ def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph:
         raise SpecPilotError("a CUDA build needs TVM's CUDA runtime library to load (to embed sm_XX code); "
                              "run through `specpilot compile`, which provides a stub driver when none is installed")
     say(f"compiling for {target.text()}" + (" (CUDA graphs)" if cuda_graph else ""))
-    # builds without graphs compile exactly as before, under TVM's default pass context
-    graphs = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}) if cuda_graph else nullcontext()
-    with compile_target, graphs, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
-        mod = relax_pipeline(compile_target, schedule)(lowered.mod)
+    # every kernel checked against the cards' launch limits before code generation
+    check = launch_check(target.launch_devices()) if target.is_gpu else None
+    context = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if cuda_graph else None,
+                                        instruments=[check] if check else None)
+    with compile_target, context, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
+        mod = relax_pipeline(compile_target, schedule, target.schedule_device())(lowered.mod)
         instrument("relax-pipeline", mod)
-        return tvm.compile(mod, target=compile_target, relax_pipeline=None), mod
+        try:
+            executable = tvm.compile(mod, target=compile_target, relax_pipeline=None)
+        except Exception:  # TVM passes the instrument's error on as its own type
+            if check is not None and check.failure is not None:
+                raise check.failure from None
+            raise
+    return executable, mod, (check.summary() if check else None)
 
 
 def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: Path) -> dict:
@@ -334,7 +354,7 @@ def chat_template(directory: Path) -> str | None:
 
 
 def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_mod, schedule: str,
-              cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float) -> Manifest:
+              cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float, launch: dict | None) -> Manifest:
     spec, target, d = request.spec, request.target, request.spec.drafter
     serving = {"draft_len": d.draft_len, **effects.get("serving", {})}
     serving["draft_len"] = serving["draft_len"] or d.draft_len        # length 0: the spec's
@@ -356,7 +376,7 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         drafter={"kind": d.kind, "draft_len": d.draft_len, "top_k": d.top_k, "temperature": d.temperature,
                  "max_ngram": d.max_ngram, "min_ngram": d.min_ngram, "replay": replay_plan(spec)},
         functions=functions, params=list(lowered.context.params), versions=_versions(),
-        params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), **files)
+        params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), launch=launch, **files)
 
 
 def build(request: BuildRequest, progress=None) -> Manifest:
@@ -384,14 +404,14 @@ def build(request: BuildRequest, progress=None) -> Manifest:
     system_ir_hash = system_identity(lowered)
     effects = pass_effects(lowered)
     schedule, cuda_graph = _schedule(request, effects)
-    executable, compiled_mod = _compile(lowered, request, schedule, cuda_graph, say, instrument)
+    executable, compiled_mod, launch = _compile(lowered, request, schedule, cuda_graph, say, instrument)
     out_dir = Path(request.out_dir)
     staging = _staging_dir(out_dir)
     say("exporting")
     try:
         files = _export(executable, compiled_mod, lowered, request, staging)
         manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
-                             time.perf_counter() - started)
+                             time.perf_counter() - started, launch)
         write_manifest(staging, manifest)
         _swap_in(staging, out_dir)
     except BaseException:

@@ -93,6 +93,7 @@ class Manifest(_Strict):
     seeds: dict
     hashes: dict[str, str]
     build_seconds: float = 0.0
+    launch: dict | None = None         # CUDA: the launch-limit check's cards, kernel count, largest kernels
 
     @property
     def tree_budget(self) -> int:

@@ -108,15 +108,47 @@ def _dynamic_pad(static_bytes: int, dynamic_bytes: int) -> int:
     return 0
 
 
+def _r4(x: int) -> int:
+    """Floats rounded up to a multiple of 4 (16-byte offsets for every dynamic buffer)."""
+    return (x + 3) // 4 * 4
+
+
+def _substitution_sizes(nmax: int, dk: int, cb: int) -> tuple[int, int, int, int]:
+    """The substitution form's (static floats: 4 vectors and L / P; dynamic buffers in floats: k / q
+    rows grown by `_dynamic_pad`, S_0's columns, the deltas)."""
+    static = 4 * nmax + nmax * nmax
+    ks, s0s, ds = _r4(nmax * dk), _r4(dk * cb), _r4((nmax + 1) * cb)
+    return static, ks + _dynamic_pad(static * 4, (ks + s0s + ds) * 4), s0s, ds
+
+
+def _level_sizes(nmax: int, dk: int, lc: int) -> tuple[int, int, int, int]:
+    """The level form's (static floats: 5 vectors, L / P and the ancestor lists; its dynamic buffers)."""
+    static = 5 * nmax + 2 * nmax * nmax
+    ks, s0, ds = _r4(nmax * dk), _r4(dk * lc), _r4((nmax + 1) * lc)
+    return static, ks + _dynamic_pad(static * 4, (ks + s0 + ds) * 4), s0, ds
+
+
+def _columns_within(dv: int, most: int, sizes, shared: int | None) -> int:
+    """The value columns a block takes: `column_block`'s up to ``most``, fewer (halving the bound)
+    while the block's shared memory (``sizes(columns)``, floats) passes ``shared`` bytes -- a card
+    with 99 KiB a block (sm_89, sm_120) takes the 27B-class level form in 16-column blocks."""
+    while True:
+        cols = column_block(dv, most)
+        if shared is None or 4 * sum(sizes(cols)) <= shared or cols == 1:
+            return cols
+        most = cols // 2
+
+
 @memo
 def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tuple[int, int] | None = None,
                           nmax: int = NMAX_LIMIT, levels: bool = False, columns: int = LEVELS_COLUMNS,
-                          probe: bool = False):
+                          probe: bool = False, shared: int | None = None):
     """The chunked tree form; signature, attributes and records those of
     ``kernels.gated_delta_rule(n_heads, dk, dv, keep_states=True, gpu, tree=True, stack)``
     (``gdn.form`` = "chunked").  Parents must come before their children (the CPU form solves
     in token order); a malformed parents array cannot hang either form (every path walk stops
-    after n steps)."""
+    after n steps).  ``shared``: the card's shared memory a block, bytes (the GPU forms take fewer
+    value columns a block where theirs would not fit)."""
     G, gi = stack if stack else (1, 0)
     if stack and not 0 <= gi < G:
         raise ValueError(f"stack={stack}: needs 0 <= g < G")
@@ -126,7 +158,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         raise ValueError(f"nmax={nmax}: the level form holds at most {LEVELS_NMAX} tokens")
     inplace = gi > 0
     W = record_width(dk, dv)
-    CB = column_block(dv)
+    CB = _columns_within(dv, 64, lambda cb: _substitution_sizes(nmax, dk, cb), shared)
     CPT = (CB + 31) // 32          # columns a lane
     DL = (dk + 31) // 32           # d_k elements a lane (the warp-wide dot products)
     THREADS = 32 * WARPS
@@ -134,9 +166,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     VEC = 4 if dk % 4 == 0 else 1  # d_k elements a shared load of the S_0 products
     KP = dk                        # k / q rows in shared memory (16-byte aligned where VEC = 4)
     # dynamic buffers a multiple of 4 floats (16-byte offsets); the k / q rows' grows by `_dynamic_pad`
-    r4 = lambda x: (x + 3) // 4 * 4   # noqa: E731
-    KS, S0S, DS = r4(nmax * KP), r4(dk * CB), r4((nmax + 1) * CB)
-    KS += _dynamic_pad((4 * nmax + nmax * nmax) * 4, (KS + S0S + DS) * 4)   # static: 4 vectors, L / P
+    _, KS, S0S, DS = _substitution_sizes(nmax, KP, CB)
 
     def rat(n, b, t, h, w):
         return (((b * n + t) * G + gi) * n_heads + h) * W + w
@@ -396,7 +426,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # time (the nodes of one depth are independent given their ancestors'), ``columns`` value columns
     # a block.  Threads: column c = tid % LC of the block's LC, token group tid // LC (LG groups),
     # tokens tg + LG m (m < LK).
-    LC = column_block(dv, columns)
+    LC = _columns_within(dv, columns, lambda lc: _level_sizes(nmax, dk, lc), shared)
     LG = THREADS // LC
     LK = cdiv(nmax, LG)
     VK = 4 if dk % 4 == 0 else 1      # 16-byte copies of k / q rows where they are 16-byte aligned
@@ -404,8 +434,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # the n x n coefficients in static shared memory like the other form's (TVM's sync planner takes
     # every dynamic shared buffer for one: the rows read while coefficients are stored would need a
     # barrier inside a condition)
-    L_KS, L_S0, L_DS = r4(nmax * dk), r4(dk * LC), r4((nmax + 1) * LC)
-    L_KS += _dynamic_pad((5 * nmax + 2 * nmax * nmax) * 4, (L_KS + L_S0 + L_DS) * 4)   # static: 5 vectors, L / P, lists
+    _, L_KS, L_S0, L_DS = _level_sizes(nmax, dk, LC)
 
     def copy_async(dst, src, elems):
         """cp.async of ``elems`` float32 (1 or 4) from global ``src`` to shared ``dst``."""

@@ -63,6 +63,7 @@ class PassContext:
     """What legality and rewrites may look at: the deployment and the target, never timings."""
     target_kind: str = "llvm"                 # "llvm" | "cuda"
     arch: str | None = None
+    device: str | None = None                 # the card GPU kernels are sized for (`core.target.DEVICES`)
     architecture: str | None = None           # the target model's family
     hybrid: bool = False                      # has Gated DeltaNet layers
     dtype: str = "float32"

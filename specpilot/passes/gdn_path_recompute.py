@@ -27,6 +27,7 @@ from tvm import tirx
 from specpilot import kernels
 from specpilot.kernels import gdn_tree
 from specpilot.core.pipeline_text import TREE_BUDGET_DEFAULT
+from specpilot.core.target import DEVICES
 from specpilot.passes.base import Option, Pass, PassContext
 
 
@@ -63,9 +64,13 @@ class GdnPathRecompute(Pass):
         return True, ""
 
     def chunked(self, context: PassContext) -> dict | None:
-        """The chunked form's arguments (`gdn_tree.form_for` the budget's nodes + root), or None."""
+        """The chunked form's arguments (`gdn_tree.form_for` the budget's nodes + root, and the card's
+        shared memory a block), or None."""
         budget = int(context.statistics.get("tree-verify", {}).get("budget", TREE_BUDGET_DEFAULT))
-        return gdn_tree.form_for(budget + 1) if self["form"] == "chunked" else None
+        form = gdn_tree.form_for(budget + 1) if self["form"] == "chunked" else None
+        if form and context.device:
+            form["shared"] = DEVICES[context.device].shared_per_block
+        return form
 
     def manifest_entry(self, context: PassContext):
         form = self.chunked(context)

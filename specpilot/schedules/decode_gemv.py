@@ -40,10 +40,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from specpilot.core.target import DEVICES, TUNED, Device
+
 THREADS = 256          # a block: 8 warps
 PIECE = 8              # bf16 elements per 16-byte load
 UNROLL = 4             # 16-byte pieces a lane has in flight per row chunk (and as many being multiplied)
-RESIDENT_BLOCKS = 4 * 132   # H200: 132 SMs x 4 blocks of 256 threads at ~64 registers a thread
+REGISTERS = 64         # a thread's registers, about (ptxas, sm_90)
 DECODE_ATTR = "specpilot.decode_gemv"   # on the kernels: JSON of `decode_gemv`'s arguments but ``paired``
 
 
@@ -52,10 +54,17 @@ def applicable(n_out: int, k_in: int) -> bool:
     return k_in % PIECE == 0 and k_in * 2 <= 40 * 1024 and n_out >= 1
 
 
-def rows_per_warp(n_out: int) -> int:
+def resident_blocks(gpu: Device = TUNED) -> int:
+    """Blocks ``gpu`` holds at once: per SM as many as its registers and threads allow (H200: 132 SMs x
+    4 blocks of 256 threads at ~64 registers a thread)."""
+    per_sm = min(gpu.registers_per_sm // (THREADS * REGISTERS), gpu.threads_per_sm // THREADS)
+    return gpu.sms * max(per_sm, 1)
+
+
+def rows_per_warp(n_out: int, gpu: Device = TUNED) -> int:
     """Weight rows per warp: the fewest that keep the grid within one wave of resident blocks."""
     warps = THREADS // 32
-    return max(1, -(-n_out // (warps * RESIDENT_BLOCKS)))
+    return max(1, -(-n_out // (warps * resident_blocks(gpu))))
 
 
 def _unroll(pieces: int) -> int:
@@ -64,21 +73,24 @@ def _unroll(pieces: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def decode_gemv(n_out: int, k_in: int, norm: str | None = None, dtype: str = "bfloat16", paired: bool = False):
+def decode_gemv(n_out: int, k_in: int, norm: str | None = None, dtype: str = "bfloat16", paired: bool = False,
+                gpu: Device = TUNED):
     """The kernel: (x[1, K], W[N, K]) -> float32 y[1, N], or with ``norm`` (`lower.NORM_ATTR`'s JSON)
     (x[1, K], g[K], W[N, K]) -> y = RMSNorm(x; g) . W^T with `lower`'s RMSNorm arithmetic.
     ``paired`` (N even, H = N / 2): a warp takes rows c and c + H one after the other and stores
     y[0, c], then y[0, c + H] -- the same y, in the form `epilogue.fuse_pair` turns into one store
-    of a SwiGLU-like consumer of both.  Carries ``DECODE_ATTR`` (how to make it again, paired)."""
+    of a SwiGLU-like consumer of both.  The grid is sized for ``gpu``.  Carries ``DECODE_ATTR`` (how
+    to make it again, paired)."""
     from specpilot.kernels.fast_frames import quick_stack
     if paired and n_out % 2:
         raise ValueError(f"decode GEMV: a paired form needs an even N, not {n_out}")
     with quick_stack():
-        kernel = _decode_gemv(n_out, k_in, json.loads(norm) if norm else None, dtype, paired)
-    return kernel.with_attr(DECODE_ATTR, json.dumps({"n_out": n_out, "k_in": k_in, "norm": norm, "dtype": dtype}))
+        kernel = _decode_gemv(n_out, k_in, json.loads(norm) if norm else None, dtype, paired, gpu)
+    return kernel.with_attr(DECODE_ATTR, json.dumps({"n_out": n_out, "k_in": k_in, "norm": norm, "dtype": dtype,
+                                                     "gpu": gpu.name}))
 
 
-def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: bool):
+def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: bool, gpu: Device):
     from tvm.script import tirx as T
 
     from specpilot.kernels.norms import rms_scaled
@@ -89,7 +101,7 @@ def _decode_gemv(n_out: int, k_in: int, norm: dict | None, dtype: str, paired: b
     warps = THREADS // 32
     H = N // 2 if paired else N              # units a warp takes: rows, or pairs of rows (c, c + H)
     per = 2 if paired else 1                 # weight rows a unit
-    upw = rows_per_warp(H)                   # units per warp
+    upw = rows_per_warp(H, gpu)              # units per warp
     rpw = per * upw                          # weight rows per warp
     units_block = warps * upw
     blocks = -(-H // units_block)
@@ -220,8 +232,9 @@ def decode_shape(func) -> tuple[int, int] | None:
     return (n, k) if m == 1 and applicable(n, k) else None
 
 
-def substitute(mod):
-    """Every call_tir of a one-row bf16 NT matmul (`decode_shape`) pointed at `decode_gemv`; where
+def substitute(mod, gpu: Device = TUNED):
+    """Every call_tir of a one-row bf16 NT matmul (`decode_shape`) pointed at `decode_gemv` (sized for
+    ``gpu``); where
     its x is the output of an RMSNorm call (`lower.NORM_ATTR`) whose every use is such a matmul, at the
     prologue form reading the norm's input and weight (the norm's call then dead).  Kernels are
     opaque to FuseOps and carry `epilogue.ATTR`.  Returns (module, number substituted)."""
@@ -262,7 +275,7 @@ def substitute(mod):
 
         def kernel(self, shape, norm):
             if (shape, norm) not in self.kernels:
-                k = decode_gemv(*shape, norm).with_attr("op_pattern", 8)        # kOpaque
+                k = decode_gemv(*shape, norm, gpu=gpu).with_attr("op_pattern", 8)        # kOpaque
                 k = k.with_attr(EPILOGUE_OUTPUT, 3 if norm else 2)
                 name = f"decode_gemv{'_norm' if norm else ''}_{shape[0]}_{shape[1]}"
                 self.kernels[(shape, norm)] = self.builder_.add_func(k, name)
@@ -291,5 +304,5 @@ def fuse_pairs(mod):
     expression, stored once: the activation's kernel and the float32 [1, N] between them gone.
     Returns (module, number fused)."""
     from specpilot.schedules.epilogue import fuse_paired_users
-    return fuse_paired_users(mod, DECODE_ATTR, lambda spec: decode_gemv(spec["n_out"], spec["k_in"], spec["norm"],
-                                                                        spec["dtype"], paired=True))
+    return fuse_paired_users(mod, DECODE_ATTR, lambda spec: decode_gemv(
+        spec["n_out"], spec["k_in"], spec["norm"], spec["dtype"], paired=True, gpu=DEVICES[spec["gpu"]]))

@@ -27,7 +27,9 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   number of rows (`schedules.cpu_matmul`: each weight row read once per call).
 
 Builds take the set from ``--schedule``, else from the ``kernel-schedule`` pass, else the
-target's default.
+target's default.  Grids, tiles and shared-memory rings are sized from the device table's card
+(`core.target.Device`: SMs, shared memory per block and per SM, threads per SM); the kernel
+forms follow its tensor cores (wgmma only where the card has it and the code is for sm_90a).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import tvm
 from tvm import relax
 
 from specpilot.core.schedule_sets import SCHEDULES
+from specpilot.core.target import TUNED, Device
 
 def _decode_only(rule):
     """``rule``, for kernels whose only symbolic extent is the decode batch."""
@@ -62,12 +65,15 @@ _DecodeOnly = _decode_only
 
 
 def _declining(rule):
-    """``rule``, declining (None, the next rule's turn) where its analysis asserts instead: dlight's
-    GEMV and Reduction rules assert on a reduction reading one buffer through a Select of regions
-    (`lower.attention_heads_te`, q / k / v slices of one projection), which GeneralReduction
-    schedules as one kernel."""
+    """``rule``, declining (None, the next rule's turn) where its analysis asserts or a schedule
+    primitive refuses instead: dlight's GEMV and Reduction rules assert on a reduction reading one
+    buffer through a Select of regions (`lower.attention_heads_te`, q / k / v slices of one
+    projection), and its GEMV rule's compute-at fails on that block when the q + k + v heads are
+    odd in number (Qwen3, 3 query heads over 1 KV head); GeneralReduction schedules it as one
+    kernel.  A rule schedules a copy of the function, so a refusal leaves nothing behind."""
     from tvm import tirx
     from tvm.s_tir import dlight as dl
+    from tvm.s_tir.schedule import ScheduleError
 
     class Declining(dl.ScheduleRule):
         def apply(self, func, target, tunable):
@@ -75,27 +81,28 @@ def _declining(rule):
                 return None
             try:
                 return rule.apply(func, target, tunable)
-            except AssertionError:
+            except (AssertionError, ScheduleError):
                 return None
 
     return Declining()
 
 
-def _skinny_mma(target: tvm.target.Target) -> tvm.transform.Pass:
-    wgmma = str(target.attrs.get("arch", "")) == "sm_90a"     # Hopper's warpgroup MMA
+def _skinny_mma(target: tvm.target.Target, gpu: Device) -> tvm.transform.Pass:
+    # Hopper's warpgroup MMA where the code is for sm_90a and the schedules for a card that has it
+    wgmma = str(target.attrs.get("arch", "")) == "sm_90a" and gpu.kernel_forms == "wgmma"
 
     @tvm.transform.module_pass(opt_level=0, name="specpilot.skinny_mma")
     def _substitute(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         from specpilot.schedules.skinny_mma import substitute
-        return substitute(mod, wgmma=wgmma)[0]
+        return substitute(mod, wgmma=wgmma, gpu=gpu)[0]
     return _substitute
 
 
-def _decode_gemv() -> tvm.transform.Pass:
+def _decode_gemv(gpu: Device) -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="specpilot.decode_gemv")
     def _substitute(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         from specpilot.schedules.decode_gemv import substitute
-        return substitute(mod)[0]
+        return substitute(mod, gpu)[0]
     return _substitute
 
 
@@ -135,7 +142,8 @@ def _cpu_nt(target: tvm.target.Target) -> tvm.transform.Pass:
     return _pipeline
 
 
-def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
+def pipeline(target: tvm.target.Target, schedule: str, gpu: Device = TUNED) -> tvm.transform.Pass:
+    """The pipeline of ``schedule`` for ``target``, its kernels sized for the card ``gpu``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     if schedule == "cpu-nt" and target.kind.name != "cuda":
@@ -147,7 +155,7 @@ def pipeline(target: tvm.target.Target, schedule: str) -> tvm.transform.Pass:
     legalize = [
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
-        *([_decode_gemv(), _skinny_mma(target)] if schedule == "skinny-mma" else []),
+        *([_decode_gemv(gpu), _skinny_mma(target, gpu)] if schedule == "skinny-mma" else []),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),

@@ -1,10 +1,16 @@
 """Which skinny-GEMM configuration runs a shape (`skinny_kernels`): tile layouts, pipeline depth and
 K splits per range of rows, chosen to fill the GPU's block slots (one wave of blocks, a nearly
-empty last wave split over K, 128-channel blocks where they fill the GPU)."""
+empty last wave split over K, 128-channel blocks where they fill the GPU).  The card's SM count,
+shared memory per block and per SM and threads per SM come from the device table (``gpu``: the
+target's `core.target.Device`); the candidate tables were measured on the H200 (`TUNED`), and on a
+card with less shared memory per block the candidates whose ring does not fit give way to the
+next ones (sm_89 / sm_120, 99 KiB: 72-row blocks of 32 channels, 96 KiB, not 64, 138 KiB)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from specpilot.core.target import TUNED, Device
 
 
 @dataclass(frozen=True)
@@ -27,9 +33,11 @@ class Config:
     def block_m(self) -> int:
         return 8 * self.m_tiles
 
-    def fits(self, n_out: int, k_in: int, k_step: int = 32) -> bool:
+    def fits(self, n_out: int, k_in: int, k_step: int = 32, gpu: Device = TUNED) -> bool:
         """Whether the configuration tiles N and K (each of the wk warps taking whole k steps) and,
-        pipelined, its ring of chunks fits in a block's shared memory."""
+        pipelined, its ring of chunks fits in a block's shared memory on ``gpu`` (wgmma: on sm_90a)."""
+        if self.threads() > gpu.threads_per_block:
+            return False
         if self.wgmma:
             # one to three 64-channel tiles per warpgroup (the last block of a ragged N clamps its
             # weight rows and stores only real channels), x rows as wgmma's N (a multiple of 8,
@@ -38,13 +46,13 @@ class Config:
                     and (self.tail == 1 or (self.tail > 1 and self.splits == 1 and k_in % (self.tail * WGMMA_K) == 0))
                     and self.block_m() * self.a_tiles <= 4 * 256   # <= 128 accumulators a thread
                     and self.block_m() <= 256 and k_in % (self.splits * WGMMA_K) == 0
-                    and self.shared_bytes(k_in) <= MAX_SHARED)
+                    and self.shared_bytes(k_in) <= gpu.shared_per_block)
         if n_out % self.block_n() or k_in % (self.splits * k_step * self.wk) or (self.splits > 1 and not self.stages):
             return False
         # pipelined: at least two chunks per block (the regime the H200 runs checked; one chunk takes
         # the register kernel) and a ring that fits in a block's shared memory
         return not self.stages or (k_in // self.splits >= 2 * self.chunk(k_in)
-                                   and self.shared_bytes(k_in) <= MAX_SHARED)
+                                   and self.shared_bytes(k_in) <= gpu.shared_per_block)
 
     def chunk(self, k_in: int) -> int:
         """Pipelined: k per chunk (each of the wk warps takes ``unroll_for`` steps of 32); wgmma:
@@ -72,7 +80,6 @@ class Config:
         return self.wn * self.a_tiles * self.m_tiles * 4 * 32
 
 
-MAX_SHARED = 227 * 1024     # opt-in shared memory per block on sm_90 (the runtime raises the limit)
 WGMMA_K = 64                # wgmma kernel: k per chunk, 64 bf16 = one 128-byte swizzled row
 SWIZZLE_ALIGN = 1024        # the 128-byte swizzle repeats every 8 rows: tiles start 1024-byte aligned
 
@@ -88,13 +95,14 @@ REGISTER = (
     (32, (Config(4, 2, 2, 2, 2), Config(4, 1, 2, 2, 2), Config(4, 1, 1, 2, 2), Config(4, 1, 1, 1, 2))),
     (None, (Config(9, 2, 2, 2, 2), Config(9, 1, 2, 2, 2), Config(9, 1, 1, 2, 2), Config(9, 1, 1, 1, 2))),
 )
-SMS = 132    # H200 SMs: a 32-row tile of 128 channels paid from N = 14336 (112 blocks), not at 5120 (40)
 
 
-def configs(n_out: int, wgmma: bool = False) -> tuple:
+def configs(n_out: int, wgmma: bool = False, gpu: Device = TUNED) -> tuple:
     """The (largest M, candidates) ranges for an N-channel GEMM; ``wgmma`` (sm_90a): the
-    warpgroup kernel's candidates first (any N a multiple of 8: a ragged last block of channels)."""
-    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * SMS else ()
+    warpgroup kernel's candidates first (any N a multiple of 8: a ragged last block of channels).
+    A 32-row tile of 128 channels pays from 64 channel blocks an SM (H200: N = 14336, 112 blocks),
+    not at 5120 (40)."""
+    wide = (Config(4, 2, 4, 1, 2, stages=4),) if n_out >= 64 * gpu.sms else ()
     mma = (
         (8, (Config(2, 1, 4, 1, 4, stages=4),) + REGISTER[0][1]),
         (16, (Config(2, 1, 1, 8, 1, stages=4),) + REGISTER[0][1]),
@@ -112,7 +120,7 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
     # leave a nearly empty last wave (17408 channels at 65 rows: 272 blocks for 264 slots, 69 us vs
     # 59).  At 9-16 rows with few channel blocks mma's in-block K split leads (17408 -> 5120: 46.7 vs
     # 48.1 us) and stays.
-    few = n_out // 64 < SMS
+    few = n_out // 64 < gpu.sms
 
     def wg(mt, wn, stages, overlap=1):
         return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=overlap)
@@ -120,7 +128,7 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
               16: () if few else (wg(2, 1, 6), wg(2, 1, 4)),
               32: (wg(4, 1, 6), wg(4, 1, 4)),
               72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
-    wide = (WIDE,) if wide_fills(n_out) else ()
+    wide = (WIDE,) if wide_fills(n_out, gpu) else ()
     # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
     # 256 rows of x a block, unsplit (27B gate/up and down at 128-1024 rows: 1.3-1.9x the 72-row
     # dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us; cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
@@ -143,17 +151,17 @@ def configs(n_out: int, wgmma: bool = False) -> tuple:
 WIDE = Config(9, 8, 1, 1, stages=8, wgmma=True, overlap=1)
 
 
-def wide_fills(n_out: int) -> bool:
+def wide_fills(n_out: int, gpu: Device = TUNED) -> bool:
     """Whether `WIDE`'s blocks of an N-channel GEMM (one an SM) fill one wave to >= 80 % of the
     SMs or make >= 8 waves (a last partial wave then costs little)."""
     blocks = -(-n_out // WIDE.block_n())
-    return 0.8 * SMS <= blocks <= SMS or blocks >= 8 * SMS
+    return 0.8 * gpu.sms <= blocks <= gpu.sms or blocks >= 8 * gpu.sms
 
 
 WIDE_SPLIT_K = 16384   # k from which `wide_split` takes WIDE with K split in two
 
 
-def wide_split(n_out: int, k_in: int) -> Config | None:
+def wide_split(n_out: int, k_in: int, gpu: Device = TUNED) -> Config | None:
     """33-72 rows, few channel blocks (fewer 64-channel blocks than SMs: K split over blocks anyway)
     and a long K (the down projection 17408 -> 5120): `WIDE` with K split over two blocks (so its
     blocks, doubled, fit one wave) -- x paid once per 128 channels and two float32 partials a
@@ -164,32 +172,31 @@ def wide_split(n_out: int, k_in: int) -> Config | None:
     forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml (its 17408 -> 512 down projection takes it)
     passes.  None elsewhere."""
     cfg = replace(WIDE, splits=2)
-    if k_in < WIDE_SPLIT_K or n_out // 64 >= SMS or not cfg.fits(n_out, k_in):
+    if k_in < WIDE_SPLIT_K or n_out // 64 >= gpu.sms or not cfg.fits(n_out, k_in, gpu=gpu):
         return None
     return cfg
 
 
-SM_SHARED = 228 * 1024      # shared memory per SM on sm_90 (each block also reserves 1 KB)
+def block_slots(cfg: Config, k_in: int, gpu: Device = TUNED) -> int:
+    """The blocks of ``cfg`` the GPU runs at once: SMs x blocks per SM (by shared memory -- each
+    block also reserves 1 KiB -- and threads)."""
+    per_sm = min(gpu.shared_per_sm // (cfg.shared_bytes(k_in) + 1024), gpu.threads_per_sm // cfg.threads())
+    return gpu.sms * max(per_sm, 1)
 
 
-def block_slots(cfg: Config, k_in: int) -> int:
-    """The blocks of ``cfg`` the GPU runs at once: SMs x blocks per SM (by shared memory and threads)."""
-    return SMS * max(min(SM_SHARED // (cfg.shared_bytes(k_in) + 1024), 2048 // cfg.threads()), 1)
-
-
-def wave_efficiency(cfg: Config, n_out: int, k_in: int) -> float:
+def wave_efficiency(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> float:
     """How well one row block of ``cfg``'s blocks fills the GPU's block slots (`block_slots`): 1
     when they fit in one wave, else waves / whole waves (a last wave with few blocks runs nearly
     alone)."""
-    waves = -(-n_out // cfg.block_n()) * cfg.splits / block_slots(cfg, k_in)
+    waves = -(-n_out // cfg.block_n()) * cfg.splits / block_slots(cfg, k_in, gpu)
     return 1.0 if waves <= 1 else waves / -(-waves // 1)
 
 
-def tail_blocks(cfg: Config, n_out: int, k_in: int) -> tuple[int, int]:
+def tail_blocks(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> tuple[int, int]:
     """(whole-K channel blocks, channel blocks past the last whole wave of `block_slots`) of one
     row block; (all, 0) within one wave.  The paired form has as many blocks (N / 2 pairs, block_n / 2
     a block)."""
-    blocks, slots = -(-n_out // cfg.block_n()), block_slots(cfg, k_in)
+    blocks, slots = -(-n_out // cfg.block_n()), block_slots(cfg, k_in, gpu)
     rest = blocks % slots if blocks > slots else 0
     return blocks - rest, rest
 
@@ -197,7 +204,7 @@ def tail_blocks(cfg: Config, n_out: int, k_in: int) -> tuple[int, int]:
 TAIL_MOST = 0.25    # split the last wave's K where it holds at most this share of the block slots
 
 
-def with_tail(cfg: Config, n_out: int, k_in: int) -> Config:
+def with_tail(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
     """An unsplit 72-row warpgroup configuration whose last wave of channel blocks is nearly empty
     (at most ``TAIL_MOST`` of the block slots) with those blocks' K split over the most pieces (<= 8,
     whole 64-k chunks) that keep one block an SM: 5120 -> 34816 (the 27B gate / up, 544 blocks of 64
@@ -209,10 +216,10 @@ def with_tail(cfg: Config, n_out: int, k_in: int) -> Config:
     paired form, passes."""
     if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
         return cfg
-    _, rest = tail_blocks(cfg, n_out, k_in)
-    if not rest or rest > TAIL_MOST * block_slots(cfg, k_in):
+    _, rest = tail_blocks(cfg, n_out, k_in, gpu)
+    if not rest or rest > TAIL_MOST * block_slots(cfg, k_in, gpu):
         return cfg
-    pieces = [t for t in (8, 4, 2) if rest * t <= SMS and replace(cfg, tail=t).fits(n_out, k_in)]
+    pieces = [t for t in (8, 4, 2) if rest * t <= gpu.sms and replace(cfg, tail=t).fits(n_out, k_in, gpu=gpu)]
     return replace(cfg, tail=pieces[0]) if pieces else cfg
 
 
@@ -231,7 +238,7 @@ def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
 SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks stopped paying
 
 
-def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
+def with_splits(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
     """A pipelined configuration whose channel blocks alone leave SMs idle (fewer blocks than SMs,
     at one block of rows) with K split over the most blocks (<= 8) that keep >= ``SPLIT_K_MIN`` k
     each.  H200 (docs/bench-log.md): N = 5120 at 65 rows, K = 17408 111 -> 76 us (8 splits), K =
@@ -241,37 +248,37 @@ def with_splits(cfg: Config, n_out: int, k_in: int) -> Config:
     launch costs more than the split saves (3.17 -> 3.32 ms at batch 4, 3.32 -> 3.59 at 8), while
     tree verification gains (3495 -> 3319 us); the wgmma kernel's split pays at every row count
     (see `pick`)."""
-    if not cfg.stages or n_out // cfg.block_n() >= SMS:
+    if not cfg.stages or n_out // cfg.block_n() >= gpu.sms:
         return cfg
-    splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in)]
+    splits = [s for s in range(2, 9) if k_in // s >= SPLIT_K_MIN and replace(cfg, splits=s).fits(n_out, k_in, gpu=gpu)]
     return replace(cfg, splits=max(splits)) if splits else cfg
 
 
-def pick(n_out: int, k_in: int, wgmma: bool = False) -> list[tuple[int | None, Config]] | None:
+def pick(n_out: int, k_in: int, wgmma: bool = False, gpu: Device = TUNED) -> list[tuple[int | None, Config]] | None:
     """One configuration per M range for this shape, or None when no configuration tiles it.  K
     is split over blocks beyond 16 rows, and by the wgmma kernel at any row count (its split
     measured faster at 1-8 rows too: 17408 -> 5120 47 vs 76 us unsplit)."""
     out = []
-    for limit, candidates in configs(n_out, wgmma):
-        fitting = [with_splits(c, n_out, k_in) if (c.wgmma and c.block_m() <= 72 and c.a_tiles == 4) or
+    for limit, candidates in configs(n_out, wgmma, gpu):
+        fitting = [with_splits(c, n_out, k_in, gpu) if (c.wgmma and c.block_m() <= 72 and c.a_tiles == 4) or
                    (not c.wgmma and (limit is None or limit > 16)) else c
-                   for c in candidates if c.fits(n_out, k_in)]
+                   for c in candidates if c.fits(n_out, k_in, gpu=gpu)]
         if not fitting:
             return None
         if fitting[0] == WIDE:      # offered only where its blocks fill the GPU (`wide_fills`)
             out.append((limit, WIDE))
             continue
-        split = wide_split(n_out, k_in) if limit == 72 else None
+        split = wide_split(n_out, k_in, gpu) if limit == 72 else None
         if split is not None:
             out.append((limit, split))
             continue
         # the wgmma candidate that fills the block slots best (the first of equals) among those
         # with the first one's rows a block, else the first configuration that tiles
         hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
-        out.append((limit, with_tail(max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in)), n_out, k_in)
+        out.append((limit, with_tail(max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in, gpu)), n_out, k_in, gpu)
                     if hopper else fitting[0]))
     return out
 
 
-def applicable(n_out: int, k_in: int, wgmma: bool = False) -> bool:
-    return pick(n_out, k_in, wgmma) is not None
+def applicable(n_out: int, k_in: int, wgmma: bool = False, gpu: Device = TUNED) -> bool:
+    return pick(n_out, k_in, wgmma, gpu) is not None

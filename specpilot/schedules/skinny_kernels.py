@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from specpilot.core.target import TUNED, Device
 from specpilot.schedules.skinny_config import SWIZZLE_ALIGN, WGMMA_K, Config, pick, tail_blocks
 
 
@@ -228,7 +229,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
     return _launch_blocks(n_out, cfg, block, 32)
 
 
-def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
+def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False, gpu: Device = TUNED):
     """Hopper's warpgroup MMA (sm_90a): a block of ``wn`` warpgroups, each ``wgmma.m64nRk16``
     with 64 channels of W as A and the block's R = ``block_m`` rows of x as B, both read by the
     tensor cores straight from shared memory through matrix descriptors; with ``a_tiles`` 8 or 12
@@ -266,7 +267,7 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False):
     NREG = BM // 2                      # accumulator floats per thread and A tile: 64 x R over 128 threads
     copy = "cp.async.cg.shared.global"
     mma = f"wgmma.mma_async.sync.aligned.m64n{BM}k16.f32.bf16.bf16"
-    FULL, REST = tail_blocks(cfg, n_out, k_in)
+    FULL, REST = tail_blocks(cfg, n_out, k_in, gpu)
     TAIL = cfg.tail if REST else 1      # with_tail: blocks FULL.. take K in TAIL pieces
     TAILC = REST * BN                   # the workspace's columns: the tail blocks' channels (paired: gates, ups)
 
@@ -467,31 +468,33 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | N
 SKINNY_ATTR = "specpilot.skinny_mma"   # on the kernels: JSON of `skinny_nt_matmul`'s (n_out, k_in, wgmma)
 
 
-def pairable(n_out: int, k_in: int, wgmma: bool) -> bool:
+def pairable(n_out: int, k_in: int, wgmma: bool, gpu: Device = TUNED) -> bool:
     """Whether `skinny_nt_matmul` has a ``paired`` form for this shape: every configuration `pick`
     chooses is an unsplit warpgroup kernel (the paired store pairs its accumulators), N even."""
-    chosen = pick(n_out, k_in, wgmma) if wgmma and n_out % 2 == 0 else None
+    chosen = pick(n_out, k_in, wgmma, gpu) if wgmma and n_out % 2 == 0 else None
     return bool(chosen) and all(cfg.wgmma and cfg.splits == 1 for _, cfg in chosen)
 
 
 @lru_cache(maxsize=None)
-def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma: bool = False, paired: bool = False):
+def skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None = None, wgmma: bool = False, paired: bool = False,
+                     gpu: Device = TUNED):
     """x[m, k] . W[n, k]^T -> float32 y[m, n] (m symbolic) on tensor cores, one configuration per
     range of m chosen at run time.  ``configs``: ((largest m or None, Config), ...), ascending,
     the last unbounded, to use instead of `pick`'s (benchmarks); ``wgmma``: `pick` may choose the
     sm_90a warpgroup kernel (build for sm_90a then); ``paired`` (`pairable` shapes): the kernels
-    store y[r, c] and y[r, c + N / 2] one after the other (`fuse_pairs`)."""
+    store y[r, c] and y[r, c + N / 2] one after the other (`fuse_pairs`); ``gpu``: the card the
+    configurations are sized for."""
     from specpilot.kernels.fast_frames import quick_stack
-    if paired and (configs is not None or not pairable(n_out, k_in, wgmma)):
+    if paired and (configs is not None or not pairable(n_out, k_in, wgmma, gpu)):
         raise ValueError(f"N={n_out}, K={k_in}: no paired form (it needs unsplit warpgroup kernels throughout)")
     with quick_stack():
-        return _skinny_nt_matmul(n_out, k_in, configs, wgmma, paired)
+        return _skinny_nt_matmul(n_out, k_in, configs, wgmma, paired, gpu)
 
 
-def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool = False, paired: bool = False):
+def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool, paired: bool, gpu: Device):
     from tvm.script import tirx as T
 
-    chosen = list(configs) if configs else pick(n_out, k_in, wgmma)
+    chosen = list(configs) if configs else pick(n_out, k_in, wgmma, gpu)
     if chosen is None:
         raise ValueError(f"no skinny tensor-core configuration tiles N={n_out}, K={k_in}")
     if chosen[-1][0] is not None or any(limit is None for limit, _ in chosen[:-1]):
@@ -499,9 +502,9 @@ def _skinny_nt_matmul(n_out: int, k_in: int, configs: tuple | None, wgmma: bool 
     for _, cfg in chosen:
         if cfg.stages == 1 or cfg.stages < 0:
             raise ValueError(f"{cfg}: a pipelined configuration needs stages >= 2 (0: the register kernel)")
-        if not cfg.fits(n_out, k_in):
-            raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in}")
-    launches = [(limit, _wgmma_kernel(n_out, k_in, cfg, paired) if cfg.wgmma else
+        if not cfg.fits(n_out, k_in, gpu=gpu):
+            raise ValueError(f"{cfg} does not tile N={n_out}, K={k_in} within {gpu.name}'s limits")
+    launches = [(limit, _wgmma_kernel(n_out, k_in, cfg, paired, gpu) if cfg.wgmma else
                  (_pipelined_kernel if cfg.stages else _kernel)(n_out, k_in, cfg)) for limit, cfg in chosen]
     N, K = T.int64(n_out), T.int64(k_in)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from specpilot.core.target import DEVICES, TUNED, Device
 from specpilot.schedules.skinny_config import applicable
 from specpilot.schedules.skinny_kernels import SKINNY_ATTR, pairable, skinny_nt_matmul
 
@@ -79,8 +80,8 @@ def _is_plain_product(block, x, w, y) -> bool:
     return loads[0].same_as(x) and loads[1].same_as(w)
 
 
-def substitute(mod, wgmma: bool = False):
-    """Point every call_tir of a plain bf16 NT matmul whose shape a configuration tiles at the
+def substitute(mod, wgmma: bool = False, gpu: Device = TUNED):
+    """Point every call_tir of a plain bf16 NT matmul whose shape a configuration for ``gpu`` tiles at the
     tensor-core kernel (one PrimFunc per (N, K), marked scheduled so dlight leaves it alone, and
     opaque so FuseOps fuses nothing into it; `epilogue.fuse_epilogues` fuses elementwise consumers after FuseTIR)."""
     import tvm
@@ -89,7 +90,7 @@ def substitute(mod, wgmma: bool = False):
 
     from specpilot.schedules.epilogue import ATTR as EPILOGUE_OUTPUT, rewrite_functions
     shapes = {gv: nt_matmul_shape(f) for gv, f in mod.functions.items()}
-    shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s, wgmma)}
+    shapes = {gv: s for gv, s in shapes.items() if s is not None and applicable(*s, wgmma, gpu)}
     if not shapes:
         return mod, 0
     call_tir = tvm.ir.Op.get("relax.call_tir")
@@ -105,10 +106,10 @@ def substitute(mod, wgmma: bool = False):
             if call.op.same_as(call_tir) and call.args[0] in shapes:
                 shape = shapes[call.args[0]]
                 if shape not in self.kernels:
-                    kernel = skinny_nt_matmul(*shape, wgmma=wgmma).with_attr("op_pattern", 8)   # kOpaque
+                    kernel = skinny_nt_matmul(*shape, wgmma=wgmma, gpu=gpu).with_attr("op_pattern", 8)   # kOpaque
                     kernel = kernel.with_attr(EPILOGUE_OUTPUT, 2)    # y: `epilogue.fuse_epilogues` may fuse its consumer
                     kernel = kernel.with_attr(SKINNY_ATTR, json.dumps({"n_out": shape[0], "k_in": shape[1],
-                                                                       "wgmma": wgmma}))
+                                                                       "wgmma": wgmma, "gpu": gpu.name}))
                     self.kernels[shape] = self.builder_.add_func(kernel, f"skinny_mma_{shape[0]}_{shape[1]}")
                 args = call.args[1].fields[:2] if isinstance(call.args[1], relax.Tuple) else call.args[1:3]
                 self.swapped += 1
@@ -129,7 +130,8 @@ def fuse_pairs(mod):
     from specpilot.schedules.epilogue import fuse_paired_users
 
     def paired(spec):
-        if not pairable(spec["n_out"], spec["k_in"], spec["wgmma"]):
+        gpu = DEVICES[spec["gpu"]]
+        if not pairable(spec["n_out"], spec["k_in"], spec["wgmma"], gpu):
             return None
-        return skinny_nt_matmul(spec["n_out"], spec["k_in"], wgmma=spec["wgmma"], paired=True)
+        return skinny_nt_matmul(spec["n_out"], spec["k_in"], wgmma=spec["wgmma"], paired=True, gpu=gpu)
     return fuse_paired_users(mod, SKINNY_ATTR, paired)

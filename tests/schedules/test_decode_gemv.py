@@ -19,7 +19,7 @@ import tvm
 from tvm import relax, tirx
 
 from specpilot.kernels.norms import NORM_ATTR, rms_norm_te
-from specpilot.schedules.decode_gemv import RESIDENT_BLOCKS, THREADS, rows_per_warp
+from specpilot.schedules.decode_gemv import THREADS, resident_blocks, rows_per_warp
 from specpilot.schedules.relax_pipeline import pipeline
 from tests.kernel_helpers import sm90_source
 
@@ -92,8 +92,8 @@ def test_rows_per_warp_keep_the_grid_within_one_wave(n_out):
     def blocks(rpw):
         return -(-n_out // (THREADS // 32 * rpw))
     rpw = rows_per_warp(n_out)
-    assert blocks(rpw) <= RESIDENT_BLOCKS
-    assert rpw == 1 or blocks(rpw - 1) > RESIDENT_BLOCKS
+    assert blocks(rpw) <= resident_blocks()
+    assert rpw == 1 or blocks(rpw - 1) > resident_blocks()
 
 
 def test_kernel_compiles_to_sm90_without_a_gpu(tmp_path):

@@ -310,7 +310,8 @@ def test_wide_blocks_at_33_to_72_rows_only_where_they_fill_the_gpu():
     block an SM, unsplit) where those blocks fill one wave to >= 80 % of the SMs or make >= 8
     waves; elsewhere (a nearly empty last wave, or K split over blocks) the 64-channel kernels stay,
     and nothing changes at other row counts."""
-    from specpilot.schedules.skinny_config import SMS, WIDE, wide_fills
+    from specpilot.schedules.skinny_config import TUNED, WIDE, wide_fills
+    SMS = TUNED.sms
     assert WIDE.block_n() == 128 and WIDE.block_m() == 72 and WIDE.splits == 1
     assert WIDE.shared_bytes(5120) <= 227 * 1024 < 2 * (WIDE.shared_bytes(5120) + 1024)   # one block an SM
     for n_out, wide in ((16480, True), (14336, True), (248320, True), (151936, True),
@@ -335,7 +336,8 @@ def test_wide_blocks_split_k_in_two_where_few_channel_blocks_meet_a_long_k():
     blocks still fit one wave (17408 -> 5120: 40 x 2 = 80 blocks) -- not where K is shorter (6144,
     12288 -> 5120 / 4096) or where the 64-channel blocks fill the SMs (8448: 132 of them; below that
     the doubled 128-channel blocks fit one wave); other row ranges keep their kernels."""
-    from specpilot.schedules.skinny_config import SMS, wide_split
+    from specpilot.schedules.skinny_config import TUNED, wide_split
+    SMS = TUNED.sms
     assert wide_split(5120, 17408) == replace(WIDE, splits=2) and wide_split(5120, 16384) is not None
     assert wide_split(4096, 28672) is not None                      # 32 x 2 blocks
     for n, k in ((5120, 16320), (5120, 6144), (4096, 12288), (64 * SMS, 17408), (34816, 17408)):
@@ -392,7 +394,8 @@ def test_a_nearly_empty_last_wave_takes_k_in_pieces():
     2 a SM: 264 slots) runs 528 blocks over all of K and the last 16 as 8 blocks of 10 chunks each
     (16 x 8 = 128 <= 132 SMs); nowhere else of the 27B / 8B shapes, never outside 33-72 rows, never
     with K split already or a last wave fuller than a quarter of the slots; pieces of whole chunks."""
-    from specpilot.schedules.skinny_config import SMS, block_slots, tail_blocks, with_tail
+    from specpilot.schedules.skinny_config import TUNED, block_slots, tail_blocks, with_tail
+    SMS = TUNED.sms
     six = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
     assert block_slots(six, 5120) == 2 * SMS and tail_blocks(six, 34816, 5120) == (528, 16)
     assert tail_blocks(six, 64 * 2 * SMS, 5120) == (2 * SMS, 0)          # whole waves: no tail
@@ -431,7 +434,8 @@ def test_the_tail_form_sums_its_pieces_in_a_second_kernel(tmp_path):
 
 
 def test_wave_efficiency_counts_blocks_against_slots():
-    from specpilot.schedules.skinny_config import SMS, wave_efficiency
+    from specpilot.schedules.skinny_config import TUNED, wave_efficiency
+    SMS = TUNED.sms
     one = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)          # ~105 KB: 2 blocks a SM
     assert one.shared_bytes(5120) == 6 * (64 + 72) * 128 + 1024
     assert wave_efficiency(one, 64 * 2 * SMS, 5120) == 1.0                  # exactly one wave
