@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -18,3 +21,14 @@ def assert_forces_exactly(build_dir: Path, tokens: int, engines=("compiled", "co
         runs = [system.generate(engine, p, tokens, force=s.tokens) for p, s in zip(prompts, stock_runs)]
         report = force_requests(stock_runs, runs)
         assert report.passed and not report.excused, (engine, report.first_divergence)
+
+
+def compile_cli(spec, target: str, out, *extra) -> subprocess.CompletedProcess:
+    """`specpilot compile` as a user runs it, in its own process (a CUDA build re-runs itself with the
+    stub driver); fails the test with its stderr unless it succeeds."""
+    exe = Path(sys.executable).with_name("specpilot")
+    env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_CUDA_STUB"}
+    proc = subprocess.run([str(exe), "compile", str(spec), "--target", target, "-o", str(out), *extra],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

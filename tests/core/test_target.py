@@ -16,6 +16,7 @@ from specpilot.core.errors import SpecPilotError
     ("cuda -arch=sm_90", "cuda", "sm_90", None, "sm_90a"),
     ("cuda -arch=sm_90 -device=h200", "cuda", "sm_90", "H200", "sm_90a"),
     ("cuda -arch=sm_120", "cuda", "sm_120", None, "sm_120"),
+    ("cuda -arch=sm_90 -schedule-for=rtxpro6000", "cuda", "sm_90", None, "sm_90a"),
     ('{"kind": "cuda", "arch": "sm_80"}', "cuda", "sm_80", None, "sm_80"),
 ])
 def test_parse(text, kind, arch, device, compiled):
@@ -35,6 +36,9 @@ def test_parse(text, kind, arch, device, compiled):
     ("cuda -arch=sm_90 -mcpu=x", "unknown flag '-mcpu=x'"),
     ("cuda -arch=sm_90 -device=A100", "A100 is sm_80, not sm_90"),
     ("llvm -arch=sm_90", "llvm takes no -arch"),
+    ("llvm -schedule-for=H200", "llvm takes no -arch, -device or -schedule-for"),
+    ("cuda -arch=sm_120 -schedule-for=H200", "H200's schedules use wgmma, which only sm_90 runs"),
+    ("cuda -arch=sm_90 -schedule-for=V100", "unknown device 'V100'"),
     ("{bad json", "not valid JSON"),
     ("", "--target is empty"),
 ])
@@ -48,6 +52,32 @@ def test_device_table_and_defaults():
     assert parse_target("cuda -arch=sm_120").device_info().name == "RTXPRO6000"
     assert parse_target("llvm").device_info() is None
     assert all(d.bandwidth > 0 and d.bf16_flops > 0 and d.sms > 0 for d in DEVICES.values())
+
+
+def test_device_limits_are_the_cards():
+    """Every card's limits are those of its compute capability (CUDA C Programming Guide): the opt-in
+    shared memory a block 1 KiB under the SM's, 99 KiB on sm_89 / sm_120, 227 KiB on sm_90 / sm_100;
+    each arch's default card is of that arch; wgmma only on sm_90."""
+    from specpilot.core.target import DEFAULT_DEVICE, KIB
+    for d in DEVICES.values():
+        assert d.shared_per_block == d.shared_per_sm - KIB and d.threads_per_block == 1024
+        assert d.threads_per_sm in (1536, 2048) and d.l2_bytes >= 32 * KIB * KIB
+        assert (d.kernel_forms == "wgmma") == (d.arch == "sm_90")
+        assert d.shared_per_block == {"sm_80": 163, "sm_89": 99, "sm_90": 227, "sm_100": 227, "sm_120": 99}[d.arch] * KIB
+    assert all(DEVICES[name].arch == arch for arch, name in DEFAULT_DEVICE.items())
+
+
+def test_schedule_device_and_launch_devices():
+    """-schedule-for sizes the kernels for another card; the build must launch on both."""
+    t = parse_target("cuda -arch=sm_90 -device=H200 -schedule-for=RTXPRO6000")
+    assert t.device_info().name == "H200" and t.schedule_device().name == "RTXPRO6000"
+    assert [d.name for d in t.launch_devices()] == ["H200", "RTXPRO6000"]
+    assert [d.name for d in parse_target("cuda -arch=sm_89").launch_devices()] == ["L40S"]
+    assert parse_target("llvm").launch_devices() == [] and parse_target("llvm").schedule_device() is None
+    # TVM's target carries the limits (its static shared memory bound answers dlight's warning)
+    attrs = tvm_target(parse_target("cuda -arch=sm_120")).attrs
+    assert int(attrs["max_shared_memory_per_block"]) == 48 * 1024
+    assert int(attrs["l2_cache_size_bytes"]) == DEVICES["RTXPRO6000"].l2_bytes
 
 
 def test_unquoted_arch_flag_is_joined():
