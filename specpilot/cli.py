@@ -307,10 +307,31 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
     sys.exit(0 if report.passed else 1)
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def devices(as_json):
+    """The device table: each card's arch, SMs, shared memory, tensor cores and the kernels' forms there."""
+    from dataclasses import asdict
+
+    from specpilot.core.target import DEFAULT_DEVICE, DEVICES
+    if as_json:
+        click.echo(json.dumps({name: {**asdict(d), "kernel_forms": d.kernel_forms,
+                                      "default_for_arch": DEFAULT_DEVICE[d.arch] == name} for name, d in DEVICES.items()}))
+        return
+    click.echo(f"{'card':11s} {'arch':7s} {'SMs':>4s} {'smem/block':>10s} {'smem/SM':>8s} {'L2 MiB':>7s} "
+               f"{'tensor cores':13s} kernels")
+    for name, d in DEVICES.items():
+        default = " (arch default)" if DEFAULT_DEVICE[d.arch] == name else ""
+        click.echo(f"{name:11s} {d.arch:7s} {d.sms:4d} {d.shared_per_block // 1024:7d} KiB {d.shared_per_sm // 1024:4d} KiB "
+                   f"{d.l2_bytes >> 20:7d} {d.tensor_cores:13s} {d.kernel_forms}{default}")
+
+
 @cli.command("compile")
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--target", "target_text", default="llvm", show_default=True,
-              help="llvm | 'cuda -arch=sm_XX [-device=NAME]' | TVM JSON {\"kind\": \"cuda\", \"arch\": ...}")
+              help="llvm | 'cuda -arch=sm_XX [-device=NAME] [-schedule-for=NAME]' | TVM JSON {\"kind\": \"cuda\", ...}")
+@click.option("--device", default=None, help="the card within the arch (the device table: specpilot devices); "
+                                             "the same as -device=NAME in --target")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), default=Path("build"),
               show_default=True)
 @click.option("--passes", default="", help="pipeline text; overrides the spec's passes")
@@ -323,7 +344,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
                                       "write none, the engine reads the referenced checkpoint (SPECPILOT_WEIGHTS "
                                       "elsewhere) and checks it")
 @click.option("--json", "as_json", is_flag=True)
-def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedule, params_mode, as_json):
+def compile_(spec, target_text, device, output, passes, print_ir_after, dump_ir, schedule, params_mode, as_json):
     """Lower a spec to TVM, apply the pipeline, build and export to a directory."""
 
     from rich.console import Console
@@ -333,6 +354,10 @@ def compile_(spec, target_text, output, passes, print_ir_after, dump_ir, schedul
     from specpilot.core.target import parse_target
 
     target = parse_target(target_text)
+    if device is not None:
+        if target.device is not None and target.device.lower() != device.lower():
+            raise SpecPilotError(f"--device {device} and --target's -device={target.device} disagree")
+        target = parse_target(f"{target.text()} -device={device}" if target.device is None else target.text())
     loaded_spec = load_spec(spec)
     if target.is_gpu and not cuda_runtime_loadable() and not os.environ.get("SPECPILOT_CUDA_STUB"):
         # TVM embeds device code only when its CUDA runtime loads: re-run with a stub driver
@@ -766,7 +791,7 @@ def _join_target_flags(argv: list[str]) -> list[str]:
     """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
     out: list[str] = []
     for arg in argv:
-        if arg.startswith(("-arch=", "-device=")) and len(out) >= 2 and out[-2] == "--target":
+        if arg.startswith(("-arch=", "-device=", "-schedule-for=")) and len(out) >= 2 and out[-2] == "--target":
             out[-1] = f"{out[-1]} {arg}"
         else:
             out.append(arg)

@@ -208,6 +208,8 @@ def render(report: dict, top: int = 12) -> str:
              f"kernels {report['kernel_seconds']:.3f} s ({report['kernel_calls']} calls), "
              f"bounds {report['bound_seconds'] * 1e3:.2f} ms",
              "factors: " + ", ".join(f"{k} {v:.2f}x" for k, v in f.items()) + f"  -> bottleneck: {report['bottleneck']}"]
+    if report["device"].get("note"):
+        lines.append("note: " + report["device"]["note"])
     if report["tree_acceptance"]:
         lines.append("best-first tree acceptance (replayed): " + ", ".join(
             f"budget {b}: {v:.2f}" for b, v in report["tree_acceptance"].items()))

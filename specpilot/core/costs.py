@@ -60,9 +60,14 @@ def device_peaks(target_text: str) -> dict:
 
     from specpilot.core.target import parse_target
 
-    device = parse_target(target_text).device_info()
+    target = parse_target(target_text)
+    device, sized = target.device_info(), target.schedule_device()
     if device is not None:
-        return {"name": device.name, "flops": device.bf16_flops, "bandwidth": device.bandwidth, "measured": False}
+        peaks = {"name": device.name, "flops": device.bf16_flops, "bandwidth": device.bandwidth, "measured": False}
+        if sized.kernel_forms != device.tensor_cores:   # the bound assumes instructions the kernels do not use
+            peaks["note"] = (f"{device.name}'s {device.tensor_cores} tensor cores: the GEMM kernels use "
+                             f"{sized.kernel_forms} (sized for {sized.name}), so the bf16 peak is above what they reach")
+        return peaks
     cache = Path(os.environ.get("SPECPILOT_CACHE_DIR") or Path.home() / ".cache" / "specpilot") / "cpu-peaks.json"
     flops, bandwidth = _cpu_peaks_cached(str(cache))
     return {"name": "this CPU (measured)", "flops": flops, "bandwidth": bandwidth, "measured": True}

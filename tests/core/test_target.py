@@ -90,3 +90,31 @@ def test_cli_unknown_arch_is_one_line(run_cli, tmp_path):
     spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
     code, _, err = run_cli("compile", spec, "--target", "cuda", "-arch=sm_42", "-o", tmp_path / "b")
     assert code == 2 and err.strip().startswith("error: --target 'cuda -arch=sm_42': unknown arch") and "\n" not in err.strip()
+
+
+def test_cost_model_says_where_the_kernels_lack_the_cards_tensor_cores():
+    """sm_100's tcgen05 has no kernel here (mma.sync runs), and a build sized for another card's
+    forms: the peaks carry a note; where the kernels use the card's fastest form, none."""
+    from specpilot.core.costs import device_peaks
+    assert "tcgen05" in device_peaks("cuda -arch=sm_100")["note"] and "mma.sync" in device_peaks("cuda -arch=sm_100")["note"]
+    assert "sized for RTXPRO6000" in device_peaks("cuda -arch=sm_90 -schedule-for=RTXPRO6000")["note"]
+    assert all("note" not in device_peaks(f"cuda -arch={a}") for a in ("sm_80", "sm_89", "sm_90", "sm_120"))
+
+
+def test_cli_device_option_and_devices_command(run_cli, tmp_path):
+    import json
+    from pathlib import Path
+    spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
+    code, _, err = run_cli("compile", spec, "--target", "cuda -arch=sm_90 -device=H100", "--device", "H200",
+                           "-o", tmp_path / "b")
+    assert code == 2 and "--device H200 and --target's -device=H100 disagree" in err
+    code, _, err = run_cli("compile", spec, "--target", "cuda -arch=sm_90", "--device", "A100", "-o", tmp_path / "b")
+    assert code == 2 and "A100 is sm_80, not sm_90" in err
+    code, _, err = run_cli("compile", spec, "--target", "llvm", "--device", "H200", "-o", tmp_path / "b")
+    assert code == 2 and "llvm takes no" in err
+    code, out, _ = run_cli("devices", "--json")
+    table = json.loads(out)
+    assert code == 0 and set(table) == set(DEVICES) and table["B200"]["kernel_forms"] == "mma.sync"
+    assert table["RTXPRO6000"]["shared_per_block"] == 99 * 1024 and table["H100"]["default_for_arch"]
+    code, out, _ = run_cli("devices")
+    assert code == 0 and "RTXPRO6000  sm_120" in out
