@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device calls on the H200 under a runtime-only TVM, results into $OUT (and printed).  Needs,
-# carried along: .gpu/rt (bench/make_gpu_runtime.sh), .gpu/builds and .gpu/w12
+# carried along: .gpu/rt (bench/make_gpu_runtime.sh), .gpu/pyd (pydantic's wheels), .gpu/builds and .gpu/w12
 # (bench/make_gpu_builds.sh).  One part per call (each under the per-call limit):
 #   bash bench/h200_session.sh decode    decode: compiled vs eager vs torch.compile, per-kernel
 #                                        profile; the same builds with CUDA graphs
@@ -16,7 +16,10 @@
 #                                        the attention kernels of $ATTN_LIB (bench/attention_rows.py build)
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
-export PYTHONPATH=/tmp/rt/site:$PWD PYTHONUNBUFFERED=1 TVM_USE_RUNTIME_LIB=1
+# the manifest's pydantic (and its own deps), from wheels carried in .gpu/pyd (`pip download --python-version 3.12
+# --only-binary=:all: pydantic`): the GPU machine's Python lacks it
+[ -d .gpu/pyd ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyd .gpu/pyd/*.whl
+export PYTHONPATH=/tmp/rt/site:$PWD:/tmp/pyd PYTHONUNBUFFERED=1 TVM_USE_RUNTIME_LIB=1
 out=${OUT:-bench/results}
 b=.gpu/builds
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
