@@ -20,7 +20,7 @@ setup: $(STAMP)
 # this CPU (cpu-nt: 4x the default CPU schedule here): real text, token forcing against stock decoding,
 # then the bench -- compiled AR and speculative beside stock PyTorch's, tokens checked
 DEMO_BUILD := build/smollm2-demo
-$(DEMO_BUILD)/manifest.json: $(STAMP) examples/smollm2.yaml
+$(DEMO_BUILD)/manifest.json: $(STAMP) examples/smollm2.yaml $(wildcard specpilot/*.py specpilot/*/*.py)   # rebuilt when the compiler changes
 	$(BIN)/specpilot compile examples/smollm2.yaml --target llvm -o $(DEMO_BUILD) --passes "kernel-schedule{set=cpu-nt}"
 
 demo: $(DEMO_BUILD)/manifest.json
