@@ -357,7 +357,8 @@ def compile_(spec, target_text, device, output, passes, print_ir_after, dump_ir,
     if device is not None:
         if target.device is not None and target.device.lower() != device.lower():
             raise SpecPilotError(f"--device {device} and --target's -device={target.device} disagree")
-        target = parse_target(f"{target.text()} -device={device}" if target.device is None else target.text())
+        if target.device is None:
+            target = parse_target(f"{target.text()} -device={device}")
     loaded_spec = load_spec(spec)
     if target.is_gpu and not cuda_runtime_loadable() and not os.environ.get("SPECPILOT_CUDA_STUB"):
         # TVM embeds device code only when its CUDA runtime loads: re-run with a stub driver

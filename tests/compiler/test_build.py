@@ -21,6 +21,7 @@ from specpilot.core.target import parse_target
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.systems import from_build
+from tests.build_helpers import compile_cli
 from tests.conftest import TINY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,13 +267,8 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
 def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     """Through the stub driver, as `specpilot compile` does: the library embeds a fatbin, no CUDA source."""
     spec = Path(__file__).resolve().parents[2] / "examples" / "tiny-llama.yaml"
-    exe = Path(sys.executable).with_name("specpilot")
-    env = {k: v for k, v in os.environ.items() if k != "SPECPILOT_CUDA_STUB"}
     # with CUDA graphs: the same build, plus the static decode's kernel runs lifted into capture functions
-    proc = subprocess.run([str(exe), "compile", str(spec), "--target", "cuda", "-arch=sm_90", "-o",
-                           str(tmp_path / "b"), "--passes", "kernel-schedule{graph=true}", "--json"],
-                          capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_cli(spec, "cuda -arch=sm_90", tmp_path / "b", "--passes", "kernel-schedule{graph=true}", "--json")
     data = (tmp_path / "b" / "model.so").read_bytes()
     assert data.count(b"\x50\xed\x55\xba") >= 1 and b"__global__" not in data
     manifest = read_manifest(tmp_path / "b")
