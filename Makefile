@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast fuzz smollm2-test ray-test clean
+.PHONY: setup demo test test-fast fuzz smollm2-test ray-test cpp cpp-asan clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,21 @@ demo: $(DEMO_BUILD)/manifest.json
 	$(BIN)/specpilot bench $(DEMO_BUILD) --prompts mixed --requests 2 --max-new-tokens 48 \
 	    --engines compiled,compiled-spec,stock,stock-spec
 
-test: $(STAMP)
+# libspecpilot (C++ runtime + C API) and examples/cpp, against the TVM runtime of the installed wheels;
+# installs the compiler, CMake and the header libraries with the system's package manager when missing
+CPP_BUILD := build/cpp
+cpp: $(STAMP)
+	bash cpp/install-deps.sh
+	cmake -S cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE=$(abspath $(BIN))/python >/dev/null
+	cmake --build $(CPP_BUILD) -j2
+
+# the same under AddressSanitizer + UndefinedBehaviorSanitizer (tests/cpp runs it)
+cpp-asan: $(STAMP)
+	bash cpp/install-deps.sh
+	cmake -S cpp -B build/cpp-asan -DCMAKE_BUILD_TYPE=Debug -DSPECPILOT_SANITIZE=ON -DPython3_EXECUTABLE=$(abspath $(BIN))/python >/dev/null
+	cmake --build build/cpp-asan -j2
+
+test: $(STAMP) cpp cpp-asan
 	$(BIN)/python -m pytest -q --durations=15
 
 # the inner loop: the suite without its slow tests (whole builds forced end to end, sm_90 compiles, the search)

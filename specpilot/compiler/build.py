@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specpilot.core.config import cache_shapes
 from specpilot.core.loader import load_models, weights_reference
 from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
@@ -376,7 +377,14 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         drafter={"kind": d.kind, "draft_len": d.draft_len, "top_k": d.top_k, "temperature": d.temperature,
                  "max_ngram": d.max_ngram, "min_ngram": d.min_ngram, "replay": replay_plan(spec)},
         functions=functions, params=list(lowered.context.params), versions=_versions(),
-        params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), launch=launch, **files)
+        params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), launch=launch,
+        caches={which: _caches(model.cfg, spec.deployment) for which, model in (("target", tgt), ("drafter", drf)) if model},
+        **files)
+
+
+def _caches(cfg, deployment) -> dict:
+    shapes = cache_shapes(cfg, deployment.max_seq_len, deployment.max_batch, deployment.dtype)
+    return {name: {"shape": list(shape), "dtype": dtype} for name, (shape, dtype) in shapes.items()}
 
 
 def build(request: BuildRequest, progress=None) -> Manifest:

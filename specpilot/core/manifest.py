@@ -57,6 +57,13 @@ class DrafterInfo(_Strict):
     replay: dict | None = None         # a replay drafter's plan: {"accepted": [[...], ...]} or {"alpha", "seed"}
 
 
+class Cache(_Strict):
+    """One of a model's caches (`core.config.cache_shapes`): its shape and element type.  ``kv`` is
+    the pool of max_batch sequence rows; ``conv`` / ``rec`` are one sequence's recurrent states."""
+    shape: list[int]
+    dtype: str
+
+
 class Manifest(_Strict):
     format: Literal["specpilot-build"] = FORMAT
     version: int = VERSION
@@ -94,6 +101,7 @@ class Manifest(_Strict):
     hashes: dict[str, str]
     build_seconds: float = 0.0
     launch: dict | None = None         # CUDA: the launch-limit check's cards, kernel count, largest kernels
+    caches: dict[str, dict[str, Cache]] | None = None   # per model: what a runtime allocates (the C++ one reads it)
 
     @property
     def tree_budget(self) -> int:
