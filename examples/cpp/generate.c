@@ -15,6 +15,8 @@
 #include "specpilot/specpilot.h"
 
 #define MAX_ITEMS 64
+/* bad usage once prompts may be allocated: report, then free them on the way out */
+#define USAGE(why) do { status = usage(why); goto done; } while (0)
 
 static int usage(const char* why) {
   fprintf(stderr, "specpilot-generate: %s\nusage: specpilot-generate BUILD_DIR --prompt-ids 1,2,3 [--engine NAME] "
@@ -74,16 +76,20 @@ int main(int argc, char** argv) {
   sp_generate_options options;
   sp_open_options_init(&open_options);
   sp_generate_options_init(&options);
+  int status = 0;
+  sp_engine* engine = NULL;
   for (int i = 2; i < argc; ++i) {
     const char* a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : NULL;
     int takes = strcmp(a, "--stop-at-eos") && strcmp(a, "--no-verify") && strcmp(a, "--stream");
-    if (takes && v == NULL) return usage("an option lacks its value");
+    if (takes && strstr(" --prompt-ids --engine --max-new-tokens --temperature --top-p --top-k --seed --device ", a) == NULL)
+      USAGE("unknown option");
+    if (takes && v == NULL) USAGE("an option lacks its value");
     if (!strcmp(a, "--prompt-ids")) {
-      if (n_prompts == MAX_ITEMS || !parse_ids(v, &prompts[n_prompts], &lengths[n_prompts])) return usage("bad --prompt-ids");
+      if (n_prompts == MAX_ITEMS || !parse_ids(v, &prompts[n_prompts], &lengths[n_prompts])) USAGE("bad --prompt-ids");
       ++n_prompts;
     } else if (!strcmp(a, "--engine")) {
-      if (n_engines == MAX_ITEMS) return usage("too many engines");
+      if (n_engines == MAX_ITEMS) USAGE("too many engines");
       engines[n_engines++] = v;
     } else if (!strcmp(a, "--max-new-tokens")) {
       options.max_new_tokens = atoi(v);
@@ -104,19 +110,17 @@ int main(int argc, char** argv) {
     } else if (!strcmp(a, "--stream")) {
       options.on_token = stream_token;
     } else {
-      return usage("unknown option");
+      USAGE("unknown option");
     }
     i += takes;
   }
-  if (n_prompts == 0) return usage("give at least one --prompt-ids");
+  if (n_prompts == 0) USAGE("give at least one --prompt-ids");
   if (n_engines == 0) engines[n_engines++] = NULL;   /* the build's best */
 
-  sp_engine* engine = NULL;
   if (sp_engine_open(argv[1], &open_options, &engine) != SP_OK) {
     fprintf(stderr, "specpilot-generate: %s\n", sp_last_error());
-    return 1;
+    status = 1;
   }
-  int status = 0;
   for (size_t e = 0; e < n_engines && status == 0; ++e) {
     options.engine = engines[e];
     for (size_t p = 0; p < n_prompts; ++p) {
@@ -134,7 +138,8 @@ int main(int argc, char** argv) {
       sp_generation_free(&g);
     }
   }
-  for (size_t p = 0; p < n_prompts; ++p) free(prompts[p]);
   sp_engine_close(engine);
+done:
+  for (size_t p = 0; p < n_prompts; ++p) free(prompts[p]);
   return status;
 }
