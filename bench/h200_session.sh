@@ -14,6 +14,9 @@
 #                                        $DECODE_BUILDS (and with eager/torch.compile: $DECODE_FULL_BUILDS),
 #                                        tree verify at 4k of $TREE_BUILDS, bf16 forcing of $FORCING_BUILDS,
 #                                        the attention kernels of $ATTN_LIB (bench/attention_rows.py build)
+#   bash bench/h200_session.sh cpp       libspecpilot (carried in .gpu/cpp: libspecpilot.so, specpilot-generate)
+#                                        beside the Python engine on $CPP_BUILDS under $STAGE; $MATERIALIZE builds
+#                                        (--params seeded) get their weights written in first (bench/cpp_runtime.py)
 set -u
 mkdir -p /tmp/rt && tar xzf .gpu/rt/site.tgz -C /tmp/rt
 # the manifest's pydantic (and its own deps), from wheels carried in .gpu/pyd (`pip download --python-version 3.12
@@ -57,6 +60,16 @@ compare)
   [ -n "${DECODE_BUILDS:-}" ] && timeout "${DECODE_S:-300}" python3 bench/decode.py \
     $(for x in $DECODE_BUILDS; do echo $st/$x; done) --compiled-only --profile 8 ${DECODE_ARGS:-} --context 512 --steps 32 \
     --batches 4,8 --out "$out" 2>&1 | grep -v Warning | tail -90 ;;
+cpp)
+  st=${STAGE:-.gpu/stage}
+  export LD_LIBRARY_PATH=$PWD/.gpu/cpp:/tmp/rt/site/tvm/lib:/tmp/rt/site/tvm_ffi/lib SPECPILOT_TVM_LIBDIR=/tmp/rt/site/tvm/lib
+  for x in ${MATERIALIZE:-}; do
+    [ -d "$st/$x-file" ] || timeout "${MATERIALIZE_S:-300}" python3 -c \
+      "import sys; from specpilot.runtime.materialize import materialize; materialize(sys.argv[1], sys.argv[2])" \
+      "$st/$x" "$st/$x-file" 2>&1 | tail -3
+  done
+  timeout "${CPP_S:-400}" python3 bench/cpp_runtime.py $(for x in $CPP_BUILDS; do echo $st/$x; done) \
+    --programs .gpu/cpp ${CPP_ARGS:-} --out "$out" 2>&1 | grep -v Warning | tail -20 ;;
 gemm)
   timeout "${GEMM_S:-170}" python3 bench/w12_gemm.py run .gpu/w12/gemm.so --out "$out" 2>&1 | tail -75 ;;
 esac

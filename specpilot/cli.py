@@ -379,6 +379,16 @@ def compile_(spec, target_text, device, output, passes, print_ir_after, dump_ir,
 
 @cli.command()
 @click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="the new build folder")
+def materialize(build_dir, output):
+    """Copy a --params seeded / load build with its weights written in (params/params.safetensors):
+    what the C++ runtime (libspecpilot) reads."""
+    from specpilot.runtime.materialize import materialize as run_materialize
+    click.echo(f"wrote {run_materialize(build_dir, output)}")
+
+
+@cli.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--prompt", help="prompt text")
 @click.option("--prompt-ids", help="prompt as comma-separated token ids")
 @click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=64, show_default=True)

@@ -56,7 +56,7 @@ std::vector<uint64_t> Batch::Impl::Step() {
   for (size_t i = 0; i < running.size(); ++i) {
     Request& r = running[i];
     r.scorer->Score(rows[i], {predicted[i]});
-    int32_t token = r.out->Emit(rows[i].row(0), rows[i].vocab);
+    int32_t token = r.out->Emit(Choose(engine.build, rows[i])[0]);
     r.out->gen.accepted.push_back(1);
     if (r.out->stopped()) {
       r.out->gen.seconds = std::chrono::duration<double>(Clock::now() - r.start).count();

@@ -115,7 +115,7 @@ void Build::ReadManifest() {
     if (m.at("params_source") != "file") {
       throw Error(Status::kBuild, dir_ + ": parameters are '" + m["params_source"].get<std::string>() +
                                       "' (made again by Python at load time); the C++ runtime reads params/params.safetensors: "
-                                      "compile with --params file");
+                                      "compile with --params file, or write them in with `specpilot materialize BUILD -o NEW`");
     }
     if (!m.contains("caches") || m["caches"].is_null()) {
       throw Error(Status::kBuild, path + ": no 'caches' field (made by an older SpecPilot); compile it again");

@@ -5,8 +5,7 @@
 
 namespace specpilot {
 
-int32_t Emitter::Emit(const float* row, int64_t vocab) {
-  int32_t token = Argmax(row, vocab);
+int32_t Emitter::Emit(int32_t token) {
   gen.tokens.push_back(token);
   if (stop_ids_.count(token) || static_cast<int>(gen.tokens.size()) >= max_new_) stopped_ = true;
   if (on_token_ && !on_token_(token)) stopped_ = true;
@@ -34,7 +33,7 @@ std::vector<int32_t> Context(const Loop& loop) {
 // The prefill: emits the first token (not yet fed to the target); returns it.
 int32_t Start(Loop& loop, State& state) {
   Rows rows = ScoredForward(loop.target, loop.scorer, StepItem{loop.prompt, &state}, false, true);
-  int32_t last = loop.out.Emit(rows.row(0), rows.vocab);
+  int32_t last = loop.out.Emit(Choose(loop.target.build(), rows)[0]);
   loop.out.gen.accepted.push_back(1);
   return last;
 }
@@ -61,9 +60,10 @@ StepItem TreeInputs(int32_t last, const Tree& tree, State& state) {
 int32_t VerifyTree(Loop& loop, State& state, int32_t last, const Tree& tree) {
   int base = state.length;
   Rows rows = ScoredForward(loop.target, loop.scorer, TreeInputs(last, tree, state), true);
+  std::vector<int32_t> choices = Choose(loop.target.build(), rows);
   auto [nodes, emitted] = Accept(tree, [&](int row) -> std::optional<int32_t> {
     if (loop.out.stopped()) return std::nullopt;
-    return loop.out.Emit(rows.row(row), rows.vocab);
+    return loop.out.Emit(choices[row]);
   });
   std::vector<int> kept{0};
   for (int i : nodes) kept.push_back(i + 1);
@@ -79,8 +79,63 @@ void Autoregressive(Loop& loop) {
   int32_t token = Start(loop, *state);
   while (!loop.out.stopped()) {
     Rows rows = ScoredForward(loop.target, loop.scorer, StepItem{{token}, state.get()}, false, true);
-    token = loop.out.Emit(rows.row(0), rows.vocab);
+    token = loop.out.Emit(Choose(loop.target.build(), rows)[0]);
     loop.out.gen.accepted.push_back(1);
+  }
+}
+
+bool CanDecodeOnDevice(const Loop& loop) {
+  return loop.target.build().function("choose").has_value() && loop.scorer.greedy();
+}
+
+void AutoregressiveOnDevice(Loop& loop, int window) {
+  const Build& build = loop.target.build();
+  DLDevice dev = build.device();
+  int capacity = loop.capacity;
+  auto state = loop.target.NewState();
+  constexpr int kStride = 16;   // int32s: position i at byte 64 i, so every view keeps kernels' alignment
+  std::vector<int32_t> positions(static_cast<size_t>(capacity) * kStride, 0);
+  for (int i = 0; i < capacity; ++i) positions[static_cast<size_t>(i) * kStride] = i;
+  // tables for every step's views: positions / slots, an all-true mask row, the state's pool row
+  Tensor arange = Int32(positions, {capacity * kStride}, dev);
+  Tensor ones = Bool(std::vector<uint8_t>(capacity, 1), {capacity}, dev);
+  Tensor row = Int32({state->row()}, {1}, dev);
+  Tensor chosen = Empty({window}, DLDataType{kDLInt, 32, 1}, dev);   // a window's choices, read back at once
+  ffi::Function choose = build.required("choose");
+  DLDataType i32{kDLInt, 32, 1}, boolean{kDLBool, 8, 1};
+  bool gdn = loop.target.has_gdn();
+
+  Rows first = ScoredForward(loop.target, loop.scorer, StepItem{loop.prompt, state.get()}, false, true);
+  Tensor token = choose(*first.device).cast<Tensor>();
+  std::vector<int32_t> heard(window);
+  int pending = 0;
+  auto hear = [&]() {   // the window's choices, in order; false once the emitter stops
+    Download(View(chosen, {pending}, 0), heard.data(), pending * 4);
+    for (int i = 0; i < pending; ++i) {
+      loop.out.Emit(heard[i]);
+      loop.out.gen.accepted.push_back(1);
+      if (loop.out.stopped()) return false;
+    }
+    pending = 0;
+    return true;
+  };
+  while (true) {
+    CopyInto(token, View(chosen, {1}, pending * 4));
+    if (++pending == window || static_cast<int>(loop.out.gen.tokens.size()) + pending >= loop.out.max_new()) {
+      if (!hear()) break;
+    }
+    int start = state->length;
+    state->CheckRoom(1);
+    ffi::Any out = build.required(loop.target.spec().which + "_decode")(
+        View(token, {1, 1}, i32, 0), View(arange, {1, 1}, i32, start * 4 * kStride), View(arange, {1, 1}, i32, start * 4 * kStride),
+        View(ones, {1, 1, start + 1}, boolean, 0), row, loop.target.kv(), state->conv(), state->rec(), build.params());
+    Tensor logits = gdn ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
+    if (gdn) {
+      auto parts = out.cast<ffi::Array<ffi::Any>>();
+      state->SetStates(parts[1].cast<Tensor>(), parts[2].cast<Tensor>());
+    }
+    state->length = start + 1;
+    token = choose(View(logits, {1, ShapeOf(logits).back()}, 0)).cast<Tensor>();
   }
 }
 
@@ -96,9 +151,10 @@ void Speculative(Loop& loop, Drafter& drafter, DraftSchedule schedule) {
     StepItem item{{last}, state.get()};
     item.tokens.insert(item.tokens.end(), draft.begin(), draft.end());
     Rows rows = ScoredForward(loop.target, loop.scorer, item, true);   // row i: target after draft[:i]
+    std::vector<int32_t> choices = Choose(loop.target.build(), rows);
     int committed = 0;
     for (size_t i = 0; i <= draft.size(); ++i) {
-      last = loop.out.Emit(rows.row(i), rows.vocab);
+      last = loop.out.Emit(choices[i]);
       ++committed;
       if (loop.out.stopped() || i == draft.size() || draft[i] != last) break;
     }
@@ -130,7 +186,8 @@ void SpeculativeTwoLevel(Loop& loop, Drafter& drafter, int budget) {
     std::vector<int32_t> chain;
     if (first.size()) {   // the nested 8-bit view's verification: a proposed chain, no state moved
       Rows view = ScoredForwardView(loop.target, loop.scorer, TreeInputs(last, first, *state));
-      auto [nodes, emitted] = Accept(first, [&](int row) -> std::optional<int32_t> { return Argmax(view.row(row), view.vocab); });
+      std::vector<int32_t> view_choices = Choose(loop.target.build(), view);
+      auto [nodes, emitted] = Accept(first, [&](int row) -> std::optional<int32_t> { return view_choices[row]; });
       for (int i : nodes) chain.push_back(first.tokens[i]);
       chain.push_back(emitted.back());
       if (static_cast<int>(chain.size()) > std::min(room, depth)) chain.resize(std::min(room, depth));

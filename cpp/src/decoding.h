@@ -10,15 +10,16 @@
 
 namespace specpilot {
 
-// Turns rows into emitted tokens: the argmax, ties to the lowest index; stops at max_new, a stop
-// token, or when the caller's callback says so.
+// Emits the target's choices (Choose: the argmax, ties to the lowest index); stops at max_new, a
+// stop token, or when the caller's callback says so.
 class Emitter {
  public:
   Emitter(int max_new, std::set<int32_t> stop_ids, std::function<bool(int32_t)> on_token)
       : max_new_(max_new), stop_ids_(std::move(stop_ids)), on_token_(std::move(on_token)) {}
-  int32_t Emit(const float* row, int64_t vocab);
+  int32_t Emit(int32_t token);
   bool stopped() const { return stopped_; }
   int remaining() const { return max_new_ - static_cast<int>(gen.tokens.size()); }
+  int max_new() const { return max_new_; }
   Generation gen;
 
  private:
@@ -50,6 +51,11 @@ struct Loop {
 };
 
 void Autoregressive(Loop& loop);
+// Greedy autoregressive decoding with the build's choose function: each step takes the previous
+// step's choice where it is and its other inputs as views of tables made once, so on a GPU the
+// host never waits on a step; every `window` steps the choices come back (stop tokens, streaming).
+bool CanDecodeOnDevice(const Loop& loop);
+void AutoregressiveOnDevice(Loop& loop, int window);
 void Speculative(Loop& loop, Drafter& drafter, DraftSchedule schedule);
 void SpeculativeTree(Loop& loop, Drafter& drafter, int budget);
 void SpeculativeTwoLevel(Loop& loop, Drafter& drafter, int budget);

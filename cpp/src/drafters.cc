@@ -219,7 +219,7 @@ std::vector<int32_t> ModelDrafter::ProposeChain(const std::vector<int32_t>& cont
   Rows logits = Sync(context);
   std::vector<int32_t> chain;
   for (int i = 0; i < n; ++i) {
-    int32_t best = Argmax(logits.row(logits.n - 1), logits.vocab);   // the top-1 of log_softmax
+    int32_t best = Choose(model_.build(), logits)[0];   // the top-1 of log_softmax
     chain.push_back(best);
     if (i + 1 < n) {
       logits = ScoredForward(model_, scorer_, StepItem{{best}, state_.get()}, true, true);

@@ -70,7 +70,8 @@ Generation Engine::Impl::Generate(const std::vector<int32_t>& prompt, const Gene
   Emitter out(options.max_new_tokens, StopIds(options), options.on_token);
   Loop loop{target, scorer, out, prompt, build.capacity()};
   if (engine == "compiled") {
-    Autoregressive(loop);
+    if (CanDecodeOnDevice(loop)) AutoregressiveOnDevice(loop, options.on_token ? 4 : 16);
+    else Autoregressive(loop);
   } else {
     std::unique_ptr<Drafter> d = NewDrafter(scorer);   // per generation: a drafter network holds a cache row
     const DrafterSpec& spec = build.drafter();

@@ -5,6 +5,11 @@
 
 namespace specpilot {
 
+const float* Rows::row(int64_t i) const {
+  if (host_.empty()) host_ = FloatRows(*device, 0, n);
+  return host_.data() + i * vocab;
+}
+
 std::vector<int32_t> Pass::Path(int index) const {
   std::vector<int32_t> out;
   while (index >= 0) {
@@ -77,7 +82,8 @@ Model::Model(const Build& build, const std::string& which)
       commit_(build.function(which + "_commit")),
       compact_kv_(build.function(which + "_compact_kv")),
       verify_view_(build.function(which + "_verify_view")),
-      kv_(spec_.caches.count("kv") ? Zeros("kv") : Placeholder()) {
+      kv_(spec_.caches.count("kv") ? Zeros("kv") : Placeholder()),
+      staging_(build.device()) {
   for (int r = build.max_batch() - 1; r >= 0; --r) free_rows_.push_back(r);
 }
 
@@ -140,12 +146,7 @@ Model::Inputs Model::Prepare(std::vector<StepItem>& items, bool record) {
       }
     }
   }
-  DLDevice dev = build_.device();
-  Inputs in;
-  in.T = T;
-  in.args = {Int32(tokens, {B, T}, dev), Int32(positions, {B, T}, dev), Int32(slots, {B, T}, dev),
-             Bool(mask, {B, T, L}, dev), Int32(rows, {B}, dev)};
-  if (record) in.args.push_back(Int32(parents, {B, T}, dev));
+  // the states first: settling one runs commit, whose inputs go through the same staging buffer
   Tensor conv, rec;
   if (spec_.has_gdn) {
     std::vector<Tensor> convs, recs;
@@ -159,6 +160,15 @@ Model::Inputs Model::Prepare(std::vector<StepItem>& items, bool record) {
     conv = items[0].state->conv();
     rec = items[0].state->rec();
   }
+  Inputs in;
+  in.T = T;
+  staging_.AddInt32(tokens, {B, T});
+  staging_.AddInt32(positions, {B, T});
+  staging_.AddInt32(slots, {B, T});
+  staging_.AddBool(mask, {B, T, L});
+  staging_.AddInt32(rows, {B});
+  if (record) staging_.AddInt32(parents, {B, T});
+  for (Tensor& t : staging_.Send()) in.args.push_back(t);
   in.args.insert(in.args.end(), {kv_, conv, rec, build_.params()});
   in.fn = record ? verify_ : T > 1 ? prefill_ : B == 1 ? decode_ : decode_batch_;
   in.parents = std::move(parents);
@@ -205,7 +215,7 @@ std::vector<Rows> Model::ForwardBatch(std::vector<StepItem>& items, bool record,
     r.vocab = ShapeOf(logits).back();
     int first = last_only ? n - 1 : 0;
     r.n = n - first;
-    r.values = FloatRows(logits, static_cast<int64_t>(b) * in.T + first, r.n);
+    r.device = AlignedView(logits, {r.n, r.vocab}, (static_cast<size_t>(b) * in.T + first) * r.vocab * 4);
     result.push_back(std::move(r));
     if (spec_.has_gdn) {
       Tensor conv = parts[1].cast<Tensor>(), rec = parts[2].cast<Tensor>();
@@ -251,7 +261,7 @@ Rows Model::ForwardView(const StepItem& item) {
   Rows r;
   r.vocab = ShapeOf(logits).back();
   r.n = static_cast<int64_t>(item.tokens.size());
-  r.values = FloatRows(logits, 0, r.n);
+  r.device = View(logits, {r.n, r.vocab}, 0);
   return r;
 }
 
@@ -274,9 +284,12 @@ void Model::AcceptPath(State& state, int base, const std::vector<int>& rows) {
       throw Error(Status::kBuild, build_.dir() + ": this build cannot keep a tree path (no " + spec_.which +
                                       "_compact_kv); build it with the tree-verify pass");
     }
-    DLDevice dev = build_.device();
     int m = static_cast<int>(src.size());
-    Call(*compact_kv_, {kv_, Int32({state.row()}, {1}, dev), Int32(src, {1, m}, dev), Int32(dst, {1, m}, dev)});
+    staging_.AddInt32({state.row()}, {1});
+    staging_.AddInt32(src, {1, m});
+    staging_.AddInt32(dst, {1, m});
+    auto in = staging_.Send();
+    Call(*compact_kv_, {kv_, in[0], in[1], in[2]});
   }
   if (spec_.has_gdn && !rows.empty()) {   // the tree pass's records: the state after the path's last token
     if (state.history.empty() || state.history.back()->start != base) {
@@ -322,9 +335,10 @@ void Model::Truncate(State& state, int length) {
 std::pair<Tensor, Tensor> Model::CommitAt(const Pass& pass, int index) {
   if (!commit_) throw Error(Status::kBuild, build_.dir() + ": no " + spec_.which + "_commit function");
   std::vector<int32_t> path = pass.Path(index);
-  DLDevice dev = build_.device();
-  ffi::Any out = Call(*commit_, {pass.conv_states, pass.rec_records, pass.rec_before,
-                                 Int32(path, {1, static_cast<int64_t>(path.size())}, dev), Int32({index}, {1}, dev)});
+  staging_.AddInt32(path, {1, static_cast<int64_t>(path.size())});
+  staging_.AddInt32({index}, {1});
+  auto in = staging_.Send();
+  ffi::Any out = Call(*commit_, {pass.conv_states, pass.rec_records, pass.rec_before, in[0], in[1]});
   auto parts = out.cast<ffi::Array<ffi::Any>>();
   return {parts[0].cast<Tensor>(), parts[1].cast<Tensor>()};
 }

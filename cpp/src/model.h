@@ -12,12 +12,19 @@
 
 namespace specpilot {
 
-// Float32 rows of a step's logits (or sampling scores), on the host.
+// Float32 rows of a step's logits (or sampling scores) where the build runs; read back to the host
+// only when a host needs values (a drafter's top-k, top-k / top-p cuts), not for the greedy choice.
 struct Rows {
   int64_t n = 0, vocab = 0;
-  std::vector<float> values;
-  const float* row(int64_t i) const { return values.data() + i * vocab; }
-  float* row(int64_t i) { return values.data() + i * vocab; }
+  std::optional<Tensor> device;     // (n, vocab) float32
+  const float* row(int64_t i) const;
+  void Replace(Tensor values) {     // new values for the same rows (sampling scores)
+    device = std::move(values);
+    host_.clear();
+  }
+
+ private:
+  mutable std::vector<float> host_;
 };
 
 // A recording verification pass of one sequence: what commit needs to rebuild the recurrent
@@ -97,6 +104,9 @@ class Model {
 
   void Release(int row) { free_rows_.push_back(row); }
   Tensor Zeros(const std::string& cache) const;
+  Tensor kv() const { return kv_; }
+  const ffi::Function& decode() const { return decode_; }
+  const Build& build() const { return build_; }
 
  private:
   struct Inputs;
@@ -111,6 +121,7 @@ class Model {
   std::optional<ffi::Function> commit_, compact_kv_, verify_view_;
   Tensor kv_;
   std::vector<int> free_rows_;
+  Staging staging_;
 };
 
 }  // namespace specpilot

@@ -19,6 +19,10 @@ Scorer::Scorer(const Build& build, const Sampling& sampling) : build_(build), sa
   }
 }
 
+bool Scorer::Cuts(int64_t vocab) const {
+  return (sampling_.top_k > 0 && sampling_.top_k < vocab) || sampling_.top_p < 1.0;
+}
+
 std::vector<float> Scorer::Controls(const Rows& rows) const {
   float inv_t = static_cast<float>(1.0 / sampling_.temperature);
   int64_t vocab = rows.vocab;
@@ -27,7 +31,7 @@ std::vector<float> Scorer::Controls(const Rows& rows) const {
   std::vector<float> values(vocab);
   for (int64_t r = 0; r < rows.n; ++r) {
     float low = -INFINITY;
-    if (k < vocab || sampling_.top_p < 1.0) {
+    if (Cuts(vocab)) {   // the rows' values are needed here only for a cut
       values.assign(rows.row(r), rows.row(r) + vocab);
       std::partial_sort(values.begin(), values.begin() + k, values.end(), std::greater<float>());
       if (k < vocab) low = values[k - 1];
@@ -62,10 +66,18 @@ void Scorer::Score(Rows& rows, const std::vector<int>& positions) const {
   DLDevice dev = build_.device();
   DLDataType f32{kDLFloat, 32, 1};
   std::vector<float> controls = Controls(rows);
-  Tensor scores = build_.required("sample_scores")(Upload(rows.values.data(), {R, rows.vocab}, f32, dev),
-                                                   Int32(keys, {R, 3}, dev), Upload(controls.data(), {R, 2}, f32, dev))
-                      .cast<Tensor>();
-  rows.values = FloatRows(scores, 0, R);
+  rows.Replace(build_.required("sample_scores")(*rows.device, Int32(keys, {R, 3}, dev), Upload(controls.data(), {R, 2}, f32, dev))
+                   .cast<Tensor>());
+}
+
+std::vector<int32_t> Choose(const Build& build, const Rows& rows) {
+  std::vector<int32_t> out(rows.n);
+  if (auto choose = build.function("choose")) {
+    Download((*choose)(*rows.device).cast<Tensor>(), out.data(), out.size() * 4);
+    return out;
+  }
+  for (int64_t r = 0; r < rows.n; ++r) out[r] = Argmax(rows.row(r), rows.vocab);
+  return out;
 }
 
 int32_t Argmax(const float* row, int64_t n) {

@@ -21,12 +21,17 @@ class Scorer {
 
  private:
   std::vector<float> Controls(const Rows& rows) const;   // (R, 2): 1 / T, lowest kept logit
+  bool Cuts(int64_t vocab) const;                         // top-k or top-p leave tokens out
   const Build& build_;
   Sampling sampling_;
 };
 
 // Index of the largest value, ties to the lowest index (argmax's rule on every device).
 int32_t Argmax(const float* row, int64_t n);
+
+// Every row's choice (Argmax's rule) by the build's choose function where the rows are (one int32
+// a row read back); builds without it: read back and chosen here.
+std::vector<int32_t> Choose(const Build& build, const Rows& rows);
 
 }  // namespace specpilot
 #endif  // SPECPILOT_SAMPLING_H_

@@ -2,6 +2,7 @@
 
 #include <tvm/ffi/dtype.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "specpilot/engine.hpp"
@@ -84,9 +85,64 @@ void Download(const Tensor& t, void* out, size_t nbytes) {
   if (nbytes) GLOBAL("runtime.TVMTensorCopyToBytes")(t, out, nbytes);
 }
 
-Tensor View(const Tensor& t, const Shape& shape, size_t byte_offset) {
-  return GLOBAL("runtime.TVMTensorCreateView")(t, ffi::Shape(shape), t.dtype(), static_cast<uint64_t>(byte_offset))
-      .cast<Tensor>();
+namespace {
+
+// keeps the viewed tensor alive; the view's data pointer is moved instead of its byte_offset
+struct ViewAlloc {
+  Tensor base;
+  size_t offset;
+  void AllocData(DLTensor* t) {
+    t->data = static_cast<char*>(base.data_ptr()) + base.byte_offset() + offset;
+    t->byte_offset = 0;
+  }
+  void FreeData(DLTensor*) {}
+};
+
+}  // namespace
+
+Tensor View(const Tensor& t, const Shape& shape, DLDataType dtype, size_t byte_offset) {
+  if (byte_offset + Elements(shape) * ElementBytes(dtype) > Bytes(t)) {
+    throw Error(Status::kRuntime, "a view past the end of its tensor");
+  }
+  return Tensor::FromNDAlloc(ViewAlloc{t, byte_offset}, ffi::Shape(shape), dtype, t.device());
+}
+
+Tensor View(const Tensor& t, const Shape& shape, size_t byte_offset) { return View(t, shape, t.dtype(), byte_offset); }
+
+Tensor AlignedView(const Tensor& t, const Shape& shape, size_t byte_offset) {
+  Tensor view = View(t, shape, byte_offset);
+  return byte_offset % 64 == 0 ? view : Clone(view);
+}
+
+void Staging::Add(const void* data, const Shape& shape, DLDataType dtype) {
+  size_t offset = (host_.size() + 63) / 64 * 64, n = Elements(shape) * ElementBytes(dtype);
+  host_.resize(offset + std::max<size_t>(n, 1));
+  if (n) std::memcpy(host_.data() + offset, data, n);
+  parts_.push_back(Part{offset, shape, dtype});
+}
+
+void Staging::AddInt32(const std::vector<int32_t>& values, const Shape& shape) {
+  if (static_cast<int64_t>(values.size()) != Elements(shape)) throw Error(Status::kRuntime, "staging: size mismatch");
+  Add(values.data(), shape, DLDataType{kDLInt, 32, 1});
+}
+
+void Staging::AddBool(const std::vector<uint8_t>& values, const Shape& shape) {
+  if (static_cast<int64_t>(values.size()) != Elements(shape)) throw Error(Status::kRuntime, "staging: size mismatch");
+  Add(values.data(), shape, DLDataType{kDLBool, 8, 1});
+}
+
+std::vector<Tensor> Staging::Send() {
+  DLDataType u8{kDLUInt, 8, 1};
+  if (!buffer_ || Bytes(*buffer_) < host_.size()) {   // grown by half again, so it settles
+    buffer_ = Empty({static_cast<int64_t>(std::max<size_t>(host_.size() * 3 / 2, 4096))}, u8, device_);
+  }
+  GLOBAL("runtime.TVMTensorCopyFromBytes")(View(*buffer_, {static_cast<int64_t>(host_.size())}, u8, 0),
+                                           static_cast<void*>(host_.data()), host_.size());
+  std::vector<Tensor> views;
+  for (const Part& p : parts_) views.push_back(View(*buffer_, p.shape, p.dtype, p.offset));
+  host_.clear();
+  parts_.clear();
+  return views;
 }
 
 void CopyInto(const Tensor& from, const Tensor& to) { GLOBAL("runtime.TVMTensorCopyFromTo")(from, to); }
@@ -112,7 +168,7 @@ std::vector<float> FloatRows(const Tensor& t, int64_t first, int64_t count) {
   int64_t vocab = shape.back();
   DLDataType dt = t.dtype();
   size_t eb = ElementBytes(dt);
-  Tensor rows = View(t, {count, vocab}, first * vocab * eb);
+  Tensor rows = View(t, {count, vocab}, first * vocab * eb);   // a copy source only: any offset
   std::vector<float> out(count * vocab);
   if (dt.code == kDLFloat && dt.bits == 32) {
     Download(rows, out.data(), out.size() * 4);

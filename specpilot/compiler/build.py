@@ -363,7 +363,7 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
     seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
              "drafter": drafter_init(d).model_dump() if drafter_init(d) else None}
     functions = sorted(gv.name_hint for gv in compiled_mod.get_global_vars()
-                       if gv.name_hint.startswith(("target_", "drafter_")) or gv.name_hint == "sample_scores")
+                       if gv.name_hint.startswith(("target_", "drafter_")) or gv.name_hint in ("sample_scores", "choose"))
     return Manifest(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         spec=spec.model_dump(mode="json", exclude={"path"}), spec_path=str(spec.path) if spec.path else None,

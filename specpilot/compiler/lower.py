@@ -513,6 +513,12 @@ class Deployment(nn.Module):
         return op.tensor_ir_op(kernel, "sample_scores", [logits, keys, controls],
                                Tensor.placeholder(logits.shape, "float32"))
 
+    def choose(self, logits):
+        """Each row's argmax (ties to the lowest index) where the build runs (`kernels.argmax_rows`):
+        a runtime holding logits on the device reads back a token a row."""
+        kernel = kernels.argmax_rows(self.target.cfg.vocab_size, self.target.gpu)
+        return op.tensor_ir_op(kernel, "argmax_rows", [logits], Tensor.placeholder((logits.shape[0],), "int32"))
+
 
 def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) -> None:
     """An early-exit drafter reads the target's own weights: point its parameters at them
@@ -595,5 +601,7 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
     spec["sample_scores"] = _sampling_spec(target_cfg)
+    spec["choose"] = {"logits": nn.spec.Tensor(["rows", target_cfg.vocab_size], "float32"),
+                      "$": {"param_mode": "none", "effect_mode": "none"}}
     mod, params = Deployment(target, drafter).export_tvm(spec=spec)
     return mod, [name for name, _ in params]

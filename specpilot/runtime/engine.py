@@ -91,6 +91,10 @@ class CompiledModule:
         self.functions = {name: self.vm[name] for name in self.manifest.functions}
         self._models: dict[str, CompiledModel] = {}
 
+    def stored_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """(the parameters as the build stores them -- each shared tensor once --, aliases)."""
+        return self._stored, self._aliases
+
     def _check_hashes(self) -> None:
         from specpilot.core.weights import file_digest
         for rel, digest in self.manifest.hashes.items():

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -247,3 +248,31 @@ def test_the_readme_example_compiles_and_runs(small_build, programs, system, tmp
     assert [int(t) for t in run.stdout.split()] == system.generate("compiled-tree", [1, 2, 3, 4], 16).tokens
     missing = subprocess.run([str(tmp_path / "demo"), str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert missing.returncode == 1 and "not a build directory" in missing.stderr
+
+
+def test_a_seeded_build_runs_once_materialized(programs, tmp_path):
+    """`--params seeded` builds make their weights in Python at load time: the C++ runtime refuses
+    them, saying how to write them in; `specpilot materialize` does, and the copy gives the
+    Python engine's tokens."""
+    import yaml
+
+    from tests.build_helpers import compile_cli
+    spec = {"target": {"architecture": "LlamaForCausalLM", "config": TINY_CONFIGS["LlamaForCausalLM"], "init": {"seed": 4}},
+            "drafter": {"kind": "ngram", "draft_len": 3}, "deployment": {"max_seq_len": 96},
+            "passes": "tree-verify{budget=6}"}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(spec))
+    compile_cli(tmp_path / "model.yaml", "llvm", tmp_path / "seeded", "--params", "seeded")
+    refused = run_generate(programs, tmp_path / "seeded", [PROMPT], (), 8)
+    assert refused.returncode == 1 and "specpilot materialize" in refused.stderr, refused.stderr
+    exe = Path(sys.executable).with_name("specpilot")
+    done = subprocess.run([str(exe), "materialize", str(tmp_path / "seeded"), "-o", str(tmp_path / "file")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    again = subprocess.run([str(exe), "materialize", str(tmp_path / "seeded"), "-o", str(tmp_path / "file")],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and "exists" in again.stderr       # nothing overwritten
+    want = from_build(tmp_path / "seeded")
+    got = generate(programs, tmp_path / "file", [PROMPT, PROMPT[:3]], ["compiled", "compiled-tree"], 24)
+    for i, prompt in enumerate([PROMPT, PROMPT[:3]]):
+        tokens = want.generate("compiled", prompt, 24).tokens
+        assert got[("compiled", i)]["tokens"] == tokens and got[("compiled-tree", i)]["tokens"] == tokens
