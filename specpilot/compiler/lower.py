@@ -516,8 +516,12 @@ class Deployment(nn.Module):
     def choose(self, logits):
         """Each row's argmax (ties to the lowest index) where the build runs (`kernels.argmax_rows`):
         a runtime holding logits on the device reads back a token a row."""
-        kernel = kernels.argmax_rows(self.target.cfg.vocab_size, self.target.gpu)
-        return op.tensor_ir_op(kernel, "argmax_rows", [logits], Tensor.placeholder((logits.shape[0],), "int32"))
+        vocab, rows = self.target.cfg.vocab_size, logits.shape[0]
+        if not self.target.gpu:
+            return op.tensor_ir_op(kernels.argmax_rows(vocab), "argmax_rows", [logits], Tensor.placeholder((rows,), "int32"))
+        parts = op.tensor_ir_op(kernels.argmax_parts(vocab), "argmax_parts", [logits],
+                                Tensor.placeholder((rows, kernels.ARGMAX_PARTS, 2), "float32"))
+        return op.tensor_ir_op(kernels.argmax_merge(vocab), "argmax_merge", [parts], Tensor.placeholder((rows,), "int32"))
 
 
 def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) -> None:

@@ -28,6 +28,16 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k (indices, values), best first and equal values in index order -- the rule of every
+    token choice here (topk's own order among equal values is the device's), so the chain a drafter
+    proposes is the same on every engine, the C++ runtime's included."""
+    top = logp.topk(k)
+    indices, order = top.indices.sort()
+    values, rank = top.values[order].sort(descending=True, stable=True)
+    return indices[rank], values
+
+
 class ModelDrafter:
     def __init__(self, model: ReferenceModel, top_k: int, capacity: int, name: str = "model",
                  temperature: float = 1.0):
@@ -84,8 +94,8 @@ class ModelDrafter:
         return expand
 
     def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
-        top = logp.topk(self.top_k)
-        return list(zip(top.indices.tolist(), top.values.tolist()))
+        indices, values = _ranked(logp, self.top_k)
+        return list(zip(indices.tolist(), values.tolist()))
 
     def _tree_capable(self) -> bool:
         """One drafter pass can score a whole tree (ancestor mask, depth positions); a compiled
@@ -132,12 +142,12 @@ class ModelDrafter:
         logits = self._sync(context)
         tokens, logprobs = [], []
         for i in range(n):
-            top = self._logp(logits).topk(self.top_k)
-            tokens.append(top.indices)
-            logprobs.append(top.values)
+            indices, values = _ranked(self._logp(logits), self.top_k)
+            tokens.append(indices)
+            logprobs.append(values)
             if i + 1 < n:
-                logits = self.model.forward(top.indices[:1], self.state, record=True)[-1]
-                self.consumed.append(int(top.indices[0]))
+                logits = self.model.forward(indices[:1], self.state, record=True)[-1]
+                self.consumed.append(int(indices[0]))
         return Lattice(torch.stack(tokens), torch.stack(logprobs))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tvm
 
-from specpilot.kernels.choice import argmax_rows
+from specpilot.kernels.choice import argmax_merge, argmax_parts, argmax_rows
 from tests.kernel_helpers import sm90_source
 
 
@@ -27,16 +27,17 @@ def _rows(rng, n: int, vocab: int) -> np.ndarray:
 def test_cpu_form_matches_numpy(vocab):
     rng = np.random.default_rng(vocab)
     x = _rows(rng, 6, vocab) if vocab >= 4 else rng.standard_normal((5, vocab)).astype("float32")
-    lib = tvm.compile(tvm.IRModule({"main": argmax_rows(vocab, False).with_attr("global_symbol", "main")}),
+    lib = tvm.compile(tvm.IRModule({"main": argmax_rows(vocab).with_attr("global_symbol", "main")}),
                       target="llvm")
     out = tvm.runtime.tensor(np.zeros(len(x), "int32"))
     lib["main"](tvm.runtime.tensor(x), out)
     np.testing.assert_array_equal(out.numpy(), np.argmax(x, axis=1))   # numpy: first occurrence
 
 
-def test_gpu_form_compiles_to_sm90_code_without_a_gpu(tmp_path):
-    """Block per row, shared-memory halvings with ThreadSync's barriers (none under a condition);
-    run on the H200 through the C++ runtime's token checks."""
-    text = sm90_source(tmp_path, "from specpilot.kernels.choice import argmax_rows",
-                       "{'wide': argmax_rows(248320, True), 'odd': argmax_rows(301, True)}")
-    assert "wide_kernel" in text and "odd_kernel" in text and "__syncthreads()" in text
+def test_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
+    """Blocks over parts of a row, then a block a row over the parts; shared-memory halvings with
+    ThreadSync's barriers (none under a condition).  Run on the H200 through bench/cpp_runtime.py's
+    token checks (every choice the C++ runtime makes there is this kernel's)."""
+    text = sm90_source(tmp_path, "from specpilot.kernels.choice import argmax_merge, argmax_parts",
+                       "{'wide': argmax_parts(248320), 'odd': argmax_parts(301), 'merge': argmax_merge(301)}")
+    assert "wide_kernel" in text and "odd_kernel" in text and "merge_kernel" in text and "__syncthreads()" in text
