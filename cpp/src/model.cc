@@ -1,5 +1,7 @@
 #include "model.h"
 
+#include "tree.h"
+
 #include <algorithm>
 #include <set>
 
@@ -10,15 +12,7 @@ const float* Rows::row(int64_t i) const {
   return host_.data() + i * vocab;
 }
 
-std::vector<int32_t> Pass::Path(int index) const {
-  std::vector<int32_t> out;
-  while (index >= 0) {
-    out.push_back(index);
-    index = parents[index];
-  }
-  std::reverse(out.begin(), out.end());
-  return out;
-}
+std::vector<int32_t> Pass::Path(int index) const { return RootPath(parents, index); }
 
 State::State(Model* model, int row) : model_(model), row_(row) {
   const auto& caches = model->spec().caches;

@@ -9,7 +9,7 @@
 
 namespace specpilot {
 
-std::vector<int32_t> Tree::Path(int i) const {
+std::vector<int32_t> RootPath(const std::vector<int32_t>& parents, int i) {
   std::vector<int32_t> out;
   while (i >= 0) {
     out.push_back(i);
@@ -18,6 +18,8 @@ std::vector<int32_t> Tree::Path(int i) const {
   std::reverse(out.begin(), out.end());
   return out;
 }
+
+std::vector<int32_t> Tree::Path(int i) const { return RootPath(parents, i); }
 
 std::vector<int32_t> Tree::PathTokens(int i) const {
   std::vector<int32_t> out;

@@ -20,6 +20,9 @@ struct Expander {
   ExpandBatch batch;
 };
 
+// Index i's path from the top of a parent forest (-1: no parent) down to i, top first.
+std::vector<int32_t> RootPath(const std::vector<int32_t>& parents, int i);
+
 struct Tree {
   std::vector<int32_t> tokens, parents, depths;   // parent -1: the root (the last emitted token)
   std::vector<double> scores;
