@@ -43,13 +43,12 @@ cpp-asan: $(STAMP)
 	cmake -S cpp -B build/cpp-asan -DCMAKE_BUILD_TYPE=Debug -DSPECPILOT_SANITIZE=ON -DPython3_EXECUTABLE=$(abspath $(BIN))/python >/dev/null
 	cmake --build build/cpp-asan -j2
 
-# two workers (the machine's cores; a test file stays on one worker, so its module fixtures are built once)
 test: $(STAMP) cpp cpp-asan
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 # the inner loop: the suite without its slow tests (whole builds forced end to end, sm_90 compiles, the search)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # the fuzz suite at 20x the examples CI runs (tests/test_fuzz.py)
 fuzz: $(STAMP)
