@@ -102,6 +102,7 @@ void AutoregressiveOnDevice(Loop& loop, int window) {
   Tensor row = Int32({state->row()}, {1}, dev);
   Tensor chosen = Empty({window}, DLDataType{kDLInt, 32, 1}, dev);   // a window's choices, read back at once
   ffi::Function choose = build.required("choose");
+  const ffi::Function& decode = loop.target.decode();
   DLDataType i32{kDLInt, 32, 1}, boolean{kDLBool, 8, 1};
   bool gdn = loop.target.has_gdn();
 
@@ -126,7 +127,7 @@ void AutoregressiveOnDevice(Loop& loop, int window) {
     }
     int start = state->length;
     state->CheckRoom(1);
-    ffi::Any out = build.required(loop.target.spec().which + "_decode")(
+    ffi::Any out = decode(
         View(token, {1, 1}, i32, 0), View(arange, {1, 1}, i32, start * 4 * kStride), View(arange, {1, 1}, i32, start * 4 * kStride),
         View(ones, {1, 1, start + 1}, boolean, 0), row, loop.target.kv(), state->conv(), state->rec(), build.params());
     Tensor logits = gdn ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
