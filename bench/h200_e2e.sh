@@ -5,6 +5,9 @@
 #   bash bench/h200_e2e.sh stage DIR...     copy carried folders into /tmp/e2e (runtime TVM, wheels, GGUF parts)
 #   bash bench/h200_e2e.sh smol [BUILD...]  assemble + check the GGUF, run the bench on each build, JSON to $OUT
 #   bash bench/h200_e2e.sh serve BUILD      sampled forcing and bench, then bench/serve_load.py (1, 8, 32 clients)
+#   bash bench/h200_e2e.sh full-check       the counter-based seeded draw on the GPU equals the CPU's
+#   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
+#   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
 # for serving fastapi, uvicorn, prometheus-client, openai and theirs: `pip download --python-version 3.12`), the GGUF split in
 # three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
@@ -23,8 +26,19 @@ prepare() {
   [ -f $G ] || cat $E/smolpart.* > $G
   echo "$(cat $E/sha256)  $G" | sha256sum -c
   setup
+  unpack
+}
+unpack() {
   b=$E/builds; mkdir -p $b
   for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+}
+# batch 1 at a 4k context: prompts of 4096 token ids (a seeded model has no tokenizer; any ids will do)
+long_prompts() {
+  [ -f $E/long.jsonl ] || python3 -c "
+import json, random
+r = random.Random(0)
+for _ in range(4):
+    print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(4096)]}))" > $E/long.jsonl
 }
 case "${1:-}" in
   stage)
@@ -63,5 +77,36 @@ case "${1:-}" in
     timeout ${LOAD_S:-300} python3 bench/serve_load.py $build --engines compiled,compiled-tree --clients 1,8,32 \
       --seconds ${LOAD_SECONDS:-12} --max-tokens 128 -o $OUT/serve-load-smollm2-ngram.json
     ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD]" >&2; exit 2 ;;
+  full-check)
+    # the counter-based draw on the GPU equals the CPU's (what lets a seeded 27B-class model be drawn where it runs)
+    setup
+    python3 - <<'PY'
+import torch
+from specpilot.core import counter_draw
+a = counter_draw.normal(7, "w", (4099, 1031), 0.03)
+b = counter_draw.normal(7, "w", (4099, 1031), 0.03, device="cuda", dtype=torch.bfloat16)
+print("counter draw, CUDA == CPU:", torch.equal(a, b.float().cpu()))
+PY
+    ;;
+  full-ref)
+    # compiled AR vs transformers generate, eager and torch.compile (static cache), on the same weights
+    shift; setup; unpack
+    long_prompts
+    timeout ${REF_S:-420} python3 -m specpilot.cli bench $b/$1 --prompts $E/long.jsonl --requests ${REF_REQUESTS:-1} \
+      --max-new-tokens ${REF_TOKENS:-64} --engines ${REF_ENGINES:-compiled,hf-generate,hf-compiled} --breakdown-requests 0 \
+      --tie-tolerance ${TIE:-auto} -o $OUT/e2e-27b-full-reference.json 2>&1 | tail -12 ;;
+  full-sweep)
+    # the replay drafter at each alpha and on recorded profiles, every engine of the build, AR first; forced onto
+    # AR's tokens (a deep seeded bf16 model is full of near-ties that would take a run off the recorded continuation)
+    shift; setup; unpack
+    long_prompts
+    engines=compiled,compiled-tree
+    grep -q '"two_level": true' $b/$1/manifest.json && engines=compiled,compiled-tree,compiled-two-level
+    engines=$engines${EXTRA_ENGINES:+,$EXTRA_ENGINES}
+    timeout ${SWEEP_S:-420} python3 -m specpilot.cli bench $b/$1 --prompts $E/long.jsonl --requests ${REQUESTS:-2} \
+      --max-new-tokens ${TOKENS:-256} --engines $engines --replay-alpha ${ALPHAS:-0.6,0.7,0.8,0.9} \
+      $(for f in ${PROFILES:-bench/profiles/smollm2-l12-tree64-code.json}; do echo --replay-profile $f; done) \
+      --tie-tolerance ${TIE:-auto} --breakdown-requests 1 --forced -o $OUT/e2e-27b-full-$1.json 2>&1 | tail -40 ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD" >&2
+     exit 2 ;;
 esac

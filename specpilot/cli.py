@@ -187,6 +187,31 @@ def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[s
     return own + (stock if reference else []), system.hf_engines() if reference else []
 
 
+def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> list:
+    """The acceptance plans of --replay-alpha / --replay-profile (a replay drafter's only)."""
+    from specpilot.core.acceptance_profile import read_profile
+    from specpilot.runtime.bench import ReplayPlan
+
+    if not alphas and not profiles:
+        return []
+    if system.setup is None or system.setup.kind != "replay":
+        raise SpecPilotError("--replay-alpha / --replay-profile need a replay drafter (drafter: {kind: replay})")
+    seed = int((system.setup.replay or {}).get("seed", 0))
+    plans = []
+    for text in (alphas or "").split(","):
+        if not text.strip():
+            continue
+        try:
+            alpha = float(text)
+        except ValueError:
+            raise SpecPilotError(f"--replay-alpha: {text.strip()!r} is not a number") from None
+        if not 0 <= alpha <= 1:
+            raise SpecPilotError(f"--replay-alpha: {alpha} is not a rate in [0, 1]")
+        plans.append(ReplayPlan(f"alpha={alpha:g}", {"alpha": alpha, "seed": seed}))
+    plans += [ReplayPlan(f"profile={p.name}", {"accepted": read_profile(p)}) for p in profiles]
+    return plans
+
+
 @cli.command()
 @click.argument("spec_or_build")
 @click.option("--engines", help="comma-separated engines (default: every engine the build has, AR first, "
@@ -203,12 +228,18 @@ def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[s
               help="bf16/fp16: near-ties below this AR margin are excused (listed); 'auto' derives it")
 @click.option("--record-profile", type=click.Path(dir_okay=False, path_type=Path),
               help="write the acceptance profile of the most speculative engine (for `drafter: {kind: replay}`)")
+@click.option("--forced", is_flag=True, help="run the speculative engines token-forced onto AR's tokens, checking "
+                                              "their own choices at every position (bf16 replay projections)")
+@click.option("--replay-alpha", help="replay drafter: run the speculative engines once per per-token acceptance "
+                                     "rate, comma-separated (e.g. 0.6,0.7,0.8,0.9)")
+@click.option("--replay-profile", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="replay drafter: run the speculative engines once per recorded acceptance profile (repeatable)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, output, plot, as_json, sampling=None):
+          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, output, plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -222,15 +253,17 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     system = _load_system(spec_or_build)
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
+    replays = _replay_plans(system, replay_alpha, replay_profile)
     if sampling is not None and not engines:
         hf = []       # transformers' sampling draws other tokens; its rows are greedy-only
     console = Console(stderr=True)
     kind = system.setup.kind if system.setup else ""
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
-        task = progress.add_task("bench", total=len(ids) * (len(own) + len(hf)))
+        task = progress.add_task("bench", total=len(ids) * (1 + (len(own) - 1) * max(1, len(replays)) + len(hf)))
         run = Bench(system, ids, max_new_tokens, warmup, lambda m, advance=0: progress.update(
-            task, description=m, advance=advance), kind, tie_tolerance, sampling).run(own, hf, breakdown_requests)
-    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": prompts, "requests": len(ids),
+            task, description=m, advance=advance), kind, tie_tolerance, sampling, forced).run(
+                own, hf, breakdown_requests, replays)
+    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts), "requests": len(ids),
             "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind,
             "sampling": sampling.model_dump() if sampling else None}
     result = bench_report(run, meta)

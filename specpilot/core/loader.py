@@ -37,7 +37,7 @@ def load_source(spec: Spec, source: ModelSource, key: str, weights: bool = True)
             tok, desc = directory, str(path)
         else:
             cfg = config_from_hf(source.config, where=f"{spec.path}: {key}.config", architecture=source.architecture)
-            weights = random_weights(cfg, source.init.seed, source.init.round_to) if weights else {}
+            weights = random_weights(cfg, **source.init.model_dump()) if weights else {}
             tok, desc = None, f"{source.architecture} (random, seed {source.init.seed})"
     except (CheckpointError, SpecError):
         raise

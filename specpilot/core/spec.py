@@ -37,6 +37,9 @@ class _Strict(BaseModel):
 class RandomInit(_Strict):
     seed: int = Field(ge=0)
     round_to: Literal["bfloat16"] | None = None   # draw, then round every weight to a bf16 value
+    # "device": a counter-based draw of bf16 values where the engine runs (`core.counter_draw`), for
+    # models too large to draw in float32 on the host; "host": one float32 generator on the host
+    draw: Literal["host", "device"] = "host"
 
 
 class ModelSource(_Strict):

@@ -76,13 +76,20 @@ def check_fits(nbytes: int, what: str) -> None:
         raise SpecPilotError(f"{what} needs ~{nbytes / 2 ** 30:.1f} GiB; this machine has {total / 2 ** 30:.1f} GiB")
 
 
-def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None, draw: str = "host",
+                   device=None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A seeded random model whose greedy output is varied rather than flat.
 
     Matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms near their identity, Gated
-    DeltaNet decay parameters in their trained ranges.  Deterministic for a seed: tensors
-    are drawn in sorted-name order from one generator.
+    DeltaNet decay parameters in their trained ranges.  ``draw="host"``: float32 on the host,
+    drawn in sorted-name order from one generator.  ``draw="device"``: counter-based
+    (`core.counter_draw`: the same values on every device), bf16 values held in ``dtype`` on
+    ``device`` -- for models too large to draw in float32 on the host.
     """
+    if draw == "device":
+        return _counter_weights(cfg, seed, device, dtype or torch.float32)
+    if draw != "host":
+        raise SpecPilotError(f"init.draw must be 'host' or 'device', not {draw!r}")
     shapes = parameter_shapes(cfg)
     check_fits(sum(math.prod(s) for s in shapes.values()) * 4, "drawing this model's float32 weights")
     gen = torch.Generator().manual_seed(seed)
@@ -93,18 +100,48 @@ def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None) -> 
         elif name.endswith("dt_bias"):
             t = torch.empty(shape).uniform_(-1.0, 1.0, generator=gen)
         elif len(shape) == 1:  # norms and biases: small perturbation of identity / zero
-            base = 0.0 if (cfg.zero_centered_norm and "norm" in name and "linear_attn.norm" not in name) else 1.0
-            if name.endswith(".bias"):
-                base = 0.0
-            t = base + 0.1 * torch.randn(shape, generator=gen)
+            t = _vector_base(cfg, name) + 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
-            # with a tied head, a unit-scale embedding dominates the residual stream and the model
-            # echoes its input token; a smaller one lets the layers decide
-            t = torch.randn(shape, generator=gen) * (0.1 if cfg.tie_word_embeddings else 1.0)
+            t = torch.randn(shape, generator=gen) * _matrix_std(cfg, name, shape)
         else:
-            fan_in = math.prod(shape[1:])
-            t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+            t = torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
         weights[name] = t.to(torch.bfloat16).float() if round_to == "bfloat16" else t.float()
+    return weights
+
+
+def _vector_base(cfg: ModelConfig, name: str) -> float:
+    """A norm's identity (1, or 0 for zero-centred norms) or a bias's 0."""
+    if name.endswith(".bias"):
+        return 0.0
+    return 0.0 if (cfg.zero_centered_norm and "norm" in name and "linear_attn.norm" not in name) else 1.0
+
+
+def _matrix_std(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> float:
+    if name == "model.embed_tokens.weight":
+        # with a tied head, a unit-scale embedding dominates the residual stream and the model
+        # echoes its input token; a smaller one lets the layers decide
+        return 0.1 if cfg.tie_word_embeddings else 1.0
+    return 1.0 / math.sqrt(math.prod(shape[1:]))
+
+
+def _counter_weights(cfg: ModelConfig, seed: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from specpilot.core import counter_draw
+
+    shapes = parameter_shapes(cfg)
+    if torch.device(device or "cpu").type == "cpu":
+        check_fits(sum(math.prod(s) for s in shapes.values()) * dtype.itemsize, "drawing this model's weights")
+    weights = {}
+    for name, shape in sorted(shapes.items()):
+        if len(shape) == 1:           # small vectors: drawn on the host in float64, then rounded
+            if name.endswith("A_log"):
+                t = counter_draw.uniform(seed, name, shape, 1.0, 16.0).log()
+            elif name.endswith("dt_bias"):
+                t = counter_draw.uniform(seed, name, shape, -1.0, 1.0)
+            else:
+                t = _vector_base(cfg, name) + 0.1 * counter_draw.normal(seed, name, shape).double()
+            weights[name] = t.to(torch.bfloat16).to(device=device, dtype=dtype)
+        else:
+            weights[name] = counter_draw.normal(seed, name, shape, _matrix_std(cfg, name, shape), device, dtype)
     return weights
 
 

@@ -115,7 +115,9 @@ class CompiledModule:
 
         from specpilot.core.weights import dedupe, params_digest, random_weights, rewritten_parameters
         cfgs = {which: ModelConfig.from_dict(d) for which, d in m.models.items()}
-        seeds = m.seeds
+        on_gpu = self.device.dlpack_device_type() == 2
+        where = {"device": "cuda" if on_gpu else None, "dtype": getattr(torch, m.dtype)}   # device draws
+        seeds = {which: {**s, **where} for which, s in m.seeds.items() if s}
         if m.params_source == "load":
             target = self._referenced_target(cfgs["target"])
         else:
@@ -133,8 +135,7 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
-        values = rewritten_parameters(m, target, drafter,
-                                      device="cuda" if self.device.dlpack_device_type() == 2 else None)
+        values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None)
         if list(values) != m.params:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")
@@ -157,6 +158,9 @@ class CompiledModule:
         aliases = self._aliases
         on_device = {}
         for name, tensor in self._stored.items():
+            if tensor.is_cuda:      # drawn or converted on the device: shared with torch, not copied
+                on_device[name] = self.tvm.runtime.from_dlpack(tensor.contiguous())
+                continue
             host = self.tvm.runtime.from_dlpack(tensor.clone())   # safetensors data may be unaligned
             on_device[name] = host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
         try:

@@ -47,17 +47,52 @@ def _rebuild_meta_buffers(model, device) -> None:
         setattr(parent, name.rsplit(".", 1)[-1], rebuilt)
 
 
-def hf_generate(model, prompt: list[int], max_new: int, compiled: bool = False, **assist) -> tuple[list[int], float]:
-    """Greedy ``generate`` of exactly ``max_new`` tokens: (tokens, seconds).  ``assist``: transformers'
+def hf_generate(model, prompt: list[int], max_new: int, compiled: bool = False, cache_length: int | None = None,
+                **assist) -> tuple[list[int], float]:
+    """Greedy ``generate`` of exactly ``max_new`` tokens: (tokens, seconds).  ``compiled``: a static
+    cache of ``cache_length`` positions (so every call has the same shapes and compiles once) and the
+    decoding forward under ``torch.compile`` (checked to have happened).  ``assist``: transformers'
     assisted-generation arguments (``assistant_model=`` or ``prompt_lookup_num_tokens=``)."""
+    from transformers import StoppingCriteriaList
+
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
-    extra = {"cache_implementation": "static"} if compiled else {}
+    extra, budget = {}, max_new
+    if compiled:
+        budget = max(max_new, (cache_length or 0) - len(prompt))
+        extra = {"cache_implementation": "static", "compile_config": _compile_config(device),
+                 "stopping_criteria": StoppingCriteriaList([_StopAt(len(prompt) + max_new)])}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                              min_new_tokens=max_new, do_sample=False, pad_token_id=0, **extra, **assist)
     sync()
-    return out[0, len(prompt):].tolist(), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if compiled and getattr(model, "_compiled_call", None) is None:
+        raise SpecPilotError("transformers ran generate without compiling the forward (static cache refused?)")
+    return out[0, len(prompt):len(prompt) + max_new].tolist(), seconds
+
+
+class _StopAt:
+    """transformers stopping criterion: done once the sequence has ``length`` tokens."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def _compile_config(device: torch.device):
+    """transformers' compile settings: its default (CUDA graphs) on a GPU; plain inductor elsewhere,
+    where transformers would not compile by itself."""
+    from transformers import CompileConfig
+
+    if device.type == "cuda":
+        return CompileConfig()
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True     # transformers' switch for compiling off the GPU
+    return config

@@ -39,11 +39,22 @@ class Oracle:
         return tuple(prompt) in self.runs
 
     def find(self, context: list[int]) -> tuple[int, tuple[int, ...], list[int]]:
-        """(request index, prompt, continuation) of the registered run ``context`` follows."""
+        """(request index, prompt, continuation) of the registered run ``context`` follows.  A context
+        that left its run (a bf16 engine taking the other side of a near-tie) gets the continuation
+        cut where it left: every draft past that point is wrong."""
+        left = None
         for index, (prompt, tokens) in enumerate(self.runs.items()):
             n = len(prompt)
-            if tuple(context[:n]) == prompt and list(context[n:]) == tokens[:len(context) - n]:
+            if tuple(context[:n]) != prompt:
+                continue
+            generated = context[n:]
+            agree = next((i for i, (a, b) in enumerate(zip(generated, tokens)) if a != b),
+                         min(len(generated), len(tokens)))
+            if agree == len(generated) or agree == len(tokens):
                 return index, prompt, tokens
+            left = left or (index, prompt, tokens[:agree])
+        if left is not None:
+            return left
         raise SpecPilotError("the replay drafter has no greedy continuation of this prompt; run the target "
                              "autoregressively on it first (`specpilot bench` does)")
 
@@ -75,7 +86,8 @@ class ReplayDrafter:
 
     def _locate(self, context: list[int]):
         """(generated index of the next position, continuation, rejection points) for ``context``."""
-        if self.run is None or tuple(context[:len(self.run[0])]) != self.run[0]:
+        if self.run is None or tuple(context[:len(self.run[0])]) != self.run[0] \
+                or list(context[len(self.run[0]):]) != self.run[1][:len(context) - len(self.run[0])]:
             index, prompt, tokens = self.oracle.find(context)
             self.run = (prompt, tokens, rejection_points(self.plan, index, prompt, len(tokens) + 1))
         prompt, tokens, wrong = self.run

@@ -92,10 +92,11 @@ class System:
         return "compiled" if "compiled" in self.engines else "stock"
 
     def hf_engines(self) -> list[str]:
-        """The transformers reference rows this system can run: greedy ``generate`` always; assisted
+        """The transformers reference rows this system can run: greedy ``generate`` always (eager, and
+        with a static cache under ``torch.compile``); assisted
         generation for an n-gram drafter (prompt lookup) or a draft model, on targets without
         recurrent state (transformers refuses assisted generation on stateful models)."""
-        names = ["hf-generate"]
+        names = ["hf-generate", "hf-compiled"]
         cfg = self.engines["stock"].model.cfg
         kind = self.setup.kind if self.setup else None
         if not cfg.is_hybrid and (kind == "ngram" or (kind == "model" and self.draft_reference is not None)):
@@ -108,6 +109,8 @@ class System:
 
         if name not in self.hf_engines():
             raise SpecPilotError(f"no transformers row {name!r} for this system; available: {', '.join(self.hf_engines())}")
+        if name == "hf-compiled":     # the same model; generate compiles it for a static cache
+            return self.hf_models("hf-generate")
         if name not in self._hf:
             ref = self.engines["stock"].model
             model = hf_model(ref.cfg, ref.w, ref.dtype, ref.device)
@@ -268,7 +271,8 @@ def from_spec(spec) -> System:
     if budget:
         engines["stock-tree"] = Engine(reference, make, budget)
     if dtype != torch.float32:
-        engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32)))
+        engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32,
+                                                                  weight_format="stored")))
     return System(engines, load_tokenizer(target.tokenizer_path, target.cfg.vocab_size), capacity,
                   d.draft_len, tuple(target.cfg.eos_token_ids), spec.deployment.dtype,
                   setup=setup, oracle=oracle, draft_reference=draft_model)
@@ -299,7 +303,7 @@ def from_build(build_dir: Path) -> System:
             engines["compiled-two-level"] = Engine(compiled["target"], cmp_make, budget, two_level=True)
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
-                                                                  torch.float32, device)))
+                                                                  torch.float32, device, weight_format="stored")))
     tok = Path(build_dir) / m.tokenizer if m.tokenizer else None
     cfg = refs["target"].cfg
     return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,

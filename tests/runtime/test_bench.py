@@ -3,6 +3,7 @@ against AR and its JSON complete; replayed acceptance equal to the recorded prof
 
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import yaml
 from specpilot.core.acceptance_profile import read_profile, write_profile
 from specpilot.core.errors import SpecError, SpecPilotError
 from specpilot.core.spec import load_spec
-from specpilot.runtime.bench import check_tokens
+from specpilot.runtime.bench import check_choices, check_tokens
 from specpilot.runtime.systems import from_build, from_spec
 from tests.conftest import TINY_CONFIGS, build_spec
 
@@ -42,7 +43,7 @@ def test_bench_on_a_tiny_build_checks_tokens_and_writes_its_json(run_cli, tmp_pa
     assert {"date", "torch", "apache-tvm"} <= set(report["environment"])
     names = [e["engine"] for e in report["engines"]]
     assert names[:3] == ["compiled", "compiled-spec", "compiled-tree"]
-    assert {"stock", "stock-spec", "stock-tree", "hf-generate", "hf-assisted"} <= set(names)
+    assert {"stock", "stock-spec", "stock-tree", "hf-generate", "hf-compiled", "hf-assisted"} <= set(names)
     for e in report["engines"]:
         assert e["check"]["passed"] and e["check"]["identical"] == 2 and len(e["decode_tokens_per_s"]) == 2
         assert all(r > 0 for r in e["decode_tokens_per_s"]) and e["speedup"] > 0 and len(e["ttft_seconds"]) == 2
@@ -50,6 +51,7 @@ def test_bench_on_a_tiny_build_checks_tokens_and_writes_its_json(run_cli, tmp_pa
             shares = e["cycle"]["shares"]
             assert set(shares) == {"draft", "verify", "commit", "host"} and abs(sum(shares.values()) - 1) < 1e-6
             assert e["tokens_per_verification"] >= 1
+            assert e["efficiency"] == pytest.approx(e["speedup"] / e["tokens_per_verification"])
     assert report["engines"][0]["speedup"] == 1.0
     recorded = read_profile(tmp_path / "profile.json")
     tree = next(e for e in report["engines"] if e["engine"] == "compiled-tree")
@@ -90,6 +92,67 @@ def test_replay_from_a_compiled_build_runs_its_cost_network_and_stays_exact(tmp_
     assert 1.5 < runs[1].mean_accepted < 4.5              # alpha 0.7: about 1 / (1 - 0.7) tokens a verification
 
 
+def test_replay_rows_run_once_per_acceptance_plan(run_cli, tmp_path):
+    build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}"))
+    write_profile(tmp_path / "p.json", PROFILE, "test")
+    code, stdout, err = run_cli("bench", build, "--requests", 2, "--max-new-tokens", 48, "--json",
+                                "--engines", "compiled,compiled-spec,compiled-tree", "--breakdown-requests", 0,
+                                "--replay-alpha", "0.3,0.9", "--replay-profile", tmp_path / "p.json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    rows = {(e["engine"], e["replay"]): e for e in report["engines"]}
+    plans = ("alpha=0.3", "alpha=0.9", "profile=p.json")
+    assert set(rows) == {("compiled", None)} | {(e, p) for e in ("compiled-spec", "compiled-tree") for p in plans}
+    assert report["tokens_checked"] and all(e["check"]["identical"] == 2 for e in report["engines"])
+    for engine in ("compiled-spec", "compiled-tree"):
+        assert rows[engine, "alpha=0.9"]["tokens_per_verification"] > rows[engine, "alpha=0.3"]["tokens_per_verification"]
+        assert "REPLAY alpha=0.9" in rows[engine, "alpha=0.9"]["label"]
+    tree = rows["compiled-tree", "profile=p.json"]["accepted"]
+    assert [got[:len(want)] for got, want in zip(tree, PROFILE)] == PROFILE      # the profile, exactly
+    # forced onto AR's tokens: the same acceptance, every position's own choice checked
+    code, stdout, err = run_cli("bench", build, "--requests", 2, "--max-new-tokens", 48, "--json", "--forced",
+                                "--engines", "compiled,compiled-tree", "--breakdown-requests", 0,
+                                "--replay-profile", tmp_path / "p.json")
+    assert code == 0, err
+    forced = json.loads(stdout)
+    assert forced["forced"] and forced["tokens_checked"] and all(e["check"]["identical"] == 2 for e in forced["engines"])
+    assert forced["engines"][1]["accepted"] == tree
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--replay-alpha", "0.5,x"), "'x' is not a number"),
+    (("--replay-alpha", "1.5"), "not a rate in"),
+])
+def test_bad_replay_plans_are_refused(run_cli, tmp_path, args, message):
+    build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7}))
+    code, _, err = run_cli("bench", build, "--requests", 1, "--max-new-tokens", 8, *args)
+    assert code != 0 and message in err
+
+
+def test_replay_plans_need_a_replay_drafter(run_cli, tmp_path):
+    data = {"target": DENSE_TARGET, "drafter": {"kind": "ngram"}, "deployment": {"max_seq_len": 128}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    code, _, err = run_cli("bench", tmp_path / "m.yaml", "--requests", 1, "--max-new-tokens", 8, "--replay-alpha", "0.5")
+    assert code != 0 and "need a replay drafter" in err
+
+
+@pytest.mark.parametrize("passes,engine", [("", "stock-spec"), ("tree-verify{budget=12}", "stock-tree")])
+def test_a_run_that_leaves_the_recorded_continuation_stays_exact_with_every_later_draft_wrong(tmp_path, passes,
+                                                                                             engine):
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(_replay_spec(tmp_path, {"alpha": 1.0}, passes)))
+    system = from_spec(load_spec(tmp_path / "m.yaml"))
+    prompt = [5, 9, 2, 7]
+    want = system.generate("stock", prompt, 30).tokens
+    recorded = list(want)
+    recorded[10] = (recorded[10] + 1) % system.vocab_size       # the engine will leave this run at 10
+    system.oracle.register(prompt, recorded)
+    got = system.generate(engine, prompt, 30)
+    assert got.tokens == want
+    committed = list(itertools.accumulate(got.accepted))
+    cut = next(i for i, n in enumerate(committed) if n > 10)   # the verification that reached position 10
+    assert all(n == 1 for n in got.accepted[cut + 1:]) and len(got.accepted) > cut + 1
+
+
 @pytest.mark.parametrize("drafter,message", [
     ({"kind": "replay", "cost": COST}, "one of 'profile'"),
     ({"kind": "replay", "alpha": 0.5}, "drafter.cost: missing"),
@@ -108,6 +171,15 @@ def test_a_corrupt_profile_is_a_clear_error(tmp_path):
                                                  "accepted": [[2, 0]]}))
     with pytest.raises(SpecPilotError, match="integers in 1..1025"):
         read_profile(tmp_path / "p.json")
+
+
+def test_forced_runs_are_checked_at_every_position_by_their_own_choices():
+    ar = [SimpleNamespace(tokens=[5, 6, 7, 8], margins=[3.0, 0.1, 2.0, 4.0])] * 3
+    runs = [SimpleNamespace(tokens=[5, 6, 7, 8], choices=c) for c in ([5, 6, 7, 8], [5, 9, 7, 8], [5, 9, 7, 1])]
+    check = check_choices(ar, runs, 0.25)
+    assert check.identical == 1
+    assert check.excused == [{"request": 1, "position": 1, "ar_margin": 0.1}, {"request": 2, "position": 1, "ar_margin": 0.1}]
+    assert check.failed == [{"request": 2, "position": 3, "ar_token": 8, "token": 1, "ar_margin": 4.0}]
 
 
 def test_token_check_fails_fp32_differences_and_excuses_only_near_ties():

@@ -40,16 +40,35 @@ def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     return y + bias if bias is not None else y
 
 
+class ConvertOnUse(dict):
+    """Weights by name, each converted to ``dtype`` when read (`ReferenceModel`'s ``stored`` format)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        super().__init__(weights)
+        self.dtype = dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return super().__getitem__(name).to(self.dtype)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+
 class ReferenceModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", weight_format: str = "dense"):
-        """weight_format: ``dense`` (weights in ``dtype``) or ``w12``: the decoder layers' linear
+        """weight_format: ``dense`` (weights in ``dtype``), ``stored`` (weights kept in the dtype they
+        come in, converted to ``dtype`` at each use: a float32 reference of a bf16 model whose float32
+        copy would not fit; the same values, so the same results) or ``w12``: the decoder layers' linear
         weights held in the W12 layout and multiplied by the Triton W12 kernel on GPUs
         (`runtime.reference.w12_triton`); they must be bf16 values (random models: ``round_to: bfloat16``)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
-        if weight_format not in ("dense", "w12"):
-            raise SpecPilotError(f"unknown weight format {weight_format!r}; expected dense or w12")
+        if weight_format not in ("dense", "stored", "w12"):
+            raise SpecPilotError(f"unknown weight format {weight_format!r}; expected dense, stored or w12")
+        if weight_format == "stored":
+            self.w = ConvertOnUse({name: t.to(device=self.device) for name, t in weights.items()}, dtype)
+        else:
+            self.w = {name: t.to(device=self.device, dtype=dtype) for name, t in weights.items()}
         if weight_format == "w12":
             from specpilot.core.w12 import to_bf16
             from specpilot.runtime.reference.w12_triton import W12Matrix
@@ -60,7 +79,7 @@ class ReferenceModel:
                         raise SpecPilotError(f"{name}: not bf16-representable; the W12 layout holds bf16 weights")
                     self.w[name] = W12Matrix(bf, self.device)
         if cfg.tie_word_embeddings:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+            dict.__setitem__(self.w, "lm_head.weight", dict.__getitem__(self.w, "model.embed_tokens.weight"))
         rot = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))).to(self.device)
 
