@@ -330,19 +330,22 @@ LAYOUTS = ("cpu", "gpu")     # what `kernels.w12_gemm` reads / what `schedules.w
 PLANES = ("w12_lo", "w12_base", "w12_esc_ptr", "w12_esc_col", "w12_esc_bits")   # suffixes after the hi plane
 
 
-def convert(weight: torch.Tensor, layout: str, device: str | None = None) -> W12Kernel:
+def convert(weight: torch.Tensor, layout: str, device: str | None = None, keep_on_device: bool = False) -> W12Kernel:
     """One bf16-exact matrix in the kernel layout ``layout`` (packs cached by content).  With
     ``device`` (e.g. "cuda", for the engine converting redrawn weights) the conversion runs there,
-    uncached, and the planes come back to the host."""
+    uncached, and the planes come back to the host unless ``keep_on_device``."""
     if layout not in LAYOUTS:
         raise SpecPilotError(f"unknown W12 layout {layout!r}; known: {', '.join(LAYOUTS)}")
     weight = weight.to(torch.bfloat16)
     k = kernel_layout(encode(weight.to(device)) if device else encode_cached(weight))
     k = gpu_layout(k) if layout == "gpu" else k
-    return W12Kernel(*(t.cpu() for t in (k.hi, k.lo, k.base, k.esc_ptr, k.esc_col, k.esc_bits))) if device else k
+    if not device or keep_on_device:
+        return k
+    return W12Kernel(*(t.cpu() for t in (k.hi, k.lo, k.base, k.esc_ptr, k.esc_col, k.esc_bits)))
 
 
-def convert_params(params: dict, names, layout: str, done: dict | None = None, device: str | None = None) -> dict:
+def convert_params(params: dict, names, layout: str, done: dict | None = None, device: str | None = None,
+                   keep_on_device: bool = False) -> dict:
     """Packed parameters with each weight named in ``names`` replaced by its hi plane, and its
     other planes appended under ``NAME.w12_lo`` etc. (what a W12 build's manifest lists).  Values
     may be None (a seeded build knows its names, not its weights): the names come out the same.
@@ -358,7 +361,7 @@ def convert_params(params: dict, names, layout: str, done: dict | None = None, d
             continue
         k = (done or {}).get(name)
         if k is None and value is not None:
-            k = convert(value, layout, device)
+            k = convert(value, layout, device, keep_on_device)
         out[name] = None if k is None else k.hi
         for suffix, plane in zip(PLANES, (None,) * 5 if k is None else (k.lo, k.base, k.esc_ptr, k.esc_col,
                                                                           k.esc_bits)):

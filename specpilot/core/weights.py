@@ -365,17 +365,37 @@ def fuse_params(params: dict, groups: dict[str, list[str]]) -> dict:
     return out
 
 
-def rewritten_parameters(manifest, target, drafter, device: str | None = None) -> dict:
+def rewritten_parameters(manifest, target, drafter, device: str | None = None, consume: bool = False) -> dict:
     """A seeded build's packed parameters from its redrawn weights, with the passes' parameter
     rewrites redone as the build did them (manifest ``fused``: stacked projections, then ``w12``:
-    the planes, converted on ``device`` when given): the names and values a build with the
-    weights would have stored."""
+    the planes, converted on ``device`` when given, and left there): the names and values a build
+    with the weights would have stored.  ``consume``: each model weight is dropped from
+    ``target`` / ``drafter`` once converted, so a 27B-class model's weights and planes need not fit
+    on one GPU together."""
     from specpilot.core import w12
     dtype = getattr(torch, manifest.dtype)
     recipe, fused = manifest.w12, manifest.fused or {}
     names = w12.plain_names(manifest.params) if recipe else list(manifest.params)
-    values = fuse_params(packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype),
-                         fused)
-    if recipe:
-        values = w12.convert_params(values, recipe["weights"], recipe["layout"], device=device)
-    return values
+    packed = packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype)
+    if not recipe:
+        return fuse_params(packed, fused)
+    wanted = set(recipe["weights"])
+    # shared stacks are found by the identity of their members, taken while every tensor is alive
+    keys = {name: (tuple(id(packed[m]) for m in fused.get(name, [name])), name in wanted) for name in names}
+    models = {"target": target, "drafter": drafter}
+    main, planes, done = {}, {}, {}
+    for name in names:     # one weight at a time, stacked then converted, the stacked copy dropped
+        members = fused.get(name, [name])
+        if keys[name] not in done:
+            value = fuse_params({m: packed[m] for m in members}, {name: members} if name in fused else {})
+            done[keys[name]] = w12.convert_params(value, [name] if name in wanted else [], recipe["layout"],
+                                                  device=device, keep_on_device=True)
+        (_, hi), *rest = done[keys[name]].items()
+        main[name] = hi
+        planes.update({f"{name}.{plane.rsplit('.', 1)[1]}": t for plane, t in rest})
+        if consume and name in wanted:
+            for m in members:
+                which, _, hf = m.partition(".")
+                packed.pop(m, None)
+                models[which].weights.pop(hf, None)
+    return {**main, **planes}

@@ -135,7 +135,7 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
-        values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None)
+        values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if list(values) != m.params:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")
