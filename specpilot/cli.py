@@ -272,7 +272,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     if plot:
         draw(result, plot)
     if record_profile:
-        best = run["results"][own[-1]]
+        best = [r for r in run["results"].values() if r.engine == own[-1]][-1]
         if not best.accepted:
             raise SpecPilotError(f"--record-profile: {best.engine} does not decode speculatively")
         write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}")

@@ -92,10 +92,10 @@ class System:
         return "compiled" if "compiled" in self.engines else "stock"
 
     def hf_engines(self) -> list[str]:
-        """The transformers reference rows this system can run: greedy ``generate`` always (eager, and
-        with a static cache under ``torch.compile``); assisted
-        generation for an n-gram drafter (prompt lookup) or a draft model, on targets without
-        recurrent state (transformers refuses assisted generation on stateful models)."""
+        """The transformers reference rows this system can run: greedy ``generate`` always, eager and
+        with a static cache under ``torch.compile``; assisted generation for an n-gram drafter (prompt
+        lookup) or a draft model, on targets without recurrent state (transformers refuses assisted
+        generation on stateful models)."""
         names = ["hf-generate", "hf-compiled"]
         cfg = self.engines["stock"].model.cfg
         kind = self.setup.kind if self.setup else None

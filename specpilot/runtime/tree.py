@@ -74,28 +74,40 @@ def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
     level (`prefetch_levels`); the tree is the same node for node."""
     if getattr(expand, "batch", None) is not None and budget > 1:
         expand = prefetch_levels(expand, budget, max_depth)
-    tree = Tree()
+    return best_first_shared([expand], budget, max_depth)[0]
+
+
+def best_first_shared(expands: list[Expand], budget: int, max_depth: int) -> list[Tree]:
+    """One node budget shared by several requests' trees (a batched verification pass): the
+    ``budget`` highest-scoring nodes over the union of the requests' candidates, best first, so a
+    request may get none.  Ties break on (request, depth, parent index, the drafter's rank).  With
+    one request it is `best_first`'s tree; each request's tree is `best_first` of its share."""
+    trees = [Tree() for _ in expands]
     heap: list[tuple] = []
 
-    def push_children(parent: int, depth: int, score: float, path: list[int]) -> None:
+    def push_children(request: int, parent: int, depth: int, score: float, path: list[int]) -> None:
         if depth > max_depth:
             return
-        for rank, (token, logprob) in enumerate(expand(path)):
+        for rank, (token, logprob) in enumerate(expands[request](path)):
             if logprob == float("-inf"):
                 continue
-            heapq.heappush(heap, (-(score + logprob), depth, parent, rank, token))
+            heapq.heappush(heap, (-(score + logprob), request, depth, parent, rank, token))
 
-    push_children(-1, 1, 0.0, [])
-    while heap and len(tree) < budget:
-        neg, depth, parent, _, token = heapq.heappop(heap)
+    for request in range(len(expands)):
+        push_children(request, -1, 1, 0.0, [])
+    taken = 0
+    while heap and taken < budget:
+        neg, request, depth, parent, _, token = heapq.heappop(heap)
+        tree = trees[request]
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.scores.append(-neg)
-        if len(tree) < budget:
+        taken += 1
+        if taken < budget:
             i = len(tree) - 1
-            push_children(i, depth + 1, -neg, tree.path_tokens(i))
-    return tree
+            push_children(request, i, depth + 1, -neg, tree.path_tokens(i))
+    return trees
 
 
 def prefetch_levels(expand: Expand, budget: int, max_depth: int) -> Expand:

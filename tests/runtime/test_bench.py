@@ -96,13 +96,16 @@ def test_replay_rows_run_once_per_acceptance_plan(run_cli, tmp_path):
     build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}"))
     write_profile(tmp_path / "p.json", PROFILE, "test")
     code, stdout, err = run_cli("bench", build, "--requests", 2, "--max-new-tokens", 48, "--json",
-                                "--engines", "compiled,compiled-spec,compiled-tree", "--breakdown-requests", 0,
-                                "--replay-alpha", "0.3,0.9", "--replay-profile", tmp_path / "p.json")
+                                "--engines", "compiled,stock,compiled-spec,compiled-tree", "--breakdown-requests", 0,
+                                "--replay-alpha", "0.3,0.9", "--replay-profile", tmp_path / "p.json",
+                                "--record-profile", tmp_path / "recorded.json")
     assert code == 0, err
     report = json.loads(stdout)
     rows = {(e["engine"], e["replay"]): e for e in report["engines"]}
     plans = ("alpha=0.3", "alpha=0.9", "profile=p.json")
-    assert set(rows) == {("compiled", None)} | {(e, p) for e in ("compiled-spec", "compiled-tree") for p in plans}
+    assert set(rows) == {("compiled", None), ("stock", None)} | {(e, p) for e in ("compiled-spec", "compiled-tree")
+                                                                 for p in plans}
+    assert read_profile(tmp_path / "recorded.json") == rows["compiled-tree", "profile=p.json"]["accepted"]  # the last row
     assert report["tokens_checked"] and all(e["check"]["identical"] == 2 for e in report["engines"])
     for engine in ("compiled-spec", "compiled-tree"):
         assert rows[engine, "alpha=0.9"]["tokens_per_verification"] > rows[engine, "alpha=0.3"]["tokens_per_verification"]

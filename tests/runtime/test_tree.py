@@ -15,7 +15,7 @@ import torch
 
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
-from specpilot.runtime.tree import Tree, accept, best_first, replay_acceptance
+from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared, replay_acceptance
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
 
@@ -284,3 +284,39 @@ def test_reference_two_level_decoding_is_exact_and_the_view_only_proposes(arch):
     fresh = target.new_state(64)
     target.forward(prompt + [5, 6, 7], fresh)
     torch.testing.assert_close(target.forward([9], state), target.forward([9], fresh), rtol=1e-5, atol=1e-5)
+
+
+def _random_lattice(seed: int, k: int):
+    """An Expand over a fixed random tree: k children a node, distinct strictly negative log-probs."""
+    import random
+
+    def expand(path: list[int]) -> list[tuple[int, float]]:
+        rng = random.Random(f"{seed}:{path}")
+        tokens = rng.sample(range(1000), k)
+        return sorted(((t, -rng.uniform(0.01, 3.0)) for t in tokens), key=lambda c: -c[1])
+    return expand
+
+
+def _all_nodes(expand, max_depth: int) -> list[tuple[float, tuple[int, ...]]]:
+    out, frontier = [], [((), 0.0)]
+    for _ in range(max_depth):
+        frontier = [(path + (t,), score + lp) for path, score in frontier for t, lp in expand(list(path))]
+        out += [(score, path) for path, score in frontier]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_shared_budget_takes_the_best_nodes_of_the_union_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n_requests, k, depth = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    expands = [_random_lattice(seed * 10 + r, k) for r in range(n_requests)]
+    union = [(score, r, path) for r in range(n_requests) for score, path in _all_nodes(expands[r], depth)]
+    budget = int(rng.integers(0, len(union) + 2))
+    trees = best_first_shared(expands, budget, depth)
+    got = {(r, tuple(tree.path_tokens(i))) for r, tree in enumerate(trees) for i in range(len(tree))}
+    want = {(r, path) for _, r, path in sorted(union, reverse=True)[:budget]}
+    assert got == want and sum(map(len, trees)) == min(budget, len(union))
+    for r, tree in enumerate(trees):       # each request's share, as its own best-first tree
+        alone = best_first(expands[r], len(tree), depth) if len(tree) else None
+        assert len(tree) == 0 or (alone.tokens, alone.parents) == (tree.tokens, tree.parents)
+        assert all(tree.parents[i] < i for i in range(len(tree)))      # parents first
