@@ -16,7 +16,7 @@ import torch
 
 from specpilot.runtime.draft_schedule import DraftSchedule
 
-from specpilot.runtime.tree import Tree, accept, best_first
+from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared
 
 
 @dataclass
@@ -247,7 +247,12 @@ def _verify_tree(model, state, out: "_Emitter", last: int, tree: Tree) -> int:
     base = state.length
     tokens, positions, mask, parents = _tree_inputs(last, tree, base)
     rows = model.forward(tokens, state, positions=positions, attn_mask=mask, record=True, parents=parents)
+    return _commit_tree(model, state, out, tree, rows, base)
 
+
+def _commit_tree(model, state, out: "_Emitter", tree: Tree, rows, base: int) -> int:
+    """After a verification of ``tree`` (logits ``rows``, the pass starting at ``base``): emit the
+    accepted path and the bonus token, keep the path in ``state``; returns the new last token."""
     def choose(row: int) -> int:
         if out.stopped:
             raise StopIteration
@@ -318,3 +323,74 @@ def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budge
     _close(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
+
+
+@dataclass
+class _Live:
+    """A running request of a batched speculative run."""
+    prompt: list[int]
+    state: object
+    out: _Emitter
+    drafter: object
+    last: int = -1
+    t0: float = 0.0
+
+
+def batched_speculative_tree(model, make_drafter, prompts: list[list[int]], max_new: list[int], budget: int,
+                             capacity: int, max_batch: int, forces=None, logits_hook=None,
+                             stop_ids=()) -> list[Generation]:
+    """Tree speculative decoding of many requests as one continuous batch: at most ``max_batch``
+    run at once, joining (their prompts prefilled in one batched call) and leaving between steps.
+    Each step draws every running request's tree from one shared node budget (`best_first_shared`:
+    the best ``budget`` nodes over the union of their candidates, so a request may get none) and
+    verifies all of them in one batched pass.  Each request's tokens equal `autoregressive` on it
+    alone.  ``make_drafter()``: a fresh drafter for each request as it joins (a model drafter holds
+    a cache row while its request runs)."""
+    forces = forces or [None] * len(prompts)
+    waiting, running, done = list(range(len(prompts))), {}, {}
+    while waiting or running:
+        joining = []
+        while waiting and len(running) + len(joining) < max_batch:
+            i = waiting.pop(0)
+            joining.append((i, _Live(list(prompts[i]), model.new_state(capacity),
+                                     _Emitter(max_new[i], forces[i], logits_hook, stop_ids), make_drafter(),
+                                     t0=time.perf_counter())))
+        if joining:
+            rows = model.forward_batch([(live.prompt, live.state) for _, live in joining])
+            for (i, live), logits in zip(joining, rows):
+                live.last = live.out.target_token(logits[-1])
+                live.out.gen.accepted.append(1)
+                running[i] = live
+        _retire(running, done)
+        if running:
+            _shared_tree_step(model, list(running.values()), budget, capacity)
+            _retire(running, done)
+    return [done[i] for i in range(len(prompts))]
+
+
+def _shared_tree_step(model, lives: list[_Live], budget: int, capacity: int) -> None:
+    """One batched verification: the requests' trees from the shared budget, one pass for all."""
+    rooms = [max(0, min(budget, capacity - live.state.length - 1)) for live in lives]
+    depths = [live.out.max_new - len(live.out.gen.tokens) for live in lives]
+    expands = [live.drafter.expander(live.prompt + live.out.gen.tokens) for live in lives]
+    trees = best_first_shared(expands, budget, depths, rooms)
+    bases = [live.state.length for live in lives]
+    items = []
+    for live, tree, base in zip(lives, trees, bases):
+        tokens, positions, mask, parents = _tree_inputs(live.last, tree, base)
+        items.append((tokens, live.state, positions, mask, parents))
+    rows = model.forward_batch(items, record=True)
+    for live, tree, logits, base in zip(lives, trees, rows, bases):
+        live.last = _commit_tree(model, live.state, live.out, tree, logits, base)
+
+
+def _retire(running: dict, done: dict) -> None:
+    """Finished requests leave the batch; their cache rows go back at once."""
+    for i in [i for i, live in running.items() if live.out.stopped]:
+        live = running.pop(i)
+        _close(live.state)
+        if getattr(live.drafter, "state", None) is not None:
+            _close(live.drafter.state)
+            live.drafter.state = None
+        live.out.gen.seconds = time.perf_counter() - live.t0
+        done[i] = live.out.gen

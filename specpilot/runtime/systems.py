@@ -18,8 +18,8 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.pipeline_text import tree_budget
 from specpilot.core.sampling import MASKED, SamplingParams
 from specpilot.core.spec import replay_plan
-from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, speculative,
-                                        speculative_tree, speculative_two_level)
+from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, batched_speculative_tree,
+                                        speculative, speculative_tree, speculative_two_level)
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
@@ -168,20 +168,27 @@ class System:
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
                        logits_hook=None, max_batch: int | None = None,
                        sampling: SamplingParams | None = None) -> list[Generation]:
-        """Autoregressive engines only: the requests as one continuous batch (at most
-        ``max_batch`` at once; default: the build's deployment.max_batch)."""
+        """The requests as one continuous batch (at most ``max_batch`` at once; default: the build's
+        deployment.max_batch): autoregressive engines, or tree engines with one node budget (the
+        build's tree budget) shared by each step's requests."""
         if engine not in self.engines:
             raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
         e = self.engines[engine]
-        if e.drafter is not None:
-            raise SpecPilotError(f"engine {engine!r} decodes speculatively; batched runs take an autoregressive "
-                                 "engine (stock, compiled) for now")
+        if e.drafter is not None and (not e.tree_budget or e.two_level):
+            raise SpecPilotError(f"engine {engine!r}: batched runs take an autoregressive or a tree engine "
+                                 "(stock, compiled, stock-tree, compiled-tree) for now")
         for prompt, n in zip(prompts, max_new):
             self.check_prompt(prompt)
             if len(prompt) + n > self.capacity:
                 raise SpecPilotError(f"prompt ({len(prompt)}) + max new tokens ({n}) exceeds "
                                      f"deployment.max_seq_len={self.capacity}")
         limit = max_batch or getattr(e.model, "max_batch", len(prompts))
+        if e.drafter is not None:
+            if self.setup is not None and self.setup.kind == "replay":
+                raise SpecPilotError("batched runs do not take a replay drafter yet")
+            return batched_speculative_tree(sampled(e.model, sampling), lambda: e.drafter(sampling),
+                                            prompts, max_new, e.tree_budget, self.capacity, limit, forces,
+                                            logits_hook)
         return batched_autoregressive(sampled(e.model, sampling), prompts, max_new, self.capacity, limit, forces,
                                       logits_hook)
 

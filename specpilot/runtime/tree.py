@@ -77,16 +77,21 @@ def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
     return best_first_shared([expand], budget, max_depth)[0]
 
 
-def best_first_shared(expands: list[Expand], budget: int, max_depth: int) -> list[Tree]:
+def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[int],
+                      caps: list[int] | None = None) -> list[Tree]:
     """One node budget shared by several requests' trees (a batched verification pass): the
     ``budget`` highest-scoring nodes over the union of the requests' candidates, best first, so a
-    request may get none.  Ties break on (request, depth, parent index, the drafter's rank).  With
-    one request it is `best_first`'s tree; each request's tree is `best_first` of its share."""
+    request may get none.  ``max_depth`` (one, or one per request) and ``caps`` (nodes a request may
+    take at most: its cache room) bound each tree.  Ties break on (request, depth, parent index, the
+    drafter's rank).  With one request it is `best_first`'s tree; each request's tree is
+    `best_first` of its share."""
+    depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(expands)
+    caps = caps if caps is not None else [budget] * len(expands)
     trees = [Tree() for _ in expands]
     heap: list[tuple] = []
 
     def push_children(request: int, parent: int, depth: int, score: float, path: list[int]) -> None:
-        if depth > max_depth:
+        if depth > depths[request] or len(trees[request]) >= caps[request]:
             return
         for rank, (token, logprob) in enumerate(expands[request](path)):
             if logprob == float("-inf"):
@@ -99,6 +104,8 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int) -> lis
     while heap and taken < budget:
         neg, request, depth, parent, _, token = heapq.heappop(heap)
         tree = trees[request]
+        if len(tree) >= caps[request]:
+            continue
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth)

@@ -22,7 +22,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.systems import from_build
 from tests.build_helpers import compile_cli
-from tests.conftest import TINY_CONFIGS
+from tests.conftest import TINY_CONFIGS, build_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAFTERS = {  # every drafter kind is covered by some architecture
@@ -404,3 +404,26 @@ def test_a_recompile_replaces_the_build_whole_and_refuses_other_folders(tmp_path
     with pytest.raises(SpecPilotError, match="not a SpecPilot build"):
         build(BuildRequest(spec, parse_target("llvm"), tmp_path / "mine"))
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_compiled_tree_batches_share_a_node_budget_exactly(arch, tmp_path):
+    """A tree build's requests as one continuous batch (3 cache rows, 5 requests joining and
+    leaving), each step's trees from the build's one node budget: every request's tokens are its
+    own autoregressive tokens, exactly (a Gated DeltaNet target keeps each row's accepted path)."""
+    data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
+            "drafter": {"kind": "early-exit", "layers": TINY_CONFIGS[arch]["num_hidden_layers"] - 1, "top_k": 3},
+            "passes": "tree-verify{budget=8}" + (",gdn-path-recompute" if arch == "Qwen3_5ForCausalLM" else ""),
+            "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 3}}
+    system = from_build(build_spec(tmp_path, data))
+    prompts = [[(5 * i + 17 * r) % 301 for i in range(3 + 5 * r)] for r in range(5)]
+    limits = [23, 9, 31, 4, 17]
+    runs = system.generate_batch("compiled-tree", prompts, limits)
+    for prompt, n, run in zip(prompts, limits, runs):
+        assert run.tokens == system.generate("compiled", prompt, n).tokens
+    assert any(a > 1 for run in runs for a in run.accepted[1:])
+    model = system.engines["compiled"].model
+    assert len(model.free_rows) == model.max_batch          # every finished request gave its row back
+    with pytest.raises(SpecPilotError, match="an autoregressive or a tree engine"):
+        system.generate_batch("compiled-spec", prompts, limits)

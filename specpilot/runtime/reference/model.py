@@ -98,7 +98,11 @@ class ReferenceModel:
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """`forward` for several sequences, one after the other (the compiled engine's batched
         interface; the reference keeps one sequence per call)."""
-        return [self.forward(*item, record=record) for item in items]
+        out = []
+        for tokens, state, *rest in items:
+            positions, attn_mask, parents = (list(rest) + [None] * 3)[:3]
+            out.append(self.forward(tokens, state, positions, attn_mask, record=record, parents=parents))
+        return out
 
     # -- one step ------------------------------------------------------------------------
     @torch.no_grad()
