@@ -39,7 +39,7 @@ def stream_key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:4], "little")
 
 
-def _bits(key: int, counters: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+def bits(key: int, counters: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """32 random bits per counter (int64 counters in [start, stop))."""
     if start >> 32 == (stop - 1) >> 32:       # one high word for the whole range: hashed once
         high = int(hash32(torch.tensor([(start >> 32) ^ key]))[0])
@@ -50,7 +50,7 @@ def _bits(key: int, counters: torch.Tensor, start: int, stop: int) -> torch.Tens
 
 def _normal_chunk(key: int, start: int, n: int, device) -> torch.Tensor:
     index = torch.arange(2 * start, 2 * (start + n), 2, dtype=torch.int64, device=device)
-    a, b = (_bits(key, index + j, 2 * start, 2 * (start + n)) for j in range(2))
+    a, b = (bits(key, index + j, 2 * start, 2 * (start + n)) for j in range(2))
     total = (a & 0xFFFF) + (a >> 16) + (b & 0xFFFF) + (b >> 16)           # four 16-bit uniforms, < 2**18
     return (total - (1 << 17)).to(torch.float32) * torch.tensor(NORMAL_SCALE, dtype=torch.float32, device=device)
 
@@ -69,5 +69,5 @@ def normal(seed: int, name: str, shape: tuple[int, ...], std: float = 1.0, devic
 def uniform(seed: int, name: str, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
     """Uniform on [low, high) in float64 on the host (small tensors: norms, decay parameters)."""
     n = math.prod(shape)
-    bits = _bits(stream_key(seed, name), torch.arange(n, dtype=torch.int64), 0, n)
-    return (low + (high - low) * bits.to(torch.float64) / 2 ** 32).reshape(shape)
+    words = bits(stream_key(seed, name), torch.arange(n, dtype=torch.int64), 0, n)
+    return (low + (high - low) * words.to(torch.float64) / 2 ** 32).reshape(shape)

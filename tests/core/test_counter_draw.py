@@ -40,8 +40,8 @@ def test_bits_across_a_high_word_boundary_equal_the_per_counter_hash():
     counters = torch.arange(start, start + 15, dtype=torch.int64)
     key = counter_draw.stream_key(3, "w")
     want = [_hash32_reference((c & 0xFFFFFFFF) ^ _hash32_reference((c >> 32) ^ key)) for c in counters.tolist()]
-    assert counter_draw._bits(key, counters, start, start + 15).tolist() == want
-    assert counter_draw._bits(key, counters[:5], start, start + 5).tolist() == want[:5]
+    assert counter_draw.bits(key, counters, start, start + 15).tolist() == want
+    assert counter_draw.bits(key, counters[:5], start, start + 5).tolist() == want[:5]
 
 
 @pytest.mark.parametrize("shape", [(1,), (7, 13), (257, 129)])
