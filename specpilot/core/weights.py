@@ -103,7 +103,7 @@ def random_weights(cfg: ModelConfig, seed: int, round_to: str | None = None, dra
             t = _vector_base(cfg, name) + 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
             t = torch.randn(shape, generator=gen) * _matrix_std(cfg, name, shape)
-        else:
+        else:   # divided, not multiplied by `_matrix_std`: that rounding is what these seeds give
             t = torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
         weights[name] = t.to(torch.bfloat16).float() if round_to == "bfloat16" else t.float()
     return weights
