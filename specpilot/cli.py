@@ -63,7 +63,8 @@ def sampling_options(command):
     return wrapped
 
 
-ENGINES = ["stock", "stock-spec", "stock-tree", "compiled", "compiled-spec", "compiled-tree", "compiled-two-level"]
+ENGINES = ["stock", "stock-spec", "stock-tree", "stock-tree-sched", "compiled", "compiled-spec", "compiled-tree",
+           "compiled-tree-sched", "compiled-two-level"]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -234,12 +235,18 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
                                      "rate, comma-separated (e.g. 0.6,0.7,0.8,0.9)")
 @click.option("--replay-profile", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="replay drafter: run the speculative engines once per recorded acceptance profile (repeatable)")
+@click.option("--batch", "batches", help="continuous batching at these batch sizes, comma-separated (e.g. "
+                                        "1,2,4,8,16,32): throughput and latency per engine")
+@click.option("--arrivals", default="burst", show_default=True,
+              help="with --batch: a JSONL arrival trace, burst (all at once) or poisson:RATE (requests a second)")
+@click.option("--queue", type=click.IntRange(0), default=None, help="with --batch: bound the waiting queue")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, output, plot, as_json, sampling=None):
+          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, output, plot,
+          as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -251,6 +258,13 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     from specpilot.runtime.environment import environment
 
     system = _load_system(spec_or_build)
+    if batches:
+        if sampling is not None or replay_alpha or replay_profile or record_profile or plot:
+            raise SpecPilotError("--batch runs greedy on the build's own drafter plan; leave out sampling, "
+                                 "--replay-*, --record-profile and --plot")
+        _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
+                       forced, batches, arrivals, queue, output, as_json)
+        return
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
     replays = _replay_plans(system, replay_alpha, replay_profile)
@@ -281,6 +295,61 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     else:
         Console(width=None if sys.stdout.isatty() else 160).print(table(result))
     sys.exit(0 if result["tokens_checked"] else 1)
+
+
+def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
+                   forced, batches, arrivals, queue, output, as_json):
+    """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from specpilot.core.files import atomic_write_text
+    from specpilot.runtime.batch_bench import BatchBench, arrivals_for, report as batch_report, table
+    from specpilot.runtime.batching import read_trace
+    from specpilot.runtime.environment import environment
+
+    sizes = _int_list(batches, "--batch")
+    if engines:
+        names, _ = _bench_engines(engines, system, False)
+    else:
+        names = [n for n in ("compiled", "compiled-spec", "compiled-tree", "compiled-tree-sched")
+                 if n in system.engines] or [n for n in ("stock", "stock-spec", "stock-tree", "stock-tree-sched")
+                                             if n in system.engines]
+    trace = read_trace(arrivals, system.tokenizer.encode) if Path(arrivals).is_file() else None
+    ids = None if trace is not None else _bench_prompts(prompts, system, None)
+    if ids is not None and len(ids) < (n_requests or max(sizes)):
+        raise SpecPilotError(f"--prompts {prompts}: {len(ids)} prompts, {n_requests or max(sizes)} requests wanted")
+    arrivals_for(arrivals, [[1]], 1, trace)           # a bad --arrivals fails before anything runs
+
+    def make(batch: int):
+        return arrivals_for(arrivals, ids[:n_requests or batch], max_new_tokens, trace) if trace is None else trace
+
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
+        task = progress.add_task("bench", total=len(sizes) * len(names))
+        run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
+                         lambda m, advance=0: progress.update(task, description=m, advance=advance), queue).run()
+    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts),
+            "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
+            "dtype": system.dtype, "drafter": system.setup.kind if system.setup else ""}
+    result = batch_report(run, meta)
+    if output:
+        atomic_write_text(output, json.dumps(result, indent=2))
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        Console(width=None if sys.stdout.isatty() else 160).print(table(result))
+    sys.exit(0 if result["tokens_checked"] else 1)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecPilotError(f"{option}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SpecPilotError(f"{option}: expected positive integers, got {text!r}")
+    return values
 
 
 @cli.command()

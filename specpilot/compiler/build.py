@@ -358,6 +358,8 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
               cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float, launch: dict | None) -> Manifest:
     spec, target, d = request.spec, request.target, request.spec.drafter
     serving = {"draft_len": d.draft_len, **effects.get("serving", {})}
+    if "serving" in effects and effects.get("tree"):   # a tree's draft length: nodes a request takes a pass
+        serving["draft_nodes"] = serving["draft_len"] or effects["tree"]["budget"]
     serving["draft_len"] = serving["draft_len"] or d.draft_len        # length 0: the spec's
     tgt, drf = lowered.target_model, lowered.drafter_model
     seeds = {"target": spec.target.init.model_dump() if spec.target.init else None,
@@ -371,7 +373,8 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         target=target.text(), target_kind=target.kind, arch=target.arch, dtype=spec.deployment.dtype,
         capacity=spec.deployment.max_seq_len, max_batch=spec.deployment.max_batch,
         schedule=schedule, cuda_graph=cuda_graph, ir_hash=system_ir_hash, serving=serving,
-        tree=effects.get("tree"), two_level=bool(effects.get("two_level")), gdn_verify=effects.get("gdn_verify"),
+        tree=effects.get("tree"), two_level=bool(effects.get("two_level")), node_budget=effects.get("node_budget"),
+        admission=effects.get("admission"), gdn_verify=effects.get("gdn_verify"),
         w12=effects.get("w12"), fused=effects.get("fused"),
         models={"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
         drafter={"kind": d.kind, "draft_len": d.draft_len, "top_k": d.top_k, "temperature": d.temperature,

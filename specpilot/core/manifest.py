@@ -4,7 +4,7 @@ the memory, the cost model; no TVM needed to read it).
 A build directory holds ``model.so``, ``params/``, an optional ``tokenizer.json`` and
 ``manifest.json``, whose fields are `Manifest`'s.  Every pass whose effect the runtime must know
 records it here (`Pass.manifest_key`): the tree budget (``tree``), two-level verification
-(``two_level``), the serving schedule (``serving``), W12 planes (``w12``), fused projections
+(``two_level``), the serving schedule (``serving``), the batch schedule (``node_budget``, ``admission``), W12 planes (``w12``), fused projections
 (``fused``), the Gated DeltaNet tree form (``gdn_verify``) and the kernel schedule.  Readers take
 facts from these fields, never from the pipeline text.
 """
@@ -36,6 +36,19 @@ class Serving(_Strict):
     draft_len: int = Field(ge=1)
     draft_dynamic: bool = False
     draft_min: int = Field(1, ge=1)
+    draft_step: int = Field(1, ge=1)
+    draft_nodes: int | None = Field(None, ge=1)   # with a tree: nodes a request takes a pass at most
+
+
+class NodeBudget(_Strict):
+    """A batched verification pass's drafted nodes in all (`node-budget`)."""
+    nodes: int = Field(ge=1)
+    min_prob: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class Admission(_Strict):
+    """Waiting prompts in chunks of at most ``chunk`` tokens ride along in verification passes."""
+    chunk: int = Field(ge=1)
 
 
 class TreeVerify(_Strict):
@@ -84,6 +97,8 @@ class Manifest(_Strict):
     serving: Serving
     tree: TreeVerify | None = None
     two_level: bool = False
+    node_budget: NodeBudget | None = None
+    admission: Admission | None = None
     gdn_verify: GdnVerify | None = None
     w12: dict | None = None
     fused: dict | None = None

@@ -13,7 +13,8 @@ A pass subclass declares, as class attributes:
     targets      target kinds it may run for ("llvm", "cuda")
     statistics   names of the numbers ``apply`` reports
 
-and implements ``legal(context) -> (ok, reason)`` and ``apply(mod, context) -> mod`` (on a
+and implements ``legal(context) -> (ok, reason)``, optionally ``relations(others)`` (rules on its
+options against another present pass's, e.g. a length within a budget), and ``apply(mod, context) -> mod`` (on a
 clone: never mutate the input).  Passes keep no global mutable state, so candidates build in
 parallel processes.
 """
@@ -102,6 +103,11 @@ class Pass:
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         return True, ""
+
+    def relations(self, others: dict[str, "Pass"]) -> list[tuple[str, str, bool]]:
+        """Rules between this pass's options and those of other passes of the pipeline (``others``:
+        by name): (the other pass, words, holds) each; they bind when both are present (default: none)."""
+        return []
 
     def apply(self, mod, context: PassContext):
         raise NotImplementedError(f"{self.name} does not implement apply")

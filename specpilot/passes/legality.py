@@ -7,6 +7,7 @@ Each pass of a candidate set gets a Boolean "present" and an integer position.  
     after        present(p) and present(q) -> pos(q) < pos(p)
     target       present(p) -> the target kind is one of p.targets
     legality     present(p) -> p.legal(context) was ok
+    relations    present(p) and present(q) -> p's rule on its and q's options holds
 
 `check` fixes presence and positions to the given pipeline and, if that is unsatisfiable,
 returns the violated rules in words (z3's unsat core over named assertions).  `orderings`
@@ -56,6 +57,9 @@ def _rules(passes: list[Pass], context: PassContext, present: dict, pos: dict) -
         ok, reason = p.legal(context)
         if not ok:
             rules.append((f"{p.name}: {reason}", z3.Not(present[p.name])))
+        by_name = {q.name: q for q in passes if q is not p}
+        for q, words, holds in p.relations(by_name):
+            rules.append((words, z3.Implies(z3.And(present[p.name], present[q]), z3.BoolVal(holds))))
     return rules
 
 

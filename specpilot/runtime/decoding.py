@@ -16,7 +16,7 @@ import torch
 
 from specpilot.runtime.draft_schedule import DraftSchedule
 
-from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared
+from specpilot.runtime.tree import Tree, accept, best_first
 
 
 @dataclass
@@ -55,7 +55,7 @@ def top2(row: torch.Tensor):
 STREAM_WINDOW = 4     # tokens a streamed on-device decode hands over at once (a host round trip each)
 
 
-class _Emitter:
+class Emitter:
     """Turns logits rows into emitted tokens, choices and margins, honouring forcing.  ``on_token``
     hears each emitted token as it is decided (streaming); returning False stops the generation
     there (a cancelled request)."""
@@ -100,7 +100,7 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
                                          window if on_token is None else STREAM_WINDOW, on_token)
     start = time.perf_counter()
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
+    out = Emitter(max_new, force, logits_hook, stop_ids, on_token)
     logits = model.forward(prompt, state)[-1]
     while True:
         token = out.target_token(logits)
@@ -108,12 +108,12 @@ def autoregressive(model, prompt: list[int], max_new: int, capacity: int, force=
         if out.stopped:
             break
         logits = model.forward([token], state)[-1]
-    _close(state)
+    close_state(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 
 
-def _close(state) -> None:
+def close_state(state) -> None:
     """Give a finished sequence's cache row back now (compiled states hold a pool row)."""
     if hasattr(state, "close"):
         state.close()
@@ -164,39 +164,6 @@ def _autoregressive_on_device(model, prompt, max_new: int, capacity: int, stop_i
     return gen
 
 
-def batched_autoregressive(model, prompts: list[list[int]], max_new: list[int], capacity: int, max_batch: int,
-                           forces=None, logits_hook=None, stop_ids=()) -> list[Generation]:
-    """Stock decoding of many requests as one continuous batch: at most ``max_batch`` run at
-    once; a finished request leaves and a waiting one joins at the next step, its prompt
-    prefilled in the same step function call as the others' next tokens.  ``model`` needs
-    ``forward_batch`` (compiled models run it as one call; the reference loops).
-    Each request's result equals `autoregressive` on it alone."""
-    forces = forces or [None] * len(prompts)
-    waiting = list(range(len(prompts)))
-    running: dict[int, tuple[object, _Emitter, list[int], float]] = {}   # request -> state, emitter, feed, t0
-    done: dict[int, Generation] = {}
-    while waiting or running:
-        while waiting and len(running) < max_batch:
-            i = waiting.pop(0)
-            running[i] = (model.new_state(capacity), _Emitter(max_new[i], forces[i], logits_hook, stop_ids),
-                          list(prompts[i]), time.perf_counter())
-        order = list(running)
-        rows = model.forward_batch([(running[i][2], running[i][0]) for i in order])
-        for i, logits in zip(order, rows):
-            state, out, _, t0 = running[i]
-            token = out.target_token(logits[-1])
-            out.gen.accepted.append(1)
-            if out.stopped:
-                out.gen.seconds = time.perf_counter() - t0
-                done[i] = out.gen
-                del running[i]
-                if hasattr(state, "close"):
-                    state.close()
-            else:
-                running[i] = (state, out, [token], t0)
-    return [done[i] for i in range(len(prompts))]
-
-
 def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capacity: int,
                 force=None, logits_hook=None, stop_ids=(), on_token=None) -> Generation:
     """Stock speculative decoding: draft a chain, verify it in one target pass, keep the
@@ -205,7 +172,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
     schedule = draft_len if isinstance(draft_len, DraftSchedule) else DraftSchedule(draft_len)
     start = time.perf_counter()
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
+    out = Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
     logits = model.forward(prompt, state)[-1]
@@ -216,22 +183,30 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
         draft = drafter.propose(prompt + out.gen.tokens, room).chain()[:room]
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
-        committed = 0
-        for i in range(len(draft) + 1):
-            last = out.target_token(rows[i])
-            committed += 1
-            if out.stopped or i == len(draft) or draft[i] != last:
-                break
-        state.truncate(base + committed)       # keep [last fed] + accepted drafts; drop the rest
-        state.drop_history()
-        out.gen.accepted.append(committed)
-        schedule.update(committed - 1)
-    _close(state)
+        last = commit_chain(state, out, draft, rows, base)
+        schedule.update(out.gen.accepted[-1] - 1)
+    close_state(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 
 
-def _tree_inputs(last: int, tree: Tree, base: int):
+def commit_chain(state, out: "Emitter", draft: list[int], rows, base: int) -> int:
+    """After a verification of ``[last] + draft`` (logits ``rows``, the pass starting at ``base``):
+    emit the longest agreeing prefix and the target's own next token, cut the rest from ``state``;
+    returns the new last token."""
+    committed = 0
+    for i in range(len(draft) + 1):
+        last = out.target_token(rows[i])
+        committed += 1
+        if out.stopped or i == len(draft) or draft[i] != last:
+            break
+    state.truncate(base + committed)       # keep [last fed] + accepted drafts; drop the rest
+    state.drop_history()
+    out.gen.accepted.append(committed)
+    return last
+
+
+def tree_inputs(last: int, tree: Tree, base: int):
     """[root] + nodes for one verification pass: tokens, rotary positions, mask, parents."""
     n = len(tree)
     mask = np.zeros((n + 1, base + n + 1), dtype=bool)
@@ -241,16 +216,16 @@ def _tree_inputs(last: int, tree: Tree, base: int):
             [-1] + [p + 1 for p in tree.parents])
 
 
-def _verify_tree(model, state, out: "_Emitter", last: int, tree: Tree) -> int:
+def _verify_tree(model, state, out: "Emitter", last: int, tree: Tree) -> int:
     """One exact verification of ``tree`` below ``last``: emit the accepted path and the bonus
     token, keep the path in ``state``; returns the new last token."""
     base = state.length
-    tokens, positions, mask, parents = _tree_inputs(last, tree, base)
+    tokens, positions, mask, parents = tree_inputs(last, tree, base)
     rows = model.forward(tokens, state, positions=positions, attn_mask=mask, record=True, parents=parents)
-    return _commit_tree(model, state, out, tree, rows, base)
+    return commit_tree(model, state, out, tree, rows, base)
 
 
-def _commit_tree(model, state, out: "_Emitter", tree: Tree, rows, base: int) -> int:
+def commit_tree(model, state, out: "Emitter", tree: Tree, rows, base: int) -> int:
     """After a verification of ``tree`` (logits ``rows``, the pass starting at ``base``): emit the
     accepted path and the bonus token, keep the path in ``state``; returns the new last token."""
     def choose(row: int) -> int:
@@ -268,7 +243,7 @@ def _commit_tree(model, state, out: "_Emitter", tree: Tree, rows, base: int) -> 
 
 def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_ids, on_token):
     state = model.new_state(capacity)
-    out = _Emitter(max_new, force, logits_hook, stop_ids, on_token)
+    out = Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
     last = out.target_token(model.forward(prompt, state)[-1])   # emitted, not yet fed to the target
@@ -288,7 +263,7 @@ def speculative_tree(model, drafter, prompt: list[int], max_new: int, budget: in
         depth = out.max_new - len(out.gen.tokens)
         tree = best_first(drafter.expander(prompt + out.gen.tokens), room, depth) if room > 0 else Tree()
         last = _verify_tree(model, state, out, last, tree)
-    _close(state)
+    close_state(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
 
@@ -308,7 +283,7 @@ def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budge
         first = best_first(drafter.expander(context), room, depth) if room > 0 else Tree()
         chain: list[int] = []
         if len(first):
-            tokens, positions, mask, parents = _tree_inputs(last, first, state.length)
+            tokens, positions, mask, parents = tree_inputs(last, first, state.length)
             view = model.forward_view(tokens, state, positions, mask, parents)
             nodes, emitted = accept(first, lambda row: int(view[row].argmax()))
             chain = ([first.tokens[i] for i in nodes] + emitted[-1:])[:min(room, depth)]
@@ -320,77 +295,6 @@ def speculative_two_level(model, drafter, prompt: list[int], max_new: int, budge
                         list(range(1, k + 1)) + [k + d for d in second.depths],
                         [0.0] * k + second.scores)
         last = _verify_tree(model, state, out, last, combined)
-    _close(state)
+    close_state(state)
     out.gen.seconds = time.perf_counter() - start
     return out.gen
-
-
-@dataclass
-class _Live:
-    """A running request of a batched speculative run."""
-    prompt: list[int]
-    state: object
-    out: _Emitter
-    drafter: object
-    last: int = -1
-    t0: float = 0.0
-
-
-def batched_speculative_tree(model, make_drafter, prompts: list[list[int]], max_new: list[int], budget: int,
-                             capacity: int, max_batch: int, forces=None, logits_hook=None,
-                             stop_ids=()) -> list[Generation]:
-    """Tree speculative decoding of many requests as one continuous batch: at most ``max_batch``
-    run at once, joining (their prompts prefilled in one batched call) and leaving between steps.
-    Each step draws every running request's tree from one shared node budget (`best_first_shared`:
-    the best ``budget`` nodes over the union of their candidates, so a request may get none) and
-    verifies all of them in one batched pass.  Each request's tokens equal `autoregressive` on it
-    alone.  ``make_drafter()``: a fresh drafter for each request as it joins (a model drafter holds
-    a cache row while its request runs)."""
-    forces = forces or [None] * len(prompts)
-    waiting, running, done = list(range(len(prompts))), {}, {}
-    while waiting or running:
-        joining = []
-        while waiting and len(running) + len(joining) < max_batch:
-            i = waiting.pop(0)
-            joining.append((i, _Live(list(prompts[i]), model.new_state(capacity),
-                                     _Emitter(max_new[i], forces[i], logits_hook, stop_ids), make_drafter(),
-                                     t0=time.perf_counter())))
-        if joining:
-            rows = model.forward_batch([(live.prompt, live.state) for _, live in joining])
-            for (i, live), logits in zip(joining, rows):
-                live.last = live.out.target_token(logits[-1])
-                live.out.gen.accepted.append(1)
-                running[i] = live
-        _retire(running, done)
-        if running:
-            _shared_tree_step(model, list(running.values()), budget, capacity)
-            _retire(running, done)
-    return [done[i] for i in range(len(prompts))]
-
-
-def _shared_tree_step(model, lives: list[_Live], budget: int, capacity: int) -> None:
-    """One batched verification: the requests' trees from the shared budget, one pass for all."""
-    rooms = [max(0, min(budget, capacity - live.state.length - 1)) for live in lives]
-    depths = [live.out.max_new - len(live.out.gen.tokens) for live in lives]
-    expands = [live.drafter.expander(live.prompt + live.out.gen.tokens) for live in lives]
-    trees = best_first_shared(expands, budget, depths, rooms)
-    bases = [live.state.length for live in lives]
-    items = []
-    for live, tree, base in zip(lives, trees, bases):
-        tokens, positions, mask, parents = _tree_inputs(live.last, tree, base)
-        items.append((tokens, live.state, positions, mask, parents))
-    rows = model.forward_batch(items, record=True)
-    for live, tree, logits, base in zip(lives, trees, rows, bases):
-        live.last = _commit_tree(model, live.state, live.out, tree, logits, base)
-
-
-def _retire(running: dict, done: dict) -> None:
-    """Finished requests leave the batch; their cache rows go back at once."""
-    for i in [i for i, live in running.items() if live.out.stopped]:
-        live = running.pop(i)
-        _close(live.state)
-        if getattr(live.drafter, "state", None) is not None:
-            _close(live.drafter.state)
-            live.drafter.state = None
-        live.out.gen.seconds = time.perf_counter() - live.t0
-        done[i] = live.out.gen

@@ -18,15 +18,15 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.pipeline_text import tree_budget
 from specpilot.core.sampling import MASKED, SamplingParams
 from specpilot.core.spec import replay_plan
-from specpilot.runtime.decoding import (Generation, autoregressive, batched_autoregressive, batched_speculative_tree,
-                                        speculative, speculative_tree, speculative_two_level)
+from specpilot.runtime.batching import Arrival, BatchPolicy, BatchRun, StepClock, run_batch
+from specpilot.runtime.decoding import Generation, autoregressive, speculative, speculative_tree, speculative_two_level
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.replay import Oracle, ReplayDrafter
 from specpilot.runtime.sampling import sampled
 from specpilot.runtime.tokenizer import load_tokenizer
-from specpilot.runtime.draft_schedule import DraftSchedule
+from specpilot.runtime.draft_schedule import DraftSchedule, lengths
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +45,17 @@ class Engine:
     drafter: Callable[[], object] | None = None  # builds a fresh drafter; None: autoregressive
     tree_budget: int = 0                         # > 0: best-first tree verification with this many nodes
     two_level: bool = False                      # tree drafts checked first through the nested 8-bit view
+    batch: BatchSchedule | None = None           # in a batch: the build's node budget, draft lengths, admission
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The batch mechanisms a build chose (`node-budget`, `draft-length`, `prompt-admission`)."""
+    nodes: int                                   # a request's nodes a pass at most (its longest draft)
+    budget: int                                  # a pass's drafted nodes in all
+    min_prob: float = 0.0
+    lengths: tuple[int, ...] | None = None       # dynamic draft lengths
+    chunk: int | None = None                     # prompt admission's chunk
 
 
 class Engines(dict):
@@ -69,10 +80,11 @@ class Engines(dict):
 class System:
     def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
                  eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False,
-                 setup: DrafterSetup | None = None, oracle: Oracle | None = None, draft_reference=None):
+                 draft_step: int = 1, setup: DrafterSetup | None = None, oracle: Oracle | None = None, draft_reference=None):
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
         self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
+        self.draft_step = draft_step
         self.setup, self.draft_reference = setup, draft_reference
         self.oracle = oracle or Oracle()     # replay drafters' continuations
         self._hf: dict[str, tuple] = {}
@@ -165,32 +177,58 @@ class System:
             positions += len(errors)
         return worst, near_tie_budget(positions, unresolved)
 
+    def batch_policy(self, engine: str, max_batch: int | None = None, queue: int | None = None) -> BatchPolicy:
+        """How ``engine`` runs in a continuous batch of at most ``max_batch`` (default: the build's
+        deployment.max_batch): autoregressive, chains of the draft length (dynamic where the build's
+        draft-length says), trees of the tree budget each, or trees under the build's batch schedule."""
+        e = self._engine(engine)
+        if e.two_level:
+            raise SpecPilotError(f"engine {engine!r}: batched runs take autoregressive, chain and tree engines, "
+                                 "not two-level verification")
+        limit = max_batch or getattr(e.model, "max_batch", 1)
+        if e.drafter is None:
+            return BatchPolicy("ar", limit, queue=queue)
+        if not e.tree_budget:
+            dynamic = lengths(self.draft_len, self.draft_min, self.draft_step) if self.draft_dynamic else None
+            return BatchPolicy("chain", limit, self.draft_len, lengths=dynamic, queue=queue)
+        b = e.batch
+        if b is None:
+            return BatchPolicy("tree", limit, e.tree_budget, queue=queue)
+        return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue)
+
+    def serve(self, engine: str, arrivals: list[Arrival], policy: BatchPolicy, clock=None, forces=None,
+              logits_hook=None, sampling: SamplingParams | None = None) -> BatchRun:
+        """``arrivals`` through one continuous batch on ``engine`` under ``policy`` (`runtime.batching`)."""
+        e = self._engine(engine)
+        for a in arrivals:
+            self.check_prompt(list(a.prompt))
+            if len(a.prompt) + a.max_new > self.capacity:
+                raise SpecPilotError(f"prompt ({len(a.prompt)}) + max new tokens ({a.max_new}) exceeds "
+                                     f"deployment.max_seq_len={self.capacity}")
+        if e.drafter is not None and self.setup is not None and self.setup.kind == "replay":
+            for i, a in enumerate(arrivals):     # the replay drafter follows each prompt's own continuation
+                if not self.oracle.has(list(a.prompt)):
+                    tokens = forces[i] if forces is not None and forces[i] is not None else \
+                        self.generate(self.autoregressive_engine(), list(a.prompt), a.max_new, sampling=sampling).tokens
+                    self.oracle.register(list(a.prompt), tokens)
+        make = (lambda: e.drafter(sampling)) if e.drafter is not None else None
+        return run_batch(sampled(e.model, sampling), make, arrivals, policy, self.capacity, clock, forces,
+                         logits_hook)
+
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
                        logits_hook=None, max_batch: int | None = None,
                        sampling: SamplingParams | None = None) -> list[Generation]:
-        """The requests as one continuous batch (at most ``max_batch`` at once; default: the build's
-        deployment.max_batch): autoregressive engines, or tree engines with one node budget (the
-        build's tree budget) shared by each step's requests."""
+        """The requests as one continuous batch, all arriving at once (at most ``max_batch`` running;
+        default: the build's deployment.max_batch), under the engine's batch policy."""
+        arrivals = [Arrival(0.0, tuple(p), n) for p, n in zip(prompts, max_new)]
+        run = self.serve(engine, arrivals, self.batch_policy(engine, max_batch), StepClock(), forces, logits_hook,
+                         sampling)
+        return run.generations
+
+    def _engine(self, engine: str) -> Engine:
         if engine not in self.engines:
             raise SpecPilotError(f"unknown engine {engine!r} here; available: {', '.join(self.engines)}")
-        e = self.engines[engine]
-        if e.drafter is not None and (not e.tree_budget or e.two_level):
-            raise SpecPilotError(f"engine {engine!r}: batched runs take an autoregressive or a tree engine "
-                                 "(stock, compiled, stock-tree, compiled-tree) for now")
-        for prompt, n in zip(prompts, max_new):
-            self.check_prompt(prompt)
-            if len(prompt) + n > self.capacity:
-                raise SpecPilotError(f"prompt ({len(prompt)}) + max new tokens ({n}) exceeds "
-                                     f"deployment.max_seq_len={self.capacity}")
-        limit = max_batch or getattr(e.model, "max_batch", len(prompts))
-        if e.drafter is not None:
-            if self.setup is not None and self.setup.kind == "replay":
-                raise SpecPilotError("batched runs do not take a replay drafter yet")
-            return batched_speculative_tree(sampled(e.model, sampling), lambda: e.drafter(sampling),
-                                            prompts, max_new, e.tree_budget, self.capacity, limit, forces,
-                                            logits_hook)
-        return batched_autoregressive(sampled(e.model, sampling), prompts, max_new, self.capacity, limit, forces,
-                                      logits_hook)
+        return self.engines[engine]
 
     def generate(self, engine: str, prompt: list[int], max_new: int, force=None, logits_hook=None,
                  stop_at_eos: bool = False, record_lattices: Path | None = None,
@@ -227,7 +265,7 @@ class System:
                                                  force, logits_hook, stop_ids, on_token)
                 return speculative_tree(model, drafter, prompt, max_new, e.tree_budget, self.capacity,
                                         force, logits_hook, stop_ids, on_token)
-            schedule = DraftSchedule(self.draft_len, self.draft_min, self.draft_dynamic)   # per request
+            schedule = DraftSchedule(self.draft_len, self.draft_min, self.draft_dynamic, step=self.draft_step)
             return speculative(model, drafter, prompt, max_new, schedule, self.capacity,
                                force, logits_hook, stop_ids, on_token)
         finally:
@@ -308,6 +346,10 @@ def from_build(build_dir: Path) -> System:
         engines["compiled-tree"] = Engine(compiled["target"], cmp_make, budget)
         if m.two_level:
             engines["compiled-two-level"] = Engine(compiled["target"], cmp_make, budget, two_level=True)
+        batch = batch_schedule(m)
+        if batch is not None:
+            engines["stock-tree-sched"] = Engine(refs["target"], ref_make, budget, batch=batch)
+            engines["compiled-tree-sched"] = Engine(compiled["target"], cmp_make, budget, batch=batch)
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
                                                                   torch.float32, device, weight_format="stored")))
@@ -315,7 +357,19 @@ def from_build(build_dir: Path) -> System:
     cfg = refs["target"].cfg
     return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
                   tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
-                  setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
+                  m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
+
+
+def batch_schedule(m) -> BatchSchedule | None:
+    """A build's batch mechanisms (None: it chose none; its tree engine then shares nothing)."""
+    s = m.serving
+    if not m.tree_budget or (m.node_budget is None and m.admission is None and s.draft_nodes is None):
+        return None
+    nodes = s.draft_nodes or m.tree_budget
+    dynamic = lengths(nodes, s.draft_min, s.draft_step) if s.draft_dynamic else None
+    budget = m.node_budget.nodes if m.node_budget else nodes * m.max_batch
+    return BatchSchedule(nodes, budget, m.node_budget.min_prob if m.node_budget else 0.0, dynamic,
+                         m.admission.chunk if m.admission else None)
 
 
 def load_system(spec_or_build: str | Path) -> System:

@@ -78,11 +78,12 @@ def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
 
 
 def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[int],
-                      caps: list[int] | None = None) -> list[Tree]:
+                      caps: list[int] | None = None, min_score: float = float("-inf")) -> list[Tree]:
     """One node budget shared by several requests' trees (a batched verification pass): the
     ``budget`` highest-scoring nodes over the union of the requests' candidates, best first, so a
     request may get none.  ``max_depth`` (one, or one per request) and ``caps`` (nodes a request may
-    take at most: its cache room) bound each tree.  Ties break on (request, depth, parent index, the
+    take at most: its cache room) bound each tree; candidates scoring below ``min_score`` (a path
+    log-probability) are not taken.  Ties break on (request, depth, parent index, the
     drafter's rank).  With one request it is `best_first`'s tree; each request's tree is
     `best_first` of its share."""
     depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(expands)
@@ -94,7 +95,7 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
         if depth > depths[request] or len(trees[request]) >= caps[request]:
             return
         for rank, (token, logprob) in enumerate(expands[request](path)):
-            if logprob == float("-inf"):
+            if logprob == float("-inf") or score + logprob < min_score:
                 continue
             heapq.heappush(heap, (-(score + logprob), request, depth, parent, rank, token))
 

@@ -259,8 +259,10 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
     assert code == 1 and "position 5" in stdout
     code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled", "--batch", "--json")
     assert code == 0 and json.loads(stdout)["passed"] is True
-    code, _, stderr = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled-spec", "--batch")
-    assert code == 2 and "an autoregressive or a tree engine" in stderr
+    code, stdout, _ = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled-spec", "--batch", "--json")
+    assert code == 0 and json.loads(stdout)["passed"] is True        # chains batch too
+    code, _, stderr = run_cli("verify", out, "--max-new-tokens", 24, "--engine", "compiled-tree-sched", "--batch")
+    assert code == 2 and "unknown engine 'compiled-tree-sched'" in stderr     # the build chose no batch schedule
 
 
 @pytest.mark.slow
@@ -408,22 +410,26 @@ def test_a_recompile_replaces_the_build_whole_and_refuses_other_folders(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
-def test_compiled_tree_batches_share_a_node_budget_exactly(arch, tmp_path):
-    """A tree build's requests as one continuous batch (3 cache rows, 5 requests joining and
-    leaving), each step's trees from the build's one node budget: every request's tokens are its
-    own autoregressive tokens, exactly (a Gated DeltaNet target keeps each row's accepted path)."""
+def test_compiled_batches_are_exact_under_every_batch_schedule(arch, tmp_path):
+    """A build with the three batch mechanisms (node-budget, dynamic draft-length, prompt-admission):
+    5 requests through 3 cache rows, joining and leaving, as autoregressive, chain, tree and
+    shared-budget batches: every request's tokens are its own autoregressive tokens, exactly (a Gated
+    DeltaNet target keeps each row's accepted path), and every row goes back."""
+    passes = ("tree-verify{budget=8}" + (",gdn-path-recompute" if arch == "Qwen3_5ForCausalLM" else "")
+              + ",draft-length{length=6,min=2,step=2,dynamic=true},node-budget{nodes=10},prompt-admission{chunk=5}")
     data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
             "drafter": {"kind": "early-exit", "layers": TINY_CONFIGS[arch]["num_hidden_layers"] - 1, "top_k": 3},
-            "passes": "tree-verify{budget=8}" + (",gdn-path-recompute" if arch == "Qwen3_5ForCausalLM" else ""),
-            "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 3}}
+            "passes": passes, "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 3}}
     system = from_build(build_spec(tmp_path, data))
+    policy = system.batch_policy("compiled-tree-sched")
+    assert (policy.nodes, policy.budget, policy.lengths, policy.chunk) == (6, 10, (6, 4, 2), 5)
     prompts = [[(5 * i + 17 * r) % 301 for i in range(3 + 5 * r)] for r in range(5)]
     limits = [23, 9, 31, 4, 17]
-    runs = system.generate_batch("compiled-tree", prompts, limits)
-    for prompt, n, run in zip(prompts, limits, runs):
-        assert run.tokens == system.generate("compiled", prompt, n).tokens
-    assert any(a > 1 for run in runs for a in run.accepted[1:])
+    alone = [system.generate("compiled", p, n).tokens for p, n in zip(prompts, limits)]
+    for engine in ("compiled", "compiled-spec", "compiled-tree", "compiled-tree-sched"):
+        runs = system.generate_batch(engine, prompts, limits)
+        assert [r.tokens for r in runs] == alone, engine
+        if engine != "compiled":
+            assert any(a > 1 for run in runs for a in run.accepted[1:]), engine
     model = system.engines["compiled"].model
     assert len(model.free_rows) == model.max_batch          # every finished request gave its row back
-    with pytest.raises(SpecPilotError, match="an autoregressive or a tree engine"):
-        system.generate_batch("compiled-spec", prompts, limits)

@@ -325,36 +325,3 @@ def test_a_shared_budget_takes_the_best_nodes_of_the_union_brute_force(seed):
         alone = best_first(expands[r], len(tree), depth) if len(tree) else None
         assert len(tree) == 0 or (alone.tokens, alone.parents) == (tree.tokens, tree.parents)
         assert all(tree.parents[i] < i for i in range(len(tree)))      # parents first
-
-
-class _Counting:
-    """A model whose batched passes are counted: (requests, drafted nodes) per verification pass."""
-
-    def __init__(self, model):
-        self.model, self.passes = model, []
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def forward_batch(self, items, record: bool = False):
-        if record:
-            self.passes.append((len(items), sum(len(item[0]) - 1 for item in items)))
-        return self.model.forward_batch(items, record=record)
-
-
-@pytest.mark.parametrize("arch", [DENSE, HYBRID])
-def test_batched_trees_under_a_shared_budget_are_exact_as_requests_join_and_leave(arch):
-    from specpilot.runtime.decoding import batched_speculative_tree
-
-    target = tiny_model(arch, seed=5)
-    draft = noisy_copy(target, 0.3)
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2], [3, 8, 4, 6, 2, 6], [4, 3, 3]]
-    max_new = [21, 6, 17, 30, 1, 11]
-    counting = _Counting(target)
-    got = batched_speculative_tree(counting, lambda: ModelDrafter(draft, 3, 128), prompts, max_new, 9, 128, 3)
-    for prompt, n, gen in zip(prompts, max_new, got):
-        assert gen.tokens == autoregressive(target, prompt, n, 128).tokens
-        assert sum(gen.accepted) == n
-    assert all(b <= 3 and nodes <= 9 for b, nodes in counting.passes)
-    assert max(b for b, _ in counting.passes) == 3 and any(b < 3 for b, _ in counting.passes)   # joins, leaves
-    assert any(a > 1 for gen in got for a in gen.accepted[1:])                                  # drafts accepted

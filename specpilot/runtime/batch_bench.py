@@ -1,0 +1,172 @@
+"""`specpilot bench --batch B1,B2,... --arrivals TRACE`: what continuous batching gives a server --
+every engine of a build at each batch size on the same arrivals, in one run, wall clock, tokens
+checked.
+
+Per engine and batch size: throughput (generated tokens of all requests over the time from the
+first arrival to the last token), per-request latency (arrival to last token) and time to first
+token, p50 / p99, tokens per verification, and per pass the requests, drafted nodes, admitted
+prompt tokens and padded rows; the speedup is over the autoregressive engine at the same batch
+size in the same run.  Arrivals: a replayable trace (JSONL, `batching.read_trace`), ``burst`` (the
+requests all at once) or ``poisson:RATE`` (seeded).
+
+Tokens: a batched autoregressive run of every prompt first gives each request's reference
+tokens; every row's are checked against them (bf16: near-ties below the tie tolerance excused and
+listed, as in `runtime.bench`).  ``forced``: the speculative engines run token-forced onto the
+reference tokens, their own choices checked at every position (what a replay drafter needs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.batching import Arrival, BatchRun, StepClock, WallClock, poisson_trace
+from specpilot.runtime.bench import TokenCheck, check_choices, check_tokens, label_for
+from specpilot.runtime.forcing import tolerance_rule
+
+FORMAT = "specpilot-batch-bench"
+VERSION = 1
+
+
+@dataclass
+class BatchResult:
+    engine: str
+    label: str
+    batch: int
+    requests: int
+    refused: int
+    tokens: int
+    seconds: float
+    throughput: float                     # generated tokens a second, all requests
+    latency: dict                         # seconds, arrival to last token: p50, p99, max
+    ttft: dict                            # seconds, arrival to first token: p50, p99
+    tokens_per_verification: float | None
+    passes: int
+    per_pass: dict                        # means over decoding passes: running, drafted, admitted, rows
+    check: TokenCheck
+    speedup: float | None = None          # throughput over the autoregressive engine's at this batch size
+    policy: dict = field(default_factory=dict)
+
+
+def arrivals_for(spec: str, prompts: list[list[int]], max_new: int, trace=None, seed: int = 0) -> list[Arrival]:
+    """``burst``, ``poisson:RATE`` (requests a second) or a trace (already read)."""
+    if trace is not None:
+        return trace
+    if spec == "burst":
+        return poisson_trace(prompts, max_new, 0.0)
+    if spec.startswith("poisson:"):
+        try:
+            rate = float(spec.split(":", 1)[1])
+        except ValueError:
+            rate = -1.0
+        if not rate > 0:
+            raise SpecPilotError(f"--arrivals {spec}: poisson:RATE needs a positive rate (requests a second)")
+        return poisson_trace(prompts, max_new, rate, seed)
+    raise SpecPilotError(f"--arrivals {spec!r}: expected a trace file, burst or poisson:RATE")
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=float)
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+class BatchBench:
+    def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
+                 forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None):
+        self.system, self.engines, self.batches = system, engines, batches
+        self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
+        self.progress = progress or (lambda message, advance=0: None)
+        self.queue = queue
+        self.reference: dict[tuple[int, ...], object] = {}      # prompt -> the AR generation
+
+    def run(self) -> dict:
+        ar = self.engines[0]
+        if self.system.engines[ar].drafter is not None:
+            raise SpecPilotError(f"the first engine ({ar}) must be autoregressive: it is the baseline")
+        everything = {a.prompt: a for b in self.batches for a in self.make_arrivals(b)}
+        arrivals = list(everything.values())
+        top = max(self.batches)
+        ref = self.system.serve(ar, arrivals, self.system.batch_policy(ar, top), StepClock())
+        for a, gen in zip(arrivals, ref.generations):
+            self.reference[a.prompt] = gen
+            self.system.oracle.register(list(a.prompt), gen.tokens)       # a replay drafter's continuation
+        tolerance = 0.0
+        if self.system.dtype != "float32":
+            tolerance, _ = tolerance_rule(self.system, [list(a.prompt) for a in arrivals], ref.generations,
+                                          self.tie_tolerance, None)
+        rows = []
+        for batch in self.batches:
+            for name in self.engines:
+                rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance))
+            base = next(r for r in rows if r.engine == ar and r.batch == batch)
+            for r in rows:
+                if r.batch == batch:
+                    r.speedup = r.throughput / base.throughput if base.throughput else None
+        return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
+
+    def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float) -> BatchResult:
+        policy = self.system.batch_policy(name, batch, self.queue)
+        speculative = self.system.engines[name].drafter is not None
+        for _ in range(self.warmup):      # the same shapes once, untimed
+            self.system.serve(name, [Arrival(0.0, a.prompt, 2) for a in arrivals[:batch]], policy, StepClock())
+        forces = [self.reference[a.prompt].tokens[:a.max_new] for a in arrivals] \
+            if self.forced and speculative else None
+        self.progress(f"{name} at batch {batch}")
+        run = self.system.serve(name, arrivals, policy, WallClock(), forces)
+        self.progress(f"{name} at batch {batch}", advance=1)
+        return self._result(name, batch, arrivals, run, policy, tolerance, speculative)
+
+    def _result(self, name, batch, arrivals, run: BatchRun, policy, tolerance, speculative) -> BatchResult:
+        done = [(a, g, t) for a, g, t in zip(arrivals, run.generations, run.timings) if g is not None]
+        refs = [self.reference[a.prompt] for a, _, _ in done]
+        gens = [g for _, g, _ in done]
+        check = (check_choices if self.forced and speculative else check_tokens)(refs, gens, tolerance)
+        tokens = sum(len(g.tokens) for g in gens)
+        end = max((t.done for _, _, t in done), default=0.0)
+        seconds = end - min(a.at for a in arrivals)
+        decoding = [s for s in run.steps if not s.prefill]
+        verifications = [n for g in gens for n in g.accepted[1:]]
+        mean = (lambda xs: statistics.fmean(xs) if xs else 0.0)
+        return BatchResult(
+            name, label_for(name, getattr(self.system.setup, "kind", "") or ""), batch, len(arrivals),
+            len(run.refused), tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
+            percentiles([t.done - t.arrival for _, _, t in done]),
+            percentiles([t.first - t.arrival for _, _, t in done]),
+            sum(verifications) / len(verifications) if speculative and verifications else None,
+            len(run.steps),
+            {k: mean([getattr(s, k) for s in decoding]) for k in ("running", "drafted", "admitted", "rows")},
+            check, policy=asdict(policy))
+
+
+def report(run: dict, meta: dict) -> dict:
+    rows = []
+    for r in run["rows"]:
+        row = asdict(r)
+        row["check"] = {**asdict(r.check), "passed": r.check.passed}
+        rows.append(row)
+    return {"format": FORMAT, "version": VERSION, **meta, "ar_engine": run["ar_engine"], "forced": run["forced"],
+            "tie_tolerance": run["tie_tolerance"], "tokens_checked": all(r.check.passed for r in run["rows"]),
+            "rows": rows}
+
+
+def table(result: dict):
+    from rich.table import Table
+
+    t = Table(title=f"batched: {result['system']} ({result['arrivals']}, {result['max_new_tokens']} new tokens)")
+    for column in ("batch", "engine", "tok/s", "x AR", "latency p50/p99 s", "TTFT p50 s", "tok/verif",
+                   "drafted/pass", "rows/pass", "tokens"):
+        t.add_column(column, justify="left" if column == "engine" else "right")
+    for r in result["rows"]:
+        c = r["check"]
+        t.add_row(str(r["batch"]), r["engine"], f"{r['throughput']:.1f}",
+                  f"{r['speedup']:.2f}" if r["speedup"] else "-",
+                  f"{r['latency']['p50']:.3f} / {r['latency']['p99']:.3f}", f"{r['ttft']['p50']:.3f}",
+                  f"{r['tokens_per_verification']:.2f}" if r["tokens_per_verification"] else "-",
+                  f"{r['per_pass']['drafted']:.1f}", f"{r['per_pass']['rows']:.0f}",
+                  ("ok" if c["passed"] else "FAIL") + (f" ({len(c['excused'])} excused)" if c["excused"] else ""))
+    return t

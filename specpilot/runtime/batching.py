@@ -1,0 +1,390 @@
+"""Continuous batching for every engine: requests arrive (an arrival trace), wait in a bounded
+queue, run together -- one batched target pass a step over every running request -- and leave,
+their cache rows given back at once.  The batch schedule (`BatchPolicy`) decides how much each
+step drafts and admits, never what is computed: every request's tokens equal its own
+single-request greedy (or seeded sampled) tokens, whatever shares its batch.
+
+A step: autoregressive requests feed their last token; chain requests their drafted chain; tree
+requests a tree drawn from the pass's node budget (`tree.best_first_shared`: best first over the
+union of the running requests' candidates, each request capped by its draft length and cache
+room).  Waiting prompts join either by a prefill pass of their own before the step (stock
+continuous batching) or, with admission, in chunks riding in the rows the step's drafts leave
+under the budget.  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a
+pass), under which a trace replays to the same schedule every time (tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.files import atomic_write_text
+from specpilot.runtime.decoding import Emitter, Generation, close_state, commit_chain, commit_tree, tree_inputs
+from specpilot.runtime.draft_schedule import DraftSchedule
+from specpilot.runtime.tree import Tree, best_first_shared
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float              # seconds after the trace starts
+    prompt: tuple[int, ...]
+    max_new: int
+
+
+def read_trace(path: Path | str, encode=None) -> list[Arrival]:
+    """A JSONL arrival trace: one request a line, {"at": seconds, "prompt_ids": [...] | "prompt": text,
+    "max_new_tokens": n}, in any order (returned by arrival time, ties in file order).  ``encode``
+    turns a text prompt into ids."""
+    arrivals = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecPilotError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(entry, dict):
+            raise SpecPilotError(f"{where}: expected an object with at, prompt_ids or prompt, max_new_tokens")
+        arrivals.append(_arrival(entry, where, encode))
+    if not arrivals:
+        raise SpecPilotError(f"{path}: no requests in the trace")
+    return sorted(arrivals, key=lambda a: a.at)
+
+
+def _arrival(entry: dict, where: str, encode) -> Arrival:
+    at, n = entry.get("at", 0.0), entry.get("max_new_tokens")
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
+        raise SpecPilotError(f"{where}: 'at' must be a non-negative number of seconds, got {at!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise SpecPilotError(f"{where}: 'max_new_tokens' must be a positive integer, got {n!r}")
+    if "prompt_ids" in entry:
+        ids = entry["prompt_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in ids):
+            raise SpecPilotError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
+        return Arrival(float(at), tuple(ids), n)
+    if isinstance(entry.get("prompt"), str) and entry["prompt"]:
+        if encode is None:
+            raise SpecPilotError(f"{where}: a text prompt needs a tokenizer; give prompt_ids")
+        return Arrival(float(at), tuple(encode(entry["prompt"])), n)
+    raise SpecPilotError(f"{where}: needs 'prompt_ids' (token ids) or 'prompt' (text)")
+
+
+def write_trace(path: Path | str, arrivals: list[Arrival]) -> None:
+    atomic_write_text(Path(path), "".join(json.dumps({"at": round(a.at, 6), "prompt_ids": list(a.prompt),
+                                                      "max_new_tokens": a.max_new}) + "\n" for a in arrivals))
+
+
+def poisson_trace(prompts: list[list[int]], max_new: int, rate: float, seed: int = 0) -> list[Arrival]:
+    """The prompts arriving as a Poisson process of ``rate`` requests a second (0: all at once)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(prompts)) if rate > 0 else np.zeros(len(prompts))
+    times = np.concatenate([[0.0], np.cumsum(gaps[1:])]) if len(prompts) else []
+    return [Arrival(float(t), tuple(p), max_new) for t, p in zip(times, prompts)]
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How a batched run schedules its work.  ``mode``: "ar", "chain" or "tree"; ``nodes``: a request's
+    drafted tokens a step (chain length, tree nodes); ``budget``: a tree pass's drafted nodes in all
+    (None: ``nodes`` for each request); ``lengths``: the dynamic draft lengths (None: ``nodes``
+    fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass)."""
+    mode: str = "ar"
+    max_batch: int = 1
+    nodes: int = 0
+    budget: int | None = None
+    min_prob: float = 0.0
+    lengths: tuple[int, ...] | None = None
+    chunk: int | None = None
+    queue: int | None = None        # waiting requests at most; later arrivals are refused
+
+    def __post_init__(self):
+        if self.mode not in ("ar", "chain", "tree"):
+            raise SpecPilotError(f"batch mode must be ar, chain or tree, got {self.mode!r}")
+        if self.max_batch < 1 or (self.mode != "ar" and self.nodes < 1):
+            raise SpecPilotError("a batch needs max_batch >= 1 and a speculative one nodes >= 1")
+        if (self.budget is not None or self.min_prob) and self.mode != "tree":
+            raise SpecPilotError("a shared node budget needs tree verification")
+        if self.chunk is not None and (self.chunk < 1 or (self.mode == "tree" and self.budget is None)):
+            raise SpecPilotError("prompt admission needs a chunk >= 1 and, with trees, a node budget")
+        if self.queue is not None and self.queue < 0:
+            raise SpecPilotError(f"the waiting queue's bound must be >= 0, got {self.queue}")
+
+    def schedule(self) -> DraftSchedule:
+        if self.lengths:
+            return DraftSchedule(max(self.lengths), min(self.lengths), dynamic=len(self.lengths) > 1,
+                                 step=_step(self.lengths))
+        return DraftSchedule(max(self.nodes, 1))
+
+
+def _step(choices: tuple[int, ...]) -> int:
+    ordered = sorted(choices)
+    return min((b - a for a, b in zip(ordered, ordered[1:])), default=1)
+
+
+class WallClock:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def tick(self) -> None:
+        pass
+
+
+class StepClock:
+    """Each pass takes ``seconds``: a trace replays to the same schedule on any machine."""
+
+    def __init__(self, seconds: float = 0.01):
+        self.seconds, self.t = seconds, 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def tick(self) -> None:
+        self.t += self.seconds
+
+
+@dataclass
+class Timing:
+    arrival: float
+    started: float | None = None      # its prompt's first pass
+    first: float | None = None        # its first token
+    done: float | None = None
+
+
+@dataclass
+class Step:
+    """One target pass: its requests and rows."""
+    running: int                      # requests decoding in it
+    drafted: int                      # drafted nodes (chain tokens, tree nodes)
+    admitted: int                     # prompt tokens riding in it (admission chunks or joins' prefill)
+    rows: int                         # the pass's padded rows (batch x longest)
+    prefill: bool = False             # a join's own prefill pass (no decoding)
+
+
+@dataclass
+class BatchRun:
+    generations: list[Generation | None]     # by request; None: refused (queue full)
+    timings: list[Timing]
+    steps: list[Step] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def refused(self) -> list[int]:
+        return [i for i, g in enumerate(self.generations) if g is None]
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    state: object
+    out: Emitter
+    schedule: DraftSchedule
+    drafter: object = None
+    fed: int = 0                     # prompt tokens in the cache
+    last: int = -1
+
+
+def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy, capacity: int, clock=None,
+              forces=None, logits_hook=None, stop_ids=()) -> BatchRun:
+    """Serve ``arrivals`` as one continuous batch under ``policy`` (``make_drafter()``: a fresh drafter
+    for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``."""
+    return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
+                      [None] * len(arrivals), logits_hook, stop_ids).run()
+
+
+class _Scheduler:
+    def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids):
+        self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
+        self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
+        self.arrivals = arrivals
+        self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
+        self.waiting: deque[int] = deque()
+        self.prefilling: list[_Request] = []
+        self.running: list[_Request] = []
+        self.result = BatchRun([None] * len(arrivals), [Timing(a.at) for a in arrivals])
+        self.finished: set[int] = set()
+        limit = getattr(model, "max_verify_tokens", None)
+        self.chunk = min(policy.chunk, limit) if policy.chunk and limit else policy.chunk
+
+    def run(self) -> BatchRun:
+        start = time.perf_counter()
+        while self.pending or self.waiting or self.prefilling or self.running:
+            self._arrive()
+            if not (self.waiting or self.prefilling or self.running):
+                self.clock.wait_until(self.arrivals[self.pending[0]].at)
+                continue
+            if self.policy.chunk is None and self.waiting and self._free_rows():
+                self._join_by_prefill()
+            if self.running or (self.policy.chunk is not None and (self.waiting or self.prefilling)):
+                self._step()
+        self.result.seconds = time.perf_counter() - start
+        return self.result
+
+    def _arrive(self) -> None:
+        now = self.clock.now()
+        while self.pending and self.arrivals[self.pending[0]].at <= now:
+            i = self.pending.popleft()
+            if self.policy.queue is not None and len(self.waiting) >= self.policy.queue:
+                self.result.timings[i].done = now      # refused: its generation stays None
+                continue
+            self.waiting.append(i)
+
+    def _free_rows(self) -> int:
+        return self.policy.max_batch - len(self.running) - len(self.prefilling)
+
+    def _start(self, i: int) -> _Request:
+        a = self.arrivals[i]
+        self.result.timings[i].started = self.clock.now()
+        return _Request(i, list(a.prompt), self.model.new_state(self.capacity),
+                        Emitter(a.max_new, self.forces[i], self.hook, self.stop_ids), self.policy.schedule())
+
+    def _join_by_prefill(self) -> None:
+        joining = [self._start(self.waiting.popleft()) for _ in range(min(self._free_rows(), len(self.waiting)))]
+        rows = self.model.forward_batch([(r.prompt, r.state) for r in joining])
+        for r, logits in zip(joining, rows):
+            r.fed = len(r.prompt)
+            self._first_token(r, logits[-1])
+        self._tick(Step(0, 0, sum(len(r.prompt) for r in joining),
+                        len(joining) * max(len(r.prompt) for r in joining), prefill=True))
+
+    def _first_token(self, r: _Request, logits_row) -> None:
+        r.last = r.out.target_token(logits_row)
+        r.out.gen.accepted.append(1)
+        self.result.timings[r.index].first = self.clock.now()
+        if self.policy.mode != "ar":
+            r.drafter = self.make_drafter()
+        self.running.append(r)
+
+    def _tick(self, step: Step) -> None:
+        self.clock.tick()
+        self.result.steps.append(step)
+        self._retire()
+
+    def _step(self) -> None:
+        """One target pass: every running request's draft (or last token), plus admitted chunks."""
+        items, plans = self._drafts()
+        drafted = sum(len(p[0]) for p in plans)
+        chunks = self._chunks(drafted) if self.policy.chunk is not None else []
+        items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
+        speculative = self.policy.mode != "ar"
+        rows = self.model.forward_batch(items, record=speculative)
+        for r, plan, logits in zip(list(self.running), plans, rows):
+            self._commit(r, plan, logits)
+        for (r, n), logits in zip(chunks, rows[len(plans):]):
+            r.fed += n
+            if speculative and hasattr(r.state, "drop_history"):
+                r.state.drop_history()
+            if r.fed == len(r.prompt):
+                self.prefilling.remove(r)
+                self._first_token(r, logits[-1])
+        self._tick(Step(len(plans), drafted, sum(n for _, n in chunks),
+                        len(items) * max(len(it[0]) for it in items)))
+
+    def _drafts(self) -> tuple[list, list]:
+        """The pass's items for the running requests and what each drafted: (tree or chain, base)."""
+        if not self.running:
+            return [], []
+        rooms = [max(0, min(self.capacity - r.state.length - 1, r.out.max_new - len(r.out.gen.tokens)))
+                 for r in self.running]
+        if self.policy.mode == "ar":
+            return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
+        caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
+        if self.policy.mode == "chain":
+            trees = [_chain(r.drafter.propose(r.prompt + r.out.gen.tokens, cap), cap) if cap else Tree()
+                     for r, cap in zip(self.running, caps)]
+        else:
+            expands = [r.drafter.expander(r.prompt + r.out.gen.tokens) for r in self.running]
+            budget = sum(caps) if self.policy.budget is None else self.policy.budget
+            floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
+            trees = best_first_shared(expands, budget, [r.out.max_new - len(r.out.gen.tokens) for r in self.running],
+                                      caps, floor)
+        items, plans = [], []
+        for r, tree in zip(self.running, trees):
+            base = r.state.length
+            if self.policy.mode == "chain":     # causal rows; rejected drafts are cut off, no KV moves
+                items.append(([r.last] + tree.tokens, r.state))
+            else:
+                tokens, positions, mask, parents = tree_inputs(r.last, tree, base)
+                items.append((tokens, r.state, positions, mask, parents))
+            plans.append((tree, base))
+        return items, plans
+
+    def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
+        """Prompt chunks for this pass: in the room the running requests' drafts leave under the
+        budget (all of it with nothing running), a chunk each, oldest prompts first."""
+        budget = self.policy.budget if self.policy.budget is not None else self.chunk   # ar / chain: a chunk a pass
+        room = max(budget, self.chunk) - drafted if not self.running else budget - drafted
+        while self.waiting and self._free_rows() > 0 and room > 0:
+            self.prefilling.append(self._start(self.waiting.popleft()))
+        chunks = []
+        for r in self.prefilling:
+            n = min(self.chunk, room, len(r.prompt) - r.fed)
+            if n <= 0:
+                break
+            chunks.append((r, n))
+            room -= n
+        return chunks
+
+    def _commit(self, r: _Request, plan, logits) -> None:
+        tree, base = plan
+        if self.policy.mode == "ar":
+            r.last = r.out.target_token(logits[-1])
+            r.out.gen.accepted.append(1)
+            return
+        if self.policy.mode == "chain":
+            r.last = commit_chain(r.state, r.out, tree.tokens, logits, base)
+        else:
+            r.last = commit_tree(self.model, r.state, r.out, tree, logits, base)
+        r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree))
+
+    def _retire(self) -> None:
+        """Finished requests leave the batch; their cache rows (target and drafter) go back at once."""
+        now = self.clock.now()
+        for r in [r for r in self.running if r.out.stopped]:
+            self.running.remove(r)
+            close_state(r.state)
+            if getattr(r.drafter, "state", None) is not None:
+                close_state(r.drafter.state)
+                r.drafter.state = None
+            r.out.gen.seconds = now - self.result.timings[r.index].arrival
+            self.result.timings[r.index].done = now
+            self.result.generations[r.index] = r.out.gen
+
+
+def _chain(lattice, cap: int) -> Tree:
+    """A drafted chain as a tree, its nodes scored by the chain's cumulative log-probabilities."""
+    tree = Tree.chain(lattice.chain()[:cap])
+    tree.scores = np.cumsum(lattice.logprobs[:len(tree), 0].double().numpy()).tolist() if len(tree) else []
+    return tree
+
+
+def _confidence(tree: Tree) -> float | None:
+    """The drafter's expected accepted length for ``tree``: the sum of its first-ranked path's
+    probabilities (None without scores)."""
+    if not len(tree) or len(tree.scores) != len(tree):
+        return None
+    total, node = 0.0, -1
+    while True:
+        children = tree.children(node)
+        if not children:
+            return total
+        node = children[0]
+        total += math.exp(tree.scores[node])
