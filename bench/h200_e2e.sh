@@ -8,6 +8,7 @@
 #   bash bench/h200_e2e.sh full-check       the counter-based seeded draw on the GPU equals the CPU's
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
+#   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
 # for serving fastapi, uvicorn, prometheus-client, openai and theirs: `pip download --python-version 3.12`), the GGUF split in
 # three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
@@ -39,6 +40,14 @@ import json, random
 r = random.Random(0)
 for _ in range(4):
     print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(4096)]}))" > $E/long.jsonl
+}
+# batched serving: 32 prompts of 512 token ids
+batch_prompts() {
+  [ -f $E/batch.jsonl ] || python3 -c "
+import json, random
+r = random.Random(1)
+for _ in range(32):
+    print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(512)]}))" > $E/batch.jsonl
 }
 case "${1:-}" in
   stage)
@@ -107,6 +116,14 @@ PY
       --max-new-tokens ${TOKENS:-256} --engines $engines --replay-alpha ${ALPHAS:-0.6,0.7,0.8,0.9} \
       $(for f in ${PROFILES:-bench/profiles/smollm2-l12-tree64-code.json}; do echo --replay-profile $f; done) \
       --tie-tolerance ${TIE:-auto} --breakdown-requests 1 --forced -o $OUT/e2e-27b-full-$1.json 2>&1 | tail -40 ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD" >&2
+  full-batch)
+    # continuous batching: every engine at each batch size, the requests all at once (one per cache row);
+    # speculative engines forced onto the batched AR reference's tokens (the replay drafter follows them)
+    shift; setup; unpack
+    batch_prompts
+    timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
+      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
+      -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD" >&2
      exit 2 ;;
 esac

@@ -324,15 +324,21 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
     def make(batch: int):
         return arrivals_for(arrivals, ids[:n_requests or batch], max_new_tokens, trace) if trace is None else trace
 
+    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts),
+            "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
+            "dtype": system.dtype, "drafter": system.setup.kind if system.setup else ""}
+
+    def partial(run: dict) -> None:    # the batch sizes done so far, written as each one ends
+        if output:
+            atomic_write_text(output, json.dumps({**batch_report(run, meta), "complete": False}, indent=2))
+
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
         task = progress.add_task("bench", total=len(sizes) * len(names))
         run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
-                         lambda m, advance=0: progress.update(task, description=m, advance=advance), queue).run()
-    meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts),
-            "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
-            "dtype": system.dtype, "drafter": system.setup.kind if system.setup else ""}
-    result = batch_report(run, meta)
+                         lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
+                         partial).run()
+    result = {**batch_report(run, meta), "complete": True}
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))
     if as_json:

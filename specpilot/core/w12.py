@@ -269,7 +269,7 @@ def decode_kernel_layout(k: W12Kernel) -> torch.Tensor:
     """The exact bf16 matrix back from the kernel layout."""
     n, kk = k.hi.shape
     count = int(k.esc_ptr[-1])
-    rows = torch.repeat_interleave(torch.arange(n), (k.esc_ptr[1:] - k.esc_ptr[:-1]).long())
+    rows = torch.repeat_interleave(torch.arange(n, device=k.esc_ptr.device), (k.esc_ptr[1:] - k.esc_ptr[:-1]).long())
     pack = W12Pack((n, kk), k.hi, k.lo, k.base, rows * kk + k.esc_col[:count].long(),
                    k.esc_bits[:count].to(torch.int16), "")
     return decode(pack)

@@ -21,6 +21,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.batching import Arrival, BatchRun, StepClock, WallClock, poisson_trace
@@ -77,7 +78,9 @@ def percentiles(values: list[float]) -> dict:
 
 class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
-                 forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None):
+                 forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None):
+        """``partial(run)``: hears the run so far after each batch size (a long run's results survive it)."""
+        self.partial = partial or (lambda run: None)
         self.system, self.engines, self.batches = system, engines, batches
         self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
         self.progress = progress or (lambda message, advance=0: None)
@@ -107,6 +110,7 @@ class BatchBench:
             for r in rows:
                 if r.batch == batch:
                     r.speedup = r.throughput / base.throughput if base.throughput else None
+            self.partial({"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows})
         return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
 
     def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float) -> BatchResult:
@@ -117,6 +121,8 @@ class BatchBench:
         forces = [self.reference[a.prompt].tokens[:a.max_new] for a in arrivals] \
             if self.forced and speculative else None
         self.progress(f"{name} at batch {batch}")
+        if torch.cuda.is_available():   # the last row's cached blocks back to the driver, where TVM allocates too
+            torch.cuda.empty_cache()
         run = self.system.serve(name, arrivals, policy, WallClock(), forces)
         self.progress(f"{name} at batch {batch}", advance=1)
         return self._result(name, batch, arrivals, run, policy, tolerance, speculative)

@@ -28,7 +28,8 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
 from specpilot.runtime.decoding import Emitter, Generation, close_state, commit_chain, commit_tree, tree_inputs
 from specpilot.runtime.draft_schedule import DraftSchedule
-from specpilot.runtime.tree import Tree, best_first_shared
+from specpilot.runtime.drafters import expand_across, sync_across
+from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class BatchPolicy:
     lengths: tuple[int, ...] | None = None
     chunk: int | None = None
     queue: int | None = None        # waiting requests at most; later arrivals are refused
+    prefill: int = 4096             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
+                                    # a pass's activations grow with its tokens
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
@@ -117,6 +120,8 @@ class BatchPolicy:
             raise SpecPilotError("prompt admission needs a chunk >= 1 and, with trees, a node budget")
         if self.queue is not None and self.queue < 0:
             raise SpecPilotError(f"the waiting queue's bound must be >= 0, got {self.queue}")
+        if self.prefill < 1:
+            raise SpecPilotError(f"a prefill pass takes >= 1 prompt tokens, got {self.prefill}")
 
     def schedule(self) -> DraftSchedule:
         if self.lengths:
@@ -257,7 +262,13 @@ class _Scheduler:
                         Emitter(a.max_new, self.forces[i], self.hook, self.stop_ids), self.policy.schedule())
 
     def _join_by_prefill(self) -> None:
-        joining = [self._start(self.waiting.popleft()) for _ in range(min(self._free_rows(), len(self.waiting)))]
+        joining, tokens = [], 0
+        while self.waiting and self._free_rows() > len(joining):
+            n = len(self.arrivals[self.waiting[0]].prompt)
+            if joining and tokens + n > self.policy.prefill:
+                break
+            joining.append(self._start(self.waiting.popleft()))
+            tokens += n
         rows = self.model.forward_batch([(r.prompt, r.state) for r in joining])
         for r, logits in zip(joining, rows):
             r.fed = len(r.prompt)
@@ -311,11 +322,7 @@ class _Scheduler:
             trees = [_chain(r.drafter.propose(r.prompt + r.out.gen.tokens, cap), cap) if cap else Tree()
                      for r, cap in zip(self.running, caps)]
         else:
-            expands = [r.drafter.expander(r.prompt + r.out.gen.tokens) for r in self.running]
-            budget = sum(caps) if self.policy.budget is None else self.policy.budget
-            floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
-            trees = best_first_shared(expands, budget, [r.out.max_new - len(r.out.gen.tokens) for r in self.running],
-                                      caps, floor)
+            trees = self._trees(caps)
         items, plans = [], []
         for r, tree in zip(self.running, trees):
             base = r.state.length
@@ -326,6 +333,20 @@ class _Scheduler:
                 items.append((tokens, r.state, positions, mask, parents))
             plans.append((tree, base))
         return items, plans
+
+    def _trees(self, caps: list[int]) -> list[Tree]:
+        """The running requests' trees from the pass's budget; the drafter network runs once for all
+        of them to catch up on accepted tokens, then once a tree level (`drafters.expand_across`)."""
+        contexts = [r.prompt + r.out.gen.tokens for r in self.running]
+        drafters = [r.drafter for r in self.running]
+        sync_across(drafters, contexts)
+        own = [d.expander(c) for d, c in zip(drafters, contexts)]
+        budget = sum(caps) if self.policy.budget is None else self.policy.budget
+        floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
+        depths = [r.out.max_new - len(r.out.gen.tokens) for r in self.running]
+        expands = prefetch_shared(own, budget, depths, caps, lambda paths: expand_across(own, paths), floor) \
+            if budget > 1 else own
+        return best_first_shared(expands, budget, depths, caps, floor)
 
     def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
         """Prompt chunks for this pass: in the room the running requests' drafts leave under the

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -53,15 +56,38 @@ class ModelDrafter:
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
 
+    @property
+    def network(self) -> "ModelDrafter":
+        return self
+
     def reset(self) -> None:
         self.state = None   # a compiled model's old state gives its cache row back first
         self.state = self.model.new_state(self.capacity)
         self.consumed: list[int] = []   # the tokens whose KV / recurrent state is in self.state
+        self.root: tuple | None = None  # (context, logits after it) left by `sync_across`
+
+    def _pending(self, context: list[int]) -> list[int] | None:
+        """Cut the state back to what it shares with ``context`` and return the tokens still to feed
+        (the last one at least), or None on a first call (its prefill is its own pass)."""
+        keep = _common_prefix(self.consumed, context)
+        if keep == len(context):
+            keep -= 1
+        if keep <= 0:
+            return None
+        if keep < self.state.length:
+            self.state.truncate(keep)
+        self.state.drop_history()
+        self.consumed = list(context[:keep])
+        return list(context[keep:])
 
     def _sync(self, context: list[int], keep_history: bool = False) -> torch.Tensor:
         """Bring the state to ``context`` and return the logits after its last token.
         ``keep_history``: keep the recorded recurrent states of earlier passes, so a later call
         can roll back to any prefix of the contexts synced since (tree expansion)."""
+        if self.root is not None and not keep_history:
+            (synced, logits), self.root = self.root, None
+            if synced == tuple(context) and self.consumed == list(context):
+                return logits
         keep = _common_prefix(self.consumed, context)
         if keep == len(context):        # nothing new: recompute the last position
             keep -= 1
@@ -91,6 +117,7 @@ class ModelDrafter:
 
         if self._tree_capable():
             expand.batch = lambda paths: self._expand_batch(context, paths, expand)
+            expand.plan = lambda paths: self._tree_plan(context, paths)
         return expand
 
     def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
@@ -105,6 +132,14 @@ class ModelDrafter:
     def _expand_batch(self, context: list[int], paths: list[list[int]], expand) -> list[list[tuple[int, float]]]:
         """The expansions of many paths below ``context`` from one tree-shaped drafter pass over
         the union of their nodes; the drafter's state is put back afterwards."""
+        plan = self._tree_plan(context, paths)
+        if plan is None:
+            return [expand(path) for path in paths]  # no room for the whole pass: node by node
+        return expand_across([SimpleNamespace(plan=lambda _: plan)], [paths])[0]
+
+    def _tree_plan(self, context: list[int], paths: list[list[int]]) -> TreePass | None:
+        """One tree-shaped pass over the union of the paths' nodes below ``context`` (None when it
+        does not fit: cache room, a compiled hybrid's tree-kernel limit, a state not at ``context``)."""
         nodes: dict[tuple, int] = {}                 # path prefix -> index in the pass
         tokens, parents, depths = [], [], []
         for path in paths:
@@ -117,23 +152,22 @@ class ModelDrafter:
                     depths.append(d)
         base = len(context)
         limit = getattr(self.model, "max_verify_tokens", None)   # a compiled hybrid's GDN tree kernel holds so many
-        if self.consumed != list(context) or self.state.length != base or base + len(tokens) > self.capacity \
-                or (limit and len(tokens) > limit):
-            return [expand(path) for path in paths]  # no room for the whole pass: node by node
+        if not tokens or self.consumed != list(context) or self.state.length != base \
+                or base + len(tokens) > self.capacity or (limit and len(tokens) > limit):
+            return None
         mask = np.zeros((len(tokens), base + len(tokens)), dtype=bool)
         mask[:, :base] = True
         for i, parent in enumerate(parents):
             if parent >= 0:
                 mask[i, base:] = mask[parent, base:]
             mask[i, base + i] = True
-        snap = self.state.snapshot()
-        try:
-            logits = self.model.forward(tokens, self.state, positions=[base + d - 1 for d in depths],
-                                        attn_mask=mask, record=True, parents=parents)
-        finally:
-            self.state.restore(snap, keep_history=True)
-        logp = self._logp(logits)
-        return [[] if base + len(path) >= self.capacity else self._top(logp[nodes[tuple(path)]]) for path in paths]
+
+        def finish(logits: torch.Tensor) -> list[list[tuple[int, float]]]:
+            logp = self._logp(logits)
+            return [[] if base + len(path) >= self.capacity else self._top(logp[nodes[tuple(path)]])
+                    for path in paths]
+        item = (tokens, self.state, [base + d - 1 for d in depths], mask, parents)
+        return TreePass(self.model, self.state, item, finish)
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))
@@ -149,6 +183,58 @@ class ModelDrafter:
                 logits = self.model.forward(indices[:1], self.state, record=True)[-1]
                 self.consumed.append(int(indices[0]))
         return Lattice(torch.stack(tokens), torch.stack(logprobs))
+
+
+@dataclass
+class TreePass:
+    """A drafter pass scoring a tree's nodes: ``item`` for the network's ``forward_batch`` on ``state``
+    (put back afterwards), ``finish(logits)`` the expansions it answers."""
+    model: object
+    state: object
+    item: tuple
+    finish: Callable[[torch.Tensor], list]
+
+
+def sync_across(drafters: list, contexts: list[list[int]]) -> None:
+    """Bring many requests' drafter networks to their contexts with one batched pass per network
+    (the tokens each accepted since its last draft); each keeps the logits after its context for
+    its next `expander`.  Drafters without a network, and first calls (a prefill), sync alone later."""
+    groups: dict[int, list] = {}
+    for drafter, context in zip(drafters, contexts):
+        network = getattr(drafter, "network", None)
+        new = network._pending(list(context)) if network is not None else None
+        if new is not None:
+            groups.setdefault(id(network.model), []).append((network, list(context), new))
+    for members in groups.values():
+        rows = members[0][0].model.forward_batch([(new, n.state) for n, _, new in members], record=True)
+        for (network, context, _), logits in zip(members, rows):
+            network.consumed, network.root = context, (tuple(context), logits[-1])
+
+
+def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[list[tuple[int, float]]]]:
+    """The expansions of many requests' paths (``requests[r]``: paths below request r's context),
+    the tree-shaped passes of expanders on one drafter network run as one batched pass; the rest
+    expand as they can (their own batch, or node by node)."""
+    out: list = [None] * len(expands)
+    groups: dict[int, list] = {}
+    for r, (expand, paths) in enumerate(zip(expands, requests)):
+        plan = expand.plan(paths) if paths and getattr(expand, "plan", None) is not None else None
+        if plan is not None:
+            groups.setdefault(id(plan.model), []).append((r, plan))
+        elif getattr(expand, "batch", None) is not None and paths:
+            out[r] = expand.batch(paths)
+        else:
+            out[r] = [expand(path) for path in paths]
+    for members in groups.values():
+        snaps = [plan.state.snapshot() for _, plan in members]
+        try:
+            rows = members[0][1].model.forward_batch([plan.item for _, plan in members], record=True)
+        finally:
+            for (_, plan), snap in zip(members, snaps):
+                plan.state.restore(snap, keep_history=True)
+        for (r, plan), logits in zip(members, rows):
+            out[r] = plan.finish(logits)
+    return out
 
 
 class NGramDrafter:

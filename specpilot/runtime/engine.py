@@ -136,6 +136,8 @@ class CompiledModule:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
+        if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace
+            torch.cuda.empty_cache()
         if list(values) != m.params:
             raise SpecPilotError(f"{self.dir}: redoing the passes' parameter rewrites does not give the "
                                  "parameters manifest.json lists")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -79,6 +80,11 @@ class ReplayDrafter:
         self.cost, self.oracle, self.plan = cost, oracle, plan
         self.top_k, self.vocab_size = top_k, vocab_size
         self.reset()
+
+    @property
+    def network(self):
+        """The drafter network whose time a replay spends."""
+        return self.cost.network
 
     def reset(self) -> None:
         self.cost.reset()
@@ -148,11 +154,28 @@ class ReplayDrafter:
             return children(path)
 
         if getattr(cost_expand, "batch", None) is not None:
-            def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
+            def known(paths: list[list[int]]) -> list[tuple[tuple, list[int]]]:
                 mapped = [(tuple(p), cost_path(tuple(p))) for p in paths]
-                known = [(key, m) for key, m in mapped if m is not None]
-                for (key, _), found in zip(known, cost_expand.batch([m for _, m in known])):
-                    cost_children[key] = found
+                return [(key, m) for key, m in mapped if m is not None]
+
+            def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
+                found = known(paths)
+                for (key, _), below in zip(found, cost_expand.batch([m for _, m in found]) if found else []):
+                    cost_children[key] = below
                 return [children(p) for p in paths]
-            expand.batch = batch
+
+            def plan(paths: list[list[int]]):
+                """The cost network's tree pass for these paths, answering with the replayed expansions
+                (`drafters.expand_across` runs many requests' in one batched pass)."""
+                found = known(paths)
+                inner = cost_expand.plan([m for _, m in found]) if found else None
+                if inner is None:
+                    return None
+
+                def finish(logits):
+                    for (key, _), below in zip(found, inner.finish(logits)):
+                        cost_children[key] = below
+                    return [children(p) for p in paths]
+                return replace(inner, finish=finish)
+            expand.batch, expand.plan = batch, plan
         return expand

@@ -39,6 +39,21 @@ def near_tie_budget(positions: int, unresolved: int) -> int:
     return max(4 * unresolved + 8, positions // 50)
 
 
+class Deferred:
+    """A model made on first use: a build's stock reference decodes and holds a second copy of the
+    weights (52 GB for a 27B-class bf16 model beside its W12 planes), which only stock rows need."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make, self._model = make, None
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if self._model is None:
+            self._model = self._make()
+        return getattr(self._model, name)
+
+
 @dataclass
 class Engine:
     model: object                                # ReferenceModel or CompiledModel
@@ -331,11 +346,12 @@ def from_build(build_dir: Path) -> System:
     m = module.manifest
     dtype, capacity, d = DTYPES[m.dtype], m.capacity, m.drafter
     device = "cuda" if m.target_kind == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
-    refs = {which: ReferenceModel(ModelConfig.from_dict(m.models[which]), module.reference_weights(which), dtype,
-                                  device) for which in m.models}
+    cfgs = {which: ModelConfig.from_dict(m.models[which]) for which in m.models}
+    refs = {which: Deferred(lambda which=which: ReferenceModel(cfgs[which], module.reference_weights(which), dtype,
+                                                               device)) for which in m.models}
     compiled = {which: module.model(which) for which in m.models}
     setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
-    oracle, vocab = Oracle(), refs["target"].cfg.vocab_size
+    oracle, vocab = Oracle(), cfgs["target"].vocab_size
     ref_make = setup.factory(refs.get("drafter"), oracle, vocab)
     cmp_make = setup.factory(compiled.get("drafter"), oracle, vocab)
     engines = Engines({"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
@@ -351,10 +367,10 @@ def from_build(build_dir: Path) -> System:
             engines["stock-tree-sched"] = Engine(refs["target"], ref_make, budget, batch=batch)
             engines["compiled-tree-sched"] = Engine(compiled["target"], cmp_make, budget, batch=batch)
     if dtype != torch.float32:
-        engines.later("stock-fp32", lambda: Engine(ReferenceModel(refs["target"].cfg, module.reference_weights("target"),
+        engines.later("stock-fp32", lambda: Engine(ReferenceModel(cfgs["target"], module.reference_weights("target"),
                                                                   torch.float32, device, weight_format="stored")))
     tok = Path(build_dir) / m.tokenizer if m.tokenizer else None
-    cfg = refs["target"].cfg
+    cfg = cfgs["target"]
     return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
                   tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
                   m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))

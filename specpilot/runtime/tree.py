@@ -147,6 +147,45 @@ def prefetch_levels(expand: Expand, budget: int, max_depth: int) -> Expand:
     return lookup
 
 
+def prefetch_shared(expands: list[Expand], budget: int, max_depths: list[int], caps: list[int], fetch,
+                    min_score: float = float("-inf")) -> list[Expand]:
+    """`prefetch_levels` for `best_first_shared`: each tree level of every request fetched in one
+    ``fetch(paths per request) -> expansions per request`` call (one batched drafter pass for the whole
+    batch).  A node is fetched when it could still be taken: its score reaches the ``budget``-th best
+    over all requests' known nodes, its request's ``caps``-th best and ``min_score``.  Returns lookups;
+    a node not fetched is expanded on its own when asked for, so the trees do not depend on this."""
+    n = len(expands)
+    caches: list[dict] = [{(): expand([])} for expand in expands]
+    known: list[float] = []
+    mine: list[list[float]] = [[] for _ in range(n)]
+    frontiers = [[((), 0.0)] for _ in range(n)]
+    for depth in range(1, max(max_depths, default=0)):     # nodes at a request's max depth are never expanded
+        levels = [[(path + (token,), score + logprob) for path, score in frontiers[r]
+                   for token, logprob in caches[r][path] if logprob != float("-inf")] for r in range(n)]
+        for r, level in enumerate(levels):
+            known.extend(s for _, s in level)
+            mine[r].extend(s for _, s in level)
+        bound = max(heapq.nlargest(budget, known)[-1] if len(known) >= budget else float("-inf"), min_score)
+        for r, level in enumerate(levels):
+            own = heapq.nlargest(caps[r], mine[r])[-1] if caps[r] and len(mine[r]) >= caps[r] else float("-inf")
+            keep = caps[r] > 0 and depth < max_depths[r]
+            frontiers[r] = [(p, s) for p, s in level if keep and s >= max(bound, own)]
+        if not any(frontiers):
+            break
+        for r, found in enumerate(fetch([[list(p) for p, _ in frontier] for frontier in frontiers])):
+            for (path, _), children in zip(frontiers[r], found):
+                caches[r][path] = children
+
+    def lookup_for(r: int) -> Expand:
+        def lookup(path: list[int]) -> list[tuple[int, float]]:
+            key = tuple(path)
+            if key not in caches[r]:
+                caches[r][key] = expands[r](path)
+            return caches[r][key]
+        return lookup
+    return [lookup_for(r) for r in range(n)]
+
+
 def accept(tree: Tree, choose: Callable[[int], int]) -> tuple[list[int], list[int]]:
     """Walk down from the root.  ``choose(row)`` returns the token emitted after row ``row`` of
     the verification (0: the root, i+1: node i) -- the target's greedy choice, or stock's

@@ -40,7 +40,7 @@ class _Counting:
 
 
 POLICIES = {
-    "ar": BatchPolicy("ar", 3),
+    "ar": BatchPolicy("ar", 3, prefill=6),
     "ar-admission": BatchPolicy("ar", 3, chunk=4),
     "chain": BatchPolicy("chain", 3, 4),
     "chain-dynamic": BatchPolicy("chain", 3, 6, lengths=(6, 4, 2)),
@@ -74,10 +74,11 @@ def alone(pair):
     return next(v[2] for v in _PAIRS.values() if v[0] is pair[0])
 
 
-def _run(pair, policy, forces=None, clock=None):
+def _run(pair, policy, forces=None, clock=None, drafting=None):
     target, draft = pair
     counting = _Counting(target)
-    make = (lambda: ModelDrafter(draft, 3, 128)) if policy.mode != "ar" else None
+    drafting = drafting if drafting is not None else _Counting(draft)
+    make = (lambda: ModelDrafter(drafting, 3, 128)) if policy.mode != "ar" else None
     arrivals = [Arrival(t, tuple(p), n) for t, p, n in zip(AT, PROMPTS, MAX_NEW)]
     return run_batch(counting, make, arrivals, policy, 128, clock or StepClock(0.01), forces), counting
 
@@ -106,6 +107,19 @@ def test_every_request_gets_its_own_greedy_tokens(arch, name):
         assert all(s.admitted <= max(policy.budget or policy.chunk, policy.chunk) for s in run.steps)
     else:
         assert any(s.prefill for s in run.steps)
+        assert all(s.admitted <= max(policy.prefill, max(map(len, PROMPTS))) for s in run.steps if s.prefill)
+
+
+def test_the_drafter_runs_once_a_level_for_the_whole_batch(pair, alone):
+    """A shared-budget step syncs every running request's drafter in one batched pass and scores each
+    tree level of all of them in one more: passes with several requests' rows, and fewer drafter
+    passes than tree nodes."""
+    drafting = _Counting(pair[1])
+    run, _ = _run(pair, POLICIES["tree-shared"], drafting=drafting)
+    assert [g.tokens for g in run.generations] == alone
+    batched = [sizes for sizes, record in drafting.passes if record and len(sizes) > 1]
+    assert batched and any(max(sizes) > 1 for sizes in batched)       # tree levels of several requests at once
+    assert len([p for p in drafting.passes if p[1]]) < sum(s.drafted for s in run.steps)
 
 
 def test_shared_budget_with_forcing_reports_own_choices(pair, alone):
