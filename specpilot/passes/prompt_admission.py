@@ -6,7 +6,8 @@ tokens and puts them in the rows of a verification pass that the running request
 leave under the node budget, sharing the pass's weight loads instead of a prefill pass of their
 own; running requests are never delayed for it (their nodes are chosen first), and a prompt whose
 last chunk went through joins the batch with its first token from that pass.  With nothing
-running, chunks fill the whole pass.  Lossless: a prompt's cache is the same however it is cut.
+running (a pass of their own delays no one), prompts are prefilled whole.  Lossless: a prompt's
+cache is the same however it is cut.
 
 When it is legal: with `node-budget` (its room is what the budget leaves).
 """

@@ -9,7 +9,7 @@ requests a tree drawn from the pass's node budget (`tree.best_first_shared`: bes
 union of the running requests' candidates, each request capped by its draft length and cache
 room).  Waiting prompts join either by a prefill pass of their own before the step (stock
 continuous batching) or, with admission, in chunks riding in the rows the step's drafts leave
-under the budget.  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a
+under the budget (whole, when nothing is running).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a
 pass), under which a trace replays to the same schedule every time (tests).
 """
 
@@ -176,7 +176,7 @@ class Timing:
 @dataclass
 class Step:
     """One target pass: its requests and rows."""
-    running: int                      # requests decoding in it
+    running: int                      # requests decoding in it (a prefill pass: the requests it delays)
     drafted: int                      # drafted nodes (chain tokens, tree nodes)
     admitted: int                     # prompt tokens riding in it (admission chunks or joins' prefill)
     rows: int                         # the pass's padded rows (batch x longest)
@@ -236,9 +236,10 @@ class _Scheduler:
             if not (self.waiting or self.prefilling or self.running):
                 self.clock.wait_until(self.arrivals[self.pending[0]].at)
                 continue
-            if self.policy.chunk is None and self.waiting and self._free_rows():
+            admitting = self.policy.chunk is not None and self.running    # prompts ride in verify passes
+            if not admitting and (self.prefilling or (self.waiting and self._free_rows())):
                 self._join_by_prefill()
-            if self.running or (self.policy.chunk is not None and (self.waiting or self.prefilling)):
+            if self.running:
                 self._step()
         self.result.seconds = time.perf_counter() - start
         return self.result
@@ -262,19 +263,28 @@ class _Scheduler:
                         Emitter(a.max_new, self.forces[i], self.hook, self.stop_ids), self.policy.schedule())
 
     def _join_by_prefill(self) -> None:
+        """Prompts (partly admitted ones first) prefilled in a pass of their own, at most ``prefill``
+        tokens (one prompt at least); the running requests wait for it (``Step.running``)."""
         joining, tokens = [], 0
+        for r in list(self.prefilling):
+            if joining and tokens + len(r.prompt) - r.fed > self.policy.prefill:
+                break
+            self.prefilling.remove(r)
+            joining.append(r)
+            tokens += len(r.prompt) - r.fed
         while self.waiting and self._free_rows() > len(joining):
             n = len(self.arrivals[self.waiting[0]].prompt)
             if joining and tokens + n > self.policy.prefill:
                 break
             joining.append(self._start(self.waiting.popleft()))
             tokens += n
-        rows = self.model.forward_batch([(r.prompt, r.state) for r in joining])
+        delayed = len(self.running)
+        rows = self.model.forward_batch([(r.prompt[r.fed:], r.state) for r in joining])
+        longest = max(len(r.prompt) - r.fed for r in joining)
         for r, logits in zip(joining, rows):
             r.fed = len(r.prompt)
             self._first_token(r, logits[-1])
-        self._tick(Step(0, 0, sum(len(r.prompt) for r in joining),
-                        len(joining) * max(len(r.prompt) for r in joining), prefill=True))
+        self._tick(Step(delayed, 0, tokens, len(joining) * longest, prefill=True))
 
     def _first_token(self, r: _Request, logits_row) -> None:
         r.last = r.out.target_token(logits_row)
@@ -350,9 +360,9 @@ class _Scheduler:
 
     def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
         """Prompt chunks for this pass: in the room the running requests' drafts leave under the
-        budget (all of it with nothing running), a chunk each, oldest prompts first."""
+        budget, a chunk each, oldest prompts first (with nothing running, prompts are prefilled whole)."""
         budget = self.policy.budget if self.policy.budget is not None else self.chunk   # ar / chain: a chunk a pass
-        room = max(budget, self.chunk) - drafted if not self.running else budget - drafted
+        room = budget - drafted
         while self.waiting and self._free_rows() > 0 and room > 0:
             self.prefilling.append(self._start(self.waiting.popleft()))
         chunks = []

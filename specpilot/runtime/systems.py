@@ -200,7 +200,11 @@ class System:
         if e.two_level:
             raise SpecPilotError(f"engine {engine!r}: batched runs take autoregressive, chain and tree engines, "
                                  "not two-level verification")
-        limit = max_batch or getattr(e.model, "max_batch", 1)
+        rows = getattr(e.model, "max_batch", None)
+        if max_batch and rows and max_batch > rows:
+            raise SpecPilotError(f"a batch of {max_batch}: this build holds {rows} sequence(s) at once "
+                                 "(deployment.max_batch)")
+        limit = max_batch or rows or 1
         if e.drafter is None:
             return BatchPolicy("ar", limit, queue=queue)
         if not e.tree_budget:

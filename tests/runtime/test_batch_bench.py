@@ -58,7 +58,8 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
 @pytest.mark.parametrize("args,message", [(["--batch", "0"], "positive integers"),
                                           (["--batch", "two"], "comma-separated integers"),
                                           (["--batch", "2", "--arrivals", "poisson:-1"], "positive rate"),
-                                          (["--batch", "2", "--arrivals", "sometimes"], "trace file, burst")])
+                                          (["--batch", "2", "--arrivals", "sometimes"], "trace file, burst"),
+                                          (["--batch", "8"], "holds 4 sequence(s) at once")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err

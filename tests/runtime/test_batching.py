@@ -102,11 +102,11 @@ def test_every_request_gets_its_own_greedy_tokens(arch, name):
         assert all(s.drafted <= policy.budget for s in run.steps)
         assert any(s.drafted < s.running * policy.nodes for s in run.steps if s.running == 3)   # the budget binds
     if policy.chunk is not None:
-        assert not any(s.prefill for s in run.steps)                         # no pass of its own for a prompt
-        assert any(s.admitted and s.running for s in run.steps)              # chunks rode along with decoding
-        assert all(s.admitted <= max(policy.budget or policy.chunk, policy.chunk) for s in run.steps)
+        assert all(s.running == 0 for s in run.steps if s.prefill)           # a prompt's own pass only when idle
+        assert any(s.admitted and s.running and not s.prefill for s in run.steps)   # chunks rode along
+        assert all(s.admitted <= (policy.budget or policy.chunk) for s in run.steps if not s.prefill)
     else:
-        assert any(s.prefill for s in run.steps)
+        assert any(s.prefill and s.running for s in run.steps)               # joins delayed the running ones
         assert all(s.admitted <= max(policy.prefill, max(map(len, PROMPTS))) for s in run.steps if s.prefill)
 
 
