@@ -710,7 +710,7 @@ def passes_check(pipeline_text, spec_path, target_text, as_json):
         spec = load_spec(spec_path)
         cfg = load_models(spec, weights=False)[0].cfg if spec.target.architecture else load_models(spec)[0].cfg
         context = PassContext(target_kind=target.kind, arch=target.arch, architecture=cfg.architecture,
-                              hybrid=cfg.is_hybrid, dtype=spec.deployment.dtype)
+                              hybrid=cfg.is_hybrid, dtype=spec.deployment.dtype, max_batch=spec.deployment.max_batch)
     reasons = check(pipeline, context)
     if as_json:
         click.echo(json.dumps({"pipeline": str(pipeline), "legal": not reasons, "reasons": reasons}))

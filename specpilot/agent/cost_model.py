@@ -30,6 +30,8 @@ def engine_for(pipeline: str, has_drafter: bool = True) -> str:
     names = parse(pipeline).names()
     if "two-level-verify" in names:
         return "compiled-two-level"
+    if "tree-verify" in names and {"node-budget", "prompt-admission", "draft-length"} & set(names):
+        return "compiled-tree-sched"     # the batch schedule the build chose
     if "tree-verify" in names:
         return "compiled-tree"
     return "compiled-spec" if has_drafter else "compiled"

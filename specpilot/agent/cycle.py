@@ -71,7 +71,8 @@ class Search:
         from specpilot.passes.base import PassContext
         self.context = PassContext(target_kind=self.target.kind, arch=self.target.arch,
                                    architecture=tgt.cfg.architecture, hybrid=tgt.cfg.is_hybrid,
-                                   dtype=self.spec.deployment.dtype, weights_known=self.params == "file")
+                                   dtype=self.spec.deployment.dtype, max_batch=self.spec.deployment.max_batch,
+                                   weights_known=self.params == "file")
         self.scope = Applicability(family=tgt.cfg.architecture, hybrid=tgt.cfg.is_hybrid, target_kind=self.target.kind,
                                    arch=self.target.arch, dtype=self.spec.deployment.dtype,
                                    batch=(1, self.spec.deployment.max_batch), drafter_kind=self.spec.drafter.kind)

@@ -13,6 +13,11 @@ from the cheapest evidence there is:
   matmuls more than 2x from their bound; ``w12-layout`` -- the weight bytes it saves,
   counted only where weight-reading kernels are near their bandwidth bound;
 - overhead direction: fewer calls per token (shorter drafts).
+- batch deployments (``deployment.max_batch`` > 1, with trees): the batch schedule --
+  ``node-budget`` (half the rows of B trees of the budget each), ``draft-length`` (the budget, 3/4
+  and 1/2 of it, by acceptance) and ``prompt-admission`` -- estimated from the replayed acceptance
+  at the nodes a request gets on average, against the rows a pass no longer verifies (a batched
+  verification of B x (budget + 1) rows is compute-bound on the GPUs measured: bench/README "Batched").
 
 Only candidates with an estimated net gain >= 3 % are built.  The LLM proposer
 (`agent.llm`) answers the same question through a chat endpoint; its answers are data.
@@ -182,8 +187,30 @@ class BuiltinProposer:
         return found
 
     def kernel(self, f: Facts) -> list[Proposal]:
-        """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds."""
-        return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f)]
+        """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds;
+        the batch schedule, from the verification rows it saves."""
+        return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f), *self._batch_schedule(f)]
+
+    def _batch_schedule(self, f: Facts) -> list[Proposal]:
+        tree = next((p for p in f.current.passes if p.name == "tree-verify"), None)
+        batch = f.context.max_batch
+        if tree is None or batch < 2 or "node-budget" in f.names:
+            return []
+        budget, acceptance = tree["budget"], {int(b): a for b, a in f.report.get("tree_acceptance", {}).items()}
+        nodes = max(batch, batch * budget // 2)
+        share = max(1, nodes // batch)
+        have = [b for b in acceptance if b <= share]
+        now = acceptance.get(budget, f.accepted)
+        shared = acceptance[max(have)] if have else 1.0
+        rows = batch * (budget + 1) / (batch + nodes)
+        change = [REGISTRY["node-budget"](nodes=nodes),
+                  REGISTRY["draft-length"](length=budget, min=max(1, budget // 2), step=max(1, budget // 4),
+                                           dynamic=True),
+                  REGISTRY["prompt-admission"](chunk=max(8, 2 * budget))]
+        return [("kernel", change, (shared / now) * rows - 1,
+                 f"batch {batch}: {nodes} nodes a pass shared best first instead of {batch} x {budget} verifies "
+                 f"{rows:.2f}x fewer rows (counted as time: compute-bound batched verification), replayed "
+                 f"acceptance {shared:.2f} at {share} nodes a request vs {now:.2f} at {budget}", ())]
 
     def _draft_lengths(self, f: Facts) -> list[Proposal]:
         if "tree-verify" in f.names or "compiled-spec" not in f.report.get("engine", "compiled-spec"):

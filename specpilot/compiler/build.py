@@ -213,7 +213,8 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     device = target.schedule_device()
     context = PassContext(target_kind=target.kind, arch=target.arch, device=device.name if device else None,
                           architecture=tgt.cfg.architecture,
-                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, weights_known=params != "seeded")
+                          hybrid=tgt.cfg.is_hybrid, dtype=dtype_name, max_batch=spec.deployment.max_batch,
+                          weights_known=params != "seeded")
     require_legal(pipeline, context)   # before the long steps
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,

@@ -68,6 +68,7 @@ class PassContext:
     architecture: str | None = None           # the target model's family
     hybrid: bool = False                      # has Gated DeltaNet layers
     dtype: str = "float32"
+    max_batch: int = 1                        # the deployment's sequences at once
     weights_known: bool = True                # False for --params seeded builds
     params: dict = field(default_factory=dict)       # packed parameter name -> value (None: seeded), in packed
                                                      # order; the runner applies each pass's transform_params

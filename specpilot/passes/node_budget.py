@@ -9,7 +9,8 @@ are unlikely may get no node at all in a step.  ``min_prob`` leaves out candidat
 probability is below it: rows a pass would spend on nodes that are almost never accepted (the room
 `prompt-admission` fills).  Lossless: verification accepts only the target's own tokens.
 
-When it is legal: with tree verification (its trees are what it shares).
+When it is legal: with tree verification (its trees are what it shares), in a deployment of more than
+one sequence at once (one request has no one to share with).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class NodeBudget(Pass):
             return False, f"nodes must be in 1..4096, got {self['nodes']}"
         if not 0.0 <= self["min_prob"] < 1.0:
             return False, f"min_prob must be in [0, 1), got {self['min_prob']}"
+        if context.max_batch < 2:
+            return False, "shares a pass among requests: needs deployment.max_batch >= 2"
         return True, ""
 
     def apply(self, mod, context: PassContext):

@@ -9,7 +9,7 @@ last chunk went through joins the batch with its first token from that pass.  Wi
 running (a pass of their own delays no one), prompts are prefilled whole.  Lossless: a prompt's
 cache is the same however it is cut.
 
-When it is legal: with `node-budget` (its room is what the budget leaves).
+When it is legal: with `node-budget` (its room is what the budget leaves), in a batch deployment.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class PromptAdmission(Pass):
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 1 <= self["chunk"] <= 4096:
             return False, f"chunk must be in 1..4096, got {self['chunk']}"
+        if context.max_batch < 2:
+            return False, "rides beside running requests: needs deployment.max_batch >= 2"
         return True, ""
 
     def apply(self, mod, context: PassContext):

@@ -112,3 +112,21 @@ def test_schedule_set_gemms_are_matmul_evidence():
     assert by["fuse-projections"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.5 * removable) - 1)
     # W12: a quarter of the near-bound GEMM's time (the GDN kernel is no GEMM)
     assert by["w12-layout"].estimated_gain == pytest.approx(0.010 / (0.010 - 0.25 * 0.004 * 0.010 / 0.008) - 1)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_batch_deployments_are_offered_the_batch_schedule_with_its_estimate(batch):
+    """At max_batch 8 with 16-node trees: 64 nodes a pass (8 a request) verify 8 x 17 / (8 + 64) = 1.89x
+    fewer rows; the replayed acceptance at 8 nodes (3.1) against 3.6 at 16 discounts it.  A batch of one
+    has nothing to share: no proposal (and the passes are illegal there)."""
+    report = _report([], wall=1.0, kernel_seconds=0.8, factors={"kernel": 2.0, "acceptance": 1.2, "overhead": 1.1},
+                     engine="compiled-tree", tree_acceptance={"8": 3.1, "16": 3.6, "32": 4.0})
+    context = PassContext(hybrid=True, max_batch=batch)
+    cands = BuiltinProposer().propose(report, parse("tree-verify{budget=16},gdn-path-recompute"), context, 5, [], set())
+    mine = [c for c in cands if "node-budget" in c.pipeline]
+    if batch == 1:
+        assert not mine
+        return
+    assert [c.pipeline for c in mine] == ["tree-verify{budget=16},gdn-path-recompute,node-budget,"
+                                          "draft-length{length=16,dynamic=true,min=8,step=4},prompt-admission{chunk=32}"]
+    assert mine[0].estimated_gain == pytest.approx((3.1 / 3.6) * (8 * 17 / 72) - 1)

@@ -42,8 +42,7 @@ def test_legality_of_schedule_passes():
         "draft-length: min (3) exceeds length (2)"]
     assert check(parse("kernel-schedule{set=nt-gemv}"), PassContext()) == [
         "kernel-schedule: set=nt-gemv is not a llvm schedule set (tvm-default, cpu-nt)"]
-    assert "draft-length conflicts with tree-verify" in check(
-        parse("tree-verify{budget=8},draft-length{length=2}"), PassContext())
+    assert check(parse("tree-verify{budget=8},draft-length{length=2}"), PassContext()) == []   # nodes a request
 
 
 def test_schedule_passes_only_annotate():
@@ -52,7 +51,7 @@ def test_schedule_passes_only_annotate():
     lowered = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true},kernel-schedule{set=cpu-nt}")
     mod, records = lowered.mod, lowered.records
     assert {k: str(v) for k, v in mod.attrs.items()} == {
-        "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1",
+        "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1", "specpilot.draft_step": "1",
         "specpilot.schedule": "cpu-nt"}
     import tvm
     from specpilot.compiler.build import ir_hash
@@ -113,3 +112,36 @@ def test_skinny_mma_is_the_default_on_sm80_and_later_and_illegal_before():
 def test_build_refuses_skinny_mma_where_it_cannot_run(tmp_path):
     with pytest.raises(SpecPilotError, match="skinny-mma needs a cuda target of sm_80 or later"):
         build(BuildRequest(load_spec(LLAMA), parse_target("llvm"), tmp_path / "b", schedule="skinny-mma"))
+
+
+def test_batch_schedule_passes_are_legal_only_where_they_make_sense():
+    batch = PassContext(hybrid=True, max_batch=8)
+    full = "tree-verify{budget=16},gdn-path-recompute,draft-length{length=16,min=8,step=4,dynamic=true}," \
+           "node-budget{nodes=64,min_prob=0.01},prompt-admission{chunk=32}"
+    assert check(parse(full), batch) == []
+    assert check(parse(full), PassContext(hybrid=True)) == [
+        "node-budget: shares a pass among requests: needs deployment.max_batch >= 2",
+        "prompt-admission: rides beside running requests: needs deployment.max_batch >= 2"]
+    assert check(parse("prompt-admission"), batch) == ["prompt-admission requires node-budget, which is not in the pipeline"]
+    assert check(parse("node-budget"), batch) == ["node-budget requires tree-verify, which is not in the pipeline"]
+    dense = PassContext(max_batch=8)
+    assert check(parse("tree-verify{budget=8},draft-length{length=16}"), dense) == [
+        "draft-length: length (16) exceeds the tree budget (8) of tree-verify"]
+    assert check(parse("tree-verify{budget=8},node-budget{nodes=0}"), dense) == ["node-budget: nodes must be in 1..4096, got 0"]
+    assert check(parse("tree-verify{budget=8},node-budget{min_prob=1.0}"), dense) == [
+        "node-budget: min_prob must be in [0, 1), got 1.0"]
+    assert check(parse("draft-length{step=0}"), batch) == ["draft-length: step must be in 1..64, got 0"]
+
+
+def test_batch_schedule_reaches_the_manifest_and_the_engine(tmp_path):
+    spec = load_spec(Path(__file__).parents[2] / "examples" / "tiny-hybrid-batch.yaml")
+    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b"))
+    assert manifest.node_budget.nodes == 16 and manifest.admission.chunk == 8
+    assert (manifest.serving.draft_nodes, manifest.serving.draft_min, manifest.serving.draft_step) == (8, 4, 2)
+    system = from_build(tmp_path / "b")
+    policy = system.batch_policy("compiled-tree-sched")
+    assert (policy.mode, policy.max_batch, policy.nodes, policy.budget, policy.lengths, policy.chunk) == \
+        ("tree", 4, 8, 16, (8, 6, 4), 8)
+    assert system.batch_policy("compiled-tree").budget is None             # the plain tree shares nothing
+    with pytest.raises(SpecPilotError, match="holds 4 sequence"):
+        system.batch_policy("compiled", 5)

@@ -200,8 +200,8 @@ def test_cli_passes_check_and_list(run_cli):
     assert code == 0 and out.startswith("legal")
     code, out, _ = run_cli("passes", "list", "--json")
     assert [p["name"] for p in __import__("json").loads(out)] == [
-        "draft-length", "fuse-projections", "gdn-path-recompute", "kernel-schedule", "logit-bias-fault", "nested-int8-view", "tree-verify",
-        "two-level-verify", "w12-layout"]
+        "draft-length", "fuse-projections", "gdn-path-recompute", "kernel-schedule", "logit-bias-fault", "nested-int8-view",
+        "node-budget", "prompt-admission", "tree-verify", "two-level-verify", "w12-layout"]
     code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "llvm")
     assert code == 0 and out.startswith("legal: w12-layout")
     code, out, _ = run_cli("passes", "check", "w12-layout", "--target", "cuda -arch=sm_90")   # no spec: float32
