@@ -93,3 +93,22 @@ def test_shipped_adapter_drafter_is_lossless(name):
     run = system.generate("stock-spec", prompt, 64, force=stock.tokens)
     print(f"\nSmolLM2-135M + adapter: {run.mean_accepted:.2f} tokens/verification")
     assert force_requests([stock], [run]).passed
+
+
+def test_batched_trees_with_the_l12_adapter_are_exact():
+    """SmolLM2-135M (fp32 reference) drafted by its first 12 layers + the trained adapter: four requests
+    from a trace through two rows, trees under a shared 12-node budget, dynamic draft lengths and prompt
+    admission in 16-token chunks -- every request's tokens are its own stock greedy tokens."""
+    from specpilot.runtime.batching import Arrival, BatchPolicy, StepClock
+    from specpilot.runtime.prompt_sets import texts
+    from specpilot.runtime.systems import load_system
+    system = load_system(SPEC.parent / "smollm2-adapter-l12.yaml")
+    prompts = [system.tokenizer.encode(t) for t in (texts("code")[:2] + texts("chat")[:2])]
+    arrivals = [Arrival(at, tuple(p), 40) for at, p in zip((0.0, 0.0, 0.02, 0.05), prompts)]
+    policy = BatchPolicy("tree", 2, 8, budget=12, lengths=(8, 6, 4), chunk=16)
+    run = system.serve("stock-spec", arrivals, policy, StepClock(0.01))
+    for prompt, gen in zip(prompts, run.generations):
+        assert gen.tokens == system.generate("stock", prompt, 40).tokens
+    mean = sum(a for g in run.generations for a in g.accepted[1:]) / sum(len(g.accepted) - 1 for g in run.generations)
+    print(f"\nSmolLM2-135M + L12, batched trees: {mean:.2f} tokens/verification, {len(run.steps)} passes")
+    assert any(s.admitted and s.running for s in run.steps) and mean > 1.5
