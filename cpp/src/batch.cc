@@ -1,6 +1,6 @@
 // Continuous batching of autoregressive requests: a finished request leaves and a waiting one
 // joins between steps, its prompt prefilled in the same step function call as the others' next
-// tokens (specpilot/runtime/decoding.py's batched_autoregressive, one step at a time).
+// tokens (specpilot/runtime/batching.py's autoregressive runs, which prefill a join in a pass of its own).
 #include <chrono>
 #include <deque>
 #include <map>

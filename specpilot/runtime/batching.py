@@ -225,7 +225,6 @@ class _Scheduler:
         self.prefilling: list[_Request] = []
         self.running: list[_Request] = []
         self.result = BatchRun([None] * len(arrivals), [Timing(a.at) for a in arrivals])
-        self.finished: set[int] = set()
         limit = getattr(model, "max_verify_tokens", None)
         self.chunk = min(policy.chunk, limit) if policy.chunk and limit else policy.chunk
 
