@@ -373,8 +373,8 @@ def _int_list(text: str, option: str) -> list[int]:
               help="from this generated position on, bias the system under test's runner-up token")
 @click.option("--fault-bias", type=float, default=100.0, show_default=True)
 @click.option("--batch", is_flag=True,
-              help="run the system's requests as one continuous batch (autoregressive engines; at most "
-                   "deployment.max_batch at once)")
+              help="run the system's requests as one continuous batch (AR, chain and tree engines, the "
+                   "build's batch schedule included; at most deployment.max_batch at once)")
 @click.option("--json", "as_json", is_flag=True)
 @sampling_options
 def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, inject_fault_after, fault_bias,
