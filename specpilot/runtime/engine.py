@@ -337,6 +337,9 @@ class CompiledState:
         self.model.truncate(self, length)
 
 
+PREFILL_CHUNK = 2048   # prompt tokens one GPU prefill pass takes at most (`CompiledModel.forward`)
+
+
 class CompiledModel:
     """`ReferenceModel`'s interface over a build's ``<which>_*`` functions."""
 
@@ -359,6 +362,9 @@ class CompiledModel:
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
+        # a pass's workspace grows with its tokens (a 4096-token prefill of a 27B-class hybrid asks the card
+        # for ~58 GB beside the weights): GPU builds prefill a long prompt in passes of PREFILL_CHUNK tokens
+        self.prefill_chunk = PREFILL_CHUNK if module.device.dlpack_device_type() == 2 else None
 
     @property
     def vocab_size(self) -> int:
@@ -382,6 +388,10 @@ class CompiledModel:
                 any(p != i - 1 for i, p in enumerate(parents)):
             raise SpecPilotError(f"{self.module.dir}: tree verification of a hybrid (Gated DeltaNet) target needs "
                                  "a build with the gdn-path-recompute pass")
+        chunk = self.prefill_chunk
+        if chunk and len(tokens) > chunk and not record and positions is None and attn_mask is None and parents is None:
+            return torch.cat([self.forward_batch([(tokens[i:i + chunk], state)])[0]
+                              for i in range(0, len(tokens), chunk)])
         return self.forward_batch([(tokens, state, positions, attn_mask, parents)], record)[0]
 
     def forward_view(self, tokens, state: CompiledState, positions, attn_mask, parents):

@@ -433,3 +433,23 @@ def test_compiled_batches_are_exact_under_every_batch_schedule(arch, tmp_path):
             assert any(a > 1 for run in runs for a in run.accepted[1:]), engine
     model = system.engines["compiled"].model
     assert len(model.free_rows) == model.max_batch          # every finished request gave its row back
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_a_long_prompt_prefilled_in_chunks_is_the_same_prompt(arch, tmp_path):
+    """GPU builds prefill long prompts in passes of `PREFILL_CHUNK` tokens; the same cut on a CPU build
+    (4 tokens a pass, an 11-token prompt: passes of 4, 4, 3) gives the one-pass logits and the same
+    greedy tokens (the KV cache and the Gated DeltaNet states carry from pass to pass)."""
+    data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 2}},
+            "deployment": {"dtype": "float32", "max_seq_len": 64}}
+    system = from_build(build_spec(tmp_path, data))
+    model = system.engines["compiled"].model
+    prompt = [(7 * i + 3) % 301 for i in range(11)]
+    assert model.prefill_chunk is None                      # a CPU build: one pass
+    whole = model.forward(prompt, model.new_state(64))
+    tokens = system.generate("compiled", prompt, 12).tokens
+    model.prefill_chunk = 4
+    cut = model.forward(prompt, model.new_state(64))
+    assert cut.shape == whole.shape
+    torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-5)
+    assert system.generate("compiled", prompt, 12).tokens == tokens
