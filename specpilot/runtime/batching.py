@@ -118,6 +118,12 @@ class BatchPolicy:
             raise SpecPilotError("a shared node budget needs tree verification")
         if self.chunk is not None and (self.chunk < 1 or (self.mode == "tree" and self.budget is None)):
             raise SpecPilotError("prompt admission needs a chunk >= 1 and, with trees, a node budget")
+        if self.budget is not None and self.budget < 1:
+            raise SpecPilotError(f"a node budget must be >= 1, got {self.budget}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise SpecPilotError(f"min_prob must be in [0, 1), got {self.min_prob}")
+        if self.lengths is not None and (not self.lengths or min(self.lengths) < 1):
+            raise SpecPilotError(f"draft lengths must be >= 1, got {self.lengths}")
         if self.queue is not None and self.queue < 0:
             raise SpecPilotError(f"the waiting queue's bound must be >= 0, got {self.queue}")
         if self.prefill < 1:
@@ -211,6 +217,8 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
               forces=None, logits_hook=None, stop_ids=()) -> BatchRun:
     """Serve ``arrivals`` as one continuous batch under ``policy`` (``make_drafter()``: a fresh drafter
     for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``."""
+    if forces is not None and len(forces) != len(arrivals):
+        raise SpecPilotError(f"{len(forces)} forced token lists for {len(arrivals)} requests")
     return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
                       [None] * len(arrivals), logits_hook, stop_ids).run()
 
@@ -273,12 +281,17 @@ class _Scheduler:
             tokens += len(r.prompt) - r.fed
         while self.waiting and self._free_rows() > len(joining):
             n = len(self.arrivals[self.waiting[0]].prompt)
-            if joining and tokens + n > self.policy.prefill:
+            longest = max([n] + [len(r.prompt) - r.fed for r in joining])
+            if joining and longest * (len(joining) + 1) > self.policy.prefill:    # the pass's padded tokens
                 break
             joining.append(self._start(self.waiting.popleft()))
             tokens += n
         delayed = len(self.running)
-        rows = self.model.forward_batch([(r.prompt[r.fed:], r.state) for r in joining])
+        if len(joining) == 1:    # one prompt: `forward` (a GPU build cuts a long one into passes of its own)
+            r = joining[0]
+            rows = [self.model.forward(r.prompt[r.fed:], r.state)]
+        else:
+            rows = self.model.forward_batch([(r.prompt[r.fed:], r.state) for r in joining])
         longest = max(len(r.prompt) - r.fed for r in joining)
         for r, logits in zip(joining, rows):
             r.fed = len(r.prompt)
@@ -327,11 +340,12 @@ class _Scheduler:
         if self.policy.mode == "ar":
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
+        reserve = self._reserve()
         if self.policy.mode == "chain":
             trees = [_chain(r.drafter.propose(r.prompt + r.out.gen.tokens, cap), cap) if cap else Tree()
                      for r, cap in zip(self.running, caps)]
         else:
-            trees = self._trees(caps)
+            trees = self._trees(caps, reserve)
         items, plans = [], []
         for r, tree in zip(self.running, trees):
             base = r.state.length
@@ -343,14 +357,22 @@ class _Scheduler:
             plans.append((tree, base))
         return items, plans
 
-    def _trees(self, caps: list[int]) -> list[Tree]:
+    def _reserve(self) -> int:
+        """Nodes of a tree pass's budget set aside for prompt chunks while prompts wait for admission:
+        without it drafts that fill the budget would leave a free row idle until the batch drains."""
+        if self.policy.chunk is None or self.policy.mode != "tree" or not (
+                self.prefilling or (self.waiting and self._free_rows() > 0)):
+            return 0
+        return min(self.chunk, max(1, self.policy.budget // 2))
+
+    def _trees(self, caps: list[int], reserve: int = 0) -> list[Tree]:
         """The running requests' trees from the pass's budget; the drafter network runs once for all
         of them to catch up on accepted tokens, then once a tree level (`drafters.expand_across`)."""
         contexts = [r.prompt + r.out.gen.tokens for r in self.running]
         drafters = [r.drafter for r in self.running]
         sync_across(drafters, contexts)
         own = [d.expander(c) for d, c in zip(drafters, contexts)]
-        budget = sum(caps) if self.policy.budget is None else self.policy.budget
+        budget = sum(caps) if self.policy.budget is None else self.policy.budget - reserve
         floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
         depths = [r.out.max_new - len(r.out.gen.tokens) for r in self.running]
         expands = prefetch_shared(own, budget, depths, caps, lambda paths: expand_across(own, paths), floor) \
@@ -360,8 +382,8 @@ class _Scheduler:
     def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
         """Prompt chunks for this pass: in the room the running requests' drafts leave under the
         budget, a chunk each, oldest prompts first (with nothing running, prompts are prefilled whole)."""
-        budget = self.policy.budget if self.policy.budget is not None else self.chunk   # ar / chain: a chunk a pass
-        room = budget - drafted
+        # trees: what the drafts leave of the budget (`_reserve` keeps some); ar / chain: a chunk a pass
+        room = self.policy.budget - drafted if self.policy.mode == "tree" else self.chunk
         while self.waiting and self._free_rows() > 0 and room > 0:
             self.prefilling.append(self._start(self.waiting.popleft()))
         chunks = []
@@ -383,7 +405,8 @@ class _Scheduler:
             r.last = commit_chain(r.state, r.out, tree.tokens, logits, base)
         else:
             r.last = commit_tree(self.model, r.state, r.out, tree, logits, base)
-        r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree))
+        if len(tree):      # a request given no nodes this pass learns nothing about its drafts
+            r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree))
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their cache rows (target and drafter) go back at once."""
@@ -391,9 +414,10 @@ class _Scheduler:
         for r in [r for r in self.running if r.out.stopped]:
             self.running.remove(r)
             close_state(r.state)
-            if getattr(r.drafter, "state", None) is not None:
-                close_state(r.drafter.state)
-                r.drafter.state = None
+            network = getattr(r.drafter, "network", None) or r.drafter    # a replay drafter's: its cost network
+            if getattr(network, "state", None) is not None:
+                close_state(network.state)
+                network.state = None
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen

@@ -240,8 +240,9 @@ class System:
         """The requests as one continuous batch, all arriving at once (at most ``max_batch`` running;
         default: the build's deployment.max_batch), under the engine's batch policy."""
         arrivals = [Arrival(0.0, tuple(p), n) for p, n in zip(prompts, max_new)]
-        run = self.serve(engine, arrivals, self.batch_policy(engine, max_batch), StepClock(), forces, logits_hook,
-                         sampling)
+        rows = getattr(self._engine(engine).model, "max_batch", None)     # the stock reference has no pool
+        run = self.serve(engine, arrivals, self.batch_policy(engine, max_batch or (None if rows else len(prompts))),
+                         StepClock(), forces, logits_hook, sampling)
         return run.generations
 
     def _engine(self, engine: str) -> Engine:

@@ -192,3 +192,4 @@ def test_policies_refuse_what_they_cannot_do():
         with pytest.raises(SpecPilotError, match=words):
             BatchPolicy(**kw)
     assert math.isclose(BatchPolicy("tree", 2, 4, budget=6, min_prob=0.1).min_prob, 0.1)
+
