@@ -193,3 +193,18 @@ def test_policies_refuse_what_they_cannot_do():
             BatchPolicy(**kw)
     assert math.isclose(BatchPolicy("tree", 2, 4, budget=6, min_prob=0.1).min_prob, 0.1)
 
+
+
+def test_a_free_row_admits_a_waiting_prompt_while_drafts_would_fill_the_budget(pair):
+    """One long request whose drafts alone fill the budget (4 nodes, budget 4) and a free row: a short
+    request arriving meanwhile is admitted in chunks from the part of the budget kept for it, and
+    finishes long before the long one -- not after it, as it would if drafts took every node."""
+    target, draft = pair
+    arrivals = [Arrival(0.0, (3, 1, 4, 1, 5), 30), Arrival(0.03, (9, 2, 6, 5, 3), 4)]
+    policy = BatchPolicy("tree", 2, 4, budget=4, chunk=4)
+    run = run_batch(target, lambda: ModelDrafter(draft, 3, 128), arrivals, policy, 128, StepClock(0.01))
+    for a, gen in zip(arrivals, run.generations):
+        assert gen.tokens == autoregressive(target, list(a.prompt), a.max_new, 128).tokens
+    long, short = run.timings
+    assert short.started <= short.arrival + 0.02 and short.done < long.done
+    assert any(s.admitted and s.running for s in run.steps)
