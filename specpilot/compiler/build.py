@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from specpilot.core.config import cache_shapes
-from specpilot.core.loader import load_models, weights_reference
+from specpilot.core.loader import conditioned_drafter, load_models, weights_reference
 from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
 from specpilot.core.weights import dedupe, file_digest, packed_parameters, params_digest
@@ -171,6 +171,7 @@ class Lowered:
     names: list[str]
     target_model: object
     drafter_model: object | None
+    feature_drafter: tuple | None = None    # a block / feature drafter's (DraftNetConfig, tensors)
 
 
 def tvm_target(target: TargetSpec):
@@ -210,6 +211,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
     tgt, drf = load_models(spec, weights=params != "seeded")
+    net = conditioned_drafter(spec, tgt) if spec.drafter.kind in ("block", "feature") else None
     device = target.schedule_device()
     context = PassContext(target_kind=target.kind, arch=target.arch, device=device.name if device else None,
                           architecture=tgt.cfg.architecture,
@@ -219,7 +221,8 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     say("lowering to Relax")
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
                                   target.is_gpu, drafter_own=drf.own if drf else None,
-                                  n_rows=spec.deployment.max_batch)
+                                  n_rows=spec.deployment.max_batch,
+                                  feature_layers=net[0].target_layers if net else ())
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
     context.params = packed_parameters(names, tgt, drf, dtype) if params != "seeded" else dict.fromkeys(names)
@@ -229,7 +232,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     if len(pipeline):
         say(f"running passes {pipeline}")
         mod, records = run_pipeline(pipeline, mod, context, after=after_pass)
-    return Lowered(mod, records, context, pipeline, names, tgt, drf)
+    return Lowered(mod, records, context, pipeline, names, tgt, drf, net)
 
 
 def system_hash(spec: Spec, target: TargetSpec, passes: str, params: str = "file") -> str:
@@ -323,6 +326,14 @@ def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: P
         if adapter:      # small, and part of the drafter: it travels with the build
             shutil.copyfile(request.spec.resolve(adapter, "drafter.adapter"), out_dir / "adapter.safetensors")
             files["hashes"]["adapter.safetensors"] = file_digest(out_dir / "adapter.safetensors")
+    if lowered.feature_drafter is not None:   # small: it travels with the build, in its published layout
+        from specpilot.core import feature_drafter as fd
+        from specpilot.core.adapter import target_digest
+        weights = lowered.target_model.weights
+        fd.save(out_dir / "drafter", *lowered.feature_drafter, lowered.target_model.cfg.num_hidden_layers,
+                target_digest(weights) if weights else None, dtype=torch.float32)
+        for name in ("config.json", "model.safetensors"):
+            files["hashes"][f"drafter/{name}"] = file_digest(out_dir / "drafter" / name)
     if request.params == "file":       # other builds: the engine works out aliases when it makes the weights
         stored, files["aliases"] = dedupe(lowered.context.params)
         (out_dir / "params").mkdir(exist_ok=True)
@@ -378,6 +389,7 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         admission=effects.get("admission"), gdn_verify=effects.get("gdn_verify"),
         w12=effects.get("w12"), fused=effects.get("fused"),
         models={"target": tgt.cfg.to_dict(), **({"drafter": drf.cfg.to_dict()} if drf else {})},
+        features=list(lowered.feature_drafter[0].target_layers) if lowered.feature_drafter else None,
         drafter={"kind": d.kind, "draft_len": d.draft_len, "top_k": d.top_k, "temperature": d.temperature,
                  "max_ngram": d.max_ngram, "min_ngram": d.min_ngram, "replay": replay_plan(spec)},
         functions=functions, params=list(lowered.context.params), versions=_versions(),

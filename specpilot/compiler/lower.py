@@ -390,8 +390,11 @@ class CausalLM(nn.Module):
     """One model's step functions; parameter names are its Hugging Face names."""
 
     def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int,
-                 pool_rows: bool | None = None):
+                 pool_rows: bool | None = None, feature_layers: tuple[int, ...] = ()):
+        """``feature_layers``: every step also returns the residual stream after these layers,
+        concatenated, (B, T, len * hidden), last among its outputs (`runtime.features`)."""
         self.cfg, self.dtype, self.capacity, self.gpu = cfg, dtype, capacity, gpu
+        self.feature_layers = tuple(feature_layers)
         self.model = Backbone(cfg, dtype, gpu, capacity, n_rows, pool_rows)
         self.lm_head = _Weight((cfg.vocab_size, cfg.hidden_size), dtype) if not cfg.tie_word_embeddings else None
         self.rope_inv_freq = nn.Parameter((len(range(0, int(cfg.head_dim * cfg.partial_rotary_factor), 2)),),
@@ -415,7 +418,8 @@ class CausalLM(nn.Module):
         h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,
                                    axis=0, mode="clip"), "embed")                          # (B*T, hidden)
         convs, recs, a, g = [], [], 0, 0
-        for layer, kind in zip(self.model.layers, cfg.layer_types):
+        kept: dict[int, Tensor] = {}
+        for i, (layer, kind) in enumerate(zip(self.model.layers, cfg.layer_types)):
             x = layer.input_layernorm(h)
             if kind == "full_attention":
                 x, kv = layer.self_attn(x, s, kv, a)
@@ -430,6 +434,8 @@ class CausalLM(nn.Module):
                 g += 1
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.feature_layers:
+                kept[i] = h
         h = self.model.norm(h)
         head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
         logits = op.reshape(op.astype(_matmul(h, op.permute_dims(head)), "float32"), (B, T_, cfg.vocab_size))
@@ -439,6 +445,9 @@ class CausalLM(nn.Module):
             # per-token: the layers already share one stacked tensor of each kind
             outputs += [convs[-1] if keep_states else op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
                         recs[-1] if keep_states else op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
+        if self.feature_layers:
+            features = op.concat([kept[i] for i in self.feature_layers], dim=-1)
+            outputs.append(op.reshape(features, (B, T_, len(self.feature_layers) * cfg.hidden_size)))
         return tuple(outputs) if len(outputs) > 1 else logits
 
     def commit(self, conv_states, rec_records, rec_state, path, index):
@@ -582,14 +591,15 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
                      gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1,
-                     pool_rows: bool | None = None):
+                     pool_rows: bool | None = None, feature_layers: tuple[int, ...] = ()):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
     drafter that reads the target's weights (early exit), the names of those it does not.
     ``pool_rows``: prefill and verification attention read the pool in place
-    (`kernels.attention_rows_partial`); None: on GPUs where its GPU form serves the heads."""
-    target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows)
+    (`kernels.attention_rows_partial`); None: on GPUs where its GPU form serves the heads.
+    ``feature_layers``: the target's steps also return those layers' outputs (a feature drafter's input)."""
+    target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows, feature_layers)
     drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows, pool_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_own is not None:
         _share_parameters(drafter, target, drafter_own)

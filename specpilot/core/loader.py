@@ -68,7 +68,7 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
     """Target and (for model drafters) drafter, with the drafter's vocabulary checked."""
     target = load_source(spec, spec.target, "target", weights)
     d = spec.drafter
-    if d.kind == "ngram":
+    if d.kind in ("ngram", "block", "feature"):   # block / feature: `conditioned_drafter`
         return target, None
     if d.kind == "early-exit":
         if d.layers >= target.cfg.num_hidden_layers:
@@ -82,6 +82,27 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
         raise SpecError(spec.path, "drafter", f"vocabulary size {drafter.cfg.vocab_size} differs from the "
                         f"target's {target.cfg.vocab_size}; a drafter must share the target's vocabulary")
     return target, drafter
+
+
+def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
+    """A block / feature drafter's (DraftNetConfig, tensors): its checkpoint directory (published
+    DFlash / EAGLE-3 layout, checked against the target) or seeded at the target's width."""
+    from specpilot.core import feature_drafter as fd
+    from specpilot.core.adapter import target_digest
+
+    d = spec.drafter
+    if d.checkpoint:
+        digest = target_digest(target.weights) if target.weights else None
+        cfg, tensors = fd.load(spec.resolve(d.checkpoint, "drafter.checkpoint"), target.cfg, digest)
+        if cfg.kind != d.kind:
+            raise SpecError(spec.path, "drafter.checkpoint", f"a {cfg.kind} drafter checkpoint; the spec asks for {d.kind}")
+        return cfg, tensors
+    try:
+        cfg = fd.for_target(fd.seeded_config(d.kind, target.cfg, d.layers or 1, d.block_size,
+                                             tuple(d.target_layers) if d.target_layers else None), target.cfg)
+    except CheckpointError as e:
+        raise SpecError(spec.path, "drafter", str(e)) from None
+    return cfg, (fd.random_init(cfg, d.init.seed) if weights else {})
 
 
 def source_digest(path: Path) -> str:

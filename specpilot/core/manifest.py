@@ -103,6 +103,7 @@ class Manifest(_Strict):
     w12: dict | None = None
     fused: dict | None = None
     models: dict[str, dict]
+    features: list[int] | None = None  # target layers whose outputs its steps return (a drafter in drafter/ reads them)
     drafter: DrafterInfo
     functions: list[str]
     params: list[str]

@@ -1,7 +1,7 @@
 """model.yaml: the one source of configuration for a deployment.
 
     target:      a model (see ModelSource)
-    drafter:     kind: model | early-exit | ngram | replay, with its options
+    drafter:     kind: model | early-exit | ngram | replay | block | feature, with its options
     deployment:  dtype, max_batch, max_seq_len
     passes:      optional pipeline text, e.g. "w12-layout,tree-verify{budget=64}"
 
@@ -52,11 +52,15 @@ class ModelSource(_Strict):
 
 
 class DrafterSpec(ModelSource):
-    kind: Literal["model", "early-exit", "ngram", "replay"] = "model"
+    kind: Literal["model", "early-exit", "ngram", "replay", "block", "feature"] = "model"
     draft_len: int = Field(default=5, ge=1, le=64)
     top_k: int = Field(default=4, ge=1, le=64)
     temperature: float = Field(default=1.0, gt=0, le=100)    # model drafters: scales the tree's scores
-    layers: int | None = Field(default=None, ge=1)           # early-exit: target layers kept
+    layers: int | None = Field(default=None, ge=1)           # early-exit: target layers kept; block: its layers
+    # block (DFlash) / feature (EAGLE-3): ``checkpoint`` (a drafter directory in the published layout)
+    # or ``init`` (seeded, the target's width); the target layers read and the block size
+    target_layers: list[int] | None = None
+    block_size: int = Field(default=8, ge=2, le=64)
     adapter: str | None = None                                # early-exit: a trained adapter file
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
     min_ngram: int = Field(default=1, ge=1, le=16)
@@ -182,6 +186,21 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
             raise SpecError(spec.path, "drafter.profile", str(e)) from None
 
 
+def _check_conditioned(spec: Spec, d: DrafterSpec) -> None:
+    """A block / feature drafter: a drafter directory, or a seeded one of the target's width."""
+    given = [k for k in ("gguf", "architecture", "config", "cost") if getattr(d, k) is not None]
+    if given:
+        raise SpecError(spec.path, f"drafter.{given[0]}", f"a {d.kind} drafter is a 'checkpoint' directory (DFlash / "
+                        "EAGLE-3 layout) or 'init: {seed: N}' (seeded, the target's width)")
+    if (d.checkpoint is None) == (d.init is None):
+        raise SpecError(spec.path, "drafter", f"a {d.kind} drafter takes one of 'checkpoint' or 'init'")
+    if d.checkpoint:
+        spec.resolve(d.checkpoint, "drafter.checkpoint")
+    if d.checkpoint and (d.target_layers is not None or "block_size" in d.model_fields_set):
+        raise SpecError(spec.path, "drafter.target_layers" if d.target_layers is not None else "drafter.block_size",
+                        "a drafter checkpoint's config.json says which target layers it reads and its block size")
+
+
 def replay_plan(spec: Spec) -> dict | None:
     """A replay drafter's acceptance plan as the build records it: the profile's counts, or alpha + seed."""
     d = spec.drafter
@@ -207,10 +226,15 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
         _check_replay(spec, d)
     elif d.kind == "model":
         _check_source(spec, d, "drafter", require=True)
+    elif d.kind in ("block", "feature"):
+        _check_conditioned(spec, d)
     else:
         given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init", "cost") if getattr(d, k) is not None]
         if given:
             raise SpecError(spec.path, f"drafter.{given[0]}", f"a drafter of kind {d.kind!r} takes no model")
+    if d.target_layers is not None and d.kind not in ("block", "feature"):
+        raise SpecError(spec.path, "drafter.target_layers", f"target layers are read by block and feature drafters, "
+                        f"not by kind {d.kind!r}")
     if d.kind == "early-exit" and d.layers is None:
         raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
     if d.adapter is not None and d.kind != "early-exit":

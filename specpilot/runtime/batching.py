@@ -28,7 +28,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
 from specpilot.runtime.decoding import Emitter, Generation, close_state, commit_chain, commit_tree, tree_inputs
 from specpilot.runtime.draft_schedule import DraftSchedule
-from specpilot.runtime.drafters import expand_across, sync_across
+from specpilot.runtime.drafters import bind, expand_across, sync_across
 from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
 
 
@@ -304,6 +304,7 @@ class _Scheduler:
         self.result.timings[r.index].first = self.clock.now()
         if self.policy.mode != "ar":
             r.drafter = self.make_drafter()
+            bind(r.drafter, r.state)
         self.running.append(r)
 
     def _tick(self, step: Step) -> None:

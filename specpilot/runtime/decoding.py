@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specpilot.runtime.draft_schedule import DraftSchedule
+from specpilot.runtime.drafters import bind
 
 from specpilot.runtime.tree import Tree, accept, best_first
 
@@ -175,6 +176,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
     out = Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
+    bind(drafter, state)
     logits = model.forward(prompt, state)[-1]
     last = out.target_token(logits)            # emitted, not yet fed to the target
     out.gen.accepted.append(1)
@@ -246,6 +248,7 @@ def _start(model, drafter, prompt, max_new, capacity, force, logits_hook, stop_i
     out = Emitter(max_new, force, logits_hook, stop_ids, on_token)
     if hasattr(drafter, "reset"):
         drafter.reset()
+    bind(drafter, state)
     last = out.target_token(model.forward(prompt, state)[-1])   # emitted, not yet fed to the target
     out.gen.accepted.append(1)
     return state, out, last

@@ -31,7 +31,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top k (indices, values), best first and equal values in index order -- the rule of every
     token choice here (topk's own order among equal values is the device's), so the chain a drafter
     proposes is the same on every engine, the C++ runtime's included."""
@@ -121,7 +121,7 @@ class ModelDrafter:
         return expand
 
     def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
-        indices, values = _ranked(logp, self.top_k)
+        indices, values = ranked(logp, self.top_k)
         return list(zip(indices.tolist(), values.tolist()))
 
     def _tree_capable(self) -> bool:
@@ -176,7 +176,7 @@ class ModelDrafter:
         logits = self._sync(context)
         tokens, logprobs = [], []
         for i in range(n):
-            indices, values = _ranked(self._logp(logits), self.top_k)
+            indices, values = ranked(self._logp(logits), self.top_k)
             tokens.append(indices)
             logprobs.append(values)
             if i + 1 < n:
@@ -193,6 +193,13 @@ class TreePass:
     state: object
     item: tuple
     finish: Callable[[torch.Tensor], list]
+
+
+def bind(drafter, state) -> None:
+    """Let a drafter that reads the target's hidden states (`runtime.feature_drafters`) see the
+    generation's target ``state``; other drafters ignore it."""
+    if hasattr(drafter, "bind"):
+        drafter.bind(state)
 
 
 def sync_across(drafters: list, contexts: list[list[int]]) -> None:

@@ -25,6 +25,7 @@ import torch
 from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
+from specpilot.runtime.features import FeatureStore
 
 def import_tvm_runtime(gpu: bool):
     """tvm without needing its compiler; on GPUs also load the CUDA runtime library."""
@@ -217,6 +218,11 @@ class CompiledModule:
             self._models[which] = CompiledModel(self, which)
         return self._models[which]
 
+    def feature_drafter(self):
+        """A block / feature drafter's (DraftNetConfig, tensors), from the build's drafter/ directory."""
+        from specpilot.core import feature_drafter as fd
+        return fd.load(self.dir / "drafter", ModelConfig.from_dict(self.manifest.models["target"]))
+
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference (decoded
         once per model: the bf16 and the float32 reference both ask)."""
@@ -282,6 +288,7 @@ class CompiledState:
 
     def __init__(self, model: "CompiledModel", row: int, capacity: int):
         self.model, self.row, self.capacity, self.length = model, row, capacity, 0
+        self.features = None    # a `runtime.features.FeatureStore` when the target returns feature layers
         module, shapes = model.module, model.shapes
         placeholder = module.zeros((1,), "float32")
         self._pending: _Pass | None = None
@@ -350,6 +357,10 @@ class CompiledModel:
         self.capacity = module.manifest.capacity
         self.max_batch = module.manifest.max_batch
         self.has_gdn = self.cfg.is_hybrid
+        # the target's steps of a build for a feature drafter also return these layers' outputs (last)
+        features = module.manifest.features if which == "target" else None
+        self.feature_layers = tuple(features) if features else None
+        self._tuple = self.has_gdn or bool(self.feature_layers)    # a step returns a tuple
         fns = module.functions
         self._prefill, self._decode, self._verify = (fns[f"{which}_{k}"] for k in ("prefill", "decode", "verify"))
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
@@ -378,7 +389,12 @@ class CompiledModel:
         if not self.free_rows:
             raise SpecPilotError(f"all {self.max_batch} KV-cache rows of the {self.which} are in use; raise "
                                  "deployment.max_batch in the spec or close finished sequences")
-        return CompiledState(self, self.free_rows.pop(), self.capacity)
+        state = CompiledState(self, self.free_rows.pop(), self.capacity)
+        if self.feature_layers:
+            gpu = self.module.device.dlpack_device_type() == 2
+            state.features = FeatureStore(self.capacity, len(self.feature_layers) * self.cfg.hidden_size,
+                                          getattr(torch, self.dtype), "cuda" if gpu else "cpu")
+        return state
 
     def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False,
                 parents=None):
@@ -410,7 +426,7 @@ class CompiledModel:
         out = fn(*m.tensors(tokens, np.asarray(positions, "int32")[None], np.arange(start, start + n, dtype="int32")[None],
                             mask, np.array([state.row], "int32"), np.asarray(parents, "int32")[None]),
                  self.kv, state.conv, state.rec, m.params)
-        return self._logits(out[0] if self.has_gdn else out)[0]
+        return self._logits(out[0] if self._tuple else out)[0]
 
     def accept_path(self, state: CompiledState, base: int, rows: list[int]) -> None:
         """After a tree verification from ``base``: keep new tokens ``rows`` (an ascending root
@@ -431,6 +447,8 @@ class CompiledModel:
             if p is None or p.start != base:
                 raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")
             state.set_states(*self._commit_at(p, rows[-1]))
+        if state.features is not None:
+            state.features.accept(base, rows)
         state.length = base + len(rows)
         state.history.clear()
 
@@ -451,8 +469,10 @@ class CompiledModel:
         out = self._decode(*head, self.kv, state.conv, state.rec, m.params)
         if self.has_gdn:
             state.set_states(self._row(out[1], 0), self._row(out[2], 0))
+        if self.feature_layers:
+            state.features.write(start, self._host_or_device(out[-1])[0])
         state.length = start + 1
-        return torch.from_dlpack(out[0] if self.has_gdn else out).reshape(-1)
+        return torch.from_dlpack(out[0] if self._tuple else out).reshape(-1)
 
     def step_call(self, items, record: bool = False):
         """The step function and its arguments for `forward_batch`'s items, without calling it
@@ -509,9 +529,12 @@ class CompiledModel:
                                  "(gdn-path-recompute{form=sequential} has no limit)")
         fn, args, toks, states, parents = self._step_inputs(items, record)
         out = fn(*args)
-        logits = self._logits(out[0] if self.has_gdn else out)
+        logits = self._logits(out[0] if self._tuple else out)
+        features = self._host_or_device(out[-1]) if self.feature_layers else None
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
+            if features is not None:
+                st.features.write(start, features[b, :n])
             if self.has_gdn:
                 if record:
                     p = _Pass(start, n, self._row(out[1], b, n), self._row(out[2], b, n), st.conv, st.rec,
@@ -522,6 +545,12 @@ class CompiledModel:
                     st.set_states(self._row(out[1], b), self._row(out[2], b))
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
+
+    def _host_or_device(self, array) -> torch.Tensor:
+        """A step output as a torch view where the build ran (read before the next call)."""
+        if self.module.device.dlpack_device_type() == 1:
+            return torch.from_numpy(array.numpy())
+        return torch.from_dlpack(array)
 
     def _logits(self, array) -> torch.Tensor:
         """A step's logits as a torch tensor where the build ran: on a GPU a device copy (the

@@ -57,6 +57,10 @@ class LatticeRecorder:
         if hasattr(self.drafter, "reset"):
             self.drafter.reset()
 
+    def bind(self, state) -> None:
+        if hasattr(self.drafter, "bind"):
+            self.drafter.bind(state)
+
     def propose(self, context: list[int], n: int) -> Lattice:
         lattice = self.drafter.propose(context, n)
         self.file.write(json.dumps(lattice.to_record(self.step, len(context))) + "\n")

@@ -21,6 +21,8 @@ from specpilot.core.spec import replay_plan
 from specpilot.runtime.batching import Arrival, BatchPolicy, BatchRun, StepClock, run_batch
 from specpilot.runtime.decoding import Generation, autoregressive, speculative, speculative_tree, speculative_two_level
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
+from specpilot.runtime.reference.feature_nets import build_net
 from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.replay import Oracle, ReplayDrafter
@@ -313,6 +315,9 @@ class DrafterSetup:
         where the two agree)."""
         if self.kind == "ngram":
             return lambda sampling=None: NGramDrafter(self.max_ngram, self.min_ngram, self.top_k)
+        if self.kind in ("block", "feature"):    # ``model``: the drafter network (`feature_nets.build_net`)
+            kind = BlockDrafter if self.kind == "block" else FeatureDrafter
+            return lambda sampling=None: kind(model, self.top_k, self.capacity, self.temperature)
         network = lambda sampling=None: ModelDrafter(sampled(model, sampling), self.top_k,  # noqa: E731
                                                      self.capacity, name=self.kind, temperature=self.temperature)
         if self.kind == "replay":
@@ -321,13 +326,16 @@ class DrafterSetup:
 
 
 def from_spec(spec) -> System:
-    from specpilot.core.loader import load_models
+    from specpilot.core.loader import conditioned_drafter, load_models
 
     dtype = DTYPES[spec.deployment.dtype]
     target, drafter = load_models(spec)
     capacity, d = spec.deployment.max_seq_len, spec.drafter
-    reference = ReferenceModel(target.cfg, target.weights, dtype)
+    net = conditioned_drafter(spec, target) if d.kind in ("block", "feature") else None
+    reference = ReferenceModel(target.cfg, target.weights, dtype, feature_layers=net[0].target_layers if net else None)
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
+    if net:
+        draft_model = build_net(*net, target.weights, dtype, "cpu")
     setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, replay_plan(spec))
     oracle = Oracle()
     make = setup.factory(draft_model, oracle, target.cfg.vocab_size)
@@ -352,9 +360,15 @@ def from_build(build_dir: Path) -> System:
     dtype, capacity, d = DTYPES[m.dtype], m.capacity, m.drafter
     device = "cuda" if m.target_kind == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
     cfgs = {which: ModelConfig.from_dict(m.models[which]) for which in m.models}
+    features = tuple(m.features) if m.features else None
     refs = {which: Deferred(lambda which=which: ReferenceModel(cfgs[which], module.reference_weights(which), dtype,
-                                                               device)) for which in m.models}
+                                                               device, feature_layers=features if which == "target"
+                                                               else None)) for which in m.models}
     compiled = {which: module.model(which) for which in m.models}
+    if d.kind in ("block", "feature"):   # one network drafts for both engines (it reads the target's embeddings)
+        net_cfg, tensors = module.feature_drafter()
+        refs["drafter"] = compiled["drafter"] = Deferred(lambda: build_net(
+            net_cfg, tensors, module.reference_weights("target"), dtype, device))
     setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
     oracle, vocab = Oracle(), cfgs["target"].vocab_size
     ref_make = setup.factory(refs.get("drafter"), oracle, vocab)

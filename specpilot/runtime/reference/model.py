@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from specpilot.core.config import ModelConfig
 from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.features import FeatureStore
 from specpilot.runtime.reference.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from specpilot.runtime.reference.state import KVCache, ModelState, RecurrentState
 
@@ -56,13 +57,15 @@ class ConvertOnUse(dict):
 
 class ReferenceModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", weight_format: str = "dense"):
+                 device: str | torch.device = "cpu", weight_format: str = "dense",
+                 feature_layers: tuple[int, ...] | None = None):
         """weight_format: ``dense`` (weights in ``dtype``), ``stored`` (weights kept in the dtype they
         come in, converted to ``dtype`` at each use: a float32 reference of a bf16 model whose float32
         copy would not fit; the same values, so the same results) or ``w12``: the decoder layers' linear
         weights held in the W12 layout and multiplied by the Triton W12 kernel on GPUs
         (`runtime.reference.w12_triton`); they must be bf16 values (random models: ``round_to: bfloat16``)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.feature_layers = tuple(feature_layers) if feature_layers else None   # outputs a state keeps (`runtime.features`)
         if weight_format not in ("dense", "stored", "w12"):
             raise SpecPilotError(f"unknown weight format {weight_format!r}; expected dense, stored or w12")
         if weight_format == "stored":
@@ -88,12 +91,18 @@ class ReferenceModel:
         return self.cfg.vocab_size
 
     def new_state(self, capacity: int) -> ModelState:
-        return ModelState(self.cfg, capacity, self.dtype, self.device)
+        state = ModelState(self.cfg, capacity, self.dtype, self.device)
+        if self.feature_layers:
+            state.features = FeatureStore(capacity, len(self.feature_layers) * self.cfg.hidden_size, self.dtype,
+                                          self.device)
+        return state
 
     def accept_path(self, state: ModelState, base: int, rows: list[int]) -> None:
         """After a tree verification starting at ``base``: keep the new tokens ``rows`` (a root
         path, ascending) at base, base+1, ...; drop the rest."""
         state.accept_path(base, rows)
+        if state.features is not None:
+            state.features.accept(base, rows)
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """`forward` for several sequences, one after the other (the compiled engine's batched
@@ -132,6 +141,7 @@ class ReferenceModel:
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
         h = F.embedding(tokens, w["model.embed_tokens.weight"])
+        kept = []
         for i, layer_state in enumerate(state.layers):
             p = f"model.layers.{i}."
             x = rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
@@ -143,6 +153,10 @@ class ReferenceModel:
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
             gate = F.silu(linear(x, w, p + "mlp.gate_proj"))
             h = h + linear(gate * linear(x, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
+            if state.features is not None and i in self.feature_layers:
+                kept.append((self.feature_layers.index(i), h))
+        if kept:
+            state.features.write(start, torch.cat([t for _, t in sorted(kept, key=lambda x: x[0])], dim=-1))
         h = rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
         state.length = start + T
         return F.linear(h, w["lm_head.weight"]).float()

@@ -54,6 +54,7 @@ class ModelState:
     def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device="cpu"):
         self.capacity = capacity
         self.length = 0
+        self.features = None    # a `runtime.features.FeatureStore` when the model keeps feature layers
         self.layers: list[KVCache | RecurrentState] = []
         for kind in cfg.layer_types:
             if kind == "full_attention":

@@ -1,0 +1,195 @@
+"""Drafters conditioned on the target's hidden states (`runtime.features`).
+
+A generation's loop binds the drafter to the target's state (`bind`); the drafter then reads
+the features of the committed context -- every token the target has consumed, i.e. all but the
+last emitted one -- and keeps what it derived from them until the context changes under it.
+
+- `BlockDrafter` (DFlash): one pass over [last token, mask * (block - 1)] proposes the whole
+  block; its per-position top-k feed the best-first tree (a node's candidates depend on its depth
+  only).
+- `FeatureDrafter` (EAGLE-3): autoregressive over the draft; a tree node's pair is (its parent's
+  output hidden state, its token), attending to the context's pairs and its ancestors'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.drafters import ranked
+from specpilot.runtime.lattice import Lattice
+from specpilot.runtime.reference.feature_nets import BlockNet, FeatureNet
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class _Conditioned:
+    def __init__(self, net, top_k: int, capacity: int, temperature: float = 1.0):
+        if not temperature > 0:
+            raise SpecPilotError(f"drafter temperature must be positive, got {temperature}")
+        self.net, self.top_k, self.capacity, self.temperature = net, top_k, capacity, float(temperature)
+        self.source = None
+        self.reset()
+
+    def bind(self, state) -> None:
+        """Read the target features kept by ``state`` (the generation's target state)."""
+        features = getattr(state, "features", None)
+        if features is None:
+            raise SpecPilotError(f"a {self.name} drafter reads the target's hidden states; this target keeps none "
+                                 "(load or build it with the drafter's feature layers)")
+        if features.width != len(self.net.cfg.target_layers) * self.net.cfg.target_hidden:
+            raise SpecPilotError(f"the target keeps features of width {features.width}; the drafter reads "
+                                 f"{len(self.net.cfg.target_layers)} layers of {self.net.cfg.target_hidden}")
+        self.source = features
+
+    def _features(self, start: int, end: int) -> torch.Tensor:
+        if self.source is None:
+            raise SpecPilotError(f"the {self.name} drafter is not bound to a target state (call bind(state))")
+        return self.source.read(start, end)
+
+    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
+
+    def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
+        indices, values = ranked(logp, self.top_k)
+        return list(zip(indices.tolist(), values.tolist()))
+
+    @staticmethod
+    def _lattice(logps: list[torch.Tensor], k: int) -> Lattice:
+        tops = [ranked(row, k) for row in logps]
+        return Lattice(torch.stack([t[0] for t in tops]).cpu(), torch.stack([t[1] for t in tops]).float().cpu())
+
+
+class BlockDrafter(_Conditioned):
+    name = "block"
+
+    def reset(self) -> None:
+        cfg, dev = self.net.cfg, self.net.device
+        shape = (self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.keys = [(torch.zeros(shape, dtype=self.net.dtype, device=dev),
+                      torch.zeros(shape, dtype=self.net.dtype, device=dev)) for _ in range(cfg.num_layers)]
+        self.consumed: list[int] = []      # the context tokens whose keys/values are cached
+
+    def _sync(self, context: list[int]) -> int:
+        """Cache the keys/values of the committed context (all but its last token); returns its length."""
+        n = len(context) - 1
+        keep = _common_prefix(self.consumed, context[:n])
+        if keep < n:
+            positions = torch.arange(keep, n, device=self.net.device)
+            for (K, V), (k, v) in zip(self.keys, self.net.context(self._features(keep, n), positions)):
+                K[keep:n], V[keep:n] = k, v
+        self.consumed = list(context[:n])
+        return n
+
+    def block_logp(self, context: list[int]) -> torch.Tensor:
+        """Log-probabilities (block - 1, vocab) of the tokens after ``context``, one row per draft."""
+        n = self._sync(context)
+        cfg = self.net.cfg
+        tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
+        logits = self.net.block(tokens, n, [(K[:n], V[:n]) for K, V in self.keys])
+        return self._logp(logits[1:])
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
+        if n <= 0:
+            return Lattice.empty(self.top_k)
+        logp = self.block_logp(context)
+        return self._lattice([logp[i] for i in range(n)], self.top_k)
+
+    def expander(self, context: list[int]):
+        logp = self.block_logp(context)
+        tops = [self._top(logp[i]) for i in range(logp.shape[0])]
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            d = len(path)
+            return tops[d] if d < len(tops) and len(context) + d < self.capacity else []
+        return expand
+
+
+class FeatureDrafter(_Conditioned):
+    name = "feature"
+
+    def reset(self) -> None:
+        cfg, dev = self.net.cfg, self.net.device
+        shape = (self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.K = torch.zeros(shape, dtype=self.net.dtype, device=dev)
+        self.V = torch.zeros(shape, dtype=self.net.dtype, device=dev)
+        self.tokens: list[int] = []        # pair j = (feature j, token j + 1) is cached for j < len(tokens) - 1
+        self.root = None                   # (output hidden, logits) of the context's last pair
+
+    def _sync(self, context: list[int]):
+        """Cache the context's pairs; returns (their count, output hidden and logits of the last)."""
+        m = len(context) - 1
+        if m < 1:
+            raise SpecPilotError("a feature drafter needs a context of two tokens at least")
+        keep = min(max(_common_prefix(self.tokens, context) - 1, 0), m - 1)   # the last pair is always rerun
+        hidden = self.net.fuse(self._features(keep, m))
+        tokens = torch.tensor(context[keep + 1:m + 1])
+        positions = torch.arange(keep, m, device=self.net.device)
+        mask = torch.ones(m - keep, m, dtype=torch.bool, device=self.net.device).tril(keep)
+        h, logits, k, v = self.net.step(hidden, tokens, positions, self.K[:keep], self.V[:keep], mask)
+        self.K[keep:m], self.V[keep:m] = k, v
+        self.tokens = list(context)
+        return m, h[-1:], logits[-1]
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        n = min(n, self.capacity - len(context))
+        if n <= 0:
+            return Lattice.empty(self.top_k)
+        m, h, logits = self._sync(context)
+        rows = []
+        for i in range(n):
+            logp = self._logp(logits)
+            rows.append(logp)
+            if i + 1 < n:
+                token = ranked(logp, 1)[0][:1]
+                pos = m + i
+                mask = torch.ones(1, pos + 1, dtype=torch.bool, device=self.net.device)
+                h, out, k, v = self.net.step(h, token, torch.tensor([pos], device=self.net.device),
+                                             self.K[:pos], self.V[:pos], mask)
+                self.K[pos:pos + 1], self.V[pos:pos + 1] = k, v
+                logits = out[0]
+        return self._lattice(rows, self.top_k)
+
+    def expander(self, context: list[int]):
+        m, h, logits = self._sync(context)
+        nodes: dict[tuple, tuple] = {(): (h, self._logp(logits), None, None)}   # path -> (hidden, logp, k, v)
+
+        def run(paths: list[list[int]]) -> None:
+            """Score the nodes of ``paths`` (their parents scored) in one pass."""
+            new = [tuple(p) for p in paths if tuple(p) not in nodes]
+            if not new:
+                return
+            ancestors = sorted({p[:d] for p in new for d in range(1, len(p))}, key=len)
+            index = {a: m + i for i, a in enumerate(ancestors)}
+            keys = torch.cat([self.K[:m]] + [nodes[a][2] for a in ancestors])
+            values = torch.cat([self.V[:m]] + [nodes[a][3] for a in ancestors])
+            S = keys.shape[0]
+            mask = torch.zeros(len(new), S + len(new), dtype=torch.bool)
+            mask[:, :m] = True
+            for i, p in enumerate(new):
+                for d in range(1, len(p)):
+                    mask[i, index[p[:d]]] = True
+                mask[i, S + i] = True
+            hidden = torch.cat([nodes[p[:-1]][0] for p in new])
+            positions = torch.tensor([m - 1 + len(p) for p in new], device=self.net.device)
+            out, logits, k, v = self.net.step(hidden, torch.tensor([p[-1] for p in new]), positions, keys, values,
+                                              mask.to(self.net.device))
+            logp = self._logp(logits)
+            for i, p in enumerate(new):
+                nodes[p] = (out[i:i + 1], logp[i], k[i:i + 1], v[i:i + 1])
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            if len(context) + len(path) >= self.capacity:
+                return []
+            run([path])
+            return self._top(nodes[tuple(path)][1])
+
+        def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
+            run([p for p in paths if len(context) + len(p) < self.capacity])
+            return [expand(p) for p in paths]
+        expand.batch = batch
+        return expand
