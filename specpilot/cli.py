@@ -590,15 +590,24 @@ def w12_stats(spec_or_checkpoint, as_json):
 
 @cli.group()
 def drafter():
-    """Drafters: train an early-exit adapter for a target."""
+    """Drafters: train early-exit adapters, block (DFlash) and feature (EAGLE-3) drafters for a target."""
 
 
 @drafter.command("train")
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--layers", "exits", type=click.IntRange(1), multiple=True, required=True,
-              help="target layers the drafter keeps (repeat to train several adapters from the same passes)")
+@click.option("--kind", type=click.Choice(["early-exit", "block", "feature"]), default="early-exit", show_default=True)
+@click.option("--layers", "exits", type=click.IntRange(1), multiple=True,
+              help="early-exit: target layers the drafter keeps (repeat to train several adapters from the same "
+                   "passes); block: the drafter's layers (default 1)")
+@click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="block: positions per pass")
+@click.option("--target-layers", default=None, help="block / feature: target layers read, e.g. 1,15,27 "
+              "(default: the published projects' choice)")
+@click.option("--ttt", type=click.IntRange(1, 8), default=3, show_default=True,
+              help="feature: draft steps trained on the drafter's own outputs")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="directory for adapter-L<N>.safetensors and training.json")
+              help="directory for the adapters (adapter-L<N>.safetensors) or the drafter (config.json + "
+                   "model.safetensors, the published layout; training state in training/: a rerun resumes), "
+                   "and training.json")
 @click.option("--steps", type=click.IntRange(1), default=2000, show_default=True)
 @click.option("--batch", type=click.IntRange(2), default=32, show_default=True)
 @click.option("--seq-len", type=click.IntRange(16), default=256, show_default=True)
@@ -614,8 +623,8 @@ def drafter():
 @click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
-def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, seed, device, corpus, holdout,
-                  time_limit, save_dtype):
+def drafter_train(spec, kind, exits, block_size, target_layers, ttt, output, steps, batch, seq_len, generated, lr,
+                  seed, device, corpus, holdout, time_limit, save_dtype):
     """Distil early-exit adapters from the spec's target (KL over the vocabulary on a code corpus
     and the target's own greedy continuations); use one with `drafter: {kind: early-exit,
     layers: N, adapter: FILE}`."""
@@ -644,6 +653,13 @@ def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, see
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise SpecPilotError(f"{holdout}: expected a JSON list of strings")
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
+    if kind != "early-exit":
+        _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, ttt, output, save_dtype,
+                           dict(steps=steps, batch=batch, seq_len=seq_len, generated=generated, lr=lr, seed=seed,
+                                device=device, corpus=corpus, holdout=texts, time_limit=time_limit, ttt=ttt))
+        return
+    if not exits:
+        raise click.UsageError("--layers: early-exit training needs the target layers each adapter keeps")
     results, info = train_adapters(target.cfg, target.weights, tok, sorted(set(exits)), steps=steps, batch=batch,
                                    seq_len=seq_len, generated=generated, device=device, lr=lr, seed=seed,
                                    holdout=texts, corpus=corpus, time_limit=time_limit,
@@ -660,6 +676,41 @@ def drafter_train(spec, exits, output, steps, batch, seq_len, generated, lr, see
         click.echo(f"{path}: held-out top-1 {r.heldout['top1']:.3f} (no adapter {r.heldout['top1_no_adapter']:.3f}), "
                    f"top-4 {r.heldout['top4']:.3f}")
     (output / "training.json").write_text(json.dumps(report, indent=2))
+
+
+def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, ttt, output, save_dtype, options):
+    """`drafter train --kind block|feature`: the drafter in its published layout, resumable, with a progress bar."""
+    import torch
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specpilot.core import feature_drafter as fd
+    from specpilot.core.files import atomic_write_text
+    from specpilot.runtime.feature_drafter_training import Options, Trainer
+
+    if len(exits) > 1:
+        raise click.UsageError("--layers: a block drafter takes one layer count")
+    try:
+        picks = tuple(int(x) for x in target_layers.split(",")) if target_layers else None
+    except ValueError:
+        raise click.UsageError(f"--target-layers {target_layers!r}: expected comma-separated layer numbers") from None
+    cfg = fd.for_target(fd.seeded_config(kind, target.cfg, exits[0] if exits else 1, block_size, picks), target.cfg)
+    trainer = Trainer(cfg, target.cfg, target.weights, tok, Options(**options), output / "training",
+                      log=lambda m: click.echo(m, err=True))
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(), transient=False,
+                  console=_stderr_console()) as bar:
+        task = bar.add_task(f"training a {kind} drafter", total=options["steps"], completed=trainer.step, loss="-")
+        info = trainer.run(lambda done, total, loss: bar.update(task, completed=done, loss=f"{loss:.3f}"))
+    fd.save(output, cfg, trainer.tensors(), target.cfg.num_hidden_layers, trainer.digest, getattr(torch, save_dtype))
+    report = {**info, "kind": kind, "spec": str(spec), "config": cfg.to_dict()}
+    atomic_write_text(output / "training.json", json.dumps(report, indent=2))
+    click.echo(f"{output}: a {kind} drafter, held-out top-1 agreement "
+               + ", ".join(f"{k} {v:.3f}" for k, v in info["heldout"].items()))
+
+
+def _stderr_console():
+    from rich.console import Console
+    return Console(stderr=True)
 
 
 @cli.group()

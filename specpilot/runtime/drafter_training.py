@@ -98,7 +98,7 @@ def masks(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward(cfg: ModelConfig, w: dict, tokens: torch.Tensor, valid: torch.Tensor, exits=()):
-    """Target logits (B, T, V) and {L: hidden state after L layers} for L in ``exits``."""
+    """Target logits (B, T, V) and {L: hidden state after L layers} for L in ``exits`` (0 .. layers)."""
     positions, mask = masks(valid)
     cos, sin = rotary(cfg, positions, w["model.embed_tokens.weight"].dtype)
     h = F.embedding(tokens, w["model.embed_tokens.weight"])
@@ -107,6 +107,8 @@ def forward(cfg: ModelConfig, w: dict, tokens: torch.Tensor, valid: torch.Tensor
         if i in exits:
             hidden[i] = h
         h = attention_layer(cfg, w, f"model.layers.{i}.", h, cos, sin, mask)
+    if cfg.num_hidden_layers in exits:
+        hidden[cfg.num_hidden_layers] = h
     return head(cfg, w, h, w["model.norm.weight"]), hidden
 
 
@@ -206,6 +208,53 @@ def chat_markers(tokenizer) -> tuple[str, str] | None:
     return None
 
 
+def target_sequences(cfg: ModelConfig, w: dict, tokenizer, generated: int, seq_len: int, files: list[Path],
+                     rng: random.Random, seed: int, holdout=(), max_new: int = 96, log=print) -> list[list[int]]:
+    """The target's own outputs to distil from, shuffled: greedy continuations of code prompts and,
+    for chat models, of questions the target itself samples (prompt tokens first in each)."""
+    started = time.perf_counter()
+    device = w["model.embed_tokens.weight"].device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    held = {t.strip() for t in holdout}
+    # the target's own outputs: greedy continuations of code prompts and of questions it samples
+    markers = chat_markers(tokenizer)
+    texts = [t for t in code_prompts(files, rng, generated // 2 if markers else generated) if t.strip() not in held]
+    stop = set(cfg.eos_token_ids)
+    sequences: list[list[int]] = []
+    gen_batch = 1024 if device.type != "cpu" else 8     # a decode step costs about the same at 128 or 1024 rows
+    if markers:
+        start, end = markers
+        end_id = tokenizer.encode(end)[0]
+        head_ids = tokenizer.encode(f"{start}user\n")
+        questions, tries = [], 0
+        want = generated - len(texts)
+        while len(questions) < want and tries < 64 * want + gen_batch:   # a target that rarely ends one
+            # whole batches: most samples that do not end within the limit are long, not broken
+            n = gen_batch if device.type != "cpu" else min(gen_batch, want - len(questions))
+            tries += n
+            for q in generate(cfg, w, [head_ids] * n, 64, {end_id}, temperature=0.9, rng=gen):
+                text = tokenizer.decode([t for t in q if t != end_id]).strip()
+                if q and q[-1] == end_id and text and text not in held:
+                    questions.append(text)
+        questions = questions[:want]
+        texts += [f"{start}user\n{q}{end}\n{start}assistant\n" for q in questions]
+        log(f"sampled {len(questions)} questions ({tries} samples, {len(questions) / max(tries, 1):.0%} kept: "
+            f"ended within 64 tokens, not held out) in {time.perf_counter() - started:.0f} s")
+        stop.add(end_id)
+    prompts = [tokenizer.encode(t) for t in texts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths per batch
+    for s in range(0, len(order), gen_batch):
+        idx = order[s:s + gen_batch]
+        outs = generate(cfg, w, [prompts[i] for i in idx], max_new, stop)
+        sequences += [(prompts[i] + o)[:seq_len] for i, o in zip(idx, outs)]
+    rng.shuffle(sequences)
+    log(f"generated {len(sequences)} target continuations ({sum(map(len, sequences))} tokens) in "
+        f"{time.perf_counter() - started:.0f} s")
+    for seq in sequences[:3]:
+        log("  e.g. " + repr(tokenizer.decode(seq)[:160]))
+    return sequences
+
+
 # -- training --------------------------------------------------------------------------
 @dataclass
 class AdapterResult:
@@ -221,7 +270,7 @@ def _init_adapter(cfg: ModelConfig, weights: dict, layers: int, device) -> dict[
             for name in adapter_shapes(cfg, layers)}
 
 
-def _pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     T = max(len(r) for r in rows)
     tokens = torch.zeros(len(rows), T, dtype=torch.long, device=device)
     valid = torch.zeros(len(rows), T, dtype=torch.bool, device=device)
@@ -253,50 +302,13 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
     started = time.perf_counter()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    gen = torch.Generator(device=device).manual_seed(seed)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     w = {k: v.to(device, dtype) for k, v in weights.items()}
     files = stdlib_files(corpus)
-    held = {t.strip() for t in holdout}
-
-    # the target's own outputs: greedy continuations of code prompts and of questions it samples
-    markers = chat_markers(tokenizer)
-    texts = [t for t in code_prompts(files, rng, generated // 2 if markers else generated) if t.strip() not in held]
-    stop = set(cfg.eos_token_ids)
-    sequences: list[list[int]] = []
-    gen_batch = 1024 if device != "cpu" else 8     # a decode step costs about the same at 128 or 1024 rows
-    if markers:
-        start, end = markers
-        end_id = tokenizer.encode(end)[0]
-        head_ids = tokenizer.encode(f"{start}user\n")
-        questions, tries = [], 0
-        want = generated - len(texts)
-        while len(questions) < want and tries < 64 * want + gen_batch:   # a target that rarely ends one
-            # whole batches: most samples that do not end within the limit are long, not broken
-            n = gen_batch if device != "cpu" else min(gen_batch, want - len(questions))
-            tries += n
-            for q in generate(cfg, w, [head_ids] * n, 64, {end_id}, temperature=0.9, rng=gen):
-                text = tokenizer.decode([t for t in q if t != end_id]).strip()
-                if q and q[-1] == end_id and text and text not in held:
-                    questions.append(text)
-        questions = questions[:want]
-        texts += [f"{start}user\n{q}{end}\n{start}assistant\n" for q in questions]
-        log(f"sampled {len(questions)} questions ({tries} samples, {len(questions) / max(tries, 1):.0%} kept: "
-            f"ended within 64 tokens, not held out) in {time.perf_counter() - started:.0f} s")
-        stop.add(end_id)
-    prompts = [tokenizer.encode(t) for t in texts]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))   # similar lengths per batch
-    for s in range(0, len(order), gen_batch):
-        idx = order[s:s + gen_batch]
-        outs = generate(cfg, w, [prompts[i] for i in idx], max_new, stop)
-        sequences += [(prompts[i] + o)[:seq_len] for i, o in zip(idx, outs)]
-    rng.shuffle(sequences)
+    sequences = target_sequences(cfg, w, tokenizer, generated, seq_len, files, rng, seed, holdout, max_new, log)
     n_held = max(1, len(sequences) // 10)
     heldout, train_seqs = sequences[:n_held], sequences[n_held:]
     gen_seconds = time.perf_counter() - started
-    log(f"generated {len(sequences)} target continuations ({sum(map(len, sequences))} tokens) in {gen_seconds:.0f} s")
-    for seq in sequences[:3]:
-        log("  e.g. " + repr(tokenizer.decode(seq)[:160]))
 
     windows = code_windows(files, tokenizer, rng, seq_len)
     params = {L: _init_adapter(cfg, weights, L, device) for L in layers}
@@ -325,7 +337,7 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
         factor = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
         rows = [next(windows) if i % 2 == 0 or not train_seqs else train_seqs[rng.randrange(len(train_seqs))]
                 for i in range(batch)]
-        tokens, valid = _pad(rows, device)
+        tokens, valid = pad_rows(rows, device)
         with torch.no_grad():
             logits, hidden = forward(cfg, w, tokens, valid, exits=set(layers))
             teacher = torch.log_softmax(logits.float(), -1)
@@ -369,7 +381,7 @@ def evaluate(cfg, w, params, L, sequences, device, batch: int = 32) -> dict:
     (the adapter, and the bare early exit) and how often the target's is in its top 4."""
     top1 = top4 = bare = n = 0
     for s in range(0, len(sequences), batch):
-        tokens, valid = _pad(sequences[s:s + batch], device)
+        tokens, valid = pad_rows(sequences[s:s + batch], device)
         logits, hidden = forward(cfg, w, tokens, valid, exits={L})
         want = logits.argmax(-1)[valid]
         student = _adapter_logits(cfg, w, params, L, hidden[L], valid)[valid]

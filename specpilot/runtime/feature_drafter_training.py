@@ -1,0 +1,356 @@
+"""Distilling block (DFlash) and feature (EAGLE-3) drafters from their target alone.
+
+Data are the target's own outputs (`drafter_training.target_sequences`: greedy continuations of
+code prompts and of chat questions it samples) mixed with code windows; every batch runs the
+frozen target once for its features and its next-token distributions (the teacher), and the
+drafter learns KL(target || drafter) over the vocabulary at each position it predicts.
+
+- block: blocks [t_a, mask, ...] at random anchors a see the target features of positions < a
+  and each other; block position k learns the target's distribution after t_{a+k-1}, weighted
+  exp(-(k-1)/gamma) (DFlash's recipe; gamma 7 for blocks of 16).
+- feature: the pair (feature j, t_{j+1}) learns the target after t_{j+1}; ``steps`` > 1 trains
+  later draft steps on the drafter's own outputs (EAGLE-3's training-time test: step s sees the
+  context's pairs and its own earlier steps at the same position).
+
+The batched forwards here are the inference networks' arithmetic (`reference.feature_nets`) for
+padded batches, differentiable; a test holds them equal.  Training resumes from the output
+directory: state.safetensors (weights and optimizer moments, no pickles) and state.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specpilot.core import feature_drafter as fd
+from specpilot.core.adapter import target_digest
+from specpilot.core.config import ModelConfig
+from specpilot.core.errors import SpecPilotError
+from specpilot.core.files import atomic_write_text
+from specpilot.runtime.drafter_training import code_windows, forward, pad_rows, stdlib_files, target_sequences
+from specpilot.runtime.reference.model import rotate_half
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(cfg: fd.DraftNetConfig, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (B, T, heads, d) rotated at positions (B, T)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float, device=x.device) / cfg.head_dim))
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x * emb.cos().to(x.dtype)[:, :, None] + rotate_half(x) * emb.sin().to(x.dtype)[:, :, None]
+
+
+def _heads(cfg, w, p: str, x: torch.Tensor, positions: torch.Tensor, which: str) -> torch.Tensor:
+    n = cfg.num_heads if which == "q" else cfg.num_kv_heads
+    y = F.linear(x, w[f"{p}self_attn.{which}_proj.weight"]).view(*x.shape[:2], n, cfg.head_dim)
+    if which != "v" and cfg.qk_norm:
+        y = _norm(y, w[f"{p}self_attn.{which}_norm.weight"], cfg.rms_norm_eps)
+    return _rope(cfg, y, positions) if which != "v" else y
+
+
+def _mlp(cfg, w, p: str, h: torch.Tensor) -> torch.Tensor:
+    x = _norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    return F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
+                    w[p + "mlp.down_proj.weight"])
+
+
+def _expand(cfg, t: torch.Tensor) -> torch.Tensor:
+    """(B, S, kv heads, d) -> (B, heads, S, d)."""
+    return t.transpose(1, 2).repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
+
+
+def block_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, head: torch.Tensor, features: torch.Tensor,
+                  tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits (B, Q, vocab) of query tokens (B, Q) at ``positions`` after context ``features``
+    (B, T, F) at positions 0 .. T-1; ``mask`` (B, Q, T + Q): True where a query may look."""
+    B, T = features.shape[:2]
+    ctx = _norm(F.linear(features.to(embed.dtype), w["fc.weight"]), w["hidden_norm.weight"], cfg.rms_norm_eps)
+    ctx_pos = torch.arange(T, device=features.device).expand(B, T)
+    h = F.embedding(tokens, embed)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        x = _norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = _heads(cfg, w, p, x, positions, "q").transpose(1, 2)
+        k = torch.cat([_heads(cfg, w, p, ctx, ctx_pos, "k"), _heads(cfg, w, p, x, positions, "k")], dim=1)
+        v = torch.cat([_heads(cfg, w, p, ctx, ctx_pos, "v"), _heads(cfg, w, p, x, positions, "v")], dim=1)
+        out = F.scaled_dot_product_attention(q, _expand(cfg, k), _expand(cfg, v), attn_mask=mask[:, None])
+        h = h + F.linear(out.transpose(1, 2).reshape(*h.shape[:2], -1), w[p + "self_attn.o_proj.weight"])
+        h = h + _mlp(cfg, w, p, h)
+    return F.linear(_norm(h, w["norm.weight"], cfg.rms_norm_eps), head)
+
+
+def feature_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
+                    valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Per draft step s, logits (B, T, draft vocab) of pair j's prediction: step 0 pairs (feature j,
+    t_{j+1}), step s (its step s-1 output, t_{j+1+s}) at position j + s, attending to the pairs of
+    positions <= j (step 0) and to its own earlier steps at j."""
+    B, T = tokens.shape
+    p = "midlayer."
+    hidden = F.linear(features.to(embed.dtype), w["fc.weight"])
+    base = torch.arange(T, device=tokens.device).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None] & valid[:, None, :]
+    keys, values, out = [], [], []
+    for s in range(steps):
+        nxt = F.pad(tokens[:, 1 + s:], (0, 1 + s))      # t_{j+1+s}; past the end: padding, not trained
+        x = torch.cat([_norm(F.embedding(nxt, embed), w[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                       _norm(hidden, w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
+        q = _heads(cfg, w, p, x, base + s, "q").transpose(1, 2)                   # (B, H, T, d)
+        keys.append(_expand(cfg, _heads(cfg, w, p, x, base + s, "k")))
+        values.append(_expand(cfg, _heads(cfg, w, p, x, base + s, "v")))
+        scale = cfg.head_dim ** -0.5
+        first = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal[:, None], float("-inf"))
+        diag = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]          # the same position's later steps
+        probs = torch.softmax(torch.cat([first, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        att = probs[..., :T] @ values[0]
+        for i, v in enumerate(values[1:]):
+            att = att + probs[..., T + i:T + i + 1] * v
+        h = hidden + F.linear(att.transpose(1, 2).reshape(B, T, -1), w[p + "self_attn.o_proj.weight"])
+        h = h + _mlp(cfg, w, p, h)
+        out.append(F.linear(_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"]))
+        hidden = h
+    return out
+
+
+# -- training --------------------------------------------------------------------------
+@dataclass
+class Options:
+    steps: int = 2000
+    batch: int = 16
+    seq_len: int = 256
+    generated: int = 2048
+    lr: float = 6e-4
+    seed: int = 0
+    device: str = "cpu"
+    blocks: int = 4            # block: anchors per sequence
+    gamma: float = 7.0         # block: position weights exp(-(k - 1) / gamma)
+    ttt: int = 3               # feature: draft steps trained
+    time_limit: float | None = None
+    holdout: list = field(default_factory=list)
+    corpus: Path | None = None
+    save_every: int = 200
+
+
+def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights, with what the target has of the same shape copied in: its last layers' MLPs and
+    attention where shapes match, its final norm, and (feature) its head."""
+    out = fd.random_init(cfg, seed)
+    last = target_cfg.num_hidden_layers - 1
+    for name in out:
+        if name == "lm_head.weight" and cfg.draft_vocab_size == target_cfg.vocab_size:
+            source = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        elif name.startswith(("layers.", "midlayer.")):
+            rest = name.split(".", 2)[2] if name.startswith("layers.") else name.split(".", 1)[1]
+            i = int(name.split(".")[1]) if name.startswith("layers.") else 0
+            source = weights.get(f"model.layers.{max(last - cfg.num_layers + 1 + i, 0)}.{rest}")
+        else:
+            source = None
+        if source is not None and tuple(source.shape) == tuple(out[name].shape):
+            out[name] = source.detach().float().clone()
+    return out
+
+
+def _anchors(valid_len: list[int], blocks: int, bs: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(1, n - 1) for _ in range(blocks)] if n > 2 else [] for n in valid_len]
+
+
+def _block_batch(cfg, anchors, tokens, valid_len, device, gamma: float):
+    """Query tokens, positions, mask and (row, query, teacher position, weight) of the labels."""
+    bs, B, T = cfg.block_size, tokens.shape[0], tokens.shape[1]
+    Q = max(len(a) for a in anchors) * bs
+    q_tok = torch.full((B, Q), cfg.mask_token_id, dtype=torch.long)
+    q_pos = torch.zeros(B, Q, dtype=torch.long)
+    mask = torch.zeros(B, Q, T + Q, dtype=torch.bool)
+    mask[:, :, T:] = torch.eye(Q, dtype=torch.bool)          # unused queries see themselves
+    labels = []
+    for b, row in enumerate(anchors):
+        for j, a in enumerate(row):
+            s = j * bs
+            q_tok[b, s] = tokens[b, a]
+            q_pos[b, s:s + bs] = torch.arange(a, a + bs)
+            mask[b, s:s + bs, :a] = True
+            mask[b, s:s + bs, T + s:T + s + bs] = True
+            labels += [(b, s + k, a + k - 1, math.exp(-(k - 1) / gamma)) for k in range(1, bs) if a + k < valid_len[b]]
+    return q_tok.to(device), q_pos.to(device), mask.to(device), labels
+
+
+def _kl(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(student.float(), -1)
+    per = (teacher.exp() * (teacher - logp)).sum(-1)
+    return (per * weights).sum() / weights.sum()
+
+
+class Trainer:
+    def __init__(self, cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict, tokenizer, opts: Options,
+                 out_dir: Path, log=print):
+        if target_cfg.is_hybrid:
+            raise SpecPilotError("drafter training runs attention-only targets (Llama, Qwen2/3); this target has "
+                                 "Gated DeltaNet layers")
+        self.cfg, self.target_cfg, self.opts, self.out, self.log = cfg, target_cfg, opts, Path(out_dir), log
+        self.digest = target_digest(weights)
+        self.dtype = torch.bfloat16 if opts.device != "cpu" else torch.float32
+        self.w = {k: v.to(opts.device, self.dtype) for k, v in weights.items()}
+        self.embed = self.w["model.embed_tokens.weight"]
+        self.head = self.w.get("lm_head.weight", self.embed)
+        self.tokenizer, self.rng = tokenizer, random.Random(opts.seed)
+        self.params = {k: torch.nn.Parameter(v.to(opts.device, torch.float32))
+                       for k, v in init_tensors(cfg, target_cfg, weights, opts.seed).items() if v.is_floating_point()}
+        self.fixed = {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long)} if cfg.kind == "feature" else {}
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=opts.lr, weight_decay=0.0)
+        self.step, self.losses = 0, []
+        self._resume()
+
+    # -- state ------------------------------------------------------------------------
+    def _resume(self) -> None:
+        meta = self.out / "state.json"
+        if not meta.is_file():
+            return
+        from safetensors.torch import load_file
+        info = json.loads(meta.read_text())
+        if info.get("target_digest") != self.digest or info.get("config") != self.cfg.to_dict():
+            raise SpecPilotError(f"{self.out}: holds training of another drafter or target; use a new directory")
+        state = load_file(str(self.out / "state.safetensors"), device=self.opts.device)
+        names = list(self.params)
+        with torch.no_grad():
+            for n in names:
+                self.params[n].copy_(state[f"w.{n}"])
+        self.opt.load_state_dict({"state": {i: {"step": torch.tensor(float(info["step"])),
+                                                "exp_avg": state[f"m.{n}"], "exp_avg_sq": state[f"v.{n}"]}
+                                            for i, n in enumerate(names) if f"m.{n}" in state},
+                                  "param_groups": self.opt.state_dict()["param_groups"]})
+        self.step, self.losses = int(info["step"]), list(info.get("losses", []))
+        self.log(f"resumed at step {self.step}")
+
+    def save_state(self) -> None:
+        from safetensors.torch import save_file
+        tensors = {f"w.{n}": p.detach() for n, p in self.params.items()}
+        for i, n in enumerate(self.params):
+            st = self.opt.state.get(self.params[n])
+            if st:
+                tensors[f"m.{n}"], tensors[f"v.{n}"] = st["exp_avg"], st["exp_avg_sq"]
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "state.safetensors.tmp"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        tmp.replace(self.out / "state.safetensors")
+        atomic_write_text(self.out / "state.json", json.dumps({"step": self.step, "target_digest": self.digest,
+                                                               "config": self.cfg.to_dict(), "losses": self.losses}))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {**{k: v.detach().to("cpu", torch.float32) for k, v in self.params.items()}, **self.fixed}
+
+    # -- data and loss ------------------------------------------------------------------
+    def data(self) -> list[list[int]]:
+        """The target's sequences, generated once per output directory (sequences.json)."""
+        cached = self.out / "sequences.json"
+        if cached.is_file():
+            info = json.loads(cached.read_text())
+            if info.get("target_digest") == self.digest and info.get("seed") == self.opts.seed:
+                return info["sequences"]
+        o = self.opts
+        seqs = target_sequences(self.target_cfg, self.w, self.tokenizer, o.generated, o.seq_len,
+                                stdlib_files(o.corpus), random.Random(o.seed), o.seed, o.holdout, log=self.log)
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cached, json.dumps({"target_digest": self.digest, "seed": o.seed, "sequences": seqs}))
+        return seqs
+
+    def teacher(self, rows: list[list[int]]):
+        tokens, valid = pad_rows(rows, self.opts.device)
+        with torch.no_grad():
+            logits, hidden = forward(self.target_cfg, self.w, tokens, valid, exits={i + 1 for i in self.cfg.target_layers})
+            features = torch.cat([hidden[i + 1] for i in self.cfg.target_layers], dim=-1)
+        return tokens, valid, features, torch.log_softmax(logits.float(), -1)
+
+    def loss(self, rows: list[list[int]]) -> torch.Tensor:
+        tokens, valid, features, teacher = self.teacher(rows)
+        w = {**self.params, **self.fixed}
+        lengths = [len(r) for r in rows]
+        if self.cfg.kind == "block":
+            anchors = _anchors(lengths, self.opts.blocks, self.cfg.block_size, self.rng)
+            q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
+                                                      self.opts.gamma)
+            student = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask)
+            b, q, t, wt = (torch.tensor(x, device=self.opts.device) for x in zip(*labels))
+            return _kl(student[b, q], teacher[b, t], wt.float())
+        steps = feature_forward(self.cfg, w, self.embed, features, tokens, valid, self.opts.ttt)
+        total = 0.0
+        for s, student in enumerate(steps):
+            keep = torch.zeros_like(valid)
+            keep[:, :max(tokens.shape[1] - 1 - s, 0)] = valid[:, 1 + s:]
+            target = F.pad(teacher[:, 1 + s:], (0, 0, 0, 1 + s))
+            total = total + 0.8 ** s * _kl(student[keep], target[keep], torch.ones(int(keep.sum()), device=keep.device))
+        return total / sum(0.8 ** s for s in range(len(steps)))
+
+    # -- the run ------------------------------------------------------------------------
+    def run(self, progress=None) -> dict:
+        """Train to ``opts.steps`` (or the time limit) from where the directory left off; returns the
+        run's facts.  ``progress(done, total, loss)`` hears every step."""
+        o, started = self.opts, time.perf_counter()
+        seqs = self.data()
+        n_held = max(1, len(seqs) // 10)
+        heldout, train = seqs[:n_held], seqs[n_held:] or seqs
+        windows = code_windows(stdlib_files(o.corpus), self.tokenizer, self.rng, o.seq_len)
+        warm = max(1, min(o.steps // 20, 100))
+        while self.step < o.steps:
+            if o.time_limit is not None and time.perf_counter() - started > o.time_limit:
+                self.log(f"time limit: stopped after step {self.step}")
+                break
+            factor = min(1.0, (self.step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * self.step / o.steps))
+            for g in self.opt.param_groups:
+                g["lr"] = o.lr * factor
+            rows = [next(windows) if i % 4 == 3 else train[self.rng.randrange(len(train))] for i in range(o.batch)]
+            loss = self.loss(rows)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), 1.0)
+            self.opt.step()
+            self.step += 1
+            self.losses.append(round(float(loss.detach()), 5))
+            if progress is not None:
+                progress(self.step, o.steps, self.losses[-1])
+            if self.step % o.save_every == 0:
+                self.save_state()
+        self.save_state()
+        return {"steps": self.step, "batch": o.batch, "seq_len": o.seq_len, "lr": o.lr, "seed": o.seed,
+                "generated_sequences": len(seqs), "heldout_sequences": len(heldout),
+                "seconds": round(time.perf_counter() - started, 1), "device": o.device, "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if o.device != "cpu" else None, "target_digest": self.digest,
+                "first_loss": self.losses[0] if self.losses else None, "last_loss": self.losses[-1] if self.losses else None,
+                "heldout": self.evaluate(heldout)}
+
+    @torch.no_grad()
+    def evaluate(self, sequences: list[list[int]], batch: int = 16) -> dict:
+        """Held-out top-1 agreement with the target's greedy token, per draft position (block: per block
+        position at every anchor; feature: per trained step)."""
+        hits: dict[int, list[int]] = {}
+        w = {**self.params, **self.fixed}
+        for s in range(0, len(sequences), batch):
+            rows = sequences[s:s + batch]
+            tokens, valid, features, teacher = self.teacher(rows)
+            want = teacher.argmax(-1)
+            if self.cfg.kind == "block":
+                lengths = [len(r) for r in rows]
+                anchors = [list(range(1, n - 1, max(1, (n - 2) // 8))) for n in lengths]
+                q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
+                                                          self.opts.gamma)
+                got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
+                for b, q, t, _ in labels:
+                    k = q % self.cfg.block_size
+                    hits.setdefault(k, []).append(int(got[b, q] == want[b, t]))
+            else:
+                for i, student in enumerate(feature_forward(self.cfg, w, self.embed, features, tokens, valid,
+                                                            self.opts.ttt)):
+                    n = tokens.shape[1] - 1 - i
+                    keep = valid[:, 1 + i:] & valid[:, :n]
+                    same = (student.argmax(-1)[:, :n] == want[:, 1 + i:])[keep]
+                    hits.setdefault(i + 1, []).extend(same.int().tolist())
+        return {f"top1@{k}": round(sum(v) / max(len(v), 1), 4) for k, v in sorted(hits.items())}
