@@ -9,6 +9,9 @@
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
+#   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
+#   bash bench/h200_e2e.sh fd [BUILD...]    the block / feature builds (bench/specs/smollm2-{block,feature}-bf16.yaml)
+#                                           with the trained drafters (SPECPILOT_DRAFTER=$E/drafters/KIND), to $OUT
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
 # for serving fastapi, uvicorn, prometheus-client, openai and theirs: `pip download --python-version 3.12`), the GGUF split in
 # three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
@@ -124,6 +127,31 @@ PY
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
       -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD" >&2
+  train-drafters)
+    # block (DFlash-style) and feature (EAGLE-3-style) drafters distilled from SmolLM2 on the target's own
+    # continuations (generated once, shared), never on the bench's prompts
+    prepare
+    d=$E/drafters; mkdir -p $d/feature/training
+    printf 'target:\n  gguf: %s\ndrafter:\n  kind: ngram\ndeployment:\n  dtype: float32\n' $G > $E/smollm2.yaml
+    python3 -c "import json; from specpilot.runtime.prompt_sets import CODE, CHAT; json.dump(CODE + CHAT, open('$E/holdout.json', 'w'))"
+    common="--steps ${STEPS:-20000} --batch ${BATCH:-32} --seq-len 256 --generate ${GENERATE:-2048} --holdout $E/holdout.json"
+    python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind block --layers 2 --block-size 8 -o $d/block $common \
+      --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
+    cp $d/block/training/sequences.json $d/feature/training/
+    python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind feature --ttt 3 --draft-vocab 8192 -o $d/feature $common \
+      --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
+    for k in block feature; do mkdir -p $OUT/$k; cp $d/$k/config.json $d/$k/model.safetensors $d/$k/training.json $OUT/$k/; done ;;
+  fd)
+    # the trained drafters in their builds: compiled AR vs chain vs tree, code and chat, identical tokens
+    shift; prepare
+    for build in ${@:-block feature}; do
+      kind=$(python3 -c "import json; print(json.load(open('$b/$build/manifest.json'))['drafter']['kind'])")
+      for set in ${SETS:-code chat}; do
+        SPECPILOT_DRAFTER=$E/drafters/$kind timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build \
+          --prompts $set --requests ${REQUESTS:-6} --max-new-tokens ${TOKENS:-256} \
+          --engines compiled,compiled-spec,compiled-tree -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -8
+      done
+    done ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | train-drafters | fd [BUILD...]" >&2
      exit 2 ;;
 esac

@@ -604,6 +604,8 @@ def drafter():
               "(default: the published projects' choice)")
 @click.option("--ttt", type=click.IntRange(1, 8), default=3, show_default=True,
               help="feature: draft steps trained on the drafter's own outputs")
+@click.option("--draft-vocab", type=click.IntRange(1), default=None,
+              help="feature: its head's vocabulary, the target's most used tokens (default: the whole vocabulary)")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="directory for the adapters (adapter-L<N>.safetensors) or the drafter (config.json + "
                    "model.safetensors, the published layout; training state in training/: a rerun resumes), "
@@ -623,7 +625,7 @@ def drafter():
 @click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
-def drafter_train(spec, kind, exits, block_size, target_layers, ttt, output, steps, batch, seq_len, generated, lr,
+def drafter_train(spec, kind, exits, block_size, target_layers, ttt, draft_vocab, output, steps, batch, seq_len, generated, lr,
                   seed, device, corpus, holdout, time_limit, save_dtype):
     """Distil early-exit adapters from the spec's target (KL over the vocabulary on a code corpus
     and the target's own greedy continuations); use one with `drafter: {kind: early-exit,
@@ -654,7 +656,7 @@ def drafter_train(spec, kind, exits, block_size, target_layers, ttt, output, ste
             raise SpecPilotError(f"{holdout}: expected a JSON list of strings")
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
     if kind != "early-exit":
-        _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, ttt, output, save_dtype,
+        _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,
                            dict(steps=steps, batch=batch, seq_len=seq_len, generated=generated, lr=lr, seed=seed,
                                 device=device, corpus=corpus, holdout=texts, time_limit=time_limit, ttt=ttt))
         return
@@ -678,7 +680,8 @@ def drafter_train(spec, kind, exits, block_size, target_layers, ttt, output, ste
     (output / "training.json").write_text(json.dumps(report, indent=2))
 
 
-def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, ttt, output, save_dtype, options):
+def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,
+                       options):
     """`drafter train --kind block|feature`: the drafter in its published layout, resumable, with a progress bar."""
     import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -693,7 +696,8 @@ def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers
         picks = tuple(int(x) for x in target_layers.split(",")) if target_layers else None
     except ValueError:
         raise click.UsageError(f"--target-layers {target_layers!r}: expected comma-separated layer numbers") from None
-    cfg = fd.for_target(fd.seeded_config(kind, target.cfg, exits[0] if exits else 1, block_size, picks), target.cfg)
+    cfg = fd.for_target(fd.seeded_config(kind, target.cfg, exits[0] if exits else 1, block_size, picks,
+                                         draft_vocab=draft_vocab), target.cfg)
     trainer = Trainer(cfg, target.cfg, target.weights, tok, Options(**options), output / "training",
                       log=lambda m: click.echo(m, err=True))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -146,6 +146,8 @@ void Build::ReadManifest() {
       for (auto& [name, cache] : m.at("caches").at(which).items()) {
         spec.caches[name] = CacheSpec{cache.at("shape").get<Shape>(), ParseDtype(cache.at("dtype").get<std::string>())};
       }
+      // a target built for a block / feature drafter also returns hidden states (read by the Python drafter only)
+      spec.tuple_out = spec.has_gdn || (which == "target" && m.contains("features") && !m["features"].is_null());
       models_[which] = spec;
     }
   } catch (const nlohmann::json::exception& e) {

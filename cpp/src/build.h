@@ -27,6 +27,7 @@ struct ModelSpec {
   std::string which;             // "target" or "drafter"
   int64_t vocab_size = 0;
   bool has_gdn = false;          // Gated DeltaNet layers: recurrent states per sequence
+  bool tuple_out = false;        // a step returns a tuple: recurrent states, or the target's feature layers (last)
   bool has_attention = false;    // full-attention layers: the KV pool
   std::map<std::string, CacheSpec> caches;   // kv, conv, rec
   std::vector<int32_t> eos_token_ids;

@@ -130,7 +130,7 @@ void AutoregressiveOnDevice(Loop& loop, int window) {
     ffi::Any out = decode(
         View(token, {1, 1}, i32, 0), View(arange, {1, 1}, i32, start * 4 * kStride), View(arange, {1, 1}, i32, start * 4 * kStride),
         View(ones, {1, 1, start + 1}, boolean, 0), row, loop.target.kv(), state->conv(), state->rec(), build.params());
-    Tensor logits = gdn ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
+    Tensor logits = loop.target.tuple_out() ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
     if (gdn) {
       auto parts = out.cast<ffi::Array<ffi::Any>>();
       state->SetStates(parts[1].cast<Tensor>(), parts[2].cast<Tensor>());

@@ -195,7 +195,7 @@ std::vector<Rows> Model::ForwardBatch(std::vector<StepItem>& items, bool record,
   ffi::Any out = Call(in.fn, in.args);
   Tensor logits{ffi::UnsafeInit()};
   ffi::Array<ffi::Any> parts;
-  if (spec_.has_gdn) {
+  if (spec_.tuple_out) {
     parts = out.cast<ffi::Array<ffi::Any>>();
     logits = parts[0].cast<Tensor>();
   } else {
@@ -251,7 +251,7 @@ Rows Model::ForwardView(const StepItem& item) {
   std::vector<StepItem> items{item};
   Inputs in = Prepare(items, true);
   ffi::Any out = Call(*verify_view_, in.args);
-  Tensor logits = spec_.has_gdn ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
+  Tensor logits = spec_.tuple_out ? out.cast<ffi::Array<ffi::Any>>()[0].cast<Tensor>() : out.cast<Tensor>();
   Rows r;
   r.vocab = ShapeOf(logits).back();
   r.n = static_cast<int64_t>(item.tokens.size());

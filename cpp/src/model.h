@@ -87,6 +87,7 @@ class Model {
   const ModelSpec& spec() const { return spec_; }
   int64_t vocab() const { return spec_.vocab_size; }
   bool has_gdn() const { return spec_.has_gdn; }
+  bool tuple_out() const { return spec_.tuple_out; }
   bool path_recompute() const { return build_.path_recompute(); }
   int max_verify_tokens() const { return spec_.has_gdn ? build_.max_verify_tokens() : 0; }
   int capacity() const { return build_.capacity(); }

@@ -331,7 +331,7 @@ def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: P
         from specpilot.core.adapter import target_digest
         weights = lowered.target_model.weights
         fd.save(out_dir / "drafter", *lowered.feature_drafter, lowered.target_model.cfg.num_hidden_layers,
-                target_digest(weights) if weights else None, dtype=torch.float32)
+                target_digest(weights) if weights else None, dtype=getattr(torch, request.spec.deployment.dtype))
         for name in ("config.json", "model.safetensors"):
             files["hashes"][f"drafter/{name}"] = file_digest(out_dir / "drafter" / name)
     if request.params == "file":       # other builds: the engine works out aliases when it makes the weights

@@ -86,8 +86,12 @@ def default_layers(kind: str, num_target_layers: int, n: int | None = None) -> t
 
 
 def seeded_config(kind: str, target: ModelConfig, layers: int = 1, block_size: int = 8,
-                  target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None) -> DraftNetConfig:
-    """A drafter of the target's width (its heads, MLP and rotary base)."""
+                  target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
+                  draft_vocab: int | None = None) -> DraftNetConfig:
+    """A drafter of the target's width (its heads, MLP and rotary base).  ``draft_vocab`` (feature): its
+    head's rows, the target's first tokens until training picks them (d2t)."""
+    if draft_vocab is not None and not 1 <= draft_vocab <= target.vocab_size:
+        raise CheckpointError(f"a draft vocabulary of {draft_vocab} tokens; the target has {target.vocab_size}")
     if kind not in KINDS:
         raise CheckpointError(f"unknown feature drafter kind {kind!r}; expected one of {', '.join(KINDS)}")
     picks = tuple(target_layers) if target_layers else default_layers(kind, target.num_hidden_layers)
@@ -98,7 +102,7 @@ def seeded_config(kind: str, target: ModelConfig, layers: int = 1, block_size: i
         vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
         qk_norm=kind == "block", block_size=block_size if kind == "block" else 0,
         mask_token_id=(target.vocab_size - 1 if mask_token_id is None else mask_token_id) if kind == "block" else -1,
-        draft_vocab_size=target.vocab_size if kind == "feature" else 0)
+        draft_vocab_size=(draft_vocab or target.vocab_size) if kind == "feature" else 0)
 
 
 def parameter_shapes(cfg: DraftNetConfig) -> dict[str, tuple[int, ...]]:

@@ -99,7 +99,8 @@ def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
         return cfg, tensors
     try:
         cfg = fd.for_target(fd.seeded_config(d.kind, target.cfg, d.layers or 1, d.block_size,
-                                             tuple(d.target_layers) if d.target_layers else None), target.cfg)
+                                             tuple(d.target_layers) if d.target_layers else None,
+                                             draft_vocab=d.draft_vocab), target.cfg)
     except CheckpointError as e:
         raise SpecError(spec.path, "drafter", str(e)) from None
     return cfg, (fd.random_init(cfg, d.init.seed) if weights else {})

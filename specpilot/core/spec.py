@@ -61,6 +61,7 @@ class DrafterSpec(ModelSource):
     # or ``init`` (seeded, the target's width); the target layers read and the block size
     target_layers: list[int] | None = None
     block_size: int = Field(default=8, ge=2, le=64)
+    draft_vocab: int | None = Field(default=None, ge=1)    # feature, seeded: rows of its own head (EAGLE-3's draft vocabulary)
     adapter: str | None = None                                # early-exit: a trained adapter file
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
     min_ngram: int = Field(default=1, ge=1, le=16)
@@ -196,7 +197,9 @@ def _check_conditioned(spec: Spec, d: DrafterSpec) -> None:
         raise SpecError(spec.path, "drafter", f"a {d.kind} drafter takes one of 'checkpoint' or 'init'")
     if d.checkpoint:
         spec.resolve(d.checkpoint, "drafter.checkpoint")
-    if d.checkpoint and (d.target_layers is not None or "block_size" in d.model_fields_set):
+    if d.draft_vocab is not None and d.kind != "feature":
+        raise SpecError(spec.path, "drafter.draft_vocab", "a draft vocabulary is a feature drafter's")
+    if d.checkpoint and (d.target_layers is not None or d.draft_vocab is not None or "block_size" in d.model_fields_set):
         raise SpecError(spec.path, "drafter.target_layers" if d.target_layers is not None else "drafter.block_size",
                         "a drafter checkpoint's config.json says which target layers it reads and its block size")
 

@@ -219,9 +219,25 @@ class CompiledModule:
         return self._models[which]
 
     def feature_drafter(self):
-        """A block / feature drafter's (DraftNetConfig, tensors), from the build's drafter/ directory."""
+        """A block / feature drafter's (DraftNetConfig, tensors): the build's drafter/ directory, or the
+        one SPECPILOT_DRAFTER names -- a retrained drafter (it runs beside the compiled module, not in
+        it) for the same target, reading the layers the build's target returns."""
+        import json
+        import os
+
         from specpilot.core import feature_drafter as fd
-        return fd.load(self.dir / "drafter", ModelConfig.from_dict(self.manifest.models["target"]))
+        target = ModelConfig.from_dict(self.manifest.models["target"])
+        own = self.dir / "drafter"
+        override = os.environ.get("SPECPILOT_DRAFTER")
+        if not override:
+            return fd.load(own, target)
+        digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
+        cfg, tensors = fd.load(Path(override), target, digest)
+        if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:
+            raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: a {cfg.kind} drafter reading target layers "
+                                 f"{list(cfg.target_layers)}; this build's target returns layers "
+                                 f"{self.manifest.features} for a {self.manifest.drafter.kind} drafter")
+        return cfg, tensors
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference (decoded

@@ -139,16 +139,32 @@ class Options:
     holdout: list = field(default_factory=list)
     corpus: Path | None = None
     save_every: int = 200
+    teacher_dtype: str | None = None   # the frozen target's dtype (None: bfloat16 on GPUs, float32 on the CPU)
 
 
-def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict, seed: int) -> dict[str, torch.Tensor]:
+def draft_vocabulary(sequences: list[list[int]], size: int) -> torch.Tensor:
+    """The ``size`` tokens the target's outputs use most (ties: lower id first), ascending: a feature
+    drafter's draft vocabulary (EAGLE-3 keeps 32k of Llama 3's 128k)."""
+    counts = torch.bincount(torch.tensor([t for s in sequences for t in s], dtype=torch.long))
+    order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))[:size]
+    if len(order) < size:
+        order += [t for t in range(size * 2) if t not in set(order)][:size - len(order)]
+    return torch.tensor(sorted(order))
+
+
+def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict, seed: int,
+                 vocab_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Seeded weights, with what the target has of the same shape copied in: its last layers' MLPs and
-    attention where shapes match, its final norm, and (feature) its head."""
+    attention where shapes match, its final norm, and (feature) its head's rows of the draft vocabulary
+    (``vocab_ids``, default the whole vocabulary) with d2t mapping them."""
     out = fd.random_init(cfg, seed)
     last = target_cfg.num_hidden_layers - 1
+    if vocab_ids is not None:
+        out["d2t"] = vocab_ids - torch.arange(len(vocab_ids))
     for name in out:
-        if name == "lm_head.weight" and cfg.draft_vocab_size == target_cfg.vocab_size:
-            source = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        if name == "lm_head.weight":
+            head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+            source = head[vocab_ids] if vocab_ids is not None else head
         elif name.startswith(("layers.", "midlayer.")):
             rest = name.split(".", 2)[2] if name.startswith("layers.") else name.split(".", 1)[1]
             i = int(name.split(".")[1]) if name.startswith("layers.") else 0
@@ -198,14 +214,19 @@ class Trainer:
                                  "Gated DeltaNet layers")
         self.cfg, self.target_cfg, self.opts, self.out, self.log = cfg, target_cfg, opts, Path(out_dir), log
         self.digest = target_digest(weights)
-        self.dtype = torch.bfloat16 if opts.device != "cpu" else torch.float32
+        self.dtype = getattr(torch, opts.teacher_dtype) if opts.teacher_dtype else \
+            torch.bfloat16 if opts.device != "cpu" else torch.float32
         self.w = {k: v.to(opts.device, self.dtype) for k, v in weights.items()}
         self.embed = self.w["model.embed_tokens.weight"]
         self.head = self.w.get("lm_head.weight", self.embed)
         self.tokenizer, self.rng = tokenizer, random.Random(opts.seed)
-        self.params = {k: torch.nn.Parameter(v.to(opts.device, torch.float32))
-                       for k, v in init_tensors(cfg, target_cfg, weights, opts.seed).items() if v.is_floating_point()}
-        self.fixed = {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long)} if cfg.kind == "feature" else {}
+        self.sequences = self.data()
+        self.vocab_ids = draft_vocabulary(self.sequences, cfg.draft_vocab_size) \
+            if cfg.kind == "feature" and cfg.draft_vocab_size < cfg.vocab_size else None
+        init = init_tensors(cfg, target_cfg, weights, opts.seed, self.vocab_ids)
+        self.params = {k: torch.nn.Parameter(v.to(opts.device, torch.float32)) for k, v in init.items()
+                       if v.is_floating_point()}
+        self.fixed = {"d2t": init["d2t"].to(opts.device)} if cfg.kind == "feature" else {}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=opts.lr, weight_decay=0.0)
         self.step, self.losses = 0, []
         self._resume()
@@ -245,6 +266,11 @@ class Trainer:
         atomic_write_text(self.out / "state.json", json.dumps({"step": self.step, "target_digest": self.digest,
                                                                "config": self.cfg.to_dict(), "losses": self.losses}))
 
+    def autocast(self):
+        """Low-precision teachers: the drafter's float32 weights meet them in that dtype."""
+        return torch.autocast(device_type=torch.device(self.opts.device).type, dtype=self.dtype,
+                              enabled=self.dtype != torch.float32)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {**{k: v.detach().to("cpu", torch.float32) for k, v in self.params.items()}, **self.fixed}
 
@@ -268,10 +294,13 @@ class Trainer:
         with torch.no_grad():
             logits, hidden = forward(self.target_cfg, self.w, tokens, valid, exits={i + 1 for i in self.cfg.target_layers})
             features = torch.cat([hidden[i + 1] for i in self.cfg.target_layers], dim=-1)
-        return tokens, valid, features, torch.log_softmax(logits.float(), -1)
+        return tokens, valid, features, logits.float()
 
     def loss(self, rows: list[list[int]]) -> torch.Tensor:
-        tokens, valid, features, teacher = self.teacher(rows)
+        tokens, valid, features, logits = self.teacher(rows)
+        if self.vocab_ids is not None:    # the target's distribution over the draft vocabulary
+            logits = logits[..., self.vocab_ids.to(logits.device)]
+        teacher = torch.log_softmax(logits, -1)
         w = {**self.params, **self.fixed}
         lengths = [len(r) for r in rows]
         if self.cfg.kind == "block":
@@ -295,7 +324,7 @@ class Trainer:
         """Train to ``opts.steps`` (or the time limit) from where the directory left off; returns the
         run's facts.  ``progress(done, total, loss)`` hears every step."""
         o, started = self.opts, time.perf_counter()
-        seqs = self.data()
+        seqs = self.sequences
         n_held = max(1, len(seqs) // 10)
         heldout, train = seqs[:n_held], seqs[n_held:] or seqs
         windows = code_windows(stdlib_files(o.corpus), self.tokenizer, self.rng, o.seq_len)
@@ -304,11 +333,15 @@ class Trainer:
             if o.time_limit is not None and time.perf_counter() - started > o.time_limit:
                 self.log(f"time limit: stopped after step {self.step}")
                 break
-            factor = min(1.0, (self.step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * self.step / o.steps))
+            # cosine over the run's progress: steps done or the time limit's share spent, whichever is further
+            done = self.step / o.steps if o.time_limit is None else \
+                max(self.step / o.steps, (time.perf_counter() - started) / o.time_limit)
+            factor = min(1.0, (self.step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
             for g in self.opt.param_groups:
                 g["lr"] = o.lr * factor
             rows = [next(windows) if i % 4 == 3 else train[self.rng.randrange(len(train))] for i in range(o.batch)]
-            loss = self.loss(rows)
+            with self.autocast():
+                loss = self.loss(rows)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(self.params.values()), 1.0)
@@ -329,28 +362,34 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, sequences: list[list[int]], batch: int = 16) -> dict:
-        """Held-out top-1 agreement with the target's greedy token, per draft position (block: per block
-        position at every anchor; feature: per trained step)."""
+        """Held-out top-1 agreement with the target's greedy token (over its whole vocabulary), per draft
+        position (block: per block position at every anchor; feature: per trained step)."""
         hits: dict[int, list[int]] = {}
         w = {**self.params, **self.fixed}
         for s in range(0, len(sequences), batch):
             rows = sequences[s:s + batch]
-            tokens, valid, features, teacher = self.teacher(rows)
-            want = teacher.argmax(-1)
-            if self.cfg.kind == "block":
-                lengths = [len(r) for r in rows]
-                anchors = [list(range(1, n - 1, max(1, (n - 2) // 8))) for n in lengths]
-                q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
-                                                          self.opts.gamma)
-                got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
-                for b, q, t, _ in labels:
-                    k = q % self.cfg.block_size
-                    hits.setdefault(k, []).append(int(got[b, q] == want[b, t]))
-            else:
-                for i, student in enumerate(feature_forward(self.cfg, w, self.embed, features, tokens, valid,
-                                                            self.opts.ttt)):
-                    n = tokens.shape[1] - 1 - i
-                    keep = valid[:, 1 + i:] & valid[:, :n]
-                    same = (student.argmax(-1)[:, :n] == want[:, 1 + i:])[keep]
-                    hits.setdefault(i + 1, []).extend(same.int().tolist())
+            with self.autocast():
+                tokens, valid, features, logits = self.teacher(rows)
+                hits = self._hits(rows, tokens, valid, features, logits.argmax(-1), w, hits)
         return {f"top1@{k}": round(sum(v) / max(len(v), 1), 4) for k, v in sorted(hits.items())}
+
+    def _hits(self, rows, tokens, valid, features, want, w, hits: dict) -> dict:
+        """Add one batch's agreements (draft position -> list of 0/1) to ``hits``."""
+        if self.cfg.kind == "block":
+            lengths = [len(r) for r in rows]
+            anchors = [list(range(1, n - 1, max(1, (n - 2) // 8))) for n in lengths]
+            q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
+                                                      self.opts.gamma)
+            got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
+            b, q, t, _ = (torch.tensor(x, device=got.device) for x in zip(*labels))
+            for k, same in zip((q % self.cfg.block_size).tolist(), (got[b, q] == want[b, t]).int().tolist()):
+                hits.setdefault(k, []).append(same)
+            return hits
+        for i, student in enumerate(feature_forward(self.cfg, w, self.embed, features, tokens, valid, self.opts.ttt)):
+            n = tokens.shape[1] - 1 - i
+            keep = valid[:, 1 + i:] & valid[:, :n]
+            got = student.argmax(-1)[:, :n]
+            if self.vocab_ids is not None:
+                got = self.vocab_ids.to(got.device)[got]
+            hits.setdefault(i + 1, []).extend((got == want[:, 1 + i:])[keep].int().tolist())
+        return hits

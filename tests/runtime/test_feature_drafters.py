@@ -1,0 +1,237 @@
+"""Drafters that read the target's hidden states (block: DFlash-style, feature: EAGLE-3-style): the
+features a target keeps follow its accepted path, the compiled target returns the reference's, the
+drafters' incremental state equals a fresh one, the training forwards equal the inference
+networks, and every engine with either drafter passes token forcing exactly on all five families."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specpilot.core import feature_drafter as fd
+from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
+from specpilot.core.spec import parse_spec
+from specpilot.core.weights import random_weights
+from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, tree_inputs
+from specpilot.runtime.feature_drafter_training import block_forward, feature_forward, init_tensors
+from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
+from specpilot.runtime.forcing import force_requests
+from specpilot.runtime.reference.feature_nets import build_net
+from specpilot.runtime.reference.model import ReferenceModel
+from specpilot.runtime.systems import from_spec
+from specpilot.runtime.tree import Tree
+from tests.conftest import HYBRID, TINY_CONFIGS, tiny_config
+
+ARCHS = sorted(TINY_CONFIGS)
+PROMPTS = [[(7 * i + 5 * r) % 301 for i in range(8 + 5 * r)] for r in range(2)]
+
+
+def _data(arch: str, kind: str, **drafter) -> dict:
+    return {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 2}},
+            "drafter": {"kind": kind, "init": {"seed": 4}, "draft_len": 5, "top_k": 3, **drafter},
+            "deployment": {"dtype": "float32", "max_seq_len": 256},
+            "passes": "tree-verify{budget=10}" + (",gdn-path-recompute" if "linear" in str(tiny_config(arch).layer_types) else "")}
+
+
+def _target(arch: str, layers=(0, 2)) -> ReferenceModel:
+    cfg = tiny_config(arch)
+    return ReferenceModel(cfg, random_weights(cfg, 3), feature_layers=layers)
+
+
+def _net(model: ReferenceModel, kind: str, seed: int = 6, **options):
+    cfg = fd.seeded_config(kind, model.cfg, **options)
+    tensors = fd.random_init(cfg, seed)
+    return cfg, tensors, build_net(cfg, tensors, model.w, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_features_follow_the_accepted_path(arch):
+    """After a tree verification and accept_path, the kept rows are those a plain prefill of the
+    accepted tokens computes."""
+    model = _target(arch)
+    rng = random.Random(arch)
+    state = model.new_state(64)
+    prompt = [rng.randrange(301) for _ in range(9)]
+    model.forward(prompt, state)
+    tree = Tree([rng.randrange(301) for _ in range(6)], [-1, 0, 0, 1, 3, 2], [1, 2, 2, 3, 4, 3], [0.0] * 6)
+    last = rng.randrange(301)
+    tokens, positions, mask, parents = tree_inputs(last, tree, state.length)
+    base = state.length
+    model.forward(tokens, state, positions=positions, attn_mask=mask, record=True, parents=parents)
+    path = [1, 2, 4, 5]                                 # root, node 0, node 1, node 3 (a root path)
+    model.accept_path(state, base, [0] + path)
+    accepted = prompt + [last] + [tree.tokens[i] for i in (0, 1, 3, 4)]
+    fresh = model.new_state(64)
+    model.forward(accepted, fresh)
+    assert state.length == len(accepted)
+    # (a hybrid's Gated DeltaNet layers run a tree pass and a prefill in different orders of summation)
+    torch.testing.assert_close(state.features.read(0, state.length), fresh.features.read(0, fresh.length),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_block_network_equals_its_training_forward():
+    model = _target("Qwen3ForCausalLM", layers=(0, 1, 2))
+    cfg, tensors, net = _net(model, "block", layers=2, block_size=5, target_layers=(0, 1, 2))
+    features = torch.randn(11, len(cfg.target_layers) * cfg.target_hidden)
+    tokens = torch.tensor([17] + [cfg.mask_token_id] * 4)
+    want = net.block(tokens, 11, net.context(features, torch.arange(11)))
+    mask = torch.zeros(1, 5, 16, dtype=torch.bool)
+    mask[:, :, :16] = True
+    got = block_forward(cfg, tensors, model.w["model.embed_tokens.weight"], model.w["lm_head.weight"],
+                        features[None], tokens[None], torch.arange(11, 16)[None], mask)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_feature_network_steps_equal_its_training_forward():
+    """Training step s at pair j is the tree node of path t_{j+2} .. t_{j+1+s} below the context
+    t_0 .. t_{j+1}: the same keys seen, the same positions."""
+    model = _target("LlamaForCausalLM", layers=(0, 1, 2))
+    cfg, tensors, net = _net(model, "feature", target_layers=(0, 1, 2))
+    seq = [random.Random(1).randrange(301) for _ in range(14)]
+    state = model.new_state(64)
+    model.forward(seq, state)
+    features = state.features.read(0, len(seq))
+    steps = feature_forward(cfg, tensors, model.w["model.embed_tokens.weight"], features[None], torch.tensor([seq]),
+                            torch.ones(1, len(seq), dtype=torch.bool), 3)
+    drafter = FeatureDrafter(net, top_k=3, capacity=64)
+    drafter.bind(state)
+    j = 8
+    expand = drafter.expander(seq[:j + 2])              # its last pair is (feature j, t_{j+1})
+    for s in range(3):
+        path = seq[j + 2:j + 2 + s]
+        expand(path)
+        top = dict(expand(path))
+        want = torch.log_softmax(steps[s][0, j], -1).topk(3)
+        for token, value in zip(want.indices.tolist(), want.values.tolist()):
+            assert top[token] == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["block", "feature"])
+def test_a_drafter_kept_in_step_equals_a_fresh_one(kind):
+    """After chains of verifications (accepts, rejections, rollbacks), what the drafter derived from
+    the context is what a fresh drafter derives from it."""
+    model = _target(HYBRID, layers=(1, 3))
+    _, _, net = _net(model, kind, block_size=5, target_layers=(1, 3))
+    kept = (BlockDrafter if kind == "block" else FeatureDrafter)(net, top_k=3, capacity=128)
+    gen = speculative(model, kept, PROMPTS[1], 24, 4, 128)
+    context = PROMPTS[1] + gen.tokens[:-1]              # the target's state holds all but the last token
+    state = model.new_state(128)
+    model.forward(context[:-1], state)
+    fresh = (BlockDrafter if kind == "block" else FeatureDrafter)(net, top_k=3, capacity=128)
+    fresh.bind(state)
+    kept.bind(state)
+    a, b = kept.propose(context, 4), fresh.propose(context, 4)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["block", "feature"])
+def test_reference_engines_force_exactly(arch, kind):
+    system = from_spec(parse_spec(_data(arch, kind)))
+    stock = [system.generate("stock", p, 40) for p in PROMPTS]
+    for engine in ("stock-spec", "stock-tree"):
+        runs = [system.generate(engine, p, 40, force=s.tokens) for p, s in zip(PROMPTS, stock)]
+        report = force_requests(stock, runs, tie_tolerance=0.0)
+        assert report.passed and not report.excused, (engine, report.first_divergence)
+        assert system.generate(engine, PROMPTS[0], 40).tokens == stock[0].tokens
+
+
+def test_a_drafter_needs_a_target_that_keeps_features():
+    model = _target("Qwen3ForCausalLM")
+    _, _, net = _net(model, "block")
+    plain = ReferenceModel(model.cfg, {k: v for k, v in model.w.items()})
+    with pytest.raises(SpecPilotError, match="keeps none"):
+        speculative(plain, BlockDrafter(net, 3, 64), PROMPTS[0], 8, 4, 64)
+    other = ReferenceModel(model.cfg, dict(model.w), feature_layers=(1,))
+    with pytest.raises(SpecPilotError, match="features of width"):
+        speculative_tree(other, BlockDrafter(net, 3, 64), PROMPTS[0], 8, 6, 64)
+    assert autoregressive(other, PROMPTS[0], 8, 64).tokens == autoregressive(plain, PROMPTS[0], 8, 64).tokens
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["block", "feature"])
+def test_published_layout_round_trip(kind, tmp_path):
+    cfg_t = tiny_config("Qwen3ForCausalLM")
+    cfg = fd.seeded_config(kind, cfg_t, layers=2, block_size=6)
+    tensors = fd.random_init(cfg, 1)
+    fd.save(tmp_path / "d", cfg, tensors, cfg_t.num_hidden_layers, "abc", dtype=torch.float32)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    if kind == "block":
+        assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 6
+        assert config["dflash_config"]["target_layer_ids"] == list(cfg.target_layers)
+        assert "fc.weight" in tensors and "layers.1.self_attn.q_norm.weight" in tensors
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(cfg.target_layers)
+        assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * cfg.hidden_size
+    back, read = fd.load(tmp_path / "d", cfg_t, "abc")
+    assert back == cfg and set(read) == set(tensors)
+    assert all(torch.equal(read[k], tensors[k]) for k in tensors)
+    with pytest.raises(CheckpointError, match="another target"):
+        fd.load(tmp_path / "d", cfg_t, "other")
+
+
+def test_eagle3_draft_vocabulary_maps_to_target_ids(tmp_path):
+    """A draft vocabulary smaller than the target's: d2t maps draft ids, other tokens get -inf."""
+    model = _target("LlamaForCausalLM", layers=(0, 1, 2))
+    cfg = fd.seeded_config("feature", model.cfg, target_layers=(0, 1, 2))
+    cfg = fd.DraftNetConfig(**{**cfg.to_dict(), "target_layers": (0, 1, 2), "draft_vocab_size": 50})
+    tensors = fd.random_init(cfg, 2)
+    tensors["d2t"] = torch.arange(50) * 3          # draft id i -> target id 4 i
+    fd.save(tmp_path / "e", cfg, tensors, 3, dtype=torch.float32)
+    cfg, tensors = fd.load(tmp_path / "e", model.cfg)
+    net = build_net(cfg, tensors, model.w, torch.float32, "cpu")
+    logits = net.logits(torch.randn(2, cfg.hidden_size))
+    finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert finite == [4 * i for i in range(50)]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c, t: c.update(vocab_size=999), "vocabulary of 999"),
+    (lambda c, t: c.update(num_target_layers=7), "target of 7 layers"),
+    (lambda c, t: c["dflash_config"].update(target_layer_ids=[0, 9]), "target layer 9"),
+    (lambda c, t: c.update(architectures=["Qwen3ForCausalLM"]), "not a drafter read here"),
+    (lambda c, t: c.update(hidden_size=64), "hidden size 64"),
+    (lambda c, t: c["dflash_config"].update(mask_token_id=5000), "mask_token_id"),
+    (lambda c, t: t.pop("norm.weight"), "missing norm.weight"),
+    (lambda c, t: t.update(extra=torch.zeros(2)), "unexpected tensor extra"),
+    (lambda c, t: t.update({"fc.weight": torch.zeros(3, 3)}), "fc.weight has shape"),
+    (lambda c, t: t.update({"norm.weight": torch.full((48,), float("nan"))}), "not finite"),
+])
+def test_bad_drafter_checkpoints_are_refused(tmp_path, edit, message):
+    from safetensors.torch import save_file
+    cfg_t = tiny_config("Qwen3ForCausalLM")
+    cfg = fd.seeded_config("block", cfg_t)
+    tensors = fd.random_init(cfg, 1)
+    config = fd.hf_config(cfg, cfg_t.num_hidden_layers)
+    edit(config, tensors)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=message):
+        fd.load(tmp_path, cfg_t)
+
+
+def test_spec_refuses_what_a_feature_drafter_does_not_take(tmp_path):
+    data = _data("Qwen3ForCausalLM", "block")
+    with pytest.raises(SpecError, match="checkpoint' or 'init'"):
+        parse_spec({**data, "drafter": {"kind": "block"}})
+    with pytest.raises(SpecError, match="drafter.architecture"):
+        parse_spec({**data, "drafter": {"kind": "feature", "architecture": "LlamaForCausalLM", "init": {"seed": 1}}})
+    with pytest.raises(SpecError, match="target_layers"):
+        parse_spec({**data, "drafter": {"kind": "ngram", "target_layers": [1]}})
+    with pytest.raises(SpecError, match="not among"):
+        from_spec(parse_spec({**data, "drafter": {"kind": "block", "init": {"seed": 1}, "target_layers": [0, 5]}}))
+
+
+def test_training_init_takes_the_target_s_tensors_where_shapes_match():
+    cfg_t = tiny_config("LlamaForCausalLM")
+    weights = random_weights(cfg_t, 1)
+    block = init_tensors(fd.seeded_config("block", cfg_t, layers=1), cfg_t, weights, 0)
+    assert torch.equal(block["layers.0.mlp.down_proj.weight"], weights["model.layers.2.mlp.down_proj.weight"])
+    feature = init_tensors(fd.seeded_config("feature", cfg_t), cfg_t, weights, 0)
+    assert torch.equal(feature["lm_head.weight"], weights["lm_head.weight"])
+    assert feature["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * cfg_t.hidden_size   # drawn, not copied
