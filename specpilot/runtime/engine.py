@@ -219,7 +219,7 @@ class CompiledModule:
         return self._models[which]
 
     def feature_drafter(self):
-        """A block / feature drafter's (DraftNetConfig, tensors): the build's drafter/ directory, or the
+        """A block / feature drafter's (DraftNetConfig, tensors, directory): the build's drafter/, or the
         one SPECPILOT_DRAFTER names -- a retrained drafter (it runs beside the compiled module, not in
         it) for the same target, reading the layers the build's target returns."""
         import json
@@ -230,14 +230,14 @@ class CompiledModule:
         own = self.dir / "drafter"
         override = os.environ.get("SPECPILOT_DRAFTER")
         if not override:
-            return fd.load(own, target)
+            return (*fd.load(own, target), own)
         digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
         cfg, tensors = fd.load(Path(override), target, digest)
         if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: a {cfg.kind} drafter reading target layers "
                                  f"{list(cfg.target_layers)}; this build's target returns layers "
                                  f"{self.manifest.features} for a {self.manifest.drafter.kind} drafter")
-        return cfg, tensors
+        return cfg, tensors, Path(override)
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference (decoded

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.core.errors import SpecPilotError
-from specpilot.runtime.drafters import ranked
+from specpilot.runtime.drafters import ranked, ranked_rows
 from specpilot.runtime.lattice import Lattice
 from specpilot.runtime.reference.feature_nets import BlockNet, FeatureNet
 
@@ -31,7 +31,7 @@ class _Conditioned:
         if not temperature > 0:
             raise SpecPilotError(f"drafter temperature must be positive, got {temperature}")
         self.net, self.top_k, self.capacity, self.temperature = net, top_k, capacity, float(temperature)
-        self.source = None
+        self.source = self.state = None
         self.reset()
 
     def bind(self, state) -> None:
@@ -43,7 +43,22 @@ class _Conditioned:
         if features.width != len(self.net.cfg.target_layers) * self.net.cfg.target_hidden:
             raise SpecPilotError(f"the target keeps features of width {features.width}; the drafter reads "
                                  f"{len(self.net.cfg.target_layers)} layers of {self.net.cfg.target_hidden}")
-        self.source = features
+        self.source, self.state = features, state
+
+    def expander(self, context: list[int]):
+        """For tree drafting below ``context``.  A context longer than what the target has consumed
+        (two-level verification's proposed chain) has no features past it: the extra tokens are a
+        path below the consumed context."""
+        committed = self.state.length + 1 if self.state is not None else len(context)
+        if len(context) <= committed:
+            return self._expander(context)
+        inner, extra = self._expander(context[:committed]), list(context[committed:])
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:
+            return inner(extra + list(path))
+        if getattr(inner, "batch", None) is not None:
+            expand.batch = lambda paths: inner.batch([extra + list(p) for p in paths])
+        return expand
 
     def _features(self, start: int, end: int) -> torch.Tensor:
         if self.source is None:
@@ -52,10 +67,6 @@ class _Conditioned:
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
-
-    def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
-        indices, values = ranked(logp, self.top_k)
-        return list(zip(indices.tolist(), values.tolist()))
 
     @staticmethod
     def _lattice(logps: list[torch.Tensor], k: int) -> Lattice:
@@ -99,9 +110,8 @@ class BlockDrafter(_Conditioned):
         logp = self.block_logp(context)
         return self._lattice([logp[i] for i in range(n)], self.top_k)
 
-    def expander(self, context: list[int]):
-        logp = self.block_logp(context)
-        tops = [self._top(logp[i]) for i in range(logp.shape[0])]
+    def _expander(self, context: list[int]):
+        tops = ranked_rows(self.block_logp(context), self.top_k)
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             d = len(path)
@@ -154,13 +164,14 @@ class FeatureDrafter(_Conditioned):
                 logits = out[0]
         return self._lattice(rows, self.top_k)
 
-    def expander(self, context: list[int]):
+    def _expander(self, context: list[int]):
         m, h, logits = self._sync(context)
-        nodes: dict[tuple, tuple] = {(): (h, self._logp(logits), None, None)}   # path -> (hidden, logp, k, v)
+        nodes: dict[tuple, tuple] = {(): (h, ranked_rows(self._logp(logits)[None], self.top_k)[0], None, None)}
+        # path -> (output hidden, its top-k (token, log-probability), its key, value)
 
         def run(paths: list[list[int]]) -> None:
             """Score the nodes of ``paths`` (their parents scored) in one pass."""
-            new = [tuple(p) for p in paths if tuple(p) not in nodes]
+            new = list(dict.fromkeys(tuple(p) for p in paths if tuple(p) not in nodes))
             if not new:
                 return
             ancestors = sorted({p[:d] for p in new for d in range(1, len(p))}, key=len)
@@ -178,18 +189,21 @@ class FeatureDrafter(_Conditioned):
             positions = torch.tensor([m - 1 + len(p) for p in new], device=self.net.device)
             out, logits, k, v = self.net.step(hidden, torch.tensor([p[-1] for p in new]), positions, keys, values,
                                               mask.to(self.net.device))
-            logp = self._logp(logits)
+            tops = ranked_rows(self._logp(logits), self.top_k)
             for i, p in enumerate(new):
-                nodes[p] = (out[i:i + 1], logp[i], k[i:i + 1], v[i:i + 1])
+                nodes[p] = (out[i:i + 1], tops[i], k[i:i + 1], v[i:i + 1])
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             if len(context) + len(path) >= self.capacity:
                 return []
-            run([path])
-            return self._top(nodes[tuple(path)][1])
+            for d in range(1, len(path) + 1):      # ancestors first (a two-level chain's are new)
+                run([path[:d]])
+            return nodes[tuple(path)][1]
 
         def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
-            run([p for p in paths if len(context) + len(p) < self.capacity])
+            fit = [p for p in paths if len(context) + len(p) < self.capacity]
+            for d in range(1, max((len(p) for p in fit), default=0) + 1):   # a level per pass
+                run([p[:d] for p in fit if len(p) >= d])
             return [expand(p) for p in paths]
         expand.batch = batch
         return expand

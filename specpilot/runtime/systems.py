@@ -103,6 +103,7 @@ class System:
         self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
         self.draft_step = draft_step
         self.setup, self.draft_reference = setup, draft_reference
+        self.drafter_source: dict | None = None   # a block / feature drafter's directory and weights digest
         self.oracle = oracle or Oracle()     # replay drafters' continuations
         self._hf: dict[str, tuple] = {}
 
@@ -366,7 +367,7 @@ def from_build(build_dir: Path) -> System:
                                                                else None)) for which in m.models}
     compiled = {which: module.model(which) for which in m.models}
     if d.kind in ("block", "feature"):   # one network drafts for both engines (it reads the target's embeddings)
-        net_cfg, tensors = module.feature_drafter()
+        net_cfg, tensors, directory = module.feature_drafter()
         refs["drafter"] = compiled["drafter"] = Deferred(lambda: build_net(
             net_cfg, tensors, module.reference_weights("target"), dtype, device))
     setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
@@ -390,9 +391,13 @@ def from_build(build_dir: Path) -> System:
                                                                   torch.float32, device, weight_format="stored")))
     tok = Path(build_dir) / m.tokenizer if m.tokenizer else None
     cfg = cfgs["target"]
-    return System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
-                  tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
-                  m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
+    system = System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
+                    tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
+                    m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
+    if d.kind in ("block", "feature"):     # which drafter ran: the build's own or a retrained one
+        from specpilot.core.weights import file_digest
+        system.drafter_source = {"directory": str(directory), "sha256": file_digest(directory / "model.safetensors")}
+    return system
 
 
 def batch_schedule(m) -> BatchSchedule | None:

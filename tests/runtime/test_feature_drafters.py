@@ -21,7 +21,7 @@ from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.reference.feature_nets import build_net
 from specpilot.runtime.reference.model import ReferenceModel
-from specpilot.runtime.systems import from_spec
+from specpilot.runtime.systems import from_build, from_spec
 from specpilot.runtime.tree import Tree
 from tests.conftest import HYBRID, TINY_CONFIGS, tiny_config
 
@@ -235,3 +235,78 @@ def test_training_init_takes_the_target_s_tensors_where_shapes_match():
     feature = init_tensors(fd.seeded_config("feature", cfg_t), cfg_t, weights, 0)
     assert torch.equal(feature["lm_head.weight"], weights["lm_head.weight"])
     assert feature["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * cfg_t.hidden_size   # drawn, not copied
+
+
+# -- compiled builds -------------------------------------------------------------------------
+W12_TWO_LEVEL = "w12-layout,nested-int8-view,tree-verify{budget=8},{gdn}two-level-verify"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def compiled(request, tmp_path_factory):
+    """A CPU fp32 build of each family with W12, the nested view and two-level verification; block
+    drafters for some families, feature drafters for the others."""
+    from tests.conftest import build_spec
+    arch = request.param
+    kind = "block" if ARCHS.index(arch) % 2 == 0 else "feature"
+    data = _data(arch, kind, block_size=6)
+    data["target"]["init"]["round_to"] = "bfloat16"      # W12 holds bf16 values exactly
+    hybrid = "gdn-path-recompute" in data["passes"]
+    data["passes"] = W12_TWO_LEVEL.replace("{gdn}", "gdn-path-recompute," if hybrid else "")
+    tmp = tmp_path_factory.mktemp(arch)
+    return build_spec(tmp, data), kind
+
+
+def test_compiled_engines_force_exactly(compiled):
+    out, kind = compiled
+    system = from_build(out)
+    assert {"compiled-spec", "compiled-tree", "compiled-two-level"} <= set(system.engines)
+    stock = [system.generate("stock", p, 32) for p in PROMPTS]
+    for engine in ("compiled", "compiled-spec", "compiled-tree", "compiled-two-level", "stock-tree"):
+        runs = [system.generate(engine, p, 32, force=s.tokens) for p, s in zip(PROMPTS, stock)]
+        report = force_requests(stock, runs, tie_tolerance=0.0)
+        assert report.passed and not report.excused, (kind, engine, report.first_divergence)
+
+
+def test_compiled_target_returns_the_reference_s_features(compiled):
+    out, _ = compiled
+    system = from_build(out)
+    compiled_model, reference = system.engines["compiled"].model, system.engines["stock"].model
+    states = [m.new_state(64) for m in (compiled_model, reference)]
+    for m, st in zip((compiled_model, reference), states):
+        m.forward(PROMPTS[1], st)
+        m.forward([5, 6, 7], st, record=True)
+    got, want = (st.features.read(0, st.length) for st in states)
+    assert got.shape == want.shape == (len(PROMPTS[1]) + 3, len(system.engines["compiled"].model.feature_layers) * 48)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(compiled, tmp_path, monkeypatch):
+    from specpilot.runtime.engine import CompiledModule
+    out, kind = compiled
+    module = CompiledModule(out)
+    cfg, tensors, own = module.feature_drafter()
+    assert own == out / "drafter"
+    retrained = fd.random_init(cfg, 99)
+    target_layers = module.manifest.features
+    fd.save(tmp_path / "same", cfg, retrained, len(module.manifest.models["target"]["layer_types"]), dtype=torch.float32)
+    monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "same"))
+    _, read, directory = module.feature_drafter()
+    assert directory == tmp_path / "same"
+    assert torch.equal(read["fc.weight"], retrained["fc.weight"])
+    n_layers = len(module.manifest.models["target"]["layer_types"])
+    elsewhere = next(i for i in range(n_layers) if i not in target_layers)
+    other = fd.DraftNetConfig(**{**cfg.to_dict(), "target_layers": (elsewhere,)})
+    fd.save(tmp_path / "other", other, fd.random_init(other, 1), n_layers)
+    monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "other"))
+    with pytest.raises(SpecPilotError, match="this build's target returns layers"):
+        module.feature_drafter()
+
+
+def test_ranked_rows_equals_ranked_row_by_row():
+    """Equal values (common in bf16-rounded logits) rank in index order either way."""
+    from specpilot.runtime.drafters import ranked, ranked_rows
+    gen = torch.Generator().manual_seed(3)
+    logp = torch.randint(-6, 0, (7, 41), generator=gen).float() / 4     # many exact ties
+    for row, got in zip(logp, ranked_rows(logp, 5)):
+        indices, values = ranked(row, 5)
+        assert got == list(zip(indices.tolist(), values.tolist()))

@@ -153,7 +153,7 @@ class ReferenceModel:
             x = rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, cfg.zero_centered_norm)
             gate = F.silu(linear(x, w, p + "mlp.gate_proj"))
             h = h + linear(gate * linear(x, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
-            if state.features is not None and i in self.feature_layers:
+            if self.feature_layers and state.features is not None and i in self.feature_layers:
                 kept.append((self.feature_layers.index(i), h))
         if kept:
             state.features.write(start, torch.cat([t for _, t in sorted(kept, key=lambda x: x[0])], dim=-1))
