@@ -42,7 +42,7 @@ def test_batched_forward_is_the_reference(arch):
     state (through the final norm and head) equal the per-sequence reference's."""
     cfg, w = _target(arch, seed=3)
     rows = _rows([13, 7, 1], cfg.vocab_size, seed=4)
-    tokens, valid = dt._pad(rows, "cpu")
+    tokens, valid = dt.pad_rows(rows, "cpu")
     logits, hidden = dt.forward(cfg, w, tokens, valid, exits={1, 2})
     ref = ReferenceModel(cfg, w)
     for b, row in enumerate(rows):
@@ -137,7 +137,7 @@ def test_the_drafter_is_what_was_trained(trained):
     assert all(dw[k] is w[k] for k in dw if k not in own)        # shared, not copied
     drafter = ReferenceModel(dcfg, dw)
     rows = _rows([10, 3], cfg.vocab_size, seed=9)
-    tokens, valid = dt._pad(rows, "cpu")
+    tokens, valid = dt.pad_rows(rows, "cpu")
     _, hidden = dt.forward(cfg, w, tokens, valid, exits={r.layers})
     got = dt._adapter_logits(cfg, w, r.tensors, r.layers, hidden[r.layers], valid)
     for b, row in enumerate(rows):

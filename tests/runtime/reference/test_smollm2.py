@@ -112,3 +112,18 @@ def test_batched_trees_with_the_l12_adapter_are_exact():
     mean = sum(a for g in run.generations for a in g.accepted[1:]) / sum(len(g.accepted) - 1 for g in run.generations)
     print(f"\nSmolLM2-135M + L12, batched trees: {mean:.2f} tokens/verification, {len(run.steps)} passes")
     assert any(s.admitted and s.running for s in run.steps) and mean > 1.5
+
+
+def test_shipped_feature_drafter_is_lossless():
+    """examples/smollm2-feature.yaml: the feature drafter trained on the H200 reads this target (its
+    digest matches); chain and tree decoding with it are stock's tokens, forced and unforced."""
+    from specpilot.runtime.forcing import force_requests
+    from specpilot.runtime.systems import load_system
+    system = load_system(SPEC.with_name("smollm2-feature.yaml"))
+    prompt = system.tokenizer.encode("def is_prime(n: int) -> bool:\n")
+    stock = system.generate("stock", prompt, 64)
+    for engine in ("stock-spec", "stock-tree"):
+        run = system.generate(engine, prompt, 64, force=stock.tokens)
+        print(f"\nSmolLM2-135M + feature drafter, {engine}: {run.mean_accepted:.2f} tokens/verification")
+        assert force_requests([stock], [run]).passed
+        assert system.generate(engine, prompt, 64).tokens == stock.tokens
