@@ -23,7 +23,7 @@ from specpilot.runtime.lattice import Lattice
 from specpilot.runtime.reference.model import ReferenceModel
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -79,7 +79,7 @@ class ModelDrafter:
     def _pending(self, context: list[int]) -> list[int] | None:
         """Cut the state back to what it shares with ``context`` and return the tokens still to feed
         (the last one at least), or None on a first call (its prefill is its own pass)."""
-        keep = _common_prefix(self.consumed, context)
+        keep = common_prefix(self.consumed, context)
         if keep == len(context):
             keep -= 1
         if keep <= 0:
@@ -98,7 +98,7 @@ class ModelDrafter:
             (synced, logits), self.root = self.root, None
             if synced == tuple(context) and self.consumed == list(context):
                 return logits
-        keep = _common_prefix(self.consumed, context)
+        keep = common_prefix(self.consumed, context)
         if keep == len(context):        # nothing new: recompute the last position
             keep -= 1
         if keep < self.state.length:

@@ -35,12 +35,8 @@ from specpilot.core.config import ModelConfig
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
 from specpilot.runtime.drafter_training import code_windows, forward, pad_rows, stdlib_files, target_sequences
+from specpilot.runtime.reference.feature_nets import plain_rms_norm
 from specpilot.runtime.reference.model import rotate_half
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(cfg: fd.DraftNetConfig, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -55,12 +51,12 @@ def _heads(cfg, w, p: str, x: torch.Tensor, positions: torch.Tensor, which: str)
     n = cfg.num_heads if which == "q" else cfg.num_kv_heads
     y = F.linear(x, w[f"{p}self_attn.{which}_proj.weight"]).view(*x.shape[:2], n, cfg.head_dim)
     if which != "v" and cfg.qk_norm:
-        y = _norm(y, w[f"{p}self_attn.{which}_norm.weight"], cfg.rms_norm_eps)
+        y = plain_rms_norm(y, w[f"{p}self_attn.{which}_norm.weight"], cfg.rms_norm_eps)
     return _rope(cfg, y, positions) if which != "v" else y
 
 
 def _mlp(cfg, w, p: str, h: torch.Tensor) -> torch.Tensor:
-    x = _norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    x = plain_rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
     return F.linear(F.silu(F.linear(x, w[p + "mlp.gate_proj.weight"])) * F.linear(x, w[p + "mlp.up_proj.weight"]),
                     w[p + "mlp.down_proj.weight"])
 
@@ -75,19 +71,19 @@ def block_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, head: to
     """Logits (B, Q, vocab) of query tokens (B, Q) at ``positions`` after context ``features``
     (B, T, F) at positions 0 .. T-1; ``mask`` (B, Q, T + Q): True where a query may look."""
     B, T = features.shape[:2]
-    ctx = _norm(F.linear(features.to(embed.dtype), w["fc.weight"]), w["hidden_norm.weight"], cfg.rms_norm_eps)
+    ctx = plain_rms_norm(F.linear(features.to(embed.dtype), w["fc.weight"]), w["hidden_norm.weight"], cfg.rms_norm_eps)
     ctx_pos = torch.arange(T, device=features.device).expand(B, T)
     h = F.embedding(tokens, embed)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        x = _norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        x = plain_rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
         q = _heads(cfg, w, p, x, positions, "q").transpose(1, 2)
         k = torch.cat([_heads(cfg, w, p, ctx, ctx_pos, "k"), _heads(cfg, w, p, x, positions, "k")], dim=1)
         v = torch.cat([_heads(cfg, w, p, ctx, ctx_pos, "v"), _heads(cfg, w, p, x, positions, "v")], dim=1)
         out = F.scaled_dot_product_attention(q, _expand(cfg, k), _expand(cfg, v), attn_mask=mask[:, None])
         h = h + F.linear(out.transpose(1, 2).reshape(*h.shape[:2], -1), w[p + "self_attn.o_proj.weight"])
         h = h + _mlp(cfg, w, p, h)
-    return F.linear(_norm(h, w["norm.weight"], cfg.rms_norm_eps), head)
+    return F.linear(plain_rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), head)
 
 
 def feature_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor,
@@ -103,8 +99,8 @@ def feature_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, featur
     keys, values, out = [], [], []
     for s in range(steps):
         nxt = F.pad(tokens[:, 1 + s:], (0, 1 + s))      # t_{j+1+s}; past the end: padding, not trained
-        x = torch.cat([_norm(F.embedding(nxt, embed), w[p + "input_layernorm.weight"], cfg.rms_norm_eps),
-                       _norm(hidden, w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
+        x = torch.cat([plain_rms_norm(F.embedding(nxt, embed), w[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                       plain_rms_norm(hidden, w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
         q = _heads(cfg, w, p, x, base + s, "q").transpose(1, 2)                   # (B, H, T, d)
         keys.append(_expand(cfg, _heads(cfg, w, p, x, base + s, "k")))
         values.append(_expand(cfg, _heads(cfg, w, p, x, base + s, "v")))
@@ -117,7 +113,7 @@ def feature_forward(cfg: fd.DraftNetConfig, w: dict, embed: torch.Tensor, featur
             att = att + probs[..., T + i:T + i + 1] * v
         h = hidden + F.linear(att.transpose(1, 2).reshape(B, T, -1), w[p + "self_attn.o_proj.weight"])
         h = h + _mlp(cfg, w, p, h)
-        out.append(F.linear(_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"]))
+        out.append(F.linear(plain_rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"]))
         hidden = h
     return out
 

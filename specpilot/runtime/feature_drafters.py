@@ -16,14 +16,8 @@ from __future__ import annotations
 import torch
 
 from specpilot.core.errors import SpecPilotError
-from specpilot.runtime.drafters import ranked, ranked_rows
+from specpilot.runtime.drafters import common_prefix, ranked, ranked_rows
 from specpilot.runtime.lattice import Lattice
-from specpilot.runtime.reference.feature_nets import BlockNet, FeatureNet
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class _Conditioned:
@@ -87,7 +81,7 @@ class BlockDrafter(_Conditioned):
     def _sync(self, context: list[int]) -> int:
         """Cache the keys/values of the committed context (all but its last token); returns its length."""
         n = len(context) - 1
-        keep = _common_prefix(self.consumed, context[:n])
+        keep = common_prefix(self.consumed, context[:n])
         if keep < n:
             positions = torch.arange(keep, n, device=self.net.device)
             for (K, V), (k, v) in zip(self.keys, self.net.context(self._features(keep, n), positions)):
@@ -135,7 +129,7 @@ class FeatureDrafter(_Conditioned):
         m = len(context) - 1
         if m < 1:
             raise SpecPilotError("a feature drafter needs a context of two tokens at least")
-        keep = min(max(_common_prefix(self.tokens, context) - 1, 0), m - 1)   # the last pair is always rerun
+        keep = min(max(common_prefix(self.tokens, context) - 1, 0), m - 1)   # the last pair is always rerun
         hidden = self.net.fuse(self._features(keep, m))
         tokens = torch.tensor(context[keep + 1:m + 1])
         positions = torch.arange(keep, m, device=self.net.device)

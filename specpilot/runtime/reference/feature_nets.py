@@ -13,7 +13,8 @@ from specpilot.core.feature_drafter import DraftNetConfig
 from specpilot.runtime.reference.model import rotate_half
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama / Qwen3 compute it: the statistics in float32, the scale in the input's dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -47,7 +48,7 @@ class _Net:
         k = self._proj(x, p + "self_attn.k_proj.weight").view(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
         v = self._proj(x, p + "self_attn.v_proj.weight").view(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            k = _norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            k = plain_rms_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
         return self._rope(k, positions), v
 
     def _attend(self, p: str, x: torch.Tensor, positions, keys, values, mask) -> torch.Tensor:
@@ -57,7 +58,7 @@ class _Net:
         T = x.shape[0]
         q = self._proj(x, p + "self_attn.q_proj.weight").view(T, cfg.num_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = _norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            q = plain_rms_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
         q = self._rope(q, positions)
         group = cfg.num_heads // cfg.num_kv_heads
         k = keys.transpose(0, 1).repeat_interleave(group, dim=0)       # (H, S, d)
@@ -69,7 +70,7 @@ class _Net:
         return self._proj(out, p + "self_attn.o_proj.weight")
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        x = _norm(h, self.w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
+        x = plain_rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps)
         gate = F.silu(self._proj(x, p + "mlp.gate_proj.weight"))
         return self._proj(gate * self._proj(x, p + "mlp.up_proj.weight"), p + "mlp.down_proj.weight")
 
@@ -84,7 +85,7 @@ class BlockNet(_Net):
 
     def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: keys and values (T, kv heads, d) of context tokens with these features."""
-        h = _norm(self.fuse(features), self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
+        h = plain_rms_norm(self.fuse(features), self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
         return [self._keys(f"layers.{i}.", h, positions) for i in range(self.cfg.num_layers)]
 
     def block(self, tokens: torch.Tensor, start: int, context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -95,11 +96,11 @@ class BlockNet(_Net):
         h = F.embedding(tokens.to(self.device), self.embed)
         for i, (ck, cv) in enumerate(context):
             p = f"layers.{i}."
-            x = _norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            x = plain_rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             k, v = self._keys(p, x, positions)
             h = h + self._attend(p, x, positions, torch.cat([ck, k]), torch.cat([cv, v]), None)
             h = h + self._mlp(p, h)
-        return F.linear(_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
+        return F.linear(plain_rms_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
 
 
 class FeatureNet(_Net):
@@ -114,8 +115,8 @@ class FeatureNet(_Net):
         ``values`` (S, kv heads, d) and to each other under ``mask`` (T, S + T).  Returns (output
         hidden (T, H), logits over the target vocabulary (T, vocab), the new keys, values)."""
         cfg, p = self.cfg, self.p
-        e = _norm(F.embedding(tokens.to(self.device), self.embed), self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        x = torch.cat([e, _norm(hidden, self.w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
+        e = plain_rms_norm(F.embedding(tokens.to(self.device), self.embed), self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        x = torch.cat([e, plain_rms_norm(hidden, self.w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
         k, v = self._keys(p, x, positions)
         h = hidden + self._attend(p, x, positions, torch.cat([keys, k]), torch.cat([values, v]), mask)
         h = h + self._mlp(p, h)
@@ -123,7 +124,7 @@ class FeatureNet(_Net):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head over the draft vocabulary, scattered into the target's (other tokens -inf)."""
-        draft = F.linear(_norm(h, self.w["norm.weight"], self.cfg.rms_norm_eps), self.w["lm_head.weight"]).float()
+        draft = F.linear(plain_rms_norm(h, self.w["norm.weight"], self.cfg.rms_norm_eps), self.w["lm_head.weight"]).float()
         if self.identity_vocab:
             return draft
         ids = torch.arange(self.cfg.draft_vocab_size, device=self.device) + self.w["d2t"].long()
