@@ -25,7 +25,7 @@ class _Conditioned:
         if not temperature > 0:
             raise SpecPilotError(f"drafter temperature must be positive, got {temperature}")
         self.net, self.top_k, self.capacity, self.temperature = net, top_k, capacity, float(temperature)
-        self.source = self.state = None
+        self.source = self.target_state = None
         self.reset()
 
     def bind(self, state) -> None:
@@ -37,13 +37,13 @@ class _Conditioned:
         if features.width != len(self.net.cfg.target_layers) * self.net.cfg.target_hidden:
             raise SpecPilotError(f"the target keeps features of width {features.width}; the drafter reads "
                                  f"{len(self.net.cfg.target_layers)} layers of {self.net.cfg.target_hidden}")
-        self.source, self.state = features, state
+        self.source, self.target_state = features, state
 
     def expander(self, context: list[int]):
         """For tree drafting below ``context``.  A context longer than what the target has consumed
         (two-level verification's proposed chain) has no features past it: the extra tokens are a
         path below the consumed context."""
-        committed = self.state.length + 1 if self.state is not None else len(context)
+        committed = self.target_state.length + 1 if self.target_state is not None else len(context)
         if len(context) <= committed:
             return self._expander(context)
         inner, extra = self._expander(context[:committed]), list(context[committed:])

@@ -310,3 +310,16 @@ def test_ranked_rows_equals_ranked_row_by_row():
     for row, got in zip(logp, ranked_rows(logp, 5)):
         indices, values = ranked(row, 5)
         assert got == list(zip(indices.tolist(), values.tolist()))
+
+
+@pytest.mark.parametrize("kind", ["block", "feature"])
+def test_continuous_batches_with_either_drafter_are_stock_s_tokens(kind):
+    """Requests of different lengths in one continuous batch (tree passes shared across them): each
+    request's tokens are its own single-request stock tokens."""
+    system = from_spec(parse_spec(_data(HYBRID, kind)))
+    prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)]]
+    lengths = [20, 12, 16]
+    want = [system.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
+    for engine in ("stock-spec", "stock-tree"):
+        got = system.generate_batch(engine, prompts, lengths, max_batch=2)
+        assert [g.tokens for g in got] == want, engine
