@@ -323,3 +323,26 @@ def test_continuous_batches_with_either_drafter_are_stock_s_tokens(kind):
     for engine in ("stock-spec", "stock-tree"):
         got = system.generate_batch(engine, prompts, lengths, max_batch=2)
         assert [g.tokens for g in got] == want, engine
+
+
+def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_path):
+    import yaml
+    data = _data("LlamaForCausalLM", "ngram")
+    data["drafter"] = {"kind": "ngram"}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(data))
+    args = ["drafter", "train", tmp_path / "t.yaml", "--kind", "feature", "-o", tmp_path / "d", "--batch", "4",
+            "--seq-len", "40", "--generate", "6", "--draft-vocab", "120", "--device", "cpu"]
+    code, _, err = run_cli(*args, "--steps", "3")
+    assert code == 0, err
+    report = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert report["steps"] == 3 and report["config"]["draft_vocab_size"] == 120
+    code, _, err = run_cli(*args, "--steps", "5")
+    assert code == 0 and "resumed at step 3" in err, err
+    assert json.loads((tmp_path / "d" / "training.json").read_text())["steps"] == 5
+    spec = {**data, "drafter": {"kind": "feature", "checkpoint": "d", "top_k": 3}}
+    (tmp_path / "f.yaml").write_text(yaml.safe_dump(spec))
+    from specpilot.core.spec import load_spec
+    system = from_spec(load_spec(tmp_path / "f.yaml"))
+    assert system.generate("stock-tree", PROMPTS[0], 16).tokens == system.generate("stock", PROMPTS[0], 16).tokens
+    code, _, err = run_cli(*args[:3], "--kind", "block", "--target-layers", "1,x", "-o", tmp_path / "b")
+    assert code != 0 and "--target-layers" in err
