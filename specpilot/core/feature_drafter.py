@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -287,4 +287,4 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
 
 def for_target(cfg: DraftNetConfig, target: ModelConfig) -> DraftNetConfig:
     """``cfg`` checked against ``target`` (a drafter recorded in a build, say)."""
-    return _check_target(replace(cfg), target, "drafter")
+    return _check_target(cfg, target, "drafter")

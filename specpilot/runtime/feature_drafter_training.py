@@ -172,7 +172,7 @@ def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict,
     return out
 
 
-def _anchors(valid_len: list[int], blocks: int, bs: int, rng: random.Random) -> list[list[int]]:
+def _anchors(valid_len: list[int], blocks: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(1, n - 1) for _ in range(blocks)] if n > 2 else [] for n in valid_len]
 
 
@@ -300,7 +300,7 @@ class Trainer:
         w = {**self.params, **self.fixed}
         lengths = [len(r) for r in rows]
         if self.cfg.kind == "block":
-            anchors = _anchors(lengths, self.opts.blocks, self.cfg.block_size, self.rng)
+            anchors = _anchors(lengths, self.opts.blocks, self.rng)
             q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
                                                       self.opts.gamma)
             student = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask)
