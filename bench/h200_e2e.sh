@@ -135,13 +135,14 @@ PY
     printf 'target:\n  gguf: %s\ndrafter:\n  kind: ngram\ndeployment:\n  dtype: float32\n' $G > $E/smollm2.yaml
     python3 -c "import json; from specpilot.runtime.prompt_sets import CODE, CHAT; json.dump(CODE + CHAT, open('$E/holdout.json', 'w'))"
     common="--steps ${STEPS:-20000} --batch ${BATCH:-32} --seq-len 256 --generate ${GENERATE:-2048} --holdout $E/holdout.json"
-    python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind block --layers 2 --block-size 8 -o $d/block $common \
-      --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
-    cp $d/block/training/sequences.json $d/feature/training/
-    python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind feature --ttt 3 --draft-vocab 8192 -o $d/feature $common \
-      --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
+    declare -A options=([block]="--layers 2 --block-size 8" [feature]="--ttt 3 --draft-vocab 8192")
+    for k in ${KINDS:-block feature}; do      # the continuations are generated once and shared
+      mkdir -p $d/$k/training; [ -f $d/$k/training/sequences.json ] || cp $d/*/training/sequences.json $d/$k/training/ 2>/dev/null || true
+      python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind $k ${options[$k]} -o $d/$k $common \
+        --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
+    done
     # back in parts of 15 MB (a file coming back holds 16 MiB at most): cat KIND/part.* > model.safetensors
-    for k in block feature; do
+    for k in ${KINDS:-block feature}; do
       mkdir -p $OUT/$k; cp $d/$k/config.json $d/$k/training.json $OUT/$k/; split -b 15000000 $d/$k/model.safetensors $OUT/$k/part.
     done ;;
   fd)

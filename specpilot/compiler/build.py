@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from specpilot.core.config import cache_shapes
 from specpilot.core.loader import conditioned_drafter, load_models, weights_reference
+from specpilot.core.feature_drafter import packing_view
 from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
 from specpilot.core.weights import dedupe, file_digest, packed_parameters, params_digest
@@ -222,10 +223,11 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
                                   target.is_gpu, drafter_own=drf.own if drf else None,
                                   n_rows=spec.deployment.max_batch,
-                                  feature_layers=net[0].target_layers if net else ())
+                                  draft=net[0] if net else None)
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
-    context.params = packed_parameters(names, tgt, drf, dtype) if params != "seeded" else dict.fromkeys(names)
+    draft = drf or (packing_view(*net, tgt.weights) if net and params != "seeded" else None)
+    context.params = packed_parameters(names, tgt, draft, dtype) if params != "seeded" else dict.fromkeys(names)
     if instrument:
         instrument("lower", mod)
     records = []

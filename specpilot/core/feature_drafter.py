@@ -68,6 +68,39 @@ class DraftNetConfig:
         return DraftNetConfig(**{**d, "target_layers": tuple(d["target_layers"])})
 
 
+def cache_slots(cfg: DraftNetConfig, capacity: int) -> int:
+    """Key/value slots a drafter's cache holds for sequences of ``capacity`` tokens: the context by
+    position, then a block drafter's block or a feature drafter's draft nodes (up to ``capacity``)."""
+    return capacity + cfg.block_size if cfg.kind == "block" else 2 * capacity
+
+
+def cache_shape(cfg: DraftNetConfig, capacity: int) -> tuple[int, ...]:
+    """The lowered drafter's key/value cache: (layers, 2, 1, kv heads, slots, head dim)."""
+    return (cfg.num_layers, 2, 1, cfg.num_kv_heads, cache_slots(cfg, capacity), cfg.head_dim)
+
+
+def layer_config(cfg: DraftNetConfig) -> ModelConfig:
+    """The drafter's decoder layers as a model config (plain RMSNorm, full rotary, no biases)."""
+    return ModelConfig(
+        architecture="Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM", vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, max_position_embeddings=1 << 20,
+        tie_word_embeddings=False, qk_norm=cfg.qk_norm, layer_types=("full_attention",) * cfg.num_layers)
+
+
+def packing_view(cfg: DraftNetConfig, tensors: dict[str, torch.Tensor], target_weights: dict[str, torch.Tensor]):
+    """The drafter as `core.weights.packed_parameters` reads a model (``cfg``: its layers' model
+    config, ``weights`` by the names the lowered drafter uses): its own tensors but d2t (the runtime
+    maps draft ids), and the target's embeddings and head -- the same tensor objects, stored once."""
+    from types import SimpleNamespace
+
+    embed = target_weights["model.embed_tokens.weight"]
+    weights = {k: v for k, v in tensors.items() if k != "d2t"}
+    weights.update(embed=embed, head=target_weights.get("lm_head.weight", embed))
+    return SimpleNamespace(cfg=layer_config(cfg), weights=weights)
+
+
 def default_layers(kind: str, num_target_layers: int, n: int | None = None) -> tuple[int, ...]:
     """The published projects' default target layers: DFlash spreads ``n`` (5) evenly from layer 1 to
     layer T-3; EAGLE-3 reads low, middle and high (layers 1, T//2-1, T-4).  Small targets clip."""

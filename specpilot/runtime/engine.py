@@ -15,6 +15,7 @@ functions (padded to the longest; padding writes nothing).
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpilot.core import feature_drafter as fd
 from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
@@ -87,6 +89,8 @@ class CompiledModule:
         cpu = tvm.cpu(0)
         self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
         self._stored, self._aliases = self._read_params()
+        if self.manifest.drafter.kind in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
+            self._swap_drafter()
         self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
         self.functions = {name: self.vm[name] for name in self.manifest.functions}
@@ -136,6 +140,8 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
+        if m.drafter.kind in fd.KINDS:     # the build's own network (a retrained one is swapped in after)
+            drafter = fd.packing_view(*fd.load(self.dir / "drafter", cfgs["target"]), target.weights)
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace
             torch.cuda.empty_cache()
@@ -223,9 +229,7 @@ class CompiledModule:
         one SPECPILOT_DRAFTER names -- a retrained drafter (it runs beside the compiled module, not in
         it) for the same target, reading the layers the build's target returns."""
         import json
-        import os
 
-        from specpilot.core import feature_drafter as fd
         target = ModelConfig.from_dict(self.manifest.models["target"])
         own = self.dir / "drafter"
         override = os.environ.get("SPECPILOT_DRAFTER")
@@ -238,6 +242,28 @@ class CompiledModule:
                                  f"{list(cfg.target_layers)}; this build's target returns layers "
                                  f"{self.manifest.features} for a {self.manifest.drafter.kind} drafter")
         return cfg, tensors, Path(override)
+
+    def _swap_drafter(self) -> None:
+        """The retrained drafter's tensors in the stored parameters' places (same shapes: it reads the
+        same layers of the same target)."""
+        cfg, tensors, directory = self.feature_drafter()
+        dtype = getattr(torch, self.manifest.dtype)
+        for name in self.manifest.params:
+            which, _, hf = name.partition(".")
+            if which != "drafter" or hf not in tensors or name in self._aliases:
+                continue
+            old = self._stored[name]
+            if tuple(old.shape) != tuple(tensors[hf].shape):
+                raise SpecPilotError(f"SPECPILOT_DRAFTER={directory}: {hf} has shape {tuple(tensors[hf].shape)}; "
+                                     f"this build's drafter has {tuple(old.shape)}")
+            self._stored[name] = tensors[hf].to(device=old.device, dtype=dtype)
+
+    def draft_net(self):
+        """The block / feature drafter lowered into this build (`runtime.compiled_draft_nets`)."""
+        from specpilot.runtime.compiled_draft_nets import compiled_draft_net
+
+        cfg, tensors, _ = self.feature_drafter()
+        return compiled_draft_net(self, cfg, tensors)
 
     def reference_weights(self, which: str) -> dict[str, torch.Tensor]:
         """The build's own weights under Hugging Face names, for the stock reference (decoded

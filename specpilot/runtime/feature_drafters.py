@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.core.errors import SpecPilotError
+from specpilot.core.feature_drafter import cache_slots
 from specpilot.runtime.drafters import common_prefix, ranked, ranked_rows
 from specpilot.runtime.lattice import Lattice
 
@@ -72,10 +73,7 @@ class BlockDrafter(_Conditioned):
     name = "block"
 
     def reset(self) -> None:
-        cfg, dev = self.net.cfg, self.net.device
-        shape = (self.capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.keys = [(torch.zeros(shape, dtype=self.net.dtype, device=dev),
-                      torch.zeros(shape, dtype=self.net.dtype, device=dev)) for _ in range(cfg.num_layers)]
+        self.cache = self.net.new_cache(cache_slots(self.net.cfg, self.capacity))
         self.consumed: list[int] = []      # the context tokens whose keys/values are cached
 
     def _sync(self, context: list[int]) -> int:
@@ -83,9 +81,7 @@ class BlockDrafter(_Conditioned):
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
         if keep < n:
-            positions = torch.arange(keep, n, device=self.net.device)
-            for (K, V), (k, v) in zip(self.keys, self.net.context(self._features(keep, n), positions)):
-                K[keep:n], V[keep:n] = k, v
+            self.net.context(self.cache, self._features(keep, n), keep)
         self.consumed = list(context[:n])
         return n
 
@@ -94,8 +90,7 @@ class BlockDrafter(_Conditioned):
         n = self._sync(context)
         cfg = self.net.cfg
         tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
-        logits = self.net.block(tokens, n, [(K[:n], V[:n]) for K, V in self.keys])
-        return self._logp(logits[1:])
+        return self._logp(self.net.block(self.cache, tokens, n)[1:])
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
@@ -117,12 +112,9 @@ class FeatureDrafter(_Conditioned):
     name = "feature"
 
     def reset(self) -> None:
-        cfg, dev = self.net.cfg, self.net.device
-        shape = (self.capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.K = torch.zeros(shape, dtype=self.net.dtype, device=dev)
-        self.V = torch.zeros(shape, dtype=self.net.dtype, device=dev)
+        self.slots = cache_slots(self.net.cfg, self.capacity)   # the context's pairs by position, then nodes
+        self.cache = self.net.new_cache(self.slots)
         self.tokens: list[int] = []        # pair j = (feature j, token j + 1) is cached for j < len(tokens) - 1
-        self.root = None                   # (output hidden, logits) of the context's last pair
 
     def _sync(self, context: list[int]):
         """Cache the context's pairs; returns (their count, output hidden and logits of the last)."""
@@ -132,10 +124,9 @@ class FeatureDrafter(_Conditioned):
         keep = min(max(common_prefix(self.tokens, context) - 1, 0), m - 1)   # the last pair is always rerun
         hidden = self.net.fuse(self._features(keep, m))
         tokens = torch.tensor(context[keep + 1:m + 1])
-        positions = torch.arange(keep, m, device=self.net.device)
-        mask = torch.ones(m - keep, m, dtype=torch.bool, device=self.net.device).tril(keep)
-        h, logits, k, v = self.net.step(hidden, tokens, positions, self.K[:keep], self.V[:keep], mask)
-        self.K[keep:m], self.V[keep:m] = k, v
+        positions = torch.arange(keep, m)
+        mask = torch.ones(m - keep, m, dtype=torch.bool).tril(keep)
+        h, logits = self.net.step(self.cache, hidden, tokens, positions, positions, mask)
         self.tokens = list(context)
         return m, h[-1:], logits[-1]
 
@@ -150,42 +141,42 @@ class FeatureDrafter(_Conditioned):
             rows.append(logp)
             if i + 1 < n:
                 token = ranked(logp, 1)[0][:1]
-                pos = m + i
-                mask = torch.ones(1, pos + 1, dtype=torch.bool, device=self.net.device)
-                h, out, k, v = self.net.step(h, token, torch.tensor([pos], device=self.net.device),
-                                             self.K[:pos], self.V[:pos], mask)
-                self.K[pos:pos + 1], self.V[pos:pos + 1] = k, v
+                pos = torch.tensor([m + i])
+                h, out = self.net.step(self.cache, h, token, pos, pos, torch.ones(1, m + i + 1, dtype=torch.bool))
                 logits = out[0]
         return self._lattice(rows, self.top_k)
 
     def _expander(self, context: list[int]):
         m, h, logits = self._sync(context)
-        nodes: dict[tuple, tuple] = {(): (h, ranked_rows(self._logp(logits)[None], self.top_k)[0], None, None)}
-        # path -> (output hidden, its top-k (token, log-probability), its key, value)
+        nodes: dict[tuple, tuple] = {(): (h, ranked_rows(self._logp(logits)[None], self.top_k)[0], None)}
+        # path -> (output hidden, its top-k (token, log-probability), the slot of its key and value)
+        free = [m]      # the next free slot: a node's pair goes after the context's and earlier nodes'
 
         def run(paths: list[list[int]]) -> None:
-            """Score the nodes of ``paths`` (their parents scored) in one pass."""
+            """Score the nodes of ``paths`` (their parents scored) in one pass; nodes past the cache's
+            slots get no children."""
             new = list(dict.fromkeys(tuple(p) for p in paths if tuple(p) not in nodes))
+            placed = [p for p in new if nodes[p[:-1]][0] is not None][:max(self.slots - free[0], 0)]
+            for p in set(new) - set(placed):
+                nodes[p] = (None, [], None)
+            new = placed
             if not new:
                 return
-            ancestors = sorted({p[:d] for p in new for d in range(1, len(p))}, key=len)
-            index = {a: m + i for i, a in enumerate(ancestors)}
-            keys = torch.cat([self.K[:m]] + [nodes[a][2] for a in ancestors])
-            values = torch.cat([self.V[:m]] + [nodes[a][3] for a in ancestors])
-            S = keys.shape[0]
-            mask = torch.zeros(len(new), S + len(new), dtype=torch.bool)
+            slots = list(range(free[0], free[0] + len(new)))
+            free[0] += len(new)
+            mask = torch.zeros(len(new), slots[-1] + 1, dtype=torch.bool)
             mask[:, :m] = True
             for i, p in enumerate(new):
                 for d in range(1, len(p)):
-                    mask[i, index[p[:d]]] = True
-                mask[i, S + i] = True
+                    mask[i, nodes[p[:d]][2]] = True
+                mask[i, slots[i]] = True
             hidden = torch.cat([nodes[p[:-1]][0] for p in new])
-            positions = torch.tensor([m - 1 + len(p) for p in new], device=self.net.device)
-            out, logits, k, v = self.net.step(hidden, torch.tensor([p[-1] for p in new]), positions, keys, values,
-                                              mask.to(self.net.device))
+            positions = torch.tensor([m - 1 + len(p) for p in new])
+            out, logits = self.net.step(self.cache, hidden, torch.tensor([p[-1] for p in new]), positions,
+                                        torch.tensor(slots), mask)
             tops = ranked_rows(self._logp(logits), self.top_k)
             for i, p in enumerate(new):
-                nodes[p] = (out[i:i + 1], tops[i], k[i:i + 1], v[i:i + 1])
+                nodes[p] = (out[i:i + 1], tops[i], slots[i])
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             if len(context) + len(path) >= self.capacity:

@@ -368,8 +368,8 @@ def from_build(build_dir: Path) -> System:
     compiled = {which: module.model(which) for which in m.models}
     if d.kind in ("block", "feature"):   # one network drafts for both engines (it reads the target's embeddings)
         net_cfg, tensors, directory = module.feature_drafter()
-        refs["drafter"] = compiled["drafter"] = Deferred(lambda: build_net(
-            net_cfg, tensors, module.reference_weights("target"), dtype, device))
+        refs["drafter"] = Deferred(lambda: build_net(net_cfg, tensors, module.reference_weights("target"), dtype, device))
+        compiled["drafter"] = Deferred(module.draft_net)
     setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
     oracle, vocab = Oracle(), cfgs["target"].vocab_size
     ref_make = setup.factory(refs.get("drafter"), oracle, vocab)

@@ -248,7 +248,7 @@ def test_attention_heads_are_one_gpu_kernel_with_their_producers_fused_in(norm, 
     from tvm import relax, tirx
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
-    from specpilot.compiler.lower import _slice
+    from specpilot.compiler.layers import slice_axis as _slice
     from specpilot.schedules.relax_pipeline import gpu_schedules
     nq, nkv, d = 6, 2, 64
 

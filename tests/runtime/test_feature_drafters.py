@@ -77,7 +77,9 @@ def test_block_network_equals_its_training_forward():
     cfg, tensors, net = _net(model, "block", layers=2, block_size=5, target_layers=(0, 1, 2))
     features = torch.randn(11, len(cfg.target_layers) * cfg.target_hidden)
     tokens = torch.tensor([17] + [cfg.mask_token_id] * 4)
-    want = net.block(tokens, 11, net.context(features, torch.arange(11)))
+    cache = net.new_cache(16)
+    net.context(cache, features, 0)
+    want = net.block(cache, tokens, 11)
     mask = torch.zeros(1, 5, 16, dtype=torch.bool)
     mask[:, :, :16] = True
     got = block_forward(cfg, tensors, model.w["model.embed_tokens.weight"], model.w["lm_head.weight"],
@@ -280,6 +282,44 @@ def test_compiled_target_returns_the_reference_s_features(compiled):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_the_lowered_drafter_equals_its_reference(compiled):
+    """The build's drafter functions against the PyTorch network on fresh random features, a context
+    cached in two passes, then a block (block) or a pass of tree nodes over scattered slots (feature)."""
+    from specpilot.runtime.engine import CompiledModule
+    out, kind = compiled
+    module = CompiledModule(out)
+    cfg, tensors, _ = module.feature_drafter()
+    nets = module.draft_net(), build_net(cfg, tensors, module.reference_weights("target"), torch.float32, "cpu")
+    caches = [net.new_cache(fd.cache_slots(cfg, module.manifest.capacity)) for net in nets]
+    gen = torch.Generator().manual_seed(len(out.name))
+    features = torch.randn(13, len(cfg.target_layers) * cfg.target_hidden, generator=gen)
+    if kind == "block":
+        for net, cache in zip(nets, caches):
+            net.context(cache, features[:9], 0)
+            net.context(cache, features[9:], 9)
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.block_size,), generator=gen)
+        got, want = (net.block(cache, tokens, 13) for net, cache in zip(nets, caches))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        return
+    hidden = [net.fuse(features) for net in nets]
+    torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=1e-5)
+    tokens = torch.randint(0, cfg.vocab_size, (13,), generator=gen)
+    context = torch.ones(13, 13, dtype=torch.bool).tril()
+    nodes = torch.randint(0, cfg.vocab_size, (5,), generator=gen)
+    slots = torch.tensor([13, 15, 14, 20, 17])          # scattered: the mask, not the order, says who sees whom
+    mask = torch.zeros(5, 21, dtype=torch.bool)
+    mask[:, :13] = True
+    mask[torch.arange(5), slots] = True
+    mask[3, 13] = True
+    for net, cache, h in zip(nets, caches, hidden):
+        net.step(cache, h, tokens, torch.arange(13), torch.arange(13), context)
+    node_hidden = torch.randn(5, cfg.hidden_size, generator=gen)
+    got, want = (net.step(cache, node_hidden, nodes, torch.tensor([13, 13, 13, 14, 13]), slots, mask)
+                 for net, cache in zip(nets, caches))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(compiled, tmp_path, monkeypatch):
     from specpilot.runtime.engine import CompiledModule
     out, kind = compiled
@@ -293,6 +333,8 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
     _, read, directory = module.feature_drafter()
     assert directory == tmp_path / "same"
     assert torch.equal(read["fc.weight"], retrained["fc.weight"])
+    swapped = CompiledModule(out).stored_parameters()[0]     # the lowered drafter runs the retrained weights
+    assert all(torch.equal(swapped[f"drafter.{k}"], v) for k, v in retrained.items() if k != "d2t")
     n_layers = len(module.manifest.models["target"]["layer_types"])
     elsewhere = next(i for i in range(n_layers) if i not in target_layers)
     other = fd.DraftNetConfig(**{**cfg.to_dict(), "target_layers": (elsewhere,)})

@@ -43,29 +43,37 @@ class _Net:
     def _proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name])
 
-    def _keys(self, p: str, x: torch.Tensor, positions: torch.Tensor):
+    def new_cache(self, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: a keys and a values buffer (slots, kv heads, d) the passes write by slot."""
+        cfg = self.cfg
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _write_keys(self, p: str, x: torch.Tensor, positions: torch.Tensor, layer, slots: torch.Tensor) -> None:
+        """The keys (rotated at ``positions``) and values of ``x`` into the layer's cache at ``slots``."""
         cfg = self.cfg
         k = self._proj(x, p + "self_attn.k_proj.weight").view(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
         v = self._proj(x, p + "self_attn.v_proj.weight").view(x.shape[0], cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             k = plain_rms_norm(k, self.w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-        return self._rope(k, positions), v
+        K, V = layer
+        K[slots], V[slots] = self._rope(k, positions), v
 
-    def _attend(self, p: str, x: torch.Tensor, positions, keys, values, mask) -> torch.Tensor:
-        """Queries of ``x`` at ``positions`` over ``keys``/``values`` (S, kv heads, d); ``mask`` (T, S)
-        True where a query may look (None: everywhere)."""
+    def _attend(self, p: str, x: torch.Tensor, positions, layer, mask) -> torch.Tensor:
+        """Queries of ``x`` at ``positions`` over the layer's cached slots 0 .. L-1; ``mask`` (T, L)
+        True where a query may look."""
         cfg = self.cfg
-        T = x.shape[0]
+        T, L = x.shape[0], mask.shape[1]
         q = self._proj(x, p + "self_attn.q_proj.weight").view(T, cfg.num_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = plain_rms_norm(q, self.w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
         q = self._rope(q, positions)
         group = cfg.num_heads // cfg.num_kv_heads
-        k = keys.transpose(0, 1).repeat_interleave(group, dim=0)       # (H, S, d)
-        v = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        k = layer[0][:L].transpose(0, 1).repeat_interleave(group, dim=0)       # (H, L, d)
+        v = layer[1][:L].transpose(0, 1).repeat_interleave(group, dim=0)
         scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * cfg.head_dim ** -0.5
-        if mask is not None:
-            scores = scores.masked_fill(~mask[None], float("-inf"))
+        scores = scores.masked_fill(~mask[None], float("-inf"))
         out = (torch.softmax(scores.float(), dim=-1).to(x.dtype) @ v).transpose(0, 1).reshape(T, -1)
         return self._proj(out, p + "self_attn.o_proj.weight")
 
@@ -76,29 +84,33 @@ class _Net:
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features (T, layers * target hidden) -> (T, hidden)."""
-        return self._proj(features.to(self.dtype), "fc.weight")
+        return self._proj(features.to(device=self.device, dtype=self.dtype), "fc.weight")
 
 
 class BlockNet(_Net):
     """DFlash: the context's target features enter every layer as extra keys/values before the block;
     the block's positions see all of them and each other (no causal mask)."""
 
-    def context(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer: keys and values (T, kv heads, d) of context tokens with these features."""
+    def context(self, cache, features: torch.Tensor, start: int) -> None:
+        """Every layer's keys and values of context tokens start, start+1, .. with these features,
+        written into ``cache`` at their positions."""
         h = plain_rms_norm(self.fuse(features), self.w["hidden_norm.weight"], self.cfg.rms_norm_eps)
-        return [self._keys(f"layers.{i}.", h, positions) for i in range(self.cfg.num_layers)]
+        positions = torch.arange(start, start + features.shape[0], device=self.device)
+        for i, layer in enumerate(cache):
+            self._write_keys(f"layers.{i}.", h, positions, layer, positions)
 
-    def block(self, tokens: torch.Tensor, start: int, context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def block(self, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Logits (block, vocab) of a block (the last token, then mask tokens) at positions ``start`` ..,
-        after the context whose per-layer keys/values are ``context``."""
+        after the context cached at 0 .. start-1 (the block's own keys go to the slots after it)."""
         cfg = self.cfg
         positions = torch.arange(start, start + tokens.shape[0], device=self.device)
+        mask = torch.ones(tokens.shape[0], start + tokens.shape[0], dtype=torch.bool, device=self.device)
         h = F.embedding(tokens.to(self.device), self.embed)
-        for i, (ck, cv) in enumerate(context):
+        for i, layer in enumerate(cache):
             p = f"layers.{i}."
             x = plain_rms_norm(h, self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            k, v = self._keys(p, x, positions)
-            h = h + self._attend(p, x, positions, torch.cat([ck, k]), torch.cat([cv, v]), None)
+            self._write_keys(p, x, positions, layer, positions)
+            h = h + self._attend(p, x, positions, layer, mask)
             h = h + self._mlp(p, h)
         return F.linear(plain_rms_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
 
@@ -109,28 +121,36 @@ class FeatureNet(_Net):
 
     p = "midlayer."
 
-    def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-             values: torch.Tensor, mask: torch.Tensor):
-        """Pairs (hidden (T, H), next token (T,)) at ``positions``, attending to the cached ``keys``/
-        ``values`` (S, kv heads, d) and to each other under ``mask`` (T, S + T).  Returns (output
-        hidden (T, H), logits over the target vocabulary (T, vocab), the new keys, values)."""
+    def step(self, cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             slots: torch.Tensor, mask: torch.Tensor):
+        """Pairs (hidden (T, H), next token (T,)) at ``positions``: their keys and values go into
+        ``cache`` at ``slots``, then each attends to the cached slots 0 .. L-1 under ``mask`` (T, L).
+        Returns (output hidden (T, H), logits over the target vocabulary (T, vocab))."""
         cfg, p = self.cfg, self.p
-        e = plain_rms_norm(F.embedding(tokens.to(self.device), self.embed), self.w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        e = plain_rms_norm(F.embedding(tokens.to(self.device), self.embed), self.w[p + "input_layernorm.weight"],
+                           cfg.rms_norm_eps)
         x = torch.cat([e, plain_rms_norm(hidden, self.w[p + "hidden_norm.weight"], cfg.rms_norm_eps)], dim=-1)
-        k, v = self._keys(p, x, positions)
-        h = hidden + self._attend(p, x, positions, torch.cat([keys, k]), torch.cat([values, v]), mask)
+        positions, slots = positions.to(self.device), slots.to(self.device)
+        self._write_keys(p, x, positions, cache[0], slots)
+        h = hidden + self._attend(p, x, positions, cache[0], mask.to(self.device))
         h = h + self._mlp(p, h)
-        return h, self.logits(h), k, v
+        return h, self.logits(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head over the draft vocabulary, scattered into the target's (other tokens -inf)."""
         draft = F.linear(plain_rms_norm(h, self.w["norm.weight"], self.cfg.rms_norm_eps), self.w["lm_head.weight"]).float()
-        if self.identity_vocab:
-            return draft
-        ids = torch.arange(self.cfg.draft_vocab_size, device=self.device) + self.w["d2t"].long()
-        out = torch.full((h.shape[0], self.cfg.vocab_size), float("-inf"), device=self.device)
-        out[:, ids] = draft
-        return out
+        return scatter_draft_vocab(draft, self.w["d2t"], self.cfg.vocab_size, self.identity_vocab)
+
+
+def scatter_draft_vocab(draft: torch.Tensor, d2t: torch.Tensor, vocab_size: int, identity: bool) -> torch.Tensor:
+    """Logits over a draft vocabulary (T, draft vocab) as logits over the target's: draft id i is
+    target id i + d2t[i]; other tokens -inf."""
+    if identity:
+        return draft
+    ids = torch.arange(draft.shape[1], device=draft.device) + d2t.to(draft.device).long()
+    out = torch.full((draft.shape[0], vocab_size), float("-inf"), device=draft.device)
+    out[:, ids] = draft
+    return out
 
 
 def build_net(cfg: DraftNetConfig, tensors: dict[str, torch.Tensor], target_weights: dict[str, torch.Tensor],

@@ -1,0 +1,349 @@
+"""The layers every lowered model is made of (`compiler.lower`, `compiler.lower_drafter`): linear
+layers accumulated in float32, RMSNorm as one kernel, the gated MLP, grouped-query attention over
+the KV-cache pool and Gated DeltaNet -- the math of `runtime.reference.model`, line for line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax as rx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.core import wrap_nested
+
+from specpilot import kernels
+from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, l2norm_te, rms_norm_te
+from specpilot.core.config import ModelConfig
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b accumulated in float32 and rounded once to the operands' dtype, as torch/cuBLAS do
+    (TVM's matmul otherwise accumulates in bf16, which drifts far from the reference)."""
+    out = op.matmul(a, b, out_dtype="float32")
+    return out if a.dtype == "float32" else op.astype(out, a.dtype)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    y = matmul(x, op.permute_dims(weight))
+    return y + bias if bias is not None else y
+
+
+def slice_axis(x: Tensor, axis: int, begin, end, name: str) -> Tensor:
+    return wrap_nested(rx.op.strided_slice(x._expr, axes=[axis], begin=[begin], end=[end], assume_inbound=True), name)
+
+
+class Weight(nn.Module):
+    """A bare weight under its Hugging Face name (embed_tokens.weight, lm_head.weight, conv1d.weight)."""
+
+    def __init__(self, shape, dtype: str):
+        self.weight = nn.Parameter(shape, dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
+        self.weight = nn.Parameter((out_features, in_features), dtype)
+        self.bias = nn.Parameter((out_features,), dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis as one kernel: h = float32(x), h / sqrt(sum(h * h) / n + eps),
+    then ``dtype(h) * w`` (or ``dtype(h * (w + 1))`` zero-centered, Qwen3-Next / Qwen3.5) -- the
+    reference's arithmetic, operation for operation.  Written as Relax operators it would be three
+    kernels a norm (the cast, the sum of squares, the scaling: x feeds both of the last two, and
+    FuseOps fuses no reduction with what reads its result); one tensor expression (the sum's
+    block and the elementwise block that reads it) is one PrimFunc, which dlight's
+    GeneralReduction rule schedules on GPUs as one kernel."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool, dtype: str, gpu: bool):
+        self.weight = nn.Parameter((dim,), dtype)
+        self.eps, self.zero_centered, self.dtype, self.gpu = eps, zero_centered, dtype, gpu
+
+    def forward(self, x: Tensor) -> Tensor:
+        # the attribute lets a GPU build's decode GEMV take this norm as its prologue (`schedules.decode_gemv`)
+        attrs = {NORM_ATTR: json.dumps({"eps": self.eps, "zero_centered": self.zero_centered, "spelled": not self.gpu})}
+        return op.tensor_expr_op(rms_norm_te(self.eps, self.zero_centered, self.dtype, not self.gpu), "rms_norm",
+                                 [x, self.weight], attrs=attrs)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str):
+        H, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj = Linear(H, I, b, dtype), Linear(H, I, b, dtype)
+        self.down_proj = Linear(I, H, b, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(op.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class StepInputs:
+    batch: object       # B (symbolic)
+    tokens: object      # T per sequence (symbolic or 1)
+    slots: Tensor       # (B, T)
+    mask: Tensor        # (B, T, L)
+    rows: Tensor        # (B,)
+    rotary: Tensor      # (2, B, T, rot): cos, sin (`rotary_te`); each layer slices its own (fused into its heads kernel)
+    parents: Tensor | None = None   # (B, T), verify only: token t's parent among the new tokens
+    counters: Tensor | None = None  # (B * KV heads,) int32 zeros, GPU decode: `kernels.attention_decode`'s counters
+    few_rows: bool = False          # a few query rows over a long cache (drafter passes): split the keys as verify does
+
+    def cos_sin(self) -> tuple[Tensor, Tensor]:
+        """The layer's own slices of ``rotary``: cos, sin (B, T, rot)."""
+        _, B, T, rot = self.rotary.shape
+        return tuple(op.reshape(slice_axis(self.rotary, 0, i, i + 1, name), (B, T, rot))
+                     for i, name in enumerate(("cos", "sin")))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool, capacity: int, n_rows: int, n_attn: int,
+                 pool_rows: bool | None = None, in_features: int | None = None):
+        """``in_features``: the projections' input width (the hidden size unless given)."""
+        H, d = in_features or cfg.hidden_size, cfg.head_dim
+        self.cfg, self.dtype, self.gpu, self.capacity, self.n_attn = cfg, dtype, gpu, capacity, n_attn
+        self.n_rows = n_rows
+        # many query rows (prefill, verification) read the pool in place on GPUs the rows kernel
+        # serves; elsewhere they go through gathered keys and matmuls (the CPU's fast path)
+        self.pool_rows = (gpu and kernels.rows_kernel_fits(d, dtype)) if pool_rows is None else pool_rows
+        q_out = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)
+        self.q_proj = Linear(H, q_out, cfg.qkv_bias, dtype)
+        self.k_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
+        self.v_proj = Linear(H, cfg.num_key_value_heads * d, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(cfg.num_attention_heads * d, cfg.hidden_size, cfg.o_bias, dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm, dtype, gpu)
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, s: StepInputs) -> Tensor:
+        """q, k (normed when the model norms them, then rotary) and v as one (B, T, nh + 2 nkv, d)
+        tensor, one kernel (`attention_heads_te`)."""
+        cfg = self.cfg
+        norm = [self.q_norm.weight, self.k_norm.weight] if cfg.qk_norm else []
+        return op.tensor_expr_op(
+            attention_heads_te(self.dtype, cfg.rotary_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
+                               cfg.rms_norm_eps if cfg.qk_norm else None, cfg.zero_centered_norm, not self.gpu),
+            "attention_heads", [q, k, v, *norm, *s.cos_sin()], attrs={"op_pattern": 2})
+
+    def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
+        """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
+        cfg = self.cfg
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        q = self.q_proj(x)
+        gate = None
+        if cfg.attn_output_gate:
+            qg = op.reshape(q, (B, T_, nh, 2 * d))
+            q, gate = slice_axis(qg, 3, 0, d, "q"), op.reshape(slice_axis(qg, 3, d, 2 * d, "gate"), (B * T_, nh * d))
+        q = op.reshape(q, (B, T_, nh, d))
+        k = op.reshape(self.k_proj(x), (B, T_, nkv, d))
+        v = op.reshape(self.v_proj(x), (B, T_, nkv, d))
+        heads = self._heads(q, k, v, s)      # queries, keys, values: (B, T, nh + 2 nkv, d)
+        decode = isinstance(T_, int) and T_ == 1
+        if decode and self.gpu:     # the decode kernel writes the new keys / values into the pool itself
+            out, kv = self._attend_in_place(heads, s, kv, layer)
+        else:
+            kernel = kernels.kv_write(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, self.dtype, self.gpu,
+                                      heads_at=(nh, nh + nkv))
+            kv = op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [kv, heads, s.slots, s.rows], [0],
+                                         Tensor.placeholder(kv.shape, self.dtype))
+            out = self._attend_in_place(heads, s, kv, layer)[0] if decode or self.pool_rows else \
+                self._attend_gathered(slice_axis(heads, 2, 0, nh, "q"), s, kv, layer)
+        if gate is not None:
+            out = out * op.sigmoid(gate)
+        return self.o_proj(out), kv
+
+    def _attend_in_place(self, heads: Tensor, s: StepInputs, kv: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+        """Attention read straight from the pool, split over the keys (flash decoding): one query
+        row per sequence (decode; `kernels.attention_decode` on the GPU) or many (prefill,
+        verification; `kernels.attention_rows_partial`), the splits merged by
+        `kernels.attention_combine`; the queries are the first heads of ``heads``.  Returns the
+        attention output and the pool: the GPU's decode kernel writes the new keys and values
+        and merges the splits itself (`attention_decode`); everything else reads a pool already written."""
+        cfg = self.cfg
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        grp = nh // nkv
+        decode = isinstance(T_, int) and T_ == 1
+        # keys per split and most splits: decode's 64-key splits; verification's >= 256 keys, at most
+        # ROWS_SPLITS; prefill's many rows fill the GPU with one split
+        split, most = (kernels.ATTN_CHUNK, 0) if decode else \
+            (kernels.ROWS_SPLIT, kernels.ROWS_SPLITS) if s.parents is not None or s.few_rows else (0, 1)
+        splits = kernels.key_splits(s.mask.shape[2], split, most)
+        parts = [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
+                 Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")]
+        if decode and self.gpu:     # the new keys / values written, the splits merged where the merge is small
+            merges = grp * d <= kernels.DECODE_MERGE_MAX
+            kernel = kernels.attention_decode(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp, self.dtype,
+                                              q_heads=heads.shape[2], write_at=(nh, nh + nkv), merges=merges)
+            kv, s.counters, acc, ml, out = op.tensor_ir_inplace_op(
+                kernel, "attention_decode", [heads, kv, s.rows, s.mask, s.slots, s.counters], [1, 5, -1, -1, -1],
+                [Tensor.placeholder(kv.shape, self.dtype), Tensor.placeholder(s.counters.shape, "int32"), *parts,
+                 Tensor.placeholder((B, T_, nh, d), self.dtype)])
+            if merges:
+                return op.reshape(out, (B * T_, nh * d)), kv
+        else:   # the CPU's decode too: the rows kernel's loop
+            partial = kernels.attention_rows_partial(self.n_attn, layer, self.n_rows, nkv, self.capacity, d, grp,
+                                                     self.dtype, self.gpu, split=split, splits=most,
+                                                     q_heads=heads.shape[2])
+            acc, ml = op.tensor_ir_op(partial, "attention_decode" if decode else "attention_rows",
+                                      [heads, kv, s.rows, s.mask], parts)
+        out = op.tensor_ir_op(kernels.attention_combine(nkv, d, grp, self.dtype, self.gpu),
+                              "attention_combine", [acc, ml], Tensor.placeholder((B, T_, nh, d), self.dtype))
+        return op.reshape(out, (B * T_, nh * d)), kv
+
+    def _attend_gathered(self, q: Tensor, s: StepInputs, kv: Tensor, layer: int) -> Tensor:
+        """Attention over the sequence's live keys gathered from the pool, through matmuls
+        (prefill and verification: many query rows)."""
+        cfg = self.cfg
+        B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        L, grp = s.mask.shape[2], nh // nkv
+        own = op.reshape(slice_axis(slice_axis(kv, 0, layer, layer + 1, "layer_kv"), 4, 0, L, "live_kv"),
+                         (2, self.n_rows, nkv, L, d))
+        own = wrap_nested(rx.op.take(own._expr, s.rows._expr, axis=1, mode="clip"), "rows_kv")  # (2, B, nkv, L, d)
+        keys = op.reshape(slice_axis(own, 0, 0, 1, "keys"), (B, nkv, L, d))
+        values = op.reshape(slice_axis(own, 0, 1, 2, "values"), (B, nkv, L, d))
+        # grouped queries: the grp = nh / nkv query heads of a KV head (heads h = kv * grp + i) are
+        # rows of one matmul against that head's keys, so no step copies the keys grp times
+        qg = op.reshape(op.permute_dims(q, [0, 2, 1, 3]), (B, nkv, grp * T_, d))
+        scores = op.reshape(matmul(qg, op.permute_dims(keys, [0, 1, 3, 2])) * (d ** -0.5), (B, nkv, grp, T_, L))
+        neg = op.full(scores.shape, wrap_nested(rx.const(float("-inf"), self.dtype), "neg_inf"), self.dtype)
+        mask = op.broadcast_to(op.reshape(s.mask, (B, 1, 1, T_, L)), scores.shape)
+        scores = op.where(mask, scores, neg)                                                # (B, nkv, grp, T, L)
+        probs = op.astype(op.softmax(op.astype(scores, "float32"), axis=-1), self.dtype)
+        out = matmul(op.reshape(probs, (B, nkv, grp * T_, L)), values)                      # (B, nkv, grp*T, d)
+        return op.reshape(op.permute_dims(op.reshape(out, (B, nh, T_, d)), [0, 2, 1, 3]), (B * T_, nh * d))
+
+
+def _index(i: int) -> Tensor:
+    return wrap_nested(rx.const([i], "int32"), "index")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: str, gpu: bool):
+        H = cfg.hidden_size
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.cfg, self.dtype, self.gpu = cfg, dtype, gpu
+        self.conv_dim = 2 * nk * dk + nv * dv
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            self.in_proj_qkvz = Linear(H, 2 * nk * dk + 2 * nv * dv, False, dtype)
+            self.in_proj_ba = Linear(H, 2 * nv, False, dtype)
+        else:
+            self.in_proj_qkv = Linear(H, self.conv_dim, False, dtype)
+            self.in_proj_z = Linear(H, nv * dv, False, dtype)
+            self.in_proj_b = Linear(H, nv, False, dtype)
+            self.in_proj_a = Linear(H, nv, False, dtype)
+        self.conv1d = Weight((self.conv_dim, 1, K), dtype)
+        self.dt_bias = nn.Parameter((nv,), dtype)
+        self.A_log = nn.Parameter((nv,), dtype)
+        self.norm = RMSNorm(dv, cfg.rms_norm_eps, False, dtype, gpu)
+        self.out_proj = Linear(nv * dv, H, False, dtype)
+
+    def _projections(self, x: Tensor):
+        cfg = self.cfg
+        T_, nk, nv = x.shape[0], cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            qkvz = op.reshape(self.in_proj_qkvz(x), (T_, nk, 2 * dk + 2 * r * dv))
+            q = slice_axis(qkvz, 2, 0, dk, "q")
+            k = slice_axis(qkvz, 2, dk, 2 * dk, "k")
+            v = slice_axis(qkvz, 2, 2 * dk, 2 * dk + r * dv, "v")
+            z = slice_axis(qkvz, 2, 2 * dk + r * dv, 2 * dk + 2 * r * dv, "z")
+            ba = op.reshape(self.in_proj_ba(x), (T_, nk, 2 * r))
+            b, a = slice_axis(ba, 2, 0, r, "b"), slice_axis(ba, 2, r, 2 * r, "a")
+            mixed = op.concat([op.reshape(q, (T_, nk * dk)), op.reshape(k, (T_, nk * dk)),
+                               op.reshape(v, (T_, nv * dv))], dim=1)
+            return mixed, op.reshape(z, (T_, nv, dv)), op.reshape(b, (T_, nv)), op.reshape(a, (T_, nv))
+        return (self.in_proj_qkv(x), op.reshape(self.in_proj_z(x), (T_, nv, dv)),
+                self.in_proj_b(x), self.in_proj_a(x))
+
+    def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool,
+                stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
+                stacked_conv: Tensor | None = None):
+        """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
+        and the new states: final (B, ...) or, with ``keep_states``, the conv state after every
+        token and every token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).
+        ``stack`` = (G, g): the per-token records and conv states go into slice g of the
+        (B, T, G, ...) tensors of all G layers (``stacked`` / ``stacked_conv``, made by layer 0),
+        returned in their place."""
+        cfg = self.cfg
+        B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        C = self.conv_dim
+        mixed, z, b, a = self._projections(x)
+        mixed = op.reshape(mixed, (B, T_, C))
+        if keep_states:   # verify: the window of every token follows its parents (a chain unless rewritten)
+            conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack)
+            args = [conv_state, mixed, self.conv1d.weight, s.parents]            # (B, T, C): no transposes
+            conv_type = Tensor.placeholder((B, T_, C), "float32")
+            states_type = Tensor.placeholder((B, T_, stack[0], C, K - 1) if stack else (B, T_, C, K - 1), self.dtype)
+            if stack and stack[1] > 0:
+                new_conv, conv = op.tensor_ir_inplace_op(conv_kernel, "gdn_conv_verify", [*args, stacked_conv],
+                                                         [len(args), -1], [states_type, conv_type])
+            else:
+                conv, new_conv = op.tensor_ir_op(conv_kernel, "gdn_conv_verify", args, [conv_type, states_type])
+        else:
+            window = op.concat([conv_state, op.permute_dims(mixed, [0, 2, 1])], dim=2)   # (B, C, K-1+T)
+            conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
+                                               out_dtype="float32"), "conv1d")             # (B, C, T)
+        conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
+        mixed = op.silu(conv) if keep_states else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
+        if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
+            # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
+            heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
+            q = op.astype(slice_axis(heads, 2, 0, nk, "q"), "float32")
+            k = op.astype(slice_axis(heads, 2, nk, 2 * nk, "k"), "float32")
+            v = op.astype(slice_axis(heads, 2, 2 * nk, 2 * nk + nv, "v"), "float32")
+        else:
+            q = op.astype(op.reshape(slice_axis(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
+            k = op.astype(op.reshape(slice_axis(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
+            v = op.astype(op.reshape(slice_axis(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
+        # one kernel each, the slice and cast that make q and k fused in (injective), over the nk key
+        # heads; then repeated for the value heads (a repeated head's norm is its head's, bit for bit)
+        q = op.tensor_expr_op(l2norm_te(dk ** -0.5), "l2norm", [q], attrs={"op_pattern": 2})
+        k = op.tensor_expr_op(l2norm_te(None), "l2norm", [k], attrs={"op_pattern": 2})
+        if nv != nk:
+            q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
+        beta = op.reshape(op.sigmoid(op.astype(b, "float32")), (B, T_, nv))
+        g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
+            op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
+        g = op.reshape(g, (B, T_, nv))
+        stack = stack if keep_states else None
+        kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu, stack=stack)
+        # prefill / decode follow the previous token: parents is not read there
+        args = [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots]
+        o_type = Tensor.placeholder((B, T_, nv, dv), "float32")
+        if keep_states:   # verify: the per-token records commit rebuilds states from (+ the kernel's scratch)
+            width = kernels.record_width(dk, dv)
+            rec_type = Tensor.placeholder((B, T_, stack[0], nv, width) if stack else (B, T_, nv, width), "float32")
+            scratch = Tensor.placeholder((B, T_, nv, dk, dv), "float32")
+            if stack and stack[1] > 0:
+                new_rec, o, _ = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked],
+                                                        [len(args), -1, -1], [rec_type, o_type, scratch])
+            else:
+                o, new_rec, _ = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, rec_type, scratch])
+        else:
+            o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args,
+                                         [o_type, Tensor.placeholder((B, nv, dk, dv), "float32")])
+        if not keep_states:
+            new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
+                                       "conv_window_states", [window, s.slots],
+                                       Tensor.placeholder((B, C, K - 1), self.dtype))
+        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
+                              [op.reshape(o, (B * T_, nv, dv)), self.norm.weight, z], attrs={"op_pattern": 2})
+        return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, dtype: str, gpu: bool, capacity: int, n_rows: int,
+                 n_attn: int, pool_rows: bool | None = None):
+        eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype, gpu)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc, dtype, gpu)
+        if kind == "full_attention":
+            self.self_attn = Attention(cfg, dtype, gpu, capacity, n_rows, n_attn, pool_rows)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype, gpu)
+        self.mlp = MLP(cfg, dtype)
