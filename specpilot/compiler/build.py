@@ -212,7 +212,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
     tgt, drf = load_models(spec, weights=params != "seeded")
-    net = conditioned_drafter(spec, tgt) if spec.drafter.kind in ("block", "feature") else None
+    net = conditioned_drafter(spec, tgt, weights=params != "seeded") if spec.drafter.kind in ("block", "feature") else None
     device = target.schedule_device()
     context = PassContext(target_kind=target.kind, arch=target.arch, device=device.name if device else None,
                           architecture=tgt.cfg.architecture,
@@ -335,7 +335,8 @@ def _export(executable, mod, lowered: Lowered, request: BuildRequest, out_dir: P
         fd.save(out_dir / "drafter", *lowered.feature_drafter, lowered.target_model.cfg.num_hidden_layers,
                 target_digest(weights) if weights else None, dtype=getattr(torch, request.spec.deployment.dtype))
         for name in ("config.json", "model.safetensors"):
-            files["hashes"][f"drafter/{name}"] = file_digest(out_dir / "drafter" / name)
+            if (out_dir / "drafter" / name).is_file():    # a seeded build's drafter is drawn from its seed
+                files["hashes"][f"drafter/{name}"] = file_digest(out_dir / "drafter" / name)
     if request.params == "file":       # other builds: the engine works out aliases when it makes the weights
         stored, files["aliases"] = dedupe(lowered.context.params)
         (out_dir / "params").mkdir(exist_ok=True)

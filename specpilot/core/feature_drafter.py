@@ -262,21 +262,22 @@ def _check_target(cfg: DraftNetConfig, target: ModelConfig, where: str) -> Draft
 
 def save(directory: Path, cfg: DraftNetConfig, tensors: dict[str, torch.Tensor], num_target_layers: int,
          digest: str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write a drafter in its published layout (config.json + model.safetensors), each file atomically."""
+    """Write a drafter in its published layout (config.json + model.safetensors), each file atomically;
+    no tensors: the config alone (a seeded build's drafter, drawn again from its seed where it runs)."""
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / "model.safetensors.tmp"
-    save_file({k: (v if not v.is_floating_point() else v.to(dtype)).detach().cpu().contiguous()
-               for k, v in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(directory / "model.safetensors")
+    if tensors:
+        tmp = directory / "model.safetensors.tmp"
+        save_file({k: (v if not v.is_floating_point() else v.to(dtype)).detach().cpu().contiguous()
+                   for k, v in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(directory / "model.safetensors")
     atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
 
 
-def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tuple[DraftNetConfig, dict[str, torch.Tensor]]:
-    """A drafter directory in a published layout, checked against the target (shapes, vocabulary,
-    layers; and the target digest when the files carry one)."""
-    from safetensors import SafetensorError, safe_open
+def read_config(directory: Path, target: ModelConfig, digest: str | None = None) -> DraftNetConfig:
+    """A drafter directory's config.json, checked against the target (and its digest where the file
+    carries one)."""
     directory, where = Path(directory), str(directory)
     try:
         d = json.loads((directory / "config.json").read_text())
@@ -290,6 +291,15 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
     if digest and d.get("specpilot_target_digest") not in (None, digest):
         raise CheckpointError(f"{where}: trained for another target (its target digest does not match this target's "
                               "embeddings and final norm)")
+    return cfg
+
+
+def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tuple[DraftNetConfig, dict[str, torch.Tensor]]:
+    """A drafter directory in a published layout, checked against the target (shapes, vocabulary,
+    layers; and the target digest when the files carry one)."""
+    from safetensors import SafetensorError, safe_open
+    cfg = read_config(directory, target, digest)
+    directory, where = Path(directory), str(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{where}: no .safetensors weights")

@@ -88,6 +88,7 @@ class CompiledModule:
         dev_type, dev_id = self.device.dlpack_device_type(), self.device.index
         cpu = tvm.cpu(0)
         self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
+        self._drafter = None      # a block / feature drafter's (config, tensors, directory), read once
         self._stored, self._aliases = self._read_params()
         if self.manifest.drafter.kind in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
             self._swap_drafter()
@@ -141,7 +142,7 @@ class CompiledModule:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         if m.drafter.kind in fd.KINDS:     # the build's own network (a retrained one is swapped in after)
-            drafter = fd.packing_view(*fd.load(self.dir / "drafter", cfgs["target"]), target.weights)
+            drafter = fd.packing_view(*self.feature_drafter()[:2], target.weights)
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace
             torch.cuda.empty_cache()
@@ -233,8 +234,14 @@ class CompiledModule:
         target = ModelConfig.from_dict(self.manifest.models["target"])
         own = self.dir / "drafter"
         override = os.environ.get("SPECPILOT_DRAFTER")
+        if not override and self._drafter is None:
+            if (own / "model.safetensors").is_file() or self.manifest.params_source != "seeded":
+                self._drafter = (*fd.load(own, target), own)
+            else:       # a seeded build's drafter: drawn again from the spec's seed
+                cfg = fd.read_config(own, target)
+                self._drafter = cfg, fd.random_init(cfg, int(self.manifest.spec["drafter"]["init"]["seed"])), own
         if not override:
-            return (*fd.load(own, target), own)
+            return self._drafter
         digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
         cfg, tensors = fd.load(Path(override), target, digest)
         if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:

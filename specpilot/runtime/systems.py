@@ -396,7 +396,9 @@ def from_build(build_dir: Path) -> System:
                     m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"))
     if d.kind in ("block", "feature"):     # which drafter ran: the build's own or a retrained one
         from specpilot.core.weights import file_digest
-        system.drafter_source = {"directory": str(directory), "sha256": file_digest(directory / "model.safetensors")}
+        weights = directory / "model.safetensors"
+        system.drafter_source = {"directory": str(directory), "sha256": file_digest(weights)} if weights.is_file() \
+            else {"directory": str(directory), "seed": m.spec["drafter"]["init"]["seed"]}
     return system
 
 

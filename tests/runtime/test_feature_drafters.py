@@ -388,3 +388,22 @@ def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_pa
     assert system.generate("stock-tree", PROMPTS[0], 16).tokens == system.generate("stock", PROMPTS[0], 16).tokens
     code, _, err = run_cli(*args[:3], "--kind", "block", "--target-layers", "1,x", "-o", tmp_path / "b")
     assert code != 0 and "--target-layers" in err
+
+
+def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path):
+    """--params seeded: the build carries the drafter's config alone; the engine draws the same weights
+    the spec's seed gives, and its engines are stock's tokens."""
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
+    from tests.conftest import build_spec
+    data = _data("Qwen3ForCausalLM", "block", block_size=5)
+    full = build_spec(tmp_path, data)
+    build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "seeded", params="seeded"))
+    assert not (tmp_path / "seeded" / "drafter" / "model.safetensors").exists()
+    (_, want, _), (_, got, _) = (from_build(b).engines["compiled"].model.module.feature_drafter() for b in
+                                 (full, tmp_path / "seeded"))
+    assert set(got) == set(want) and all(torch.equal(got[k].float(), want[k].float()) for k in want)
+    system = from_build(tmp_path / "seeded")
+    stock = system.generate("stock", PROMPTS[0], 24).tokens
+    assert system.generate("compiled-tree", PROMPTS[0], 24).tokens == stock
