@@ -10,6 +10,7 @@
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
+#   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
 #   bash bench/h200_e2e.sh fd [BUILD...]    the block / feature builds (bench/specs/smollm2-{block,feature}-bf16.yaml)
 #                                           with the trained drafters (SPECPILOT_DRAFTER=$E/drafters/KIND), to $OUT
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
@@ -156,6 +157,15 @@ PY
           --engines compiled,compiled-spec,compiled-tree -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -8
       done
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | train-drafters | fd [BUILD...]" >&2
+  cost)
+    # a drafting cycle beside an AR step of the same build (bench/drafter_cost.py): SmolLM2's (--params load:
+    # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k
+    shift; setup; unpack
+    [ -f $E/smolpart.ab ] && { G=$E/SmolLM2-135M-Instruct.Q4_1.gguf; [ -f $G ] || cat $E/smolpart.* > $G; }
+    for build in "$@"; do
+      context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
+      timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
+    done ;;
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
      exit 2 ;;
 esac

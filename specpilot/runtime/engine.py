@@ -227,8 +227,9 @@ class CompiledModule:
 
     def feature_drafter(self):
         """A block / feature drafter's (DraftNetConfig, tensors, directory): the build's drafter/, or the
-        one SPECPILOT_DRAFTER names -- a retrained drafter (it runs beside the compiled module, not in
-        it) for the same target, reading the layers the build's target returns."""
+        one SPECPILOT_DRAFTER names -- a retrained drafter for the same target of the configuration the
+        build lowered (its weights replace the build's drafter parameters at load)."""
+        import dataclasses
         import json
 
         target = ModelConfig.from_dict(self.manifest.models["target"])
@@ -248,22 +249,22 @@ class CompiledModule:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: a {cfg.kind} drafter reading target layers "
                                  f"{list(cfg.target_layers)}; this build's target returns layers "
                                  f"{self.manifest.features} for a {self.manifest.drafter.kind} drafter")
+        lowered = fd.read_config(own, target)
+        differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(lowered, f.name)]
+        if differ:
+            raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its {differ[0]} is {getattr(cfg, differ[0])}; this "
+                                 f"build lowered a drafter with {getattr(lowered, differ[0])}")
         return cfg, tensors, Path(override)
 
     def _swap_drafter(self) -> None:
-        """The retrained drafter's tensors in the stored parameters' places (same shapes: it reads the
-        same layers of the same target)."""
-        cfg, tensors, directory = self.feature_drafter()
+        """The retrained drafter's tensors in the stored parameters' places (`feature_drafter` checked
+        its configuration against the build's)."""
+        tensors = self.feature_drafter()[1]
         dtype = getattr(torch, self.manifest.dtype)
         for name in self.manifest.params:
             which, _, hf = name.partition(".")
-            if which != "drafter" or hf not in tensors or name in self._aliases:
-                continue
-            old = self._stored[name]
-            if tuple(old.shape) != tuple(tensors[hf].shape):
-                raise SpecPilotError(f"SPECPILOT_DRAFTER={directory}: {hf} has shape {tuple(tensors[hf].shape)}; "
-                                     f"this build's drafter has {tuple(old.shape)}")
-            self._stored[name] = tensors[hf].to(device=old.device, dtype=dtype)
+            if which == "drafter" and hf in tensors and name not in self._aliases:
+                self._stored[name] = tensors[hf].to(device=self._stored[name].device, dtype=dtype)
 
     def draft_net(self):
         """The block / feature drafter lowered into this build (`runtime.compiled_draft_nets`)."""

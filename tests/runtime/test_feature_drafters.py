@@ -342,6 +342,11 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
     monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "other"))
     with pytest.raises(SpecPilotError, match="this build's target returns layers"):
         module.feature_drafter()
+    wider = fd.DraftNetConfig(**{**cfg.to_dict(), "intermediate_size": cfg.intermediate_size + 8})
+    fd.save(tmp_path / "wider", wider, fd.random_init(wider, 1), n_layers)
+    monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "wider"))
+    with pytest.raises(SpecPilotError, match="its intermediate_size is .* lowered a drafter with"):
+        module.feature_drafter()
 
 
 def test_ranked_rows_equals_ranked_row_by_row():
