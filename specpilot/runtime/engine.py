@@ -142,7 +142,7 @@ class CompiledModule:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
         if m.drafter.kind in fd.KINDS:     # the build's own network (a retrained one is swapped in after)
-            drafter = fd.packing_view(*self.feature_drafter()[:2], target.weights)
+            drafter = fd.packing_view(*self._own_drafter()[:2], target.weights)   # the build's: its digest
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace
             torch.cuda.empty_cache()
@@ -235,14 +235,8 @@ class CompiledModule:
         target = ModelConfig.from_dict(self.manifest.models["target"])
         own = self.dir / "drafter"
         override = os.environ.get("SPECPILOT_DRAFTER")
-        if not override and self._drafter is None:
-            if (own / "model.safetensors").is_file() or self.manifest.params_source != "seeded":
-                self._drafter = (*fd.load(own, target), own)
-            else:       # a seeded build's drafter: drawn again from the spec's seed
-                cfg = fd.read_config(own, target)
-                self._drafter = cfg, fd.random_init(cfg, int(self.manifest.spec["drafter"]["init"]["seed"])), own
         if not override:
-            return self._drafter
+            return self._own_drafter()
         digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
         cfg, tensors = fd.load(Path(override), target, digest)
         if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:
@@ -255,6 +249,19 @@ class CompiledModule:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its {differ[0]} is {getattr(cfg, differ[0])}; this "
                                  f"build lowered a drafter with {getattr(lowered, differ[0])}")
         return cfg, tensors, Path(override)
+
+    def _own_drafter(self):
+        """The build's own drafter (config, tensors, directory), read once: the one its parameters were
+        made with (a seeded build's drawn again from the spec's seed)."""
+        if self._drafter is None:
+            target = ModelConfig.from_dict(self.manifest.models["target"])
+            own = self.dir / "drafter"
+            if (own / "model.safetensors").is_file() or self.manifest.params_source != "seeded":
+                self._drafter = (*fd.load(own, target), own)
+            else:
+                cfg = fd.read_config(own, target)
+                self._drafter = cfg, fd.random_init(cfg, int(self.manifest.spec["drafter"]["init"]["seed"])), own
+        return self._drafter
 
     def _swap_drafter(self) -> None:
         """The retrained drafter's tensors in the stored parameters' places (`feature_drafter` checked

@@ -412,3 +412,27 @@ def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path):
     system = from_build(tmp_path / "seeded")
     stock = system.generate("stock", PROMPTS[0], 24).tokens
     assert system.generate("compiled-tree", PROMPTS[0], 24).tokens == stock
+
+
+def test_a_referenced_checkpoint_build_takes_a_retrained_drafter(tmp_path, monkeypatch):
+    """--params load checks the parameters it makes against the build's digest with the build's own
+    drafter; a retrained one (SPECPILOT_DRAFTER) is swapped in after, and its engines are stock's tokens."""
+    from specpilot.compiler.build import BuildRequest, build
+    from specpilot.core.spec import load_spec
+    from specpilot.core.target import parse_target
+    from specpilot.core.weights import save_checkpoint
+    cfg_t = tiny_config("Qwen3ForCausalLM")
+    save_checkpoint(tmp_path / "ckpt", cfg_t, random_weights(cfg_t, 3))
+    (tmp_path / "m.yaml").write_text("target: {checkpoint: ckpt}\n"
+                                     "drafter: {kind: block, init: {seed: 4}, block_size: 5, top_k: 3}\n"
+                                     "deployment: {max_seq_len: 128}\npasses: tree-verify{budget=6}\n")
+    build(BuildRequest(load_spec(tmp_path / "m.yaml"), parse_target("llvm"), tmp_path / "load", params="load"))
+    from specpilot.runtime.engine import CompiledModule
+    cfg = CompiledModule(tmp_path / "load").feature_drafter()[0]
+    retrained = fd.random_init(cfg, 77)
+    fd.save(tmp_path / "re", cfg, retrained, cfg_t.num_hidden_layers, dtype=torch.float32)
+    monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "re"))
+    system = from_build(tmp_path / "load")
+    stored = system.engines["compiled"].model.module.stored_parameters()[0]
+    assert torch.equal(stored["drafter.fc.weight"], retrained["fc.weight"])
+    assert system.generate("compiled-tree", PROMPTS[0], 24).tokens == system.generate("stock", PROMPTS[0], 24).tokens
