@@ -89,6 +89,7 @@ class CompiledModule:
         cpu = tvm.cpu(0)
         self.vm["vm_initialization"](dev_type, dev_id, 2, cpu.dlpack_device_type(), cpu.index, 2)
         self._drafter = None      # a block / feature drafter's (config, tensors, directory), read once
+        self._retrained = None    # (SPECPILOT_DRAFTER, its (config, tensors, directory))
         self._stored, self._aliases = self._read_params()
         if self.manifest.drafter.kind in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
             self._swap_drafter()
@@ -229,14 +230,19 @@ class CompiledModule:
         """A block / feature drafter's (DraftNetConfig, tensors, directory): the build's drafter/, or the
         one SPECPILOT_DRAFTER names -- a retrained drafter for the same target of the configuration the
         build lowered (its weights replace the build's drafter parameters at load)."""
+        override = os.environ.get("SPECPILOT_DRAFTER")
+        if not override:
+            return self._own_drafter()
+        if self._retrained is None or self._retrained[0] != override:   # read and checked once per directory
+            self._retrained = override, self._load_retrained(override)
+        return self._retrained[1]
+
+    def _load_retrained(self, override: str):
         import dataclasses
         import json
 
         target = ModelConfig.from_dict(self.manifest.models["target"])
         own = self.dir / "drafter"
-        override = os.environ.get("SPECPILOT_DRAFTER")
-        if not override:
-            return self._own_drafter()
         digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
         cfg, tensors = fd.load(Path(override), target, digest)
         if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:
