@@ -21,11 +21,11 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.batching import Arrival, BatchRun, StepClock, WallClock, poisson_trace
 from specpilot.runtime.bench import TokenCheck, check_choices, check_tokens, label_for
+from specpilot.runtime.engine import release_device_memory
 from specpilot.runtime.forcing import tolerance_rule
 
 FORMAT = "specpilot-batch-bench"
@@ -121,8 +121,7 @@ class BatchBench:
         forces = [self.reference[a.prompt].tokens[:a.max_new] for a in arrivals] \
             if self.forced and speculative else None
         self.progress(f"{name} at batch {batch}")
-        if torch.cuda.is_available():   # the last row's cached blocks back to the driver, where TVM allocates too
-            torch.cuda.empty_cache()
+        release_device_memory()   # the last row's workspaces, TVM's and torch's
         run = self.system.serve(name, arrivals, policy, WallClock(), forces)
         self.progress(f"{name} at batch {batch}", advance=1)
         return self._result(name, batch, arrivals, run, policy, tolerance, speculative)

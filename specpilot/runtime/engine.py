@@ -63,6 +63,20 @@ def pack_inputs(arrays) -> tuple[np.ndarray, list]:
     return host, views
 
 
+# TVM's pooled allocator keeps every freed block for a later request of its exact size, so steps of many
+# shapes (a continuous batch: each batch size times tokens a pass) would hoard the card; below this share
+# of the card free, the unused blocks go back to the driver
+HEADROOM = 0.12
+
+
+def release_device_memory() -> None:
+    """TVM's unused pooled blocks and torch's cached ones back to the driver (freeing synchronises)."""
+    import tvm
+    tvm.get_global_func("vm.builtin.memory_manager.clear")()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _host(x):
     """A step's host-side input: torch tensors (tokens a GPU's logits chose, say) as numpy arrays."""
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
@@ -178,6 +192,16 @@ class CompiledModule:
             return [on_device[aliases.get(name, name)] for name in self.manifest.params]
         except KeyError as e:
             raise SpecPilotError(f"{self.dir}: parameter {e} listed in manifest.json is missing") from None
+
+    def keep_headroom(self) -> bool:
+        """On a GPU with less than HEADROOM of its memory free, `release_device_memory`; whether it did."""
+        if self.device.dlpack_device_type() != 2:
+            return False
+        free, total = torch.cuda.mem_get_info(self.device.index)
+        if free >= HEADROOM * total:
+            return False
+        release_device_memory()
+        return True
 
     def zeros(self, shape, dtype: str):
         host = self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype)))
@@ -590,6 +614,7 @@ class CompiledModel:
             raise SpecPilotError(f"{self.module.dir}: a verification of {longest} tokens; this build's Gated "
                                  f"DeltaNet tree kernel takes at most {self.max_verify_tokens} "
                                  "(gdn-path-recompute{form=sequential} has no limit)")
+        self.module.keep_headroom()
         fn, args, toks, states, parents = self._step_inputs(items, record)
         out = fn(*args)
         logits = self._logits(out[0] if self._tuple else out)
