@@ -14,13 +14,10 @@ import torch
 
 from specpilot.core import feature_drafter as fd
 from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import scatter_draft_vocab
 
 _ROW = np.zeros(1, "int32")    # a drafter's cache holds one sequence
-
-
-def _host(x) -> np.ndarray:
-    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
 class _Compiled:
@@ -66,7 +63,7 @@ class CompiledBlockNet(_Compiled):
         K = tokens.shape[0]
         positions = np.arange(start, start + K, dtype="int32")[None]
         m = self.module
-        out = self.fns["drafter_block"](*m.tensors(_host(tokens).astype("int32")[None], positions, positions,
+        out = self.fns["drafter_block"](*m.tensors(np.asarray(host_array(tokens), "int32")[None], positions, positions,
                                                    np.ones((1, K, start + K), bool), _ROW), cache, m.params)
         return self._out(out)[0]
 
@@ -82,8 +79,8 @@ class CompiledFeatureNet(_Compiled):
 
     def step(self, cache, hidden: torch.Tensor, tokens, positions, slots, mask):
         m = self.module
-        args = (_host(tokens).astype("int32")[None], _host(positions).astype("int32")[None],
-                _host(slots).astype("int32")[None], _host(mask).astype(bool)[None], _ROW)
+        args = (np.asarray(host_array(tokens), "int32")[None], np.asarray(host_array(positions), "int32")[None],
+                np.asarray(host_array(slots), "int32")[None], np.asarray(host_array(mask), bool)[None], _ROW)
         h, draft = self.fns["drafter_step"](self._tensor(hidden[None]), *m.tensors(*args), cache, m.params)
         logits = scatter_draft_vocab(self._out(draft)[0], self.d2t, self.cfg.vocab_size, self.identity_vocab)
         return self._out(h)[0], logits

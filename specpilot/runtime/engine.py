@@ -77,7 +77,7 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _host(x):
+def host_array(x):
     """A step's host-side input: torch tensors (tokens a GPU's logits chose, say) as numpy arrays."""
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
 
@@ -504,7 +504,7 @@ class CompiledModel:
         fn = self.module.functions.get(f"{self.which}_verify_view")
         if fn is None:
             raise SpecPilotError(f"{self.module.dir}: no {self.which}_verify_view; build with nested-int8-view")
-        tokens, positions, attn_mask, parents = (_host(x) for x in (tokens, positions, attn_mask, parents))
+        tokens, positions, attn_mask, parents = (host_array(x) for x in (tokens, positions, attn_mask, parents))
         tokens = np.asarray(tokens, dtype="int32").reshape(1, -1)
         n, start = tokens.shape[1], state.length
         state.check_room(n)
@@ -569,7 +569,7 @@ class CompiledModel:
 
     def _step_inputs(self, items, record: bool):
         """`step_call`'s tuple and the host copy of the parents it passed."""
-        items = [tuple(_host(x) for x in it) + (None,) * (5 - len(it)) for it in items]
+        items = [tuple(host_array(x) for x in it) + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items]

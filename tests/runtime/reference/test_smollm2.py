@@ -114,16 +114,17 @@ def test_batched_trees_with_the_l12_adapter_are_exact():
     assert any(s.admitted and s.running for s in run.steps) and mean > 1.5
 
 
-def test_shipped_feature_drafter_is_lossless():
-    """examples/smollm2-feature.yaml: the feature drafter trained on the H200 reads this target (its
-    digest matches); chain and tree decoding with it are stock's tokens, forced and unforced."""
+@pytest.mark.parametrize("kind", ["feature", "block"])
+def test_shipped_drafters_are_lossless(kind):
+    """examples/smollm2-{feature,block}.yaml: the drafters trained on the H200 read this target (their
+    digests match); chain and tree decoding with them are stock's tokens, forced and unforced."""
     from specpilot.runtime.forcing import force_requests
     from specpilot.runtime.systems import load_system
-    system = load_system(SPEC.with_name("smollm2-feature.yaml"))
+    system = load_system(SPEC.with_name(f"smollm2-{kind}.yaml"))
     prompt = system.tokenizer.encode("def is_prime(n: int) -> bool:\n")
     stock = system.generate("stock", prompt, 64)
     for engine in ("stock-spec", "stock-tree"):
         run = system.generate(engine, prompt, 64, force=stock.tokens)
-        print(f"\nSmolLM2-135M + feature drafter, {engine}: {run.mean_accepted:.2f} tokens/verification")
+        print(f"\nSmolLM2-135M + {kind} drafter, {engine}: {run.mean_accepted:.2f} tokens/verification")
         assert force_requests([stock], [run]).passed
         assert system.generate(engine, prompt, 64).tokens == stock.tokens
