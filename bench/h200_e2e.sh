@@ -9,6 +9,8 @@
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
+#   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
+#   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
 #   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
 #   bash bench/h200_e2e.sh fd [BUILD...]    the block / feature builds (bench/specs/smollm2-{block,feature}-bf16.yaml)
@@ -128,6 +130,16 @@ PY
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
       -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
+  pass-cost)
+    # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
+    shift; setup; unpack
+    timeout ${COST_S:-400} python3 bench/batch_pass_cost.py $b/$1 --batches ${BATCHES:-8,16,32} --out $OUT 2>&1 | tail -40 ;;
+  smol-batch)
+    # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
+    # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
+    shift; prepare
+    timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
+      --max-new-tokens ${TOKENS:-128} --forced -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json 2>&1 | tail -40 ;;
   train-drafters)
     # block (DFlash-style) and feature (EAGLE-3-style) drafters distilled from SmolLM2 on the target's own
     # continuations (generated once, shared), never on the bench's prompts
@@ -166,6 +178,6 @@ PY
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | pass-cost BUILD | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
      exit 2 ;;
 esac

@@ -427,7 +427,7 @@ class _Scheduler:
 def _chain(lattice, cap: int) -> Tree:
     """A drafted chain as a tree, its nodes scored by the chain's cumulative log-probabilities."""
     tree = Tree.chain(lattice.chain()[:cap])
-    tree.scores = np.cumsum(lattice.logprobs[:len(tree), 0].double().numpy()).tolist() if len(tree) else []
+    tree.scores = np.cumsum(lattice.logprobs[:len(tree), 0].double().cpu().numpy()).tolist() if len(tree) else []
     return tree
 
 

@@ -1,0 +1,127 @@
+"""Where a batched pass's time goes: a target step of B requests as the batch engines run it, per kernel.
+
+    python bench/batch_pass_cost.py BUILD_DIR [--batches 8,16,32] [--nodes 16] [--context 512] [--reps 10]
+                                   [--top 12] [--out DIR]
+
+B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
+(synchronised, medians of --reps): the AR step (one new token a request: the build's batched decode), a
+verification pass of --nodes drafted tokens a request plus its last token (the build's verify, recording
+as the speculative engines do; a chain's mask: a tree's costs the same rows), and, where the build has a
+drafter model (an early-exit or replay cost drafter), its pass over one node a request (a tree level).
+Then one run of each under torch's profiler (CUPTI sees TVM's kernels too): device time per kernel name,
+the top --top kernels of each with their share.  Calls of the step functions do not move the states
+(`CompiledModel.step_call`), so every repetition computes the same pass.  JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench._common import write  # noqa: E402
+from specpilot.runtime.engine import CompiledModule  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, args, reps: int) -> dict:
+    """Milliseconds per call, synchronised; median and quartiles."""
+    fn(*args)
+    ms = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn(*args)
+        _sync()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
+
+
+def kernels(fn, args, top: int) -> list[dict]:
+    """Device time per kernel name over one call (torch's profiler; every kernel the process launches)."""
+    from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():
+        return []
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        _sync()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):     # a kernel (or copy) on the device: its own span
+            t = totals.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.elapsed_us()
+            t[1] += 1
+    whole = sum(t for t, _ in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return [{"kernel": name[:120], "us": us, "calls": calls, "share": us / whole} for name, (us, calls) in ranked[:top]] \
+        + [{"kernel": "(all)", "us": whole, "calls": sum(c for _, c in totals.values()), "share": 1.0}]
+
+
+def passes(model, states, nodes: int, gen) -> dict:
+    """The step calls of B requests: AR (a token each) and verification (nodes + 1 tokens each)."""
+    vocab = model.vocab_size
+    one = [(torch.randint(0, vocab, (1,), generator=gen).tolist(), st) for st in states]
+    many = [(torch.randint(0, vocab, (nodes + 1,), generator=gen).tolist(), st) for st in states]
+    return {"ar_step": model.step_call(one)[:2], "verify": model.step_call(many, record=True)[:2]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("build", type=Path)
+    ap.add_argument("--batches", default="8,16,32")
+    ap.add_argument("--nodes", type=int, default=16, help="drafted tokens a request a verification")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    module = CompiledModule(args.build)
+    target = module.model("target")
+    drafter = module.model("drafter") if "drafter" in module.manifest.models else None
+    gen = torch.Generator().manual_seed(0)
+    top = max(batches)
+    states = [target.new_state(module.manifest.capacity) for _ in range(top)]
+    d_states = [drafter.new_state(module.manifest.capacity) for _ in range(top)] if drafter else []
+    for group in range(0, top, 8):          # prefilled 8 at a time: a pass's logits grow with its tokens
+        ids = [torch.randint(0, target.vocab_size, (args.context,), generator=gen).tolist() for _ in range(8)]
+        target.forward_batch(list(zip(ids, states[group:group + 8])))
+        if drafter:
+            drafter.forward_batch(list(zip(ids, d_states[group:group + 8])))
+    rows = []
+    for b in batches:
+        calls = passes(target, states[:b], args.nodes, gen)
+        if drafter:
+            calls["drafter_level"] = drafter.step_call(
+                [(torch.randint(0, drafter.vocab_size, (1,), generator=gen).tolist(), st) for st in d_states[:b]])[:2]
+        row = {"batch": b, "nodes": args.nodes}
+        for name, (fn, fargs) in calls.items():
+            row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top)}
+        row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
+        rows.append(row)
+        line = f"B={b}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {args.nodes + 1} rows) " \
+               f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
+        if drafter:
+            line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
+        print(line)
+        for k in row["verify"]["kernels"][:8]:
+            print(f"    verify {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
+    path = write(f"batch-pass-cost-{args.build.name}", {"build": str(args.build), "context": args.context,
+                                                         "rows": rows}, args.out)
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
