@@ -9,6 +9,7 @@
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
+#                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES)
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
@@ -128,8 +129,8 @@ PY
     shift; setup; unpack
     batch_prompts
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
-      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
-      -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
+      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
+      --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
   pass-cost)
     # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
     shift; setup; unpack

@@ -240,13 +240,15 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
 @click.option("--arrivals", default="burst", show_default=True,
               help="with --batch: a JSONL arrival trace, burst (all at once) or poisson:RATE (requests a second)")
 @click.option("--queue", type=click.IntRange(0), default=None, help="with --batch: bound the waiting queue")
+@click.option("--schedules", help="with --batch: more rows of the batch-scheduled engine, each under another "
+                                  "NODES/CHUNK (nodes a pass / prompt-admission chunk), comma-separated (e.g. 256/64)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, output, plot,
-          as_json, sampling=None):
+          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, schedules, output,
+          plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -263,8 +265,10 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
             raise SpecPilotError("--batch runs greedy on the build's own drafter plan; leave out sampling, "
                                  "--replay-*, --record-profile and --plot")
         _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                       forced, batches, arrivals, queue, output, as_json)
+                       forced, batches, arrivals, queue, output, as_json, schedules)
         return
+    if schedules:
+        raise SpecPilotError("--schedules needs --batch")
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
     replays = _replay_plans(system, replay_alpha, replay_profile)
@@ -299,17 +303,18 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
 
 
 def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                   forced, batches, arrivals, queue, output, as_json):
+                   forced, batches, arrivals, queue, output, as_json, schedules=None):
     """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
     from rich.console import Console
     from rich.progress import Progress
 
     from specpilot.core.files import atomic_write_text
-    from specpilot.runtime.batch_bench import BatchBench, arrivals_for, report as batch_report, table
+    from specpilot.runtime.batch_bench import BatchBench, arrivals_for, parse_schedules, report as batch_report, table
     from specpilot.runtime.batching import read_trace
     from specpilot.runtime.environment import environment
 
     sizes = _int_list(batches, "--batch")
+    extra = parse_schedules(schedules)
     if engines:
         names, _ = _bench_engines(engines, system, False)
     else:
@@ -336,10 +341,10 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
 
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
-        task = progress.add_task("bench", total=len(sizes) * len(names))
+        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra)))
         run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
                          lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
-                         partial).run()
+                         partial, extra).run()
     result = {**batch_report(run, meta), "complete": True}
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))

@@ -18,7 +18,7 @@ reference tokens, their own choices checked at every position (what a replay dra
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -76,11 +76,37 @@ def percentiles(values: list[float]) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
+def parse_schedules(text: str | None) -> list[tuple[int, int]]:
+    """``--schedules 256/64,192/32``: (nodes a pass, admission chunk) pairs."""
+    out = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        try:
+            nodes, chunk = (int(v) for v in item.split("/"))
+        except ValueError:
+            nodes = chunk = 0
+        if nodes < 1 or chunk < 1:
+            raise SpecPilotError(f"--schedules {text!r}: expected NODES/CHUNK pairs of positive integers, "
+                                 "comma-separated (e.g. 256/64)")
+        out.append((nodes, chunk))
+    return out
+
+
 class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
-                 forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None):
-        """``partial(run)``: hears the run so far after each batch size (a long run's results survive it)."""
+                 forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None,
+                 schedules: list[tuple[int, int]] = ()):
+        """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
+        ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
+        with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept)."""
         self.partial = partial or (lambda run: None)
+        self.schedules = list(schedules)
+        self.scheduled = next((n for n in reversed(engines) if getattr(system.engines[n], "batch", None) is not None
+                               and system.engines[n].batch.chunk is not None), None)
+        if self.schedules and self.scheduled is None:
+            raise SpecPilotError("--schedules: no engine here runs a batch schedule (node-budget and "
+                                 "prompt-admission passes)")
         self.system, self.engines, self.batches = system, engines, batches
         self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
         self.progress = progress or (lambda message, advance=0: None)
@@ -106,6 +132,8 @@ class BatchBench:
         for batch in self.batches:
             for name in self.engines:
                 rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance))
+            for nodes, chunk in self.schedules:
+                rows.append(self._row(self.scheduled, batch, self.make_arrivals(batch), tolerance, (nodes, chunk)))
             base = next(r for r in rows if r.engine == ar and r.batch == batch)
             for r in rows:
                 if r.batch == batch:
@@ -113,8 +141,11 @@ class BatchBench:
             self.partial({"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows})
         return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
 
-    def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float) -> BatchResult:
+    def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float,
+             schedule: tuple[int, int] | None = None) -> BatchResult:
         policy = self.system.batch_policy(name, batch, self.queue)
+        if schedule is not None:
+            policy = replace(policy, budget=schedule[0], chunk=schedule[1])
         speculative = self.system.engines[name].drafter is not None
         for _ in range(self.warmup):      # the same shapes once, untimed
             self.system.serve(name, [Arrival(0.0, a.prompt, 2) for a in arrivals[:batch]], policy, StepClock())
@@ -124,7 +155,10 @@ class BatchBench:
         release_device_memory()   # the last row's workspaces, TVM's and torch's
         run = self.system.serve(name, arrivals, policy, WallClock(), forces)
         self.progress(f"{name} at batch {batch}", advance=1)
-        return self._result(name, batch, arrivals, run, policy, tolerance, speculative)
+        result = self._result(name, batch, arrivals, run, policy, tolerance, speculative)
+        if schedule is not None:
+            result.engine = f"{name}[{schedule[0]}/{schedule[1]}]"
+        return result
 
     def _result(self, name, batch, arrivals, run: BatchRun, policy, tolerance, speculative) -> BatchResult:
         done = [(a, g, t) for a, g, t in zip(arrivals, run.generations, run.timings) if g is not None]

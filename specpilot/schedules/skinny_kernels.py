@@ -44,6 +44,14 @@ from specpilot.core.target import TUNED, Device
 from specpilot.schedules.skinny_config import SWIZZLE_ALIGN, WGMMA_K, Config, pick, tail_blocks
 
 
+def x_bytes(row, m):
+    """cp.async's source size for a 16-byte piece of x row ``row``: 16 below ``m``, else 0 -- a
+    row block's rows past the last one are zero-filled without a read, not copies of row m - 1 that
+    every such thread of every block would fetch from the same bytes of the L2."""
+    from tvm.script import tirx as T
+    return T.if_then_else(row < m, T.uint32(16), T.uint32(0))
+
+
 def _split_k_store(cfg: Config):
     """A macro: the ``wk`` warps' partial sums meet in ``red`` (shared memory), are added in a
     fixed order and stored to y (rows below m); C fragment order: channel g (+8), row 2t (+1)."""
@@ -166,7 +174,7 @@ def _pipelined_kernel(n_out: int, k_in: int, cfg: Config):
                 i = T.meta_var(r * threads + tid)
                 T.evaluate(T.ptx[copy](T.address_of(ring[stage, BN + i // VR, T.bitwise_xor(i % VR, (i // VR) % 2 * SW) * 8]),
                                        T.address_of(x[T.min(by * BM + i // VR, m - 1), chunk * KC + (i % VR) * 8]),
-                                       16))
+                                       16, x_bytes(by * BM + i // VR, m)))
 
     @T.macro
     def block(x, w, y, part, m, bx, by, bz, kw, nw, lane, row0):
@@ -309,7 +317,8 @@ def _wgmma_kernel(n_out: int, k_in: int, cfg: Config, paired: bool = False, gpu:
             if r * threads + tid < BM * 8:
                 i = T.meta_var(r * threads + tid)
                 T.evaluate(T.ptx[copy](T.address_of(ring[base + stage * STAGE + swizzled(BN + i // 8, i % 8)]),
-                                       T.address_of(x[T.min(by * BM + i // 8, m - 1), chunk * KC + (i % 8) * 8]), 16))
+                                       T.address_of(x[T.min(by * BM + i // 8, m - 1), chunk * KC + (i % 8) * 8]), 16,
+                                       x_bytes(by * BM + i // 8, m)))
 
     @T.macro
     def block(x, w, y, part, m, bx, by, bz, kw, wg, lane, row0):

@@ -34,14 +34,14 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
                         for i in range(6)])
     out = tmp / "batch.json"
     code, stdout, err = run_cli("bench", build, "--batch", "1,4", "--arrivals", trace, "--forced", "--json",
-                                "-o", out, "--warmup", 0)
+                                "-o", out, "--warmup", 0, "--schedules", "20/6")
     assert code == 0, err
     report = json.loads(stdout)
     assert report == json.loads(out.read_text()) and report["format"] == "specpilot-batch-bench"
     assert report["tokens_checked"] and report["environment"]["python"]
     rows = {(r["engine"], r["batch"]): r for r in report["rows"]}
-    assert set(rows) == {(e, b) for e in ("compiled", "compiled-spec", "compiled-tree", "compiled-tree-sched")
-                         for b in (1, 4)}
+    assert set(rows) == {(e, b) for e in ("compiled", "compiled-spec", "compiled-tree", "compiled-tree-sched",
+                                          "compiled-tree-sched[20/6]") for b in (1, 4)}
     for (engine, batch), r in rows.items():
         assert r["requests"] == 6 and r["refused"] == 0 and r["tokens"] == sum(10 + i for i in range(6))
         assert r["check"]["passed"] and r["check"]["identical"] == 6 and not r["check"]["excused"]
@@ -52,6 +52,9 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
     assert sched["policy"]["budget"] == 12 and sched["policy"]["chunk"] == 4
     assert sched["policy"]["lengths"] == [8, 6, 4]
     assert sched["per_pass"]["admitted"] > 0 and sched["per_pass"]["drafted"] <= 12
+    other = rows[("compiled-tree-sched[20/6]", 4)]     # the runtime's choice: another budget and chunk
+    assert other["policy"]["budget"] == 20 and other["policy"]["chunk"] == 6 and other["policy"]["lengths"] == [8, 6, 4]
+    assert other["per_pass"]["drafted"] <= 20 and other["per_pass"]["admitted"] > 0
     assert rows[("compiled", 4)]["speedup"] == 1.0
 
 
@@ -59,7 +62,10 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
                                           (["--batch", "two"], "comma-separated integers"),
                                           (["--batch", "2", "--arrivals", "poisson:-1"], "positive rate"),
                                           (["--batch", "2", "--arrivals", "sometimes"], "trace file, burst"),
-                                          (["--batch", "8"], "holds 4 sequence(s) at once")])
+                                          (["--batch", "8"], "holds 4 sequence(s) at once"),
+                                          (["--batch", "2", "--schedules", "0/4"], "NODES/CHUNK pairs"),
+                                          (["--batch", "2", "--schedules", "64"], "NODES/CHUNK pairs"),
+                                          (["--schedules", "64/8"], "--schedules needs --batch")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err

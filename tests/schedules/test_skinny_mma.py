@@ -164,6 +164,7 @@ def test_pipelined_configurations_compile_to_cp_async_mma_without_a_gpu(tmp_path
     for body, stages in ((split, 3), (direct, 4)):
         assert "extern __shared__" in body and "cp_async_cg_async_cg_shared_global_16" in body
         assert f"cp_async_wait_group_async_wait_group_{stages - 2}()" in body
+        assert "cp_async_cg_src_size_async_cg_shared_global_16(" in body    # x rows past m: zero-filled
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
     assert "__syncthreads()" in split and split.count("__syncthreads()") > direct.count("__syncthreads()")
 
@@ -297,6 +298,9 @@ def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
     fence, barrier = body.index("fence_proxy_proxy_async_shared__cta()"), body.index("__syncthreads()")
     assert body.index("cp_async_wait_group") < fence < barrier < body.index("wgmma_fence")
     assert "wgmma_wait_group_wait_group_sync_aligned_0()" in body and "cvta_generic_to_shared" in body
+    # x's copies carry a source size (rows past m zero-filled, not read); W's are whole 16-byte copies
+    assert "cp_async_cg_src_size_async_cg_shared_global_16(" in body
+    assert "cp_async_cg_async_cg_shared_global_16(" in body
     # N = 200: four blocks of 64 channels, the last clamping its weight rows to row 199 and storing
     # channels < 200 only
     ragged = re.search(r"wgk_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
