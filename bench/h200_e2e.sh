@@ -11,6 +11,7 @@
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
 #                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES)
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
+#   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
 #   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
@@ -135,6 +136,10 @@ PY
     # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
     shift; setup; unpack
     timeout ${COST_S:-400} python3 bench/batch_pass_cost.py $b/$1 --batches ${BATCHES:-8,16,32} --out $OUT 2>&1 | tail -40 ;;
+  skinny)
+    # bench/skinny_gemm.py on a kernel library built here (the same SKINNY_* as at its build), to $OUT
+    shift; setup
+    timeout ${SKINNY_S:-300} python3 bench/skinny_gemm.py run $1 --out $OUT 2>&1 | grep -v Warning | tail -80 ;;
   smol-batch)
     # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
@@ -179,6 +184,6 @@ PY
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | pass-cost BUILD | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
      exit 2 ;;
 esac

@@ -89,6 +89,9 @@ def _variants():
                for wn, st, mt in ((1, 6, 9), (1, 4, 18), (2, 4, 16), (2, 4, 24), (2, 4, 32))},
             **{f"w{wn}t2s{st}r{8 * mt}": ((None, Config(mt, 8, wn, 1, stages=st, wgmma=True, overlap=1)),)
                for wn, st, mt in ((1, 4, 16), (2, 3, 16))},
+            # the same with K split over X blocks, where few channel blocks (N = 5120) leave SMs idle
+            **{f"wg{wn}s4r{8 * mt}x{x}": ((None, Config(mt, 4, wn, 1, stages=4, wgmma=True, overlap=1, splits=x)),)
+               for wn, mt, x in ((1, 16, 2), (1, 16, 4), (2, 16, 2), (1, 18, 2))},
             # 72 rows, each warpgroup multiplying T 64-channel weight tiles by the same x tile
             # (x, re-read by every block, amortized over T x 64 channels): "w{wn}t{T}s{S}[k]o"
             **{f"w{wn}t{t}s{st}{'k' if split else ''}o": ((None, Config(9, 4 * t, wn, 1, stages=st, wgmma=True,
