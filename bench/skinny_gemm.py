@@ -26,7 +26,8 @@ SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SKINNY_SHAPES
 # SKINNY_SHAPES=KxN,...: other (K, N) pairs, e.g. a tiny test model's (the same at build and run)
 MS = [int(m) for m in os.environ.get("SKINNY_MS", "1,2,4,8,16,32,65").split(",")]   # SKINNY_MS: a subset
 # SKINNY_SPLITS=2,4,...: also the shipped dispatch with K split over that many blocks (`Config.splits`)
-# wherever the configuration still tiles; SKINNY_VARIANTS=name,...: only these single variants
+# wherever the configuration still tiles; SKINNY_VARIANTS=name,...: only these single variants;
+# SKINNY_PREVIOUS=1: also `previous_dispatch` (hopper_prev)
 SPLITS = [int(v) for v in os.environ.get("SKINNY_SPLITS", "").split(",") if v]
 ONLY = [v for v in os.environ.get("SKINNY_VARIANTS", "").split(",") if v]
 # SKINNY_PROFILE=1: each kernel launched once after its check, untimed (under ncu: one launch each)
@@ -50,6 +51,17 @@ def split_variants(n: int, k: int) -> dict:
                      for limit, cfg in pick(n, k))
         out[f"mma_s{splits}"] = cfgs
     return out
+
+
+def previous_dispatch(n: int, k: int) -> dict:
+    """``hopper_prev`` (SKINNY_PREVIOUS=1): the sm_90a dispatch before `skinny_config.many_rows` -- 128-row
+    blocks up to 256 rows, 256-row blocks of three stages beyond -- to run beside the shipped one."""
+    from specpilot.schedules.skinny_config import Config, pick
+    if os.environ.get("SKINNY_PREVIOUS") != "1":
+        return {}
+    upto = [(limit, cfg) for limit, cfg in pick(n, k, wgmma=True) if limit is not None and limit <= 128]
+    return {"hopper_prev": tuple(upto + [(256, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),
+                                         (None, Config(32, 4, 2, 1, stages=3, wgmma=True))])}
 
 
 def _variants():
@@ -147,7 +159,7 @@ def build(out: Path) -> None:
     funcs = {}
     with target:
         for k, n in SHAPES:
-            for name, cfgs in {**variants(), **split_variants(n, k)}.items():
+            for name, cfgs in {**variants(), **split_variants(n, k), **previous_dispatch(n, k)}.items():
                 try:
                     funcs[f"{name}_{k}_{n}"] = skinny_nt_matmul(n, k, resolve(cfgs, n, k), wgmma=name == "hopper")
                 except ValueError as e:
@@ -177,7 +189,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             want = x.float() @ weights[0].float().T
             y = torch.full((m, n), float("nan"), device="cuda")    # a row left unwritten shows as NaN
             x_tvm, y_tvm = to_tvm(x), to_tvm(y)
-            names = [v for v in variants()] + [f"mma_s{s}" for s in SPLITS] + ([] if ONLY else
+            names = [v for v in variants()] + [f"mma_s{s}" for s in SPLITS] + list(previous_dispatch(n, k)) + ([] if ONLY else
                 (["lowbatch"] if m <= 8 else []) + ["tc"] + (["gemv"] if m == 1 else []))
             calls, errors = {}, {}
             for name in names:

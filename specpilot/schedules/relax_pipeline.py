@@ -16,8 +16,8 @@ Schedule sets (a knob the tuner can turn; each computes exactly what the graph s
   tiles (N a multiple of 16, K of 32) on `schedules.skinny_kernels`' tensor-core kernel, made for
   few rows (decode batches, chain and tree verification) and taking prefill's symbolic rows
   too: weights streamed once per launch through a shared-memory ring (``wgmma`` on sm_90a,
-  ``mma.sync`` elsewhere; on sm_90a 128- and 256-row blocks beyond 72 rows), one kernel choice
-  by row count at run time.  Elementwise epilogues (casts, residual adds, the logits' bf16
+  ``mma.sync`` elsewhere; on sm_90a blocks of 128-256 rows beyond 72, sized per range of rows),
+  one kernel choice by row count at run time.  Elementwise epilogues (casts, residual adds, the logits' bf16
   rounding) are fused into the kernel's stores (`schedules.epilogue`); slices, transposes and
   repeats of its output stay kernels of their own.  The one-sequence decode step's projections
   (one static row) run `schedules.decode_gemv`'s GEMV instead, with the RMSNorm before them as

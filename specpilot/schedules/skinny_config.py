@@ -129,15 +129,49 @@ def configs(n_out: int, wgmma: bool = False, gpu: Device = TUNED) -> tuple:
               32: (wg(4, 1, 6), wg(4, 1, 4)),
               72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
     wide = (WIDE,) if wide_fills(n_out, gpu) else ()
-    # Beyond 72 rows (prefill, long chains) the 72-row blocks re-read W once per 72 rows: 128 and
-    # 256 rows of x a block, unsplit (27B gate/up and down at 128-1024 rows: 1.3-1.9x the 72-row
-    # dispatch, e.g. 5120 -> 34816 at 512 rows 825 -> 441 us; cuBLAS 238).  Where few channel blocks leave SMs idle, the split 72-row blocks stay up to 128
-    # rows (17408 -> 5120 at 128 rows: 113 us vs 145).
-    r128, r256 = wg(16, 1, 4), Config(32, 4, 2, 1, stages=3, wgmma=True)
+    # 73-128 rows (long chains, small batched trees): 128 rows of x a block (gate / up 5120 -> 34816 at
+    # 128 rows 205 -> 154 us against the 72-row blocks), except where few channel blocks leave SMs idle:
+    # the split 72-row blocks stay (17408 -> 5120 at 128 rows: 113 us vs 145).  Beyond: `many_rows`.
     ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
               for limit, candidates in mma]
     rest = hopper[72] + mma[-1][1]
-    return tuple(ranges) + ((128, (rest if few else (r128,) + rest)), (256, (r128,) + rest), (None, (r256,) + rest))
+    return tuple(ranges) + ((128, (rest if few else (wg(16, 1, 4),) + rest)),)
+
+
+def many_rows(n_out: int, k_in: int, gpu: Device = TUNED) -> list[tuple[int | None, Config]]:
+    """sm_90a beyond 128 rows (batched verification, prefill chunks): row blocks of 144, 192 or 256 rows
+    chosen per range so that few rows are padded -- a row block costs about as much full as nearly
+    empty, since the W it streams dominates.  From the H200 sweep of bench/skinny_gemm.py at 136-544
+    rows (bench/README "Skinny GEMMs", the 27B-class shapes): 144 rows, one warpgroup, for 129-144
+    and 257-432 rows (5120 -> 17408 at 136 rows 106 us against 156 for two 128-row blocks); two
+    warpgroups of 64 channels for 256 rows (145 vs 168 at 200-256) and 192 rows at 433-576 (274 vs
+    353 at 544).  Where few channel blocks leave SMs idle (N = 5120, 6144): up to 144 rows 72-row
+    blocks, K split in two for a long K (17408 -> 5120 at 136 rows: 93 us against 180), and two
+    warpgroups of 128 rows up to 288.  Beyond 576 rows, 256-row blocks of four stages.  A shape of at
+    most ``TINY_N`` channels (the hybrid's 48-channel gate projections) splits K over up to 16 blocks,
+    else one or two blocks would run alone."""
+    def wg(mt, wn, stages):
+        return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=1)
+    r72, r144, r128w2, r192w2, r256w2 = wg(9, 1, 6), wg(18, 1, 4), wg(16, 2, 4), wg(24, 2, 4), wg(32, 2, 4)
+    if n_out // 64 < gpu.sms:
+        first = replace(r144, splits=2) if k_in >= WIDE_SPLIT_K else r72
+        ranges = [(144, first), (288, r128w2)]
+    else:
+        ranges = [(144, r144), (256, r256w2)]
+    ranges += [(432, r144), (576, r192w2), (None, r256w2)]
+    if n_out <= TINY_N:
+        ranges = [(limit, tiny_split(cfg, n_out, k_in, gpu)) for limit, cfg in ranges]
+    return ranges
+
+
+TINY_N = 256        # channels up to which `many_rows` splits K over many blocks
+TINY_SPLIT_K = 256  # k per block at least, there
+
+
+def tiny_split(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
+    """``cfg`` with K split over the most blocks (<= 16) that keep >= ``TINY_SPLIT_K`` k each."""
+    splits = [s for s in (16, 8, 4, 2) if k_in // s >= TINY_SPLIT_K and replace(cfg, splits=s).fits(n_out, k_in, gpu=gpu)]
+    return replace(cfg, splits=splits[0]) if splits else cfg
 
 
 # 33-72 rows: one warpgroup multiplying two 64-channel weight tiles by each x tile, 8 stages (one
@@ -277,6 +311,11 @@ def pick(n_out: int, k_in: int, wgmma: bool = False, gpu: Device = TUNED) -> lis
         hopper = [c for c in fitting if c.wgmma and c.block_m() == next(h for h in fitting if h.wgmma).block_m()]
         out.append((limit, with_tail(max(hopper, key=lambda c: wave_efficiency(c, n_out, k_in, gpu)), n_out, k_in, gpu)
                     if hopper else fitting[0]))
+    if wgmma and out[-1][0] is not None:
+        many = many_rows(n_out, k_in, gpu)
+        if not all(cfg.fits(n_out, k_in, gpu=gpu) for _, cfg in many):
+            return out[:-1] + [(None, out[-1][1])]     # the 73-128-row choice for every larger m
+        out += many
     return out
 
 

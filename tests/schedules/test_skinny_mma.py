@@ -251,22 +251,35 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     assert not Config(9, 4, 1, 1, stages=1, wgmma=True).fits(64, 128)
 
 
-def test_hopper_takes_128_and_256_rows_a_block_beyond_72_rows():
-    """Prefill-sized M: 72-row blocks would re-read W once per 72 rows; beyond 72 rows blocks of 128
-    (up to 256 rows) and 256 rows of x, K unsplit (a split's float32 partials grow with M) -- except
-    up to 128 rows where few channel blocks leave SMs idle: the split 72-row blocks stay."""
-    for n, k in ((34816, 5120), (17408, 5120), (248320, 5120), (16480, 5120), (5120, 17408), (5120, 6144)):
+def test_hopper_sizes_row_blocks_beyond_72_rows_so_few_rows_are_padded():
+    """Beyond 72 rows: 128-row blocks up to 128 (the split 72-row blocks where few channel blocks leave
+    SMs idle); beyond, `many_rows`: 144-row blocks for 129-144 and 257-432 rows, two warpgroups of 256
+    rows up to 256 (of 128 rows up to 288 where channel blocks are few, after 72-row blocks -- K split
+    in two for a long K -- up to 144), 192 rows up to 576 and 256 beyond; a 48-channel shape splits K
+    16 ways in every one of those ranges."""
+    for n, k in ((34816, 5120), (17408, 5120), (248320, 5120), (16480, 5120), (5120, 17408), (5120, 6144),
+                 (48, 5120)):
         ranges = pick(n, k, wgmma=True)
-        assert [limit for limit, _ in ranges] == [8, 16, 32, 72, 128, 256, None]
-        chosen = dict(ranges)
         few = n // 64 < 132
-        assert chosen[256] == Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)
-        assert chosen[None] == Config(32, 4, 2, 1, stages=3, wgmma=True)
+        assert [limit for limit, _ in ranges] == [8, 16, 32, 72, 128, 144] + ([288] if few else [256]) + [432, 576, None]
+        chosen = dict(ranges)
         if (n, k) == (5120, 17408):     # 33-72 rows: `wide_split`; 73-128 the split 64-channel blocks
             assert chosen[72] == replace(WIDE, splits=2) and chosen[128].splits == 8 and chosen[128].a_tiles == 4
+        elif few:
+            assert chosen[128] == chosen[72]
         else:
-            assert chosen[128] == (chosen[72] if few else chosen[256])
-        assert chosen[256].splits == chosen[None].splits == 1 and (not few or chosen[72].splits > 1)
+            assert chosen[128] == Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)
+        splits = 16 if n == 48 else 1
+        r144 = Config(18, 4, 1, 1, stages=4, wgmma=True, overlap=1, splits=splits)
+        assert chosen[432] == r144
+        assert chosen[576] == Config(24, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
+        assert chosen[None] == Config(32, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
+        if not few:
+            assert chosen[144] == r144 and chosen[256] == chosen[None]
+        else:
+            assert chosen[288] == Config(16, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
+            assert chosen[144] == (replace(r144, splits=2) if k >= 16384 else
+                                   Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1, splits=splits))
         assert all(cfg.fits(n, k) for cfg in chosen.values())
     # other archs keep their four ranges (the last one open)
     assert [limit for limit, _ in pick(34816, 5120)] == [8, 16, 32, None]
