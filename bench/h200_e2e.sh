@@ -145,7 +145,8 @@ PY
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
     shift; prepare
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
-      --max-new-tokens ${TOKENS:-128} --forced -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json 2>&1 | tail -40 ;;
+      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --forced -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \
+      2>&1 | tail -${TAIL:-40} ;;
   train-drafters)
     # block (DFlash-style) and feature (EAGLE-3-style) drafters distilled from SmolLM2 on the target's own
     # continuations (generated once, shared), never on the bench's prompts
