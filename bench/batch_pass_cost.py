@@ -1,7 +1,7 @@
 """Where a batched pass's time goes: a target step of B requests as the batch engines run it, per kernel.
 
     python bench/batch_pass_cost.py BUILD_DIR [--batches 8,16,32] [--nodes 16] [--context 512] [--reps 10]
-                                   [--top 12] [--out DIR]
+                                   [--top 12] [--accepted 4] [--out DIR]
 
 B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
 (synchronised, medians of --reps): the AR step (one new token a request: the build's batched decode), a
@@ -10,7 +10,9 @@ as the speculative engines do; a chain's mask: a tree's costs the same rows), an
 drafter model (an early-exit or replay cost drafter), its pass over one node a request (a tree level).
 Then one run of each under torch's profiler (CUPTI sees TVM's kernels too): device time per kernel name,
 the top --top kernels of each with their share.  Calls of the step functions do not move the states
-(`CompiledModel.step_call`), so every repetition computes the same pass.  JSON to --out.
+(`CompiledModel.step_call`), so every repetition computes the same pass.  Last, the commit after a
+verification, request by request (`commit_cost`: the emitted positions' choices and `accept_path` of
+--accepted drafted tokens).  JSON to --out.
 """
 
 from __future__ import annotations
@@ -77,6 +79,36 @@ def passes(model, states, nodes: int, gen) -> dict:
     return {"ar_step": model.step_call(one)[:2], "verify": model.step_call(many, record=True)[:2]}
 
 
+def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dict:
+    """A verification's commit as the batch engines run it, request by request, after a real recorded
+    pass of ``nodes`` + 1 tokens each: the choice at each of ``accepted`` + 1 emitted positions
+    (`Emitter.target_token`: `decoding.top2` of its logits row, then to the host) and `accept_path` of
+    ``accepted`` nodes (every other one, as a tree's path).  Milliseconds for all B requests, medians of ``reps`` (one more
+    first, untimed); this moves the states on by ``accepted`` + 1 tokens a repetition."""
+    from specpilot.runtime.decoding import top2
+    choose, commit = [], []
+    for rep in range(reps + 1):
+        items = [(torch.randint(0, model.vocab_size, (nodes + 1,), generator=gen).tolist(), st) for st in states]
+        bases = [st.length for st in states]
+        rows = model.forward_batch(items, record=True)
+        _sync()
+        t0 = time.perf_counter()
+        for logits in rows:
+            for r in range(accepted + 1):
+                best, at, second, runner = top2(logits[r])
+                torch.stack([best, second]).float().tolist()
+                torch.stack([at, runner]).tolist()
+        _sync()
+        t1 = time.perf_counter()
+        for st, base in zip(states, bases):       # a tree's path: every other node, so keys and values move
+            model.accept_path(st, base, [2 * i for i in range(accepted + 1)])
+        _sync()
+        if rep:
+            choose.append((t1 - t0) * 1e3)
+            commit.append((time.perf_counter() - t1) * 1e3)
+    return {"accepted": accepted, "choices_ms": statistics.median(choose), "accept_path_ms": statistics.median(commit)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("build", type=Path)
@@ -85,6 +117,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--accepted", type=int, default=4, help="drafted tokens a request a commit keeps (<= nodes / 2)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -110,11 +143,14 @@ def main() -> None:
         for name, (fn, fargs) in calls.items():
             row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top)}
         row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
+        row["commit"] = commit_cost(target, states[:b], args.nodes, args.accepted, args.reps, gen)
         rows.append(row)
         line = f"B={b}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {args.nodes + 1} rows) " \
                f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
         if drafter:
             line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
+        line += f"; commit of {args.accepted} + 1 tokens a request: choices {row['commit']['choices_ms']:.2f} ms, " \
+                f"accept_path {row['commit']['accept_path_ms']:.2f} ms"
         print(line)
         for k in row["verify"]["kernels"][:8]:
             print(f"    verify {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
