@@ -26,7 +26,8 @@ import numpy as np
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
-from specpilot.runtime.decoding import Emitter, Generation, close_state, commit_chain, commit_tree, tree_inputs
+from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
+                                        tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
 from specpilot.runtime.drafters import bind, expand_across, sync_across
 from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
@@ -320,7 +321,9 @@ class _Scheduler:
         items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
         speculative = self.policy.mode != "ar"
         rows = self.model.forward_batch(items, record=speculative)
-        for r, plan, logits in zip(list(self.running), plans, rows):
+        # the running requests' choices, all rows at once (a hook needs the rows themselves)
+        chosen = top2_rows(rows[:len(plans)]) if self.hook is None else rows
+        for r, plan, logits in zip(list(self.running), plans, chosen):
             self._commit(r, plan, logits)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n

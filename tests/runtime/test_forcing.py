@@ -218,6 +218,36 @@ def test_top2_breaks_ties_to_the_lowest_index_and_ranks_the_rest():
             assert int(runner) == int(rest.argmax()) and float(second) == float(rest.max()) and int(runner) != int(at)
 
 
+def test_top2_rows_takes_every_rows_choice_at_once_as_top2_does():
+    """`decoding.top2_rows` (a batched pass's choices, one host copy) on fresh random blocks of rows
+    with planted exact ties, bf16 and float32, odd row counts and vocabularies: each row's Choice is
+    `top2`'s values on that row; an Emitter records the same from either."""
+    from specpilot.runtime.decoding import Choice, Emitter, top2, top2_rows
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (3, 301, 4099):
+        for dtype in (torch.bfloat16, torch.float32):
+            blocks = []
+            for rows in (1, 5, 17):
+                block = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16).to(dtype)
+                for r in range(rows):                    # ties at the top in some rows
+                    picks = torch.randint(0, vocab, (2,), generator=gen)
+                    block[r, picks] = block[r].max() + float(torch.randint(0, 2, (1,), generator=gen))
+                blocks.append(block)
+            chosen = top2_rows(blocks)
+            assert [len(c) for c in chosen] == [1, 5, 17]
+            for block, choices in zip(blocks, chosen):
+                for row, c in zip(block, choices):
+                    best, at, second, runner = top2(row)
+                    want = Choice(*torch.stack([best, second]).float().tolist()[:1], int(at),
+                                  torch.stack([best, second]).float().tolist()[1], int(runner))
+                    assert c == want
+                    a, b = Emitter(4, None, None, ()), Emitter(4, None, None, ())
+                    assert a.target_token(row) == b.target_token(c) and a.gen == b.gen
+    assert top2_rows([]) == []
+    with pytest.raises(ValueError, match="logits hook"):
+        Emitter(4, None, lambda pos, row: row, ()).target_token(chosen[0][0])
+
+
 @pytest.mark.parametrize("setting", ["inf", "nan", "-0.5", "loose"])
 def test_the_tolerance_rule_refuses_what_would_excuse_anything(setting):
     from specpilot.runtime.forcing import tolerance_rule
