@@ -10,6 +10,7 @@
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
 #                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES)
+#   bash bench/h200_e2e.sh batch-profile BUILD  the host's side of a batched run (cProfile at BATCHES), to $OUT
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
 #   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
@@ -132,6 +133,17 @@ PY
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
       --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
+  batch-profile)
+    # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats
+    # to $OUT (`python -m pstats`); device time shows where the host waits for it (tolist, numpy, cpu)
+    shift; setup; unpack
+    batch_prompts
+    timeout ${PROFILE_S:-300} python3 -m cProfile -o $OUT/batch-profile-$1.pstats -m specpilot.cli bench $b/$1 \
+      --prompts $E/batch.jsonl --batch ${BATCHES:-16} --max-new-tokens ${TOKENS:-128} \
+      --engines ${PROFILE_ENGINES:-compiled,compiled-tree-sched} --tie-tolerance ${TIE:-auto} --forced \
+      -o $OUT/batch-profile-$1.json 2>&1 | tail -8
+    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25)
+s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.pstats | cut -c1-160 ;;
   pass-cost)
     # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
     shift; setup; unpack
@@ -185,6 +197,6 @@ PY
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
      exit 2 ;;
 esac

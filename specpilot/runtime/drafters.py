@@ -173,9 +173,12 @@ class ModelDrafter:
             mask[i, base + i] = True
 
         def finish(logits: torch.Tensor) -> list[list[tuple[int, float]]]:
-            logp = self._logp(logits)
-            return [[] if base + len(path) >= self.capacity else self._top(logp[nodes[tuple(path)]])
-                    for path in paths]
+            """Every path's top-k from one ranking of its nodes' rows (one copy to the host a pass)."""
+            room = [base + len(path) < self.capacity for path in paths]
+            rows = [nodes[tuple(path)] for path, fits in zip(paths, room) if fits]
+            tops = iter(ranked_rows(self._logp(logits[torch.tensor(rows, device=logits.device)]), self.top_k)
+                        if rows else [])
+            return [next(tops) if fits else [] for fits in room]
         item = (tokens, self.state, [base + d - 1 for d in depths], mask, parents)
         return TreePass(self.model, self.state, item, finish)
 

@@ -152,22 +152,23 @@ def prefetch_shared(expands: list[Expand], budget: int, max_depths: list[int], c
     """`prefetch_levels` for `best_first_shared`: each tree level of every request fetched in one
     ``fetch(paths per request) -> expansions per request`` call (one batched drafter pass for the whole
     batch).  A node is fetched when it could still be taken: its score reaches the ``budget``-th best
-    over all requests' known nodes, its request's ``caps``-th best and ``min_score``.  Returns lookups;
-    a node not fetched is expanded on its own when asked for, so the trees do not depend on this."""
+    over the union of every request's ``caps`` best known nodes (a request past its cap is skipped,
+    so its other nodes leave room for others'), its request's ``caps``-th best and ``min_score``.
+    Returns lookups; a node not fetched is expanded on its own when asked for, so the trees do not
+    depend on this."""
     n = len(expands)
     caches: list[dict] = [{(): expand([])} for expand in expands]
-    known: list[float] = []
     mine: list[list[float]] = [[] for _ in range(n)]
     frontiers = [[((), 0.0)] for _ in range(n)]
     for depth in range(1, max(max_depths, default=0)):     # nodes at a request's max depth are never expanded
         levels = [[(path + (token,), score + logprob) for path, score in frontiers[r]
                    for token, logprob in caches[r][path] if logprob != float("-inf")] for r in range(n)]
         for r, level in enumerate(levels):
-            known.extend(s for _, s in level)
-            mine[r].extend(s for _, s in level)
-        bound = max(heapq.nlargest(budget, known)[-1] if len(known) >= budget else float("-inf"), min_score)
+            mine[r] = heapq.nlargest(caps[r], mine[r] + [s for _, s in level])   # the rest can never be taken
+        takeable = [s for scores in mine for s in scores]
+        bound = max(heapq.nlargest(budget, takeable)[-1] if len(takeable) >= budget else float("-inf"), min_score)
         for r, level in enumerate(levels):
-            own = heapq.nlargest(caps[r], mine[r])[-1] if caps[r] and len(mine[r]) >= caps[r] else float("-inf")
+            own = mine[r][-1] if caps[r] and len(mine[r]) >= caps[r] else float("-inf")
             keep = caps[r] > 0 and depth < max_depths[r]
             frontiers[r] = [(p, s) for p, s in level if keep and s >= max(bound, own)]
         if not any(frontiers):

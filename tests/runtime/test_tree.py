@@ -15,7 +15,7 @@ import torch
 
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
-from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared, replay_acceptance
+from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared, prefetch_shared, replay_acceptance
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
 
@@ -325,3 +325,30 @@ def test_a_shared_budget_takes_the_best_nodes_of_the_union_brute_force(seed):
         alone = best_first(expands[r], len(tree), depth) if len(tree) else None
         assert len(tree) == 0 or (alone.tokens, alone.parents) == (tree.tokens, tree.parents)
         assert all(tree.parents[i] < i for i in range(len(tree)))      # parents first
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_shared_prefetch_fetches_every_node_the_shared_budget_expands(seed):
+    """Level-wise prefetch for a shared budget (one batched drafter pass a level for all requests):
+    the same trees as node-by-node expansion, and no node expanded outside the levels -- caps that
+    bind (a request past its cap leaves its budget to others) and a score floor included."""
+    rng = np.random.default_rng(100 + seed)
+    n_requests, k = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    depths = [int(d) for d in rng.integers(1, 7, n_requests)]
+    caps = [int(c) for c in rng.integers(0, 12, n_requests)]
+    budget = int(rng.integers(1, 40))
+    floor = float(rng.choice([float("-inf"), -4.0, -8.0]))
+    expands = [_random_lattice(seed * 10 + r, k) for r in range(n_requests)]
+    singles = []
+
+    def counted(r):
+        return lambda path: (singles.append((r, tuple(path))), expands[r](path))[1]
+
+    def fetch(requests):
+        return [[expands[r](p) for p in paths] for r, paths in enumerate(requests)]
+    lookups = prefetch_shared([counted(r) for r in range(n_requests)], budget, depths, caps, fetch, floor)
+    assert sorted(singles) == [(r, ()) for r in range(n_requests)]     # the roots, nothing else
+    want = best_first_shared(expands, budget, depths, caps, floor)
+    got = best_first_shared(lookups, budget, depths, caps, floor)
+    assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
+    assert sorted(singles) == [(r, ()) for r in range(n_requests)]
