@@ -224,7 +224,8 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="warm-up runs per engine")
 @click.option("--no-reference", is_flag=True, help="skip the stock PyTorch and transformers reference rows")
 @click.option("--breakdown-requests", type=click.IntRange(0), default=2, show_default=True,
-              help="requests timed again, synchronised, for the cycle breakdown (0: none)")
+              help="requests timed again, synchronised, for the cycle breakdown (0: none; with --batch, "
+                   "any other value runs each row once more for a pass's split)")
 @click.option("--tie-tolerance", default="auto", show_default=True,
               help="bf16/fp16: near-ties below this AR margin are excused (listed); 'auto' derives it")
 @click.option("--record-profile", type=click.Path(dir_okay=False, path_type=Path),
@@ -265,7 +266,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
             raise SpecPilotError("--batch runs greedy on the build's own drafter plan; leave out sampling, "
                                  "--replay-*, --record-profile and --plot")
         _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                       forced, batches, arrivals, queue, output, as_json, schedules)
+                       forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0)
         return
     if schedules:
         raise SpecPilotError("--schedules needs --batch")
@@ -303,7 +304,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
 
 
 def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                   forced, batches, arrivals, queue, output, as_json, schedules=None):
+                   forced, batches, arrivals, queue, output, as_json, schedules=None, split=False):
     """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
     from rich.console import Console
     from rich.progress import Progress
@@ -344,7 +345,7 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
         task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra)))
         run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
                          lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
-                         partial, extra).run()
+                         partial, extra, split).run()
     result = {**batch_report(run, meta), "complete": True}
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))

@@ -25,6 +25,7 @@ import numpy as np
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.batching import Arrival, BatchRun, StepClock, WallClock, poisson_trace
 from specpilot.runtime.bench import TokenCheck, check_choices, check_tokens, label_for
+from specpilot.runtime.cycle_timing import Clock, breakdown
 from specpilot.runtime.engine import release_device_memory
 from specpilot.runtime.forcing import tolerance_rule
 
@@ -50,6 +51,7 @@ class BatchResult:
     check: TokenCheck
     speedup: float | None = None          # throughput over the autoregressive engine's at this batch size
     policy: dict = field(default_factory=dict)
+    split: dict | None = None             # a synchronised rerun's parts: `cycle_timing.breakdown` + per pass ms
 
 
 def arrivals_for(spec: str, prompts: list[list[int]], max_new: int, trace=None, seed: int = 0) -> list[Arrival]:
@@ -96,11 +98,13 @@ def parse_schedules(text: str | None) -> list[tuple[int, int]]:
 class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
                  forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None,
-                 schedules: list[tuple[int, int]] = ()):
+                 schedules: list[tuple[int, int]] = (), split: bool = False):
         """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
         ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
-        with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept)."""
-        self.partial = partial or (lambda run: None)
+        with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
+        ``split``: every row run once more with a synchronisation after each part of a pass, for where
+        a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
+        self.partial, self.split = partial or (lambda run: None), split
         self.schedules = list(schedules)
         self.scheduled = next((n for n in reversed(engines) if getattr(system.engines[n], "batch", None) is not None
                                and system.engines[n].batch.chunk is not None), None)
@@ -156,9 +160,23 @@ class BatchBench:
         run = self.system.serve(name, arrivals, policy, WallClock(), forces)
         self.progress(f"{name} at batch {batch}", advance=1)
         result = self._result(name, batch, arrivals, run, policy, tolerance, speculative)
+        if self.split:
+            result.split = self._split(name, arrivals, policy, forces)
         if schedule is not None:
             result.engine = f"{name}[{schedule[0]}/{schedule[1]}]"
         return result
+
+    def _split(self, name: str, arrivals: list[Arrival], policy, forces) -> dict:
+        """The row again, each pass's parts timed to their end on the device: seconds and shares of the
+        decoding time (prefill passes apart), and milliseconds a decoding pass."""
+        clock = Clock()
+        release_device_memory()
+        run = self.system.serve(name, arrivals, policy, WallClock(), forces, parts=clock)
+        out = breakdown(clock, run.seconds)
+        passes = max(1, sum(not s.prefill for s in run.steps))
+        out["prefill_seconds"] = clock.seconds["prefill"]
+        out["per_pass_ms"] = {k: 1e3 * v / passes for k, v in out["seconds"].items()}
+        return out
 
     def _result(self, name, batch, arrivals, run: BatchRun, policy, tolerance, speculative) -> BatchResult:
         done = [(a, g, t) for a, g, t in zip(arrivals, run.generations, run.timings) if g is not None]
@@ -197,15 +215,18 @@ def table(result: dict):
     from rich.table import Table
 
     t = Table(title=f"batched: {result['system']} ({result['arrivals']}, {result['max_new_tokens']} new tokens)")
+    split = any(r.get("split") for r in result["rows"])
     for column in ("batch", "engine", "tok/s", "x AR", "latency p50/p99 s", "TTFT p50 s", "tok/verif",
-                   "drafted/pass", "rows/pass", "tokens"):
+                   "drafted/pass", "rows/pass") + (("ms a pass: draft/verify/commit/host",) if split else ()) + ("tokens",):
         t.add_column(column, justify="left" if column == "engine" else "right")
     for r in result["rows"]:
         c = r["check"]
+        ms = r.get("split", {}) and r["split"]["per_pass_ms"]
+        parts = ("/".join(f"{ms[k]:.1f}" for k in ("draft", "verify", "commit", "host")) if ms else "-",) if split else ()
         t.add_row(str(r["batch"]), r["engine"], f"{r['throughput']:.1f}",
                   f"{r['speedup']:.2f}" if r["speedup"] else "-",
                   f"{r['latency']['p50']:.3f} / {r['latency']['p99']:.3f}", f"{r['ttft']['p50']:.3f}",
                   f"{r['tokens_per_verification']:.2f}" if r["tokens_per_verification"] else "-",
-                  f"{r['per_pass']['drafted']:.1f}", f"{r['per_pass']['rows']:.0f}",
+                  f"{r['per_pass']['drafted']:.1f}", f"{r['per_pass']['rows']:.0f}", *parts,
                   ("ok" if c["passed"] else "FAIL") + (f" ({len(c['excused'])} excused)" if c["excused"] else ""))
     return t

@@ -215,18 +215,21 @@ class _Request:
 
 
 def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy, capacity: int, clock=None,
-              forces=None, logits_hook=None, stop_ids=()) -> BatchRun:
+              forces=None, logits_hook=None, stop_ids=(), parts=None) -> BatchRun:
     """Serve ``arrivals`` as one continuous batch under ``policy`` (``make_drafter()``: a fresh drafter
-    for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``."""
+    for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``.  ``parts``: a
+    `cycle_timing.Clock` that times each pass's parts to their end on the device -- prefill (joins'
+    own passes), draft (drafts and trees), verify (the batched pass), commit (choices and commits)."""
     if forces is not None and len(forces) != len(arrivals):
         raise SpecPilotError(f"{len(forces)} forced token lists for {len(arrivals)} requests")
     return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
-                      [None] * len(arrivals), logits_hook, stop_ids).run()
+                      [None] * len(arrivals), logits_hook, stop_ids, parts).run()
 
 
 class _Scheduler:
-    def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids):
+    def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids, parts):
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
+        self.parts = parts
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
@@ -251,6 +254,9 @@ class _Scheduler:
                 self._step()
         self.result.seconds = time.perf_counter() - start
         return self.result
+
+    def _timed(self, part: str, fn, *args, **kwargs):
+        return fn(*args, **kwargs) if self.parts is None else self.parts.timed(part, fn, *args, **kwargs)
 
     def _arrive(self) -> None:
         now = self.clock.now()
@@ -290,9 +296,9 @@ class _Scheduler:
         delayed = len(self.running)
         if len(joining) == 1:    # one prompt: `forward` (a GPU build cuts a long one into passes of its own)
             r = joining[0]
-            rows = [self.model.forward(r.prompt[r.fed:], r.state)]
+            rows = [self._timed("prefill", self.model.forward, r.prompt[r.fed:], r.state)]
         else:
-            rows = self.model.forward_batch([(r.prompt[r.fed:], r.state) for r in joining])
+            rows = self._timed("prefill", self.model.forward_batch, [(r.prompt[r.fed:], r.state) for r in joining])
         longest = max(len(r.prompt) - r.fed for r in joining)
         for r, logits in zip(joining, rows):
             r.fed = len(r.prompt)
@@ -315,16 +321,13 @@ class _Scheduler:
 
     def _step(self) -> None:
         """One target pass: every running request's draft (or last token), plus admitted chunks."""
-        items, plans = self._drafts()
+        items, plans = self._timed("draft", self._drafts)
         drafted = sum(len(p[0]) for p in plans)
         chunks = self._chunks(drafted) if self.policy.chunk is not None else []
         items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
         speculative = self.policy.mode != "ar"
-        rows = self.model.forward_batch(items, record=speculative)
-        # the running requests' choices, all rows at once (a hook needs the rows themselves)
-        chosen = top2_rows(rows[:len(plans)]) if self.hook is None else rows
-        for r, plan, logits in zip(list(self.running), plans, chosen):
-            self._commit(r, plan, logits)
+        rows = self._timed("verify", self.model.forward_batch, items, record=speculative)
+        self._timed("commit", self._commit_all, plans, rows)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
             if speculative and hasattr(r.state, "drop_history"):
@@ -398,6 +401,12 @@ class _Scheduler:
             chunks.append((r, n))
             room -= n
         return chunks
+
+    def _commit_all(self, plans, rows) -> None:
+        # the running requests' choices, all rows at once (a hook needs the rows themselves)
+        chosen = top2_rows(rows[:len(plans)]) if self.hook is None else rows
+        for r, plan, logits in zip(list(self.running), plans, chosen):
+            self._commit(r, plan, logits)
 
     def _commit(self, r: _Request, plan, logits) -> None:
         tree, base = plan

@@ -204,8 +204,10 @@ class CompiledModule:
         return True
 
     def zeros(self, shape, dtype: str):
-        host = self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype)))
-        return host if self.device.dlpack_device_type() == 1 else host.copyto(self.device)
+        """Zeros where the build runs; on a GPU filled there in torch's caching allocator (a TVM copy
+        from the host would cost a host-to-device copy of every byte and a synchronising free)."""
+        where = "cpu" if self.device.dlpack_device_type() == 1 else f"cuda:{self.device.index}"
+        return self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype), device=where))
 
     def tensor(self, array: np.ndarray):
         return self.tvm.runtime.tensor(array, self.device)

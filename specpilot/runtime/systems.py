@@ -219,8 +219,9 @@ class System:
         return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue)
 
     def serve(self, engine: str, arrivals: list[Arrival], policy: BatchPolicy, clock=None, forces=None,
-              logits_hook=None, sampling: SamplingParams | None = None) -> BatchRun:
-        """``arrivals`` through one continuous batch on ``engine`` under ``policy`` (`runtime.batching`)."""
+              logits_hook=None, sampling: SamplingParams | None = None, parts=None) -> BatchRun:
+        """``arrivals`` through one continuous batch on ``engine`` under ``policy`` (`runtime.batching`;
+        ``parts``: a `cycle_timing.Clock` for the passes' split)."""
         e = self._engine(engine)
         for a in arrivals:
             self.check_prompt(list(a.prompt))
@@ -235,7 +236,7 @@ class System:
                     self.oracle.register(list(a.prompt), tokens)
         make = (lambda: e.drafter(sampling)) if e.drafter is not None else None
         return run_batch(sampled(e.model, sampling), make, arrivals, policy, self.capacity, clock, forces,
-                         logits_hook)
+                         logits_hook, parts=parts)
 
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
                        logits_hook=None, max_batch: int | None = None,

@@ -56,6 +56,20 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
     assert other["policy"]["budget"] == 20 and other["policy"]["chunk"] == 6 and other["policy"]["lengths"] == [8, 6, 4]
     assert other["per_pass"]["drafted"] <= 20 and other["per_pass"]["admitted"] > 0
     assert rows[("compiled", 4)]["speedup"] == 1.0
+    for (engine, batch), r in rows.items():     # the synchronised rerun's split of a pass
+        split = r["split"]
+        assert split["per_pass_ms"]["verify"] > 0 and min(split["seconds"].values()) >= 0
+        assert sum(split["seconds"].values()) == pytest.approx(split["cycle_seconds"])
+        assert engine == "compiled" or split["seconds"]["draft"] > 0
+    assert rows[("compiled", 4)]["split"]["prefill_seconds"] > 0     # joins by their own prefill pass
+
+
+def test_batched_bench_without_the_split(run_cli, replay_build):
+    build, _ = replay_build
+    code, stdout, err = run_cli("bench", build, "--batch", "2", "--engines", "compiled,compiled-tree", "--json",
+                                "--warmup", 0, "--requests", 2, "--max-new-tokens", 4, "--breakdown-requests", 0)
+    assert code == 0, err
+    assert [r["split"] for r in json.loads(stdout)["rows"]] == [None, None]
 
 
 @pytest.mark.parametrize("args,message", [(["--batch", "0"], "positive integers"),
