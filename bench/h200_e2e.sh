@@ -51,12 +51,13 @@ for _ in range(4):
     print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(4096)]}))" > $E/long.jsonl
 }
 # batched serving: 32 prompts of 512 token ids
+# 32 prompts of PROMPT_TOKENS (512) token ids: $E/batch.jsonl
 batch_prompts() {
-  [ -f $E/batch.jsonl ] || python3 -c "
+  python3 -c "
 import json, random
 r = random.Random(1)
 for _ in range(32):
-    print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(512)]}))" > $E/batch.jsonl
+    print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(${PROMPT_TOKENS:-512})]}))" > $E/batch.jsonl
 }
 case "${1:-}" in
   stage)

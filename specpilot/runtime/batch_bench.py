@@ -3,10 +3,11 @@ every engine of a build at each batch size on the same arrivals, in one run, wal
 checked.
 
 Per engine and batch size: throughput (generated tokens of all requests over the time from the
-first arrival to the last token), per-request latency (arrival to last token) and time to first
-token, p50 / p99, tokens per verification, and per pass the requests, drafted nodes, admitted
-prompt tokens and padded rows; the speedup is over the autoregressive engine at the same batch
-size in the same run.  Arrivals: a replayable trace (JSONL, `batching.read_trace`), ``burst`` (the
+first arrival to the last token), per-request latency (arrival to last token), time to first
+token and time a token after it (TPOT), p50 / p99, tokens per verification, and per pass the
+requests, drafted nodes, admitted prompt tokens and padded rows; the speedup is over the
+autoregressive engine at the same batch size in the same run.  With ``split``, where a pass's time
+goes (a synchronised rerun).  Arrivals: a replayable trace (JSONL, `batching.read_trace`), ``burst`` (the
 requests all at once) or ``poisson:RATE`` (seeded).
 
 Tokens: a batched autoregressive run of every prompt first gives each request's reference
@@ -45,6 +46,7 @@ class BatchResult:
     throughput: float                     # generated tokens a second, all requests
     latency: dict                         # seconds, arrival to last token: p50, p99, max
     ttft: dict                            # seconds, arrival to first token: p50, p99
+    tpot: dict                            # seconds a token after the first (first token to last): p50, p99
     tokens_per_verification: float | None
     passes: int
     per_pass: dict                        # means over decoding passes: running, drafted, admitted, rows
@@ -194,6 +196,7 @@ class BatchBench:
             len(run.refused), tokens, seconds, tokens / seconds if seconds > 0 else 0.0,
             percentiles([t.done - t.arrival for _, _, t in done]),
             percentiles([t.first - t.arrival for _, _, t in done]),
+            percentiles([(t.done - t.first) / (len(g.tokens) - 1) for _, g, t in done if len(g.tokens) > 1]),
             sum(verifications) / len(verifications) if speculative and verifications else None,
             len(run.steps),
             {k: mean([getattr(s, k) for s in decoding]) for k in ("running", "drafted", "admitted", "rows")},
@@ -216,7 +219,7 @@ def table(result: dict):
 
     t = Table(title=f"batched: {result['system']} ({result['arrivals']}, {result['max_new_tokens']} new tokens)")
     split = any(r.get("split") for r in result["rows"])
-    for column in ("batch", "engine", "tok/s", "x AR", "latency p50/p99 s", "TTFT p50 s", "tok/verif",
+    for column in ("batch", "engine", "tok/s", "x AR", "latency p50/p99 s", "TTFT p50 s", "TPOT p50 ms", "tok/verif",
                    "drafted/pass", "rows/pass") + (("ms a pass: draft/verify/commit/host",) if split else ()) + ("tokens",):
         t.add_column(column, justify="left" if column == "engine" else "right")
     for r in result["rows"]:
@@ -226,6 +229,7 @@ def table(result: dict):
         t.add_row(str(r["batch"]), r["engine"], f"{r['throughput']:.1f}",
                   f"{r['speedup']:.2f}" if r["speedup"] else "-",
                   f"{r['latency']['p50']:.3f} / {r['latency']['p99']:.3f}", f"{r['ttft']['p50']:.3f}",
+                  f"{1e3 * r['tpot']['p50']:.1f}" if r["tpot"]["p50"] is not None else "-",
                   f"{r['tokens_per_verification']:.2f}" if r["tokens_per_verification"] else "-",
                   f"{r['per_pass']['drafted']:.1f}", f"{r['per_pass']['rows']:.0f}", *parts,
                   ("ok" if c["passed"] else "FAIL") + (f" ({len(c['excused'])} excused)" if c["excused"] else ""))

@@ -41,6 +41,11 @@ def ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices[rank], values
 
 
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """A drafter's offered log-probabilities: log_softmax(logits / temperature)."""
+    return torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+
+
 def ranked_rows(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """`ranked` of every row of ``logp`` (rows, vocab) as (token, value) lists, with one copy to the
     host for all of them (a tree level's expansions)."""
@@ -64,7 +69,7 @@ class ModelDrafter:
         self.reset()
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
+        return log_probs(logits, self.temperature)
 
     @property
     def network(self) -> "ModelDrafter":
@@ -172,15 +177,14 @@ class ModelDrafter:
                 mask[i, base:] = mask[parent, base:]
             mask[i, base + i] = True
 
-        def finish(logits: torch.Tensor) -> list[list[tuple[int, float]]]:
-            """Every path's top-k from one ranking of its nodes' rows (one copy to the host a pass)."""
-            room = [base + len(path) < self.capacity for path in paths]
-            rows = [nodes[tuple(path)] for path, fits in zip(paths, room) if fits]
-            tops = iter(ranked_rows(self._logp(logits[torch.tensor(rows, device=logits.device)]), self.top_k)
-                        if rows else [])
-            return [next(tops) if fits else [] for fits in room]
+        room = [base + len(path) < self.capacity for path in paths]
+
+        def finish(tops: list[list[tuple[int, float]]]) -> list[list[tuple[int, float]]]:
+            ranked_paths = iter(tops)
+            return [next(ranked_paths) if fits else [] for fits in room]
         item = (tokens, self.state, [base + d - 1 for d in depths], mask, parents)
-        return TreePass(self.model, self.state, item, finish)
+        rows = [nodes[tuple(path)] for path, fits in zip(paths, room) if fits]
+        return TreePass(self.model, self.state, item, rows, (self.top_k, self.temperature), finish)
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))
@@ -201,11 +205,36 @@ class ModelDrafter:
 @dataclass
 class TreePass:
     """A drafter pass scoring a tree's nodes: ``item`` for the network's ``forward_batch`` on ``state``
-    (put back afterwards), ``finish(logits)`` the expansions it answers."""
+    (put back afterwards); ``finish(tops)`` the expansions it answers from the ranked (token,
+    log-probability) lists of its ``rows``, under ``ranking`` (top k, temperature)."""
     model: object
     state: object
     item: tuple
-    finish: Callable[[torch.Tensor], list]
+    rows: list[int]
+    ranking: tuple[int, float]
+    finish: Callable[[list], list]
+
+
+def rank_passes(plans: list[TreePass], logits: list[torch.Tensor]) -> list[list]:
+    """Each pass's ``rows`` ranked, the passes sharing a ranking all at once: one top-k over the
+    rows of every request and one copy to the host (a tree level of a whole batch)."""
+    tops: list = [None] * len(plans)
+    groups: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault(plan.ranking, []).append(i)
+    for (k, temperature), members in groups.items():
+        picked = [logits[i].index_select(0, _device_index(plans[i].rows, logits[i].device)) for i in members]
+        stacked = torch.cat(picked) if len(picked) > 1 else picked[0]
+        ranked_all = iter(ranked_rows(log_probs(stacked, temperature), k) if len(stacked) else [])
+        for i in members:
+            tops[i] = [next(ranked_all) for _ in plans[i].rows]
+    return tops
+
+
+def _device_index(rows: list[int], device) -> torch.Tensor:
+    """``rows`` as an index where the logits are, copied from pinned memory without waiting for the device."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def bind(drafter, state) -> None:
@@ -252,8 +281,9 @@ def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[l
         finally:
             for (_, plan), snap in zip(members, snaps):
                 plan.state.restore(snap, keep_history=True)
-        for (r, plan), logits in zip(members, rows):
-            out[r] = plan.finish(logits)
+        plans = [plan for _, plan in members]
+        for (r, plan), tops in zip(members, rank_passes(plans, rows)):
+            out[r] = plan.finish(tops)
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.feature_drafter import cache_slots
-from specpilot.runtime.drafters import common_prefix, ranked, ranked_rows
+from specpilot.runtime.drafters import common_prefix, log_probs, ranked, ranked_rows
 from specpilot.runtime.lattice import Lattice
 
 
@@ -61,7 +61,7 @@ class _Conditioned:
         return self.source.read(start, end)
 
     def _logp(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(logits / self.temperature if self.temperature != 1.0 else logits, dim=-1)
+        return log_probs(logits, self.temperature)
 
     @staticmethod
     def _lattice(logps: list[torch.Tensor], k: int) -> Lattice:

@@ -172,8 +172,8 @@ class ReplayDrafter:
                 if inner is None:
                     return None
 
-                def finish(logits):
-                    for (key, _), below in zip(found, inner.finish(logits)):
+                def finish(tops):
+                    for (key, _), below in zip(found, inner.finish(tops)):
                         cost_children[key] = below
                     return [children(p) for p in paths]
                 return replace(inner, finish=finish)

@@ -46,6 +46,7 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
         assert r["requests"] == 6 and r["refused"] == 0 and r["tokens"] == sum(10 + i for i in range(6))
         assert r["check"]["passed"] and r["check"]["identical"] == 6 and not r["check"]["excused"]
         assert r["throughput"] > 0 and r["latency"]["p50"] <= r["latency"]["p99"] <= r["latency"]["max"]
+        assert 0 < r["tpot"]["p50"] <= r["tpot"]["p99"] and r["tpot"]["max"] * 9 <= r["latency"]["max"]
         assert r["per_pass"]["running"] <= batch
         assert (r["tokens_per_verification"] is None) == (engine == "compiled")
     sched = rows[("compiled-tree-sched", 4)]

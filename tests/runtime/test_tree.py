@@ -352,3 +352,24 @@ def test_shared_prefetch_fetches_every_node_the_shared_budget_expands(seed):
     got = best_first_shared(lookups, budget, depths, caps, floor)
     assert [(t.tokens, t.parents) for t in got] == [(t.tokens, t.parents) for t in want]
     assert sorted(singles) == [(r, ()) for r in range(n_requests)]
+
+
+def test_a_levels_passes_are_ranked_together_as_each_would_be_alone():
+    """`rank_passes`: the rows of many requests' drafter passes ranked in one go (grouped by top k
+    and temperature) equal each row ranked on its own -- odd sizes, a pass with no rows, ties."""
+    from specpilot.runtime.drafters import TreePass, log_probs, rank_passes, ranked
+
+    gen = torch.Generator().manual_seed(11)
+    lengths, rankings = [5, 1, 3, 7, 2], [(4, 1.0), (4, 1.0), (3, 0.7), (4, 1.0), (3, 0.7)]
+    logits = [torch.randn(n, 97, generator=gen) for n in lengths]
+    logits[3][2, :10] = logits[3][2, 10]                      # planted ties
+    picks = [[4, 0, 2], [], [1], [6, 2, 3, 0], [1, 0]]
+    plans = [TreePass(None, None, (), rows, ranking, None) for rows, ranking in zip(picks, rankings)]
+    got = rank_passes(plans, logits)
+    for plan, rows, tops in zip(plans, logits, got):
+        k, temperature = plan.ranking
+        assert len(tops) == len(plan.rows)
+        for row, top in zip(plan.rows, tops):
+            indices, values = ranked(log_probs(rows[row], temperature), k)
+            assert [t for t, _ in top] == indices.tolist()
+            np.testing.assert_allclose([v for _, v in top], values.tolist(), rtol=1e-6, atol=1e-6)
