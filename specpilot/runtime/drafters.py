@@ -79,7 +79,7 @@ class ModelDrafter:
         self.state = None   # a compiled model's old state gives its cache row back first
         self.state = self.model.new_state(self.capacity)
         self.consumed: list[int] = []   # the tokens whose KV / recurrent state is in self.state
-        self.root: tuple | None = None  # (context, logits after it) left by `sync_across`
+        self.root: tuple | None = None  # (context, logits after it, their ranked top-k) left by `sync_across`
 
     def _pending(self, context: list[int]) -> list[int] | None:
         """Cut the state back to what it shares with ``context`` and return the tokens still to feed
@@ -100,7 +100,7 @@ class ModelDrafter:
         ``keep_history``: keep the recorded recurrent states of earlier passes, so a later call
         can roll back to any prefix of the contexts synced since (tree expansion)."""
         if self.root is not None and not keep_history:
-            (synced, logits), self.root = self.root, None
+            (synced, logits, _), self.root = self.root, None
             if synced == tuple(context) and self.consumed == list(context):
                 return logits
         keep = common_prefix(self.consumed, context)
@@ -122,13 +122,17 @@ class ModelDrafter:
     def expander(self, context: list[int]):
         """For tree drafting: path below the context -> the drafter's top-k next tokens with
         their log-probabilities, conditioned on context + path."""
-        root = self._logp(self._sync(context))
+        ranked_root = self.root[2] if self.root is not None and self.root[0] == tuple(context) else None
+        logits = self._sync(context)
+        if ranked_root is None or self.consumed != list(context):
+            ranked_root = self._top(self._logp(logits))
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             if len(context) + len(path) >= self.capacity:
                 return []
-            logp = root if not path else self._logp(self._sync(context + path, keep_history=True))
-            return self._top(logp)
+            if not path:
+                return ranked_root
+            return self._top(self._logp(self._sync(context + path, keep_history=True)))
 
         if self._tree_capable():
             expand.batch = lambda paths: self._expand_batch(context, paths, expand)
@@ -218,16 +222,22 @@ class TreePass:
 def rank_passes(plans: list[TreePass], logits: list[torch.Tensor]) -> list[list]:
     """Each pass's ``rows`` ranked, the passes sharing a ranking all at once: one top-k over the
     rows of every request and one copy to the host (a tree level of a whole batch)."""
-    tops: list = [None] * len(plans)
+    return rank_together([(x.index_select(0, _device_index(plan.rows, x.device)), plan.ranking)
+                          for plan, x in zip(plans, logits)])
+
+
+def rank_together(blocks: list[tuple[torch.Tensor, tuple[int, float]]]) -> list[list]:
+    """`ranked_rows` of many (rows, (top k, temperature)) blocks, those sharing a ranking in one go."""
+    tops: list = [None] * len(blocks)
     groups: dict[tuple, list[int]] = {}
-    for i, plan in enumerate(plans):
-        groups.setdefault(plan.ranking, []).append(i)
+    for i, (_, ranking) in enumerate(blocks):
+        groups.setdefault(ranking, []).append(i)
     for (k, temperature), members in groups.items():
-        picked = [logits[i].index_select(0, _device_index(plans[i].rows, logits[i].device)) for i in members]
+        picked = [blocks[i][0] for i in members]
         stacked = torch.cat(picked) if len(picked) > 1 else picked[0]
         ranked_all = iter(ranked_rows(log_probs(stacked, temperature), k) if len(stacked) else [])
         for i in members:
-            tops[i] = [next(ranked_all) for _ in plans[i].rows]
+            tops[i] = [next(ranked_all) for _ in range(len(blocks[i][0]))]
     return tops
 
 
@@ -256,8 +266,9 @@ def sync_across(drafters: list, contexts: list[list[int]]) -> None:
             groups.setdefault(id(network.model), []).append((network, list(context), new))
     for members in groups.values():
         rows = members[0][0].model.forward_batch([(new, n.state) for n, _, new in members], record=True)
-        for (network, context, _), logits in zip(members, rows):
-            network.consumed, network.root = context, (tuple(context), logits[-1])
+        roots = rank_together([(logits[-1:], (n.top_k, n.temperature)) for (n, _, _), logits in zip(members, rows)])
+        for (network, context, _), logits, top in zip(members, rows, roots):
+            network.consumed, network.root = context, (tuple(context), logits[-1], top[0])
 
 
 def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[list[tuple[int, float]]]]:
