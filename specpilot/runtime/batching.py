@@ -107,8 +107,8 @@ class BatchPolicy:
     lengths: tuple[int, ...] | None = None
     chunk: int | None = None
     queue: int | None = None        # waiting requests at most; later arrivals are refused
-    prefill: int = 4096             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
-                                    # a pass's activations grow with its tokens
+    prefill: int = 2048             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
+                                    # a pass's activations and logits grow with its tokens (as PREFILL_CHUNK)
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
