@@ -122,9 +122,10 @@ class ModelDrafter:
     def expander(self, context: list[int]):
         """For tree drafting: path below the context -> the drafter's top-k next tokens with
         their log-probabilities, conditioned on context + path."""
-        ranked_root = self.root[2] if self.root is not None and self.root[0] == tuple(context) else None
+        synced = self.root is not None and self.root[0] == tuple(context) and self.consumed == list(context)
+        ranked_root = self.root[2] if synced else None        # ranked by `sync_across` with the batch's roots
         logits = self._sync(context)
-        if ranked_root is None or self.consumed != list(context):
+        if ranked_root is None:
             ranked_root = self._top(self._logp(logits))
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
