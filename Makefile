@@ -43,12 +43,16 @@ cpp-asan: $(STAMP)
 	cmake -S cpp -B build/cpp-asan -DCMAKE_BUILD_TYPE=Debug -DSPECPILOT_SANITIZE=ON -DPython3_EXECUTABLE=$(abspath $(BIN))/python >/dev/null
 	cmake --build build/cpp-asan -j2
 
+# a worker a core (pytest-xdist), each test file on one worker (its module fixtures built once), one thread
+# a worker (torch's and TVM's pools would otherwise oversubscribe the cores)
+PYTEST := OMP_NUM_THREADS=1 TVM_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile
+
 test: $(STAMP) cpp cpp-asan
-	$(BIN)/python -m pytest -q --durations=15
+	$(PYTEST) --durations=15
 
 # the inner loop: the suite without its slow tests (whole builds forced end to end, sm_90 compiles, the search)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # the fuzz suite at 20x the examples CI runs (tests/test_fuzz.py)
 fuzz: $(STAMP)
