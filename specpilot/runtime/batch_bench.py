@@ -49,7 +49,7 @@ class BatchResult:
     tpot: dict                            # seconds a token after the first (first token to last): p50, p99
     tokens_per_verification: float | None
     passes: int
-    per_pass: dict                        # means over decoding passes: running, drafted, admitted, rows
+    per_pass: dict                        # means over decoding passes: running, drafted, admitted, rows, levels
     check: TokenCheck
     speedup: float | None = None          # throughput over the autoregressive engine's at this batch size
     policy: dict = field(default_factory=dict)
@@ -199,7 +199,7 @@ class BatchBench:
             percentiles([(t.done - t.first) / (len(g.tokens) - 1) for _, g, t in done if len(g.tokens) > 1]),
             sum(verifications) / len(verifications) if speculative and verifications else None,
             len(run.steps),
-            {k: mean([getattr(s, k) for s in decoding]) for k in ("running", "drafted", "admitted", "rows")},
+            {k: mean([getattr(s, k) for s in decoding]) for k in ("running", "drafted", "admitted", "rows", "levels")},
             check, policy=asdict(policy))
 
 

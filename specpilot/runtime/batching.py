@@ -188,6 +188,7 @@ class Step:
     admitted: int                     # prompt tokens riding in it (admission chunks or joins' prefill)
     rows: int                         # the pass's padded rows (batch x longest)
     prefill: bool = False             # a join's own prefill pass (no decoding)
+    levels: int = 0                   # batched drafter passes over tree levels before it
 
 
 @dataclass
@@ -229,7 +230,7 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
 class _Scheduler:
     def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids, parts):
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
-        self.parts = parts
+        self.parts, self.levels = parts, 0
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
@@ -321,6 +322,7 @@ class _Scheduler:
 
     def _step(self) -> None:
         """One target pass: every running request's draft (or last token), plus admitted chunks."""
+        self.levels = 0
         items, plans = self._timed("draft", self._drafts)
         drafted = sum(len(p[0]) for p in plans)
         chunks = self._chunks(drafted) if self.policy.chunk is not None else []
@@ -336,7 +338,7 @@ class _Scheduler:
                 self.prefilling.remove(r)
                 self._first_token(r, logits[-1])
         self._tick(Step(len(plans), drafted, sum(n for _, n in chunks),
-                        len(items) * max(len(it[0]) for it in items)))
+                        len(items) * max(len(it[0]) for it in items), levels=self.levels))
 
     def _drafts(self) -> tuple[list, list]:
         """The pass's items for the running requests and what each drafted: (tree or chain, base)."""
@@ -382,9 +384,13 @@ class _Scheduler:
         budget = sum(caps) if self.policy.budget is None else self.policy.budget - reserve
         floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
         depths = [r.out.max_new - len(r.out.gen.tokens) for r in self.running]
-        expands = prefetch_shared(own, budget, depths, caps, lambda paths: expand_across(own, paths), floor) \
+        expands = prefetch_shared(own, budget, depths, caps, lambda paths: self._level(own, paths), floor) \
             if budget > 1 else own
         return best_first_shared(expands, budget, depths, caps, floor)
+
+    def _level(self, expands, paths):
+        self.levels += 1
+        return expand_across(expands, paths)
 
     def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
         """Prompt chunks for this pass: in the room the running requests' drafts leave under the

@@ -119,7 +119,11 @@ def test_the_drafter_runs_once_a_level_for_the_whole_batch(pair, alone):
     assert [g.tokens for g in run.generations] == alone
     batched = [sizes for sizes, record in drafting.passes if record and len(sizes) > 1]
     assert batched and any(max(sizes) > 1 for sizes in batched)       # tree levels of several requests at once
-    assert len([p for p in drafting.passes if p[1]]) < sum(s.drafted for s in run.steps)
+    recorded = len([p for p in drafting.passes if p[1]])
+    assert recorded < sum(s.drafted for s in run.steps)
+    levels = sum(s.levels for s in run.steps)           # the steps count their tree-level passes
+    assert 0 < levels < recorded and all(s.levels <= POLICIES["tree-shared"].nodes for s in run.steps)
+    assert all(s.levels == 0 for s in _run(pair, POLICIES["ar"])[0].steps)
 
 
 def test_shared_budget_with_forcing_reports_own_choices(pair, alone):
