@@ -350,11 +350,7 @@ class _Scheduler:
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
         reserve = self._reserve()
-        if self.policy.mode == "chain":
-            trees = [_chain(r.drafter.propose(r.prompt + r.out.gen.tokens, cap), cap) if cap else Tree()
-                     for r, cap in zip(self.running, caps)]
-        else:
-            trees = self._trees(caps, reserve)
+        trees = self._chains(caps) if self.policy.mode == "chain" else self._trees(caps, reserve)
         items, plans = [], []
         for r, tree in zip(self.running, trees):
             base = r.state.length
@@ -377,16 +373,42 @@ class _Scheduler:
     def _trees(self, caps: list[int], reserve: int = 0) -> list[Tree]:
         """The running requests' trees from the pass's budget; the drafter network runs once for all
         of them to catch up on accepted tokens, then once a tree level (`drafters.expand_across`)."""
-        contexts = [r.prompt + r.out.gen.tokens for r in self.running]
-        drafters = [r.drafter for r in self.running]
-        sync_across(drafters, contexts)
-        own = [d.expander(c) for d, c in zip(drafters, contexts)]
+        own = self._expanders()
         budget = sum(caps) if self.policy.budget is None else self.policy.budget - reserve
         floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
         depths = [r.out.max_new - len(r.out.gen.tokens) for r in self.running]
         expands = prefetch_shared(own, budget, depths, caps, lambda paths: self._level(own, paths), floor) \
             if budget > 1 else own
         return best_first_shared(expands, budget, depths, caps, floor)
+
+    def _expanders(self) -> list:
+        """Every running request's drafter brought to its context in one batched pass, and its expander."""
+        contexts = [r.prompt + r.out.gen.tokens for r in self.running]
+        drafters = [r.drafter for r in self.running]
+        sync_across(drafters, contexts)
+        return [d.expander(c) for d, c in zip(drafters, contexts)]
+
+    def _chains(self, caps: list[int]) -> list[Tree]:
+        """The running requests' chains, each its drafter's first-ranked path (up to its cap), one
+        batched drafter pass a chain position for all of them; nodes scored by the path's cumulative
+        log-probability."""
+        own = self._expanders()
+        trees = [Tree() for _ in own]
+        children = [expand([]) if cap else [] for expand, cap in zip(own, caps)]
+        while True:
+            grown = []
+            for r, (tree, below) in enumerate(zip(trees, children)):
+                if len(tree) < caps[r] and below and below[0][1] != float("-inf"):
+                    token, logprob = below[0]
+                    tree.tokens.append(token)
+                    tree.parents.append(len(tree.tokens) - 2)
+                    tree.depths.append(len(tree.tokens))
+                    tree.scores.append((tree.scores[-1] if tree.scores else 0.0) + logprob)
+                    grown.append(r)
+            paths = [[list(trees[r].tokens)] if r in grown and len(trees[r]) < caps[r] else [] for r in range(len(own))]
+            if not any(paths):
+                return trees
+            children = [found[0] if found else [] for found in self._level(own, paths)]
 
     def _level(self, expands, paths):
         self.levels += 1
@@ -440,13 +462,6 @@ class _Scheduler:
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen
-
-
-def _chain(lattice, cap: int) -> Tree:
-    """A drafted chain as a tree, its nodes scored by the chain's cumulative log-probabilities."""
-    tree = Tree.chain(lattice.chain()[:cap])
-    tree.scores = np.cumsum(lattice.logprobs[:len(tree), 0].double().cpu().numpy()).tolist() if len(tree) else []
-    return tree
 
 
 def _confidence(tree: Tree) -> float | None:

@@ -126,6 +126,17 @@ def test_the_drafter_runs_once_a_level_for_the_whole_batch(pair, alone):
     assert all(s.levels == 0 for s in _run(pair, POLICIES["ar"])[0].steps)
 
 
+def test_chains_are_drafted_a_position_at_a_time_for_the_whole_batch(pair, alone):
+    """A chain step drafts every running request's chain together: one batched drafter pass a
+    chain position (several requests' rows in it), not one pass a token a request."""
+    drafting = _Counting(pair[1])
+    run, _ = _run(pair, POLICIES["chain"], drafting=drafting)
+    assert [g.tokens for g in run.generations] == alone
+    assert any(len(sizes) > 1 for sizes, record in drafting.passes if record)
+    assert all(s.levels < POLICIES["chain"].nodes for s in run.steps)     # the root needs no pass
+    assert sum(s.levels for s in run.steps) >= sum(s.drafted > s.running for s in run.steps if not s.prefill)
+
+
 def test_shared_budget_with_forcing_reports_own_choices(pair, alone):
     """Forced onto stock's tokens, a batched run's own choices are stock's (token forcing in batches)."""
     run, _ = _run(pair, POLICIES["tree-shared"], forces=alone)
