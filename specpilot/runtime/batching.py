@@ -7,10 +7,12 @@ single-request greedy (or seeded sampled) tokens, whatever shares its batch.
 A step: autoregressive requests feed their last token; chain requests their drafted chain; tree
 requests a tree drawn from the pass's node budget (`tree.best_first_shared`: best first over the
 union of the running requests' candidates, each request capped by its draft length and cache
-room).  Waiting prompts join either by a prefill pass of their own before the step (stock
-continuous batching) or, with admission, in chunks riding in the rows the step's drafts leave
-under the budget (whole, when nothing is running).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a
-pass), under which a trace replays to the same schedule every time (tests).
+room).  Drafting runs the drafter network for all running requests at once: one batched pass to
+catch up on accepted tokens, then one a chain position or tree level.  Waiting prompts join either
+by a prefill pass of their own before the step (stock continuous batching) or, with admission, in
+chunks riding in the rows the step's drafts leave under the budget (whole, when nothing is
+running).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a pass),
+under which a trace replays to the same schedule every time (tests).
 """
 
 from __future__ import annotations
