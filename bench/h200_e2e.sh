@@ -50,8 +50,7 @@ r = random.Random(0)
 for _ in range(4):
     print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(4096)]}))" > $E/long.jsonl
 }
-# batched serving: 32 prompts of 512 token ids
-# 32 prompts of PROMPT_TOKENS (512) token ids: $E/batch.jsonl
+# batched serving: 32 prompts of PROMPT_TOKENS (512) token ids, $E/batch.jsonl
 batch_prompts() {
   python3 -c "
 import json, random

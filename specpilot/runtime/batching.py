@@ -398,7 +398,7 @@ class _Scheduler:
         trees = [Tree() for _ in own]
         children = [expand([]) if cap else [] for expand, cap in zip(own, caps)]
         while True:
-            grown = []
+            grown = set()
             for r, (tree, below) in enumerate(zip(trees, children)):
                 if len(tree) < caps[r] and below and below[0][1] != float("-inf"):
                     token, logprob = below[0]
@@ -406,7 +406,7 @@ class _Scheduler:
                     tree.parents.append(len(tree.tokens) - 2)
                     tree.depths.append(len(tree.tokens))
                     tree.scores.append((tree.scores[-1] if tree.scores else 0.0) + logprob)
-                    grown.append(r)
+                    grown.add(r)
             paths = [[list(trees[r].tokens)] if r in grown and len(trees[r]) < caps[r] else [] for r in range(len(own))]
             if not any(paths):
                 return trees
