@@ -47,8 +47,10 @@ class NodeBudget(_Strict):
 
 
 class Admission(_Strict):
-    """Waiting prompts in chunks of at most ``chunk`` tokens ride along in verification passes."""
+    """Waiting prompts in chunks of at most ``chunk`` tokens ride along in verification passes, while
+    the backlog fits ``passes`` chunks; a larger one joins by a prefill pass of its own."""
     chunk: int = Field(ge=1)
+    passes: int = Field(4, ge=1)
 
 
 class TreeVerify(_Strict):

@@ -11,7 +11,7 @@ room).  Drafting runs the drafter network for all running requests at once: one 
 catch up on accepted tokens, then one a chain position or tree level.  Waiting prompts join either
 by a prefill pass of their own before the step (stock continuous batching) or, with admission, in
 chunks riding in the rows the step's drafts leave under the budget (whole, when nothing is
-running).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a pass),
+running or the backlog is a burst of more than ``passes`` chunks).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a pass),
 under which a trace replays to the same schedule every time (tests).
 """
 
@@ -111,6 +111,7 @@ class BatchPolicy:
     queue: int | None = None        # waiting requests at most; later arrivals are refused
     prefill: int = 2048             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
                                     # a pass's activations and logits grow with its tokens (as PREFILL_CHUNK)
+    passes: int = 4
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
@@ -129,6 +130,8 @@ class BatchPolicy:
             raise SpecPilotError(f"draft lengths must be >= 1, got {self.lengths}")
         if self.queue is not None and self.queue < 0:
             raise SpecPilotError(f"the waiting queue's bound must be >= 0, got {self.queue}")
+        if self.passes < 1:
+            raise SpecPilotError(f"admission rides a backlog of >= 1 chunks, got {self.passes}")
         if self.prefill < 1:
             raise SpecPilotError(f"a prefill pass takes >= 1 prompt tokens, got {self.prefill}")
 
@@ -232,7 +235,7 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
 class _Scheduler:
     def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids, parts):
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
-        self.parts, self.levels = parts, 0
+        self.parts, self.levels, self.riding = parts, 0, False
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
@@ -250,8 +253,7 @@ class _Scheduler:
             if not (self.waiting or self.prefilling or self.running):
                 self.clock.wait_until(self.arrivals[self.pending[0]].at)
                 continue
-            admitting = self.policy.chunk is not None and self.running    # prompts ride in verify passes
-            if not admitting and (self.prefilling or (self.waiting and self._free_rows())):
+            if not self._rides() and (self.prefilling or (self.waiting and self._free_rows())):
                 self._join_by_prefill()
             if self.running:
                 self._step()
@@ -269,6 +271,18 @@ class _Scheduler:
                 self.result.timings[i].done = now      # refused: its generation stays None
                 continue
             self.waiting.append(i)
+
+    def _rides(self) -> bool:
+        """Whether waiting prompts ride in this step's verification pass: with admission, requests
+        running, and a backlog the free rows could take of at most ``passes`` chunks.  A larger one
+        (a burst) joins by a prefill pass: riding a chunk or two a pass, it would leave rows idle
+        for many passes."""
+        if self.policy.chunk is None or not self.running:
+            return False
+        joinable = list(self.waiting)[:max(0, self._free_rows())]
+        backlog = sum(len(r.prompt) - r.fed for r in self.prefilling) + \
+            sum(len(self.arrivals[i].prompt) for i in joinable)
+        return backlog <= self.policy.passes * self.chunk
 
     def _free_rows(self) -> int:
         return self.policy.max_batch - len(self.running) - len(self.prefilling)
@@ -324,10 +338,10 @@ class _Scheduler:
 
     def _step(self) -> None:
         """One target pass: every running request's draft (or last token), plus admitted chunks."""
-        self.levels = 0
+        self.levels, self.riding = 0, self._rides()
         items, plans = self._timed("draft", self._drafts)
         drafted = sum(len(p[0]) for p in plans)
-        chunks = self._chunks(drafted) if self.policy.chunk is not None else []
+        chunks = self._chunks(drafted) if self.riding else []
         items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
         speculative = self.policy.mode != "ar"
         rows = self._timed("verify", self.model.forward_batch, items, record=speculative)
@@ -367,7 +381,7 @@ class _Scheduler:
     def _reserve(self) -> int:
         """Nodes of a tree pass's budget set aside for prompt chunks while prompts wait for admission:
         without it drafts that fill the budget would leave a free row idle until the batch drains."""
-        if self.policy.chunk is None or self.policy.mode != "tree" or not (
+        if not self.riding or self.policy.mode != "tree" or not (
                 self.prefilling or (self.waiting and self._free_rows() > 0)):
             return 0
         return min(self.chunk, max(1, self.policy.budget // 2))

@@ -127,17 +127,22 @@ class ModelDrafter:
         logits = self._sync(context)
         if ranked_root is None:
             ranked_root = self._top(self._logp(logits))
+        # a network without recurrent layers keeps the tree's scored nodes in its cache until the next
+        # sync (path -> cache slot), so a level's pass scores only its new nodes
+        cached: dict[tuple, int] | None = None if self.model.cfg.is_hybrid else {}
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             if len(context) + len(path) >= self.capacity:
                 return []
             if not path:
                 return ranked_root
+            if cached:
+                cached.clear()          # the sync below cuts the cache back to the context
             return self._top(self._logp(self._sync(context + path, keep_history=True)))
 
         if self._tree_capable():
-            expand.batch = lambda paths: self._expand_batch(context, paths, expand)
-            expand.plan = lambda paths: self._tree_plan(context, paths)
+            expand.batch = lambda paths: self._expand_batch(context, paths, expand, cached)
+            expand.plan = lambda paths: self._tree_plan(context, paths, cached)
         return expand
 
     def _top(self, logp: torch.Tensor) -> list[tuple[int, float]]:
@@ -149,47 +154,53 @@ class ModelDrafter:
         hybrid drafter needs gdn-path-recompute for that."""
         return not getattr(self.model, "has_gdn", False) or getattr(self.model, "path_recompute", True)
 
-    def _expand_batch(self, context: list[int], paths: list[list[int]], expand) -> list[list[tuple[int, float]]]:
+    def _expand_batch(self, context: list[int], paths: list[list[int]], expand,
+                      cached: dict | None) -> list[list[tuple[int, float]]]:
         """The expansions of many paths below ``context`` from one tree-shaped drafter pass over
-        the union of their nodes; the drafter's state is put back afterwards."""
-        plan = self._tree_plan(context, paths)
+        their nodes (`_tree_plan`)."""
+        plan = self._tree_plan(context, paths, cached)
         if plan is None:
             return [expand(path) for path in paths]  # no room for the whole pass: node by node
         return expand_across([SimpleNamespace(plan=lambda _: plan)], [paths])[0]
 
-    def _tree_plan(self, context: list[int], paths: list[list[int]]) -> TreePass | None:
-        """One tree-shaped pass over the union of the paths' nodes below ``context`` (None when it
-        does not fit: cache room, a compiled hybrid's tree-kernel limit, a state not at ``context``)."""
+    def _tree_plan(self, context: list[int], paths: list[list[int]], cached: dict | None = None) -> TreePass | None:
+        """One tree-shaped pass over the paths' nodes below ``context`` (None when it does not fit:
+        cache room, a compiled hybrid's tree-kernel limit, a state not where the tree left it).
+        ``cached``: nodes an earlier pass of this tree left in the cache (path -> slot), which this
+        pass attends to instead of scoring them again, and to which it adds its own; None: the pass
+        takes the union of the paths' nodes and the state is put back after it."""
+        known = cached if cached is not None else {}
         nodes: dict[tuple, int] = {}                 # path prefix -> index in the pass
-        tokens, parents, depths = [], [], []
+        tokens, depths = [], []
         for path in paths:
             for d in range(1, len(path) + 1):
                 key = tuple(path[:d])
-                if key not in nodes:
+                if key not in nodes and key not in known:
                     nodes[key] = len(tokens)
                     tokens.append(path[d - 1])
-                    parents.append(nodes[key[:-1]] if d > 1 else -1)
                     depths.append(d)
-        base = len(context)
+        base, start = len(context), self.state.length
         limit = getattr(self.model, "max_verify_tokens", None)   # a compiled hybrid's GDN tree kernel holds so many
-        if not tokens or self.consumed != list(context) or self.state.length != base \
-                or base + len(tokens) > self.capacity or (limit and len(tokens) > limit):
+        if not tokens or self.consumed != list(context) or start != base + len(known) \
+                or start + len(tokens) > self.capacity or (limit and len(tokens) > limit):
             return None
-        mask = np.zeros((len(tokens), base + len(tokens)), dtype=bool)
+        slot = {key: start + i for key, i in nodes.items()} | known
+        mask = np.zeros((len(tokens), start + len(tokens)), dtype=bool)
         mask[:, :base] = True
-        for i, parent in enumerate(parents):
-            if parent >= 0:
-                mask[i, base:] = mask[parent, base:]
-            mask[i, base + i] = True
-
+        for key, i in nodes.items():
+            mask[i, [slot[key[:d]] for d in range(1, len(key) + 1)]] = True
+        parents = [nodes.get(key[:-1], -1) for key in nodes]     # within the pass (recurrent layers' paths)
         room = [base + len(path) < self.capacity for path in paths]
 
         def finish(tops: list[list[tuple[int, float]]]) -> list[list[tuple[int, float]]]:
+            if cached is not None:
+                cached.update(slot)
             ranked_paths = iter(tops)
             return [next(ranked_paths) if fits else [] for fits in room]
         item = (tokens, self.state, [base + d - 1 for d in depths], mask, parents)
         rows = [nodes[tuple(path)] for path, fits in zip(paths, room) if fits]
-        return TreePass(self.model, self.state, item, rows, (self.top_k, self.temperature), finish)
+        return TreePass(self.model, self.state, item, rows, (self.top_k, self.temperature), finish,
+                        keep=cached is not None)
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))
@@ -211,13 +222,15 @@ class ModelDrafter:
 class TreePass:
     """A drafter pass scoring a tree's nodes: ``item`` for the network's ``forward_batch`` on ``state``
     (put back afterwards); ``finish(tops)`` the expansions it answers from the ranked (token,
-    log-probability) lists of its ``rows``, under ``ranking`` (top k, temperature)."""
+    log-probability) lists of its ``rows``, under ``ranking`` (top k, temperature).  ``keep``: the
+    pass's nodes stay in the state's cache (put back only if the pass fails)."""
     model: object
     state: object
     item: tuple
     rows: list[int]
     ranking: tuple[int, float]
     finish: Callable[[list], list]
+    keep: bool = False
 
 
 def rank_passes(plans: list[TreePass], logits: list[torch.Tensor]) -> list[list]:
@@ -288,11 +301,14 @@ def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[l
             out[r] = [expand(path) for path in paths]
     for members in groups.values():
         snaps = [plan.state.snapshot() for _, plan in members]
+        done = False
         try:
             rows = members[0][1].model.forward_batch([plan.item for _, plan in members], record=True)
+            done = True
         finally:
             for (_, plan), snap in zip(members, snaps):
-                plan.state.restore(snap, keep_history=True)
+                if not (done and plan.keep):
+                    plan.state.restore(snap, keep_history=True)
         plans = [plan for _, plan in members]
         for (r, plan), tops in zip(members, rank_passes(plans, rows)):
             out[r] = plan.finish(tops)

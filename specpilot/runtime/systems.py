@@ -73,6 +73,7 @@ class BatchSchedule:
     min_prob: float = 0.0
     lengths: tuple[int, ...] | None = None       # dynamic draft lengths
     chunk: int | None = None                     # prompt admission's chunk
+    passes: int = 4                              # and the backlog, in chunks, that rides along
 
 
 class Engines(dict):
@@ -216,7 +217,7 @@ class System:
         b = e.batch
         if b is None:
             return BatchPolicy("tree", limit, e.tree_budget, queue=queue)
-        return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue)
+        return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue, passes=b.passes)
 
     def serve(self, engine: str, arrivals: list[Arrival], policy: BatchPolicy, clock=None, forces=None,
               logits_hook=None, sampling: SamplingParams | None = None, parts=None) -> BatchRun:
@@ -411,8 +412,9 @@ def batch_schedule(m) -> BatchSchedule | None:
     nodes = s.draft_nodes or m.tree_budget
     dynamic = lengths(nodes, s.draft_min, s.draft_step) if s.draft_dynamic else None
     budget = m.node_budget.nodes if m.node_budget else nodes * m.max_batch
+    a = m.admission
     return BatchSchedule(nodes, budget, m.node_budget.min_prob if m.node_budget else 0.0, dynamic,
-                         m.admission.chunk if m.admission else None)
+                         a.chunk if a else None, a.passes if a else 4)
 
 
 def load_system(spec_or_build: str | Path) -> System:

@@ -416,13 +416,13 @@ def test_compiled_batches_are_exact_under_every_batch_schedule(arch, tmp_path):
     shared-budget batches: every request's tokens are its own autoregressive tokens, exactly (a Gated
     DeltaNet target keeps each row's accepted path), and every row goes back."""
     passes = ("tree-verify{budget=8}" + (",gdn-path-recompute" if arch == "Qwen3_5ForCausalLM" else "")
-              + ",draft-length{length=6,min=2,step=2,dynamic=true},node-budget{nodes=10},prompt-admission{chunk=5}")
+              + ",draft-length{length=6,min=2,step=2,dynamic=true},node-budget{nodes=10},prompt-admission{chunk=5,passes=3}")
     data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
             "drafter": {"kind": "early-exit", "layers": TINY_CONFIGS[arch]["num_hidden_layers"] - 1, "top_k": 3},
             "passes": passes, "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 3}}
     system = from_build(build_spec(tmp_path, data))
     policy = system.batch_policy("compiled-tree-sched")
-    assert (policy.nodes, policy.budget, policy.lengths, policy.chunk) == (6, 10, (6, 4, 2), 5)
+    assert (policy.nodes, policy.budget, policy.lengths, policy.chunk, policy.passes) == (6, 10, (6, 4, 2), 5, 3)
     prompts = [[(5 * i + 17 * r) % 301 for i in range(3 + 5 * r)] for r in range(5)]
     limits = [23, 9, 31, 4, 17]
     alone = [system.generate("compiled", p, n).tokens for p, n in zip(prompts, limits)]

@@ -131,12 +131,14 @@ def test_batch_schedule_passes_are_legal_only_where_they_make_sense():
     assert check(parse("tree-verify{budget=8},node-budget{min_prob=1.0}"), dense) == [
         "node-budget: min_prob must be in [0, 1), got 1.0"]
     assert check(parse("draft-length{step=0}"), batch) == ["draft-length: step must be in 1..64, got 0"]
+    assert check(parse("tree-verify{budget=8},node-budget,prompt-admission{passes=0}"), PassContext(max_batch=8)) == [
+        "prompt-admission: passes must be in 1..1024, got 0"]
 
 
 def test_batch_schedule_reaches_the_manifest_and_the_engine(tmp_path):
     spec = load_spec(Path(__file__).parents[2] / "examples" / "tiny-hybrid-batch.yaml")
     manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b"))
-    assert manifest.node_budget.nodes == 16 and manifest.admission.chunk == 8
+    assert manifest.node_budget.nodes == 16 and (manifest.admission.chunk, manifest.admission.passes) == (8, 4)
     assert (manifest.serving.draft_nodes, manifest.serving.draft_min, manifest.serving.draft_step) == (8, 4, 2)
     system = from_build(tmp_path / "b")
     policy = system.batch_policy("compiled-tree-sched")

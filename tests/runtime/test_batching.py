@@ -223,3 +223,29 @@ def test_a_free_row_admits_a_waiting_prompt_while_drafts_would_fill_the_budget(p
     long, short = run.timings
     assert short.started <= short.arrival + 0.02 and short.done < long.done
     assert any(s.admitted and s.running for s in run.steps)
+
+
+@pytest.mark.parametrize("passes", [4, 10])
+def test_a_burst_joins_by_a_prefill_pass_and_a_small_backlog_rides(pair, passes):
+    """Two 10-token prompts arrive while one request runs, with two free rows and 2-token chunks: a
+    backlog of 20 tokens is more than 4 chunks, so the prompts join by a prefill pass of their own (the
+    running request waits for it); allowed 10 chunks, they ride along in verification passes."""
+    target, draft = pair
+    arrivals = [Arrival(0.0, (3, 1, 4, 1, 5), 24), Arrival(0.03, (9, 2, 6, 5, 3, 5, 8, 9, 7, 9), 6),
+                Arrival(0.03, (2, 7, 1, 8, 2, 8, 1, 8, 2, 8), 6)]
+    policy = BatchPolicy("tree", 3, 4, budget=8, chunk=2, passes=passes)
+    run = run_batch(target, lambda: ModelDrafter(draft, 3, 128), arrivals, policy, 128, StepClock(0.01))
+    for a, gen in zip(arrivals, run.generations):
+        assert gen.tokens == autoregressive(target, list(a.prompt), a.max_new, 128).tokens
+    joined = [s for s in run.steps if s.prefill and s.running]
+    rode = [s for s in run.steps if s.admitted and not s.prefill]
+    if passes == 4:
+        assert len(joined) == 1 and joined[0].admitted == 20 and not rode
+    else:
+        assert not joined and sum(s.admitted for s in rode) == 20
+        assert all(s.drafted + s.admitted <= 8 for s in rode)
+
+
+def test_admission_refuses_an_empty_backlog_bound():
+    with pytest.raises(SpecPilotError, match="backlog"):
+        BatchPolicy("tree", 2, 4, budget=8, chunk=2, passes=0)

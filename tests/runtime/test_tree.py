@@ -182,7 +182,10 @@ def test_batched_drafter_expansion_matches_node_by_node(arch):
     paths.append(paths[1][:2])                       # a prefix of another path
     batch_drafter = ModelDrafter(draft, 4, 300)
     batched = batch_drafter.expander(context).batch(paths)
-    assert batch_drafter.state.length == len(context) and batch_drafter.consumed == context
+    # a dense network keeps the scored nodes in its cache (until its next sync); a hybrid's is put back
+    nodes = len({tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)})
+    assert batch_drafter.state.length == len(context) + (nodes if arch == DENSE else 0)
+    assert batch_drafter.consumed == context
     node_drafter = ModelDrafter(draft, 4, 300)
     expand = node_drafter.expander(context)
     for path, got in zip(paths, batched):
@@ -193,6 +196,42 @@ def test_batched_drafter_expansion_matches_node_by_node(arch):
     nxt = context + paths[3][:2]
     fresh = ModelDrafter(draft, 4, 300)
     assert batch_drafter.propose(nxt, 4).chain() == fresh.propose(nxt, 4).chain()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_dense_drafters_levels_score_only_their_new_nodes(seed):
+    """Tree levels one after another (each path's children, then theirs): a dense drafter's pass
+    scores only the nodes no earlier pass of the tree scored, attending to those in its cache, and
+    answers as node-by-node expansion does; the next context syncs from the cut-back cache."""
+    draft = noisy_copy(tiny_model(DENSE, seed=3), 0.3)
+    rng = np.random.default_rng(seed)
+    context = [int(t) for t in rng.integers(0, 301, 5 + seed * 3)]
+    drafter, sizes = ModelDrafter(draft, 3, 300), []
+
+    class Counted:               # the drafter's batched passes' sizes recorded
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+        def forward_batch(self, items, record=False):
+            sizes.extend(len(item[0]) for item in items)
+            return draft.forward_batch(items, record=record)
+    drafter.model = Counted()
+    expand = drafter.expander(context)
+    reference = ModelDrafter(draft, 3, 300).expander(context)
+    level, scored = [[t] for t, _ in expand([])[:2]], set()
+    for _ in range(3):
+        sizes.clear()
+        got = expand.batch(level)
+        new = {tuple(p[:d]) for p in level for d in range(1, len(p) + 1)} - scored
+        assert sizes == [len(new)]
+        scored |= new
+        for path, below in zip(level, got):
+            want = reference(path)
+            assert [t for t, _ in below] == [t for t, _ in want]
+            np.testing.assert_allclose([lp for _, lp in below], [lp for _, lp in want], rtol=1e-4, atol=1e-5)
+        level = [path + [t] for path, below in zip(level, got) for t, _ in below[:int(rng.integers(1, 3))]]
+    nxt = context + level[0][:2]
+    assert drafter.propose(nxt, 4).chain() == ModelDrafter(draft, 3, 300).propose(nxt, 4).chain()
 
 
 def test_batched_expansion_past_the_models_verify_limit_goes_node_by_node():
