@@ -170,7 +170,8 @@ class BatchBench:
 
     def _split(self, name: str, arrivals: list[Arrival], policy, forces) -> dict:
         """The row again, each pass's parts timed to their end on the device: seconds and shares of the
-        decoding time (prefill passes apart), and milliseconds a decoding pass."""
+        decoding time (prefill passes apart), and milliseconds a decoding pass (with the drafter's
+        catch-up and level passes within drafting)."""
         clock = Clock()
         release_device_memory()
         run = self.system.serve(name, arrivals, policy, WallClock(), forces, parts=clock)
@@ -178,6 +179,8 @@ class BatchBench:
         passes = max(1, sum(not s.prefill for s in run.steps))
         out["prefill_seconds"] = clock.seconds["prefill"]
         out["per_pass_ms"] = {k: 1e3 * v / passes for k, v in out["seconds"].items()}
+        for part in ("draft_sync", "draft_levels"):       # within draft
+            out["per_pass_ms"][part] = 1e3 * clock.seconds[part] / passes
         return out
 
     def _result(self, name, batch, arrivals, run: BatchRun, policy, tolerance, speculative) -> BatchResult:

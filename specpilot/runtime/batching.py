@@ -225,7 +225,9 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
     """Serve ``arrivals`` as one continuous batch under ``policy`` (``make_drafter()``: a fresh drafter
     for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``.  ``parts``: a
     `cycle_timing.Clock` that times each pass's parts to their end on the device -- prefill (joins'
-    own passes), draft (drafts and trees), verify (the batched pass), commit (choices and commits)."""
+    own passes), draft (drafts and trees), verify (the batched pass), commit (choices and commits);
+    within draft also draft_sync (the drafter's catch-up pass) and draft_levels (its passes a chain
+    position or tree level, with their inputs and ranking)."""
     if forces is not None and len(forces) != len(arrivals):
         raise SpecPilotError(f"{len(forces)} forced token lists for {len(arrivals)} requests")
     return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
@@ -401,7 +403,7 @@ class _Scheduler:
         """Every running request's drafter brought to its context in one batched pass, and its expander."""
         contexts = [r.prompt + r.out.gen.tokens for r in self.running]
         drafters = [r.drafter for r in self.running]
-        sync_across(drafters, contexts)
+        self._timed("draft_sync", sync_across, drafters, contexts)
         return [d.expander(c) for d, c in zip(drafters, contexts)]
 
     def _chains(self, caps: list[int]) -> list[Tree]:
@@ -428,7 +430,7 @@ class _Scheduler:
 
     def _level(self, expands, paths):
         self.levels += 1
-        return expand_across(expands, paths)
+        return self._timed("draft_levels", expand_across, expands, paths)
 
     def _chunks(self, drafted: int) -> list[tuple[_Request, int]]:
         """Prompt chunks for this pass: in the room the running requests' drafts leave under the

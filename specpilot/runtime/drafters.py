@@ -236,8 +236,22 @@ class TreePass:
 def rank_passes(plans: list[TreePass], logits: list[torch.Tensor]) -> list[list]:
     """Each pass's ``rows`` ranked, the passes sharing a ranking all at once: one top-k over the
     rows of every request and one copy to the host (a tree level of a whole batch)."""
-    return rank_together([(x.index_select(0, _device_index(plan.rows, x.device)), plan.ranking)
-                          for plan, x in zip(plans, logits)])
+    picked = pick_rows(logits, [plan.rows for plan in plans])
+    return rank_together([(x, plan.ranking) for plan, x in zip(plans, picked)])
+
+
+def pick_rows(logits: list[torch.Tensor], rows: list[list[int]]) -> list[torch.Tensor]:
+    """``logits[i][rows[i]]`` for every i.  Where the tensors are rows of one (B, T, V) tensor (a
+    batched pass's items), one index and one gather for all of them instead of one apiece."""
+    base = logits[0]._base if logits else None
+    width = logits[0].shape[-1] if logits else 0
+    if base is None or not base.is_contiguous() or any(
+            x._base is not base or x.dim() != 2 or x.stride() != (width, 1) for x in logits):
+        return [x.index_select(0, _device_index(r, x.device)) for x, r in zip(logits, rows)]
+    first = [(x.storage_offset() - base.storage_offset()) // width for x in logits]
+    flat = [f + r for f, picks in zip(first, rows) for r in picks]
+    gathered = base.reshape(-1, width).index_select(0, _device_index(flat, base.device))
+    return list(torch.split(gathered, [len(r) for r in rows]))
 
 
 def rank_together(blocks: list[tuple[torch.Tensor, tuple[int, float]]]) -> list[list]:

@@ -15,7 +15,7 @@ HYBRID = {"architecture": "Qwen3_5ForCausalLM", "config": TINY_CONFIGS["Qwen3_5F
 COST = {"architecture": "LlamaForCausalLM", "init": {"seed": 9},
         "config": {**TINY_CONFIGS["LlamaForCausalLM"], "num_hidden_layers": 1}}
 PASSES = ("tree-verify{budget=8},gdn-path-recompute,draft-length{length=8,min=4,step=2,dynamic=true},"
-          "node-budget{nodes=12},prompt-admission{chunk=4}")
+          "node-budget{nodes=12},prompt-admission{chunk=4,passes=16}")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
         assert r["per_pass"]["running"] <= batch
         assert (r["tokens_per_verification"] is None) == (engine == "compiled")
     sched = rows[("compiled-tree-sched", 4)]
-    assert sched["policy"]["budget"] == 12 and sched["policy"]["chunk"] == 4
+    assert sched["policy"]["budget"] == 12 and (sched["policy"]["chunk"], sched["policy"]["passes"]) == (4, 16)
     assert sched["policy"]["lengths"] == [8, 6, 4]
     assert sched["per_pass"]["admitted"] > 0 and sched["per_pass"]["drafted"] <= 12
     other = rows[("compiled-tree-sched[20/6]", 4)]     # the runtime's choice: another budget and chunk
@@ -62,6 +62,9 @@ def test_batched_bench_through_a_trace_checks_every_row(run_cli, replay_build):
         assert split["per_pass_ms"]["verify"] > 0 and min(split["seconds"].values()) >= 0
         assert sum(split["seconds"].values()) == pytest.approx(split["cycle_seconds"])
         assert engine == "compiled" or split["seconds"]["draft"] > 0
+        ms = split["per_pass_ms"]          # the drafter's catch-up and level passes, within drafting
+        assert ms["draft_sync"] + ms["draft_levels"] <= ms["draft"] + 1e-9
+        assert (ms["draft_levels"] > 0) == (engine != "compiled"), (engine, batch, ms, r["per_pass"])
     assert rows[("compiled", 4)]["split"]["prefill_seconds"] > 0     # joins by their own prefill pass
 
 

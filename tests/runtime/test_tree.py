@@ -405,10 +405,16 @@ def test_a_levels_passes_are_ranked_together_as_each_would_be_alone():
     picks = [[4, 0, 2], [], [1], [6, 2, 3, 0], [1, 0]]
     plans = [TreePass(None, None, (), rows, ranking, None) for rows, ranking in zip(picks, rankings)]
     got = rank_passes(plans, logits)
-    for plan, rows, tops in zip(plans, logits, got):
-        k, temperature = plan.ranking
-        assert len(tops) == len(plan.rows)
-        for row, top in zip(plan.rows, tops):
-            indices, values = ranked(log_probs(rows[row], temperature), k)
-            assert [t for t, _ in top] == indices.tolist()
-            np.testing.assert_allclose([v for _, v in top], values.tolist(), rtol=1e-6, atol=1e-6)
+    # the same rows as items of one batched pass: (B, T, V) padded to the longest, each a view of it
+    padded = torch.randn(len(lengths), max(lengths), 97, generator=gen)
+    for b, x in enumerate(logits):
+        padded[b, :len(x)] = x
+    views = [padded[b, :n] for b, n in enumerate(lengths)]
+    for answer in (got, rank_passes(plans, views)):
+        for plan, rows, tops in zip(plans, logits, answer):
+            k, temperature = plan.ranking
+            assert len(tops) == len(plan.rows)
+            for row, top in zip(plan.rows, tops):
+                indices, values = ranked(log_probs(rows[row], temperature), k)
+                assert [t for t, _ in top] == indices.tolist()
+                np.testing.assert_allclose([v for _, v in top], values.tolist(), rtol=1e-6, atol=1e-6)
