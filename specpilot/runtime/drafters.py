@@ -172,19 +172,20 @@ class ModelDrafter:
         known = cached if cached is not None else {}
         nodes: dict[tuple, int] = {}                 # path prefix -> index in the pass
         tokens, depths = [], []
-        for path in paths:
+        for path in paths:               # a path asked for gets a row of its own, even if cached
             for d in range(1, len(path) + 1):
                 key = tuple(path[:d])
-                if key not in nodes and key not in known:
+                if key not in nodes and (key not in known or d == len(path)):
                     nodes[key] = len(tokens)
                     tokens.append(path[d - 1])
                     depths.append(d)
         base, start = len(context), self.state.length
         limit = getattr(self.model, "max_verify_tokens", None)   # a compiled hybrid's GDN tree kernel holds so many
-        if not tokens or self.consumed != list(context) or start != base + len(known) \
+        cache_end = max(known.values(), default=base - 1) + 1      # the tree's cached slots run base..
+        if not tokens or self.consumed != list(context) or start != cache_end \
                 or start + len(tokens) > self.capacity or (limit and len(tokens) > limit):
             return None
-        slot = {key: start + i for key, i in nodes.items()} | known
+        slot = known | {key: start + i for key, i in nodes.items()}
         mask = np.zeros((len(tokens), start + len(tokens)), dtype=bool)
         mask[:, :base] = True
         for key, i in nodes.items():
@@ -245,8 +246,9 @@ def pick_rows(logits: list[torch.Tensor], rows: list[list[int]]) -> list[torch.T
     batched pass's items), one index and one gather for all of them instead of one apiece."""
     base = logits[0]._base if logits else None
     width = logits[0].shape[-1] if logits else 0
-    if base is None or not base.is_contiguous() or any(
-            x._base is not base or x.dim() != 2 or x.stride() != (width, 1) for x in logits):
+    if base is None or not base.is_contiguous() or base.shape[-1] != width or any(
+            x._base is not base or x.dim() != 2 or x.stride() != (width, 1)
+            or (x.storage_offset() - base.storage_offset()) % width for x in logits):
         return [x.index_select(0, _device_index(r, x.device)) for x, r in zip(logits, rows)]
     first = [(x.storage_offset() - base.storage_offset()) // width for x in logits]
     flat = [f + r for f, picks in zip(first, rows) for r in picks]

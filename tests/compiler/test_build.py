@@ -132,6 +132,32 @@ def test_continuous_batch_forcing_exact(built):
     assert [g.tokens for g in unforced] == [stock_runs[r].tokens[:20] for r in (0, 2, 4)]
 
 
+def test_compiled_drafter_levels_score_as_node_by_node(built):
+    """The compiled drafter network's tree levels (a dense network keeps the scored nodes in its cache)
+    answer as node-by-node expansion on the same build, three levels deep, with a path asked for
+    again; the n-gram drafter has no network, and a hybrid one without gdn-path-recompute expands
+    node by node."""
+    out, manifest = built
+    system = from_build(out)
+    make = system.engines["compiled-spec"].drafter
+    if getattr(make(), "network", None) is None:
+        assert DRAFTERS[manifest.spec["target"]["architecture"]]["kind"] == "ngram"
+        return
+    context = PROMPTS[1]
+    expand, alone = make().expander(context), make().expander(context)
+    if getattr(expand, "batch", None) is None:      # a hybrid network built without gdn-path-recompute
+        assert make().network.model.cfg.is_hybrid and manifest.gdn_verify is None
+        return
+    level = [[t] for t, _ in expand([])[:2]]
+    for depth in range(3):
+        paths = level + ([level[0]] if depth == 2 else [])
+        for path, got in zip(paths, expand.batch(paths)):
+            want = alone(path)
+            assert [t for t, _ in got] == [t for t, _ in want], (depth, path)
+            assert torch.allclose(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), atol=1e-4)
+        level = [path + [t] for path in level for t, _ in alone(path)[:2]]
+
+
 def test_batched_step_equals_single_steps(built):
     """One padded call over sequences at different lengths (one of them verifying a chunk with
     per-token states) gives each sequence the logits of its own call."""
@@ -416,13 +442,13 @@ def test_compiled_batches_are_exact_under_every_batch_schedule(arch, tmp_path):
     shared-budget batches: every request's tokens are its own autoregressive tokens, exactly (a Gated
     DeltaNet target keeps each row's accepted path), and every row goes back."""
     passes = ("tree-verify{budget=8}" + (",gdn-path-recompute" if arch == "Qwen3_5ForCausalLM" else "")
-              + ",draft-length{length=6,min=2,step=2,dynamic=true},node-budget{nodes=10},prompt-admission{chunk=5,passes=3}")
+              + ",draft-length{length=6,min=2,step=2,dynamic=true},node-budget{nodes=10},prompt-admission{chunk=5,passes=8}")
     data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 1}},
             "drafter": {"kind": "early-exit", "layers": TINY_CONFIGS[arch]["num_hidden_layers"] - 1, "top_k": 3},
             "passes": passes, "deployment": {"dtype": "float32", "max_seq_len": 200, "max_batch": 3}}
     system = from_build(build_spec(tmp_path, data))
     policy = system.batch_policy("compiled-tree-sched")
-    assert (policy.nodes, policy.budget, policy.lengths, policy.chunk, policy.passes) == (6, 10, (6, 4, 2), 5, 3)
+    assert (policy.nodes, policy.budget, policy.lengths, policy.chunk, policy.passes) == (6, 10, (6, 4, 2), 5, 8)
     prompts = [[(5 * i + 17 * r) % 301 for i in range(3 + 5 * r)] for r in range(5)]
     limits = [23, 9, 31, 4, 17]
     alone = [system.generate("compiled", p, n).tokens for p, n in zip(prompts, limits)]

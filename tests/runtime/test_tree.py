@@ -230,6 +230,11 @@ def test_a_dense_drafters_levels_score_only_their_new_nodes(seed):
             assert [t for t, _ in below] == [t for t, _ in want]
             np.testing.assert_allclose([lp for _, lp in below], [lp for _, lp in want], rtol=1e-4, atol=1e-5)
         level = [path + [t] for path, below in zip(level, got) for t, _ in below[:int(rng.integers(1, 3))]]
+    again = [level[0][:1], level[0][:2], level[-1]]          # paths already scored get rows of their own
+    sizes.clear()
+    for path, below in zip(again, expand.batch(again)):
+        assert [t for t, _ in below] == [t for t, _ in reference(path)]
+    assert sizes == [len(again)]
     nxt = context + level[0][:2]
     assert drafter.propose(nxt, 4).chain() == ModelDrafter(draft, 3, 300).propose(nxt, 4).chain()
 
