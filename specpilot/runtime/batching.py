@@ -11,8 +11,9 @@ room).  Drafting runs the drafter network for all running requests at once: one 
 catch up on accepted tokens, then one a chain position or tree level.  Waiting prompts join either
 by a prefill pass of their own before the step (stock continuous batching) or, with admission, in
 chunks riding in the rows the step's drafts leave under the budget (whole, when nothing is
-running or the backlog is a burst of more than ``passes`` chunks).  Time comes from a clock: `WallClock` (the bench), or `StepClock` (a fixed time a pass),
-under which a trace replays to the same schedule every time (tests).
+running or the backlog is a burst of more than ``passes`` chunks).  Time comes from a clock:
+`WallClock` (the bench), or `StepClock` (a fixed time a pass), under which a trace replays to the
+same schedule every time (tests).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class Step:
     admitted: int                     # prompt tokens riding in it (admission chunks or joins' prefill)
     rows: int                         # the pass's padded rows (batch x longest)
     prefill: bool = False             # a join's own prefill pass (no decoding)
-    levels: int = 0                   # batched drafter passes over tree levels before it
+    levels: int = 0                   # batched drafter passes (chain positions, tree levels) before it
 
 
 @dataclass

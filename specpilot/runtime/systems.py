@@ -73,7 +73,7 @@ class BatchSchedule:
     min_prob: float = 0.0
     lengths: tuple[int, ...] | None = None       # dynamic draft lengths
     chunk: int | None = None                     # prompt admission's chunk
-    passes: int = 4                              # and the backlog, in chunks, that rides along
+    passes: int = BatchPolicy.passes             # and the backlog, in chunks, that rides along
 
 
 class Engines(dict):
@@ -414,7 +414,7 @@ def batch_schedule(m) -> BatchSchedule | None:
     budget = m.node_budget.nodes if m.node_budget else nodes * m.max_batch
     a = m.admission
     return BatchSchedule(nodes, budget, m.node_budget.min_prob if m.node_budget else 0.0, dynamic,
-                         a.chunk if a else None, a.passes if a else 4)
+                         a.chunk if a else None, a.passes if a else BatchPolicy.passes)
 
 
 def load_system(spec_or_build: str | Path) -> System:
