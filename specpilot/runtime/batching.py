@@ -32,7 +32,8 @@ from specpilot.core.files import atomic_write_text
 from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
                                         tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
-from specpilot.runtime.drafters import bind, expand_across, sync_across
+from specpilot.runtime.drafters import (bind, catch_up_chains, chain_levels, chain_network, expand_across,
+                                        sync_across)
 from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
 
 
@@ -410,7 +411,16 @@ class _Scheduler:
     def _chains(self, caps: list[int]) -> list[Tree]:
         """The running requests' chains, each its drafter's first-ranked path (up to its cap), one
         batched drafter pass a chain position for all of them; nodes scored by the path's cumulative
-        log-probability."""
+        log-probability.  Drafter networks that can (`drafters.chain_network`) feed their chosen
+        tokens back where they run and read the chains once; others are read a position at a time."""
+        drafters = [r.drafter for r in self.running]
+        networks = [chain_network(d) for d in drafters]
+        if all(n is not None for n in networks):
+            contexts = [r.prompt + r.out.gen.tokens for r in self.running]
+            groups = self._timed("draft_sync", catch_up_chains, networks, contexts, caps)
+            ran, passes = self._timed("draft_levels", chain_levels, groups, len(drafters))
+            self.levels += passes
+            return [_chain_tree(d.chain_from(c, cap, own)) for d, c, cap, own in zip(drafters, contexts, caps, ran)]
         own = self._expanders()
         trees = [Tree() for _ in own]
         children = [expand([]) if cap else [] for expand, cap in zip(own, caps)]
@@ -481,6 +491,21 @@ class _Scheduler:
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen
+
+
+def _chain_tree(chain: list[tuple[int, float]]) -> Tree:
+    """A chain as a tree, each node scored by its path's cumulative log-probability; it ends before
+    a token the drafter rules out (-inf)."""
+    tree, score = Tree(), 0.0
+    for token, logprob in chain:
+        if logprob == float("-inf"):
+            break
+        score += logprob
+        tree.tokens.append(token)
+        tree.parents.append(len(tree.tokens) - 2)
+        tree.depths.append(len(tree.tokens))
+        tree.scores.append(score)
+    return tree
 
 
 def _confidence(tree: Tree) -> float | None:

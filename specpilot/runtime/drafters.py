@@ -203,6 +203,10 @@ class ModelDrafter:
         return TreePass(self.model, self.state, item, rows, (self.top_k, self.temperature), finish,
                         keep=cached is not None)
 
+    def chain_from(self, context: list[int], n: int, ran: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The chain of ``n`` first-ranked tokens below ``context``, given what `chain_levels` ran."""
+        return ran[:n]
+
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.capacity - len(context))
         if n <= 0:
@@ -299,6 +303,80 @@ def sync_across(drafters: list, contexts: list[list[int]]) -> None:
         roots = rank_together([(logits[-1:], (n.top_k, n.temperature)) for (n, _, _), logits in zip(members, rows)])
         for (network, context, _), logits, top in zip(members, rows, roots):
             network.consumed, network.root = context, (tuple(context), logits[-1], top[0])
+
+
+def chain_network(drafter) -> "ModelDrafter | None":
+    """The network whose chains `catch_up_chains` / `chain_levels` run for ``drafter`` (a model
+    drafter's own, a replay drafter's cost network), or None: it drafts position by position."""
+    network = getattr(drafter, "network", None)
+    return network if isinstance(network, ModelDrafter) and hasattr(drafter, "chain_from") else None
+
+
+@dataclass
+class ChainGroup:
+    """Requests whose chains run on one drafter network: (request index, network, context, chain
+    length) each, and the logits after each context, where the network ran."""
+    members: list[tuple[int, "ModelDrafter", list[int], int]]
+    roots: torch.Tensor
+
+
+def catch_up_chains(networks: list, contexts: list[list[int]], lengths: list[int]) -> list[ChainGroup]:
+    """Bring each request's drafter network to its context for a chain of ``lengths[r]`` tokens:
+    one batched pass per network over the tokens each accepted since its last draft (a first call
+    prefills alone), its logits left where the network ran."""
+    groups: dict[tuple, list] = {}
+    for r, (network, context, n) in enumerate(zip(networks, contexts, lengths)):
+        n = min(n, network.capacity - len(context))
+        if n > 0:
+            groups.setdefault((id(network.model), network.temperature), []).append((r, network, list(context), n))
+    out = []
+    for members in groups.values():
+        pending = [network._pending(context) for _, network, context, _ in members]
+        batched = [(m, new) for m, new in zip(members, pending) if new is not None]
+        roots: dict[int, torch.Tensor] = {}
+        if batched:
+            rows = members[0][1].model.forward_batch([(new, m[1].state) for m, new in batched], record=True)
+            roots.update({m[0]: logits[-1] for (m, _), logits in zip(batched, rows)})
+        for (r, network, context, _), new in zip(members, pending):
+            if new is None:
+                roots[r] = network._sync(context)          # a first call: its prefill, alone
+            network.consumed, network.root = list(context), None
+        out.append(ChainGroup(members, torch.stack([roots[m[0]] for m in members])))
+    return out
+
+
+def chain_levels(groups: list[ChainGroup], count: int) -> tuple[list[list[tuple[int, float]]], int]:
+    """The groups' chains: at each position every request's first-ranked token (the highest
+    log-probability, the lowest index among equals: `ranked`'s first) is fed back to its network
+    where it was chosen, one batched pass a position, and all chosen tokens come to the host in one
+    copy at the end.  Returns each of ``count`` requests' chain as (token, log-probability) pairs
+    (empty for requests in no group) and the number of passes run."""
+    out: list[list[tuple[int, float]]] = [[] for _ in range(count)]
+    passes = 0
+    for group in groups:
+        members, network = group.members, group.members[0][1]
+        active, logits, chosen = list(range(len(members))), group.roots, []
+        while True:
+            values, tokens = log_probs(logits, network.temperature).max(dim=-1)
+            chosen.append((active, tokens, values))
+            depth = len(chosen)
+            going = [j for j, i in enumerate(active) if members[i][3] > depth]
+            if not going:
+                break
+            rows = network.model.forward_batch([(tokens[j:j + 1], members[active[j]][1].state) for j in going],
+                                               record=True)
+            passes += 1
+            active, logits = [active[j] for j in going], torch.stack([row[-1] for row in rows])
+        picked = torch.cat([t for _, t, _ in chosen]).tolist()
+        scores = torch.cat([v for _, _, v in chosen]).float().tolist()
+        at = 0
+        for rows_active, _, _ in chosen:
+            for i in rows_active:
+                out[members[i][0]].append((picked[at], scores[at]))
+                at += 1
+        for r, net, context, n in members:
+            net.consumed = context + [t for t, _ in out[r][:n - 1]]
+    return out, passes
 
 
 def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[list[tuple[int, float]]]]:

@@ -82,6 +82,18 @@ def host_array(x):
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
 
 
+def _tokens_in_place(items) -> torch.Tensor | None:
+    """The items' tokens as one (B, T) torch tensor where they are, when every item gives them as a
+    torch tensor of the same length T (one stack, no copy to the host); else None."""
+    tokens = [it[0] for it in items]
+    if not tokens or not all(isinstance(t, torch.Tensor) for t in tokens):
+        return None
+    flat = [t.reshape(-1) for t in tokens]
+    if len({t.shape[0] for t in flat}) != 1 or len({t.device for t in flat}) != 1 or flat[0].shape[0] == 0:
+        return None
+    return torch.stack(flat)
+
+
 class CompiledModule:
     """One loaded build: the VM, the parameters on the device, the function table."""
 
@@ -570,11 +582,16 @@ class CompiledModel:
         return self._step_inputs(items, record)[:4]
 
     def _step_inputs(self, items, record: bool):
-        """`step_call`'s tuple and the host copy of the parents it passed."""
-        items = [tuple(host_array(x) for x in it) + (None,) * (5 - len(it)) for it in items]
+        """`step_call`'s tuple and the host copy of the parents it passed.  Tokens given as torch
+        tensors of one length (a drafter's own choices, where they were computed) stay where they
+        are: the step reads them there, without a copy to the host and the wait it would cost."""
+        kept = _tokens_in_place(items)
+        items = [(None if kept is not None else host_array(it[0]),) + tuple(host_array(x) for x in it[1:])
+                 + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
-        toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items]
+        toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items] if kept is None else \
+            [np.zeros(kept.shape[1], "int32")] * len(items)
         B, T = len(items), max(len(t) for t in toks)
         L = max(st.length + len(t) for t, (_, st, *_) in zip(toks, items))
         tokens = np.zeros((B, T), "int32")
@@ -601,11 +618,20 @@ class CompiledModel:
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
         if record:
-            return self._verify, [*m.tensors(tokens, positions, slots, mask, rows, parents), self.kv, conv, rec,
-                                  m.params], toks, states, parents
-        head = m.tensors(tokens, positions, slots, mask, rows)
+            head = m.tensors(tokens, positions, slots, mask, rows, parents)
+        else:
+            head = m.tensors(tokens, positions, slots, mask, rows)
+        if kept is not None:
+            head[0] = m.tvm.runtime.from_dlpack(kept.to(device=self._torch_device, dtype=torch.int32).contiguous())
+        if record:
+            return self._verify, [*head, self.kv, conv, rec, m.params], toks, states, parents
         fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
         return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
+
+    @property
+    def _torch_device(self) -> torch.device:
+        index = self.module.device.index
+        return torch.device("cpu") if self.module.device.dlpack_device_type() == 1 else torch.device("cuda", index)
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence

@@ -111,13 +111,23 @@ class ReplayDrafter:
         start = 0 if right is None else right + 1
         return [(start + j) % self.vocab_size for j in range(k)]
 
-    def propose(self, context: list[int], n: int) -> Lattice:
-        self.cost.propose(context, n)                          # the real drafting work, its tokens unused
+    def _rows(self, context: list[int], n: int) -> list[list[tuple[int, float]]]:
+        """The top-k at each of the ``n`` positions after ``context`` along the first-ranked path."""
         position, tokens, wrong = self._locate(context)
         rows, on_path = [], True
         for i in range(n):
             rows.append(self._children(position + i, tokens, wrong, on_path))
             on_path = on_path and rows[-1][0][1] == ON_PLAN
+        return rows
+
+    def chain_from(self, context: list[int], n: int, ran) -> list[tuple[int, float]]:
+        """The replayed chain of ``n`` tokens below ``context``; ``ran``, the cost network's own chain
+        of the same length (`drafters.chain_levels`), was its drafting work."""
+        return [row[0] for row in self._rows(context, n)]
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        self.cost.propose(context, n)                          # the real drafting work, its tokens unused
+        rows = self._rows(context, n)
         if not rows:
             return Lattice.empty(self.top_k)
         return Lattice(torch.tensor([[t for t, _ in row] for row in rows]),

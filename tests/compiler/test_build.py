@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -19,6 +20,7 @@ from specpilot.core.manifest import Manifest, read_manifest
 from specpilot.core.spec import load_spec
 from specpilot.core.target import parse_target
 from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.drafters import catch_up_chains, chain_levels, chain_network
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.systems import from_build
 from tests.build_helpers import compile_cli
@@ -156,6 +158,26 @@ def test_compiled_drafter_levels_score_as_node_by_node(built):
             assert [t for t, _ in got] == [t for t, _ in want], (depth, path)
             assert torch.allclose(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), atol=1e-4)
         level = [path + [t] for path in level for t, _ in alone(path)[:2]]
+
+
+def test_compiled_drafter_chains_equal_its_own_proposals(built):
+    """Chains run on the compiled drafter network with the chosen tokens kept where it runs (torch
+    tensors as a step's tokens) equal each request's own `propose` on the same build."""
+    out, manifest = built
+    make = from_build(out).engines["compiled-spec"].drafter
+    if chain_network(make()) is None:
+        assert DRAFTERS[manifest.spec["target"]["architecture"]]["kind"] == "ngram"
+        return
+    drafters, contexts, lengths = [make() for _ in range(2)], [PROMPTS[1], PROMPTS[2][:9]], [5, 2]
+    alone = make()              # the build holds three drafter rows
+    for _ in range(2):          # the second round catches up in one batched pass
+        chains, _ = chain_levels(catch_up_chains([chain_network(d) for d in drafters], contexts, lengths), 2)
+        for context, n, chain in zip(contexts, lengths, chains):
+            alone.reset()
+            want = alone.propose(context, n)
+            assert [t for t, _ in chain] == want.chain()
+            np.testing.assert_allclose([v for _, v in chain], want.logprobs[:, 0].tolist(), rtol=1e-4, atol=1e-4)
+        contexts = [c + [t for t, _ in chain[:2]] + [7] for c, chain in zip(contexts, chains)]
 
 
 def test_batched_step_equals_single_steps(built):

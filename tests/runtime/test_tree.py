@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
-from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter, catch_up_chains, chain_levels
 from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared, prefetch_shared, replay_acceptance
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
@@ -237,6 +237,43 @@ def test_a_dense_drafters_levels_score_only_their_new_nodes(seed):
     assert sizes == [len(again)]
     nxt = context + level[0][:2]
     assert drafter.propose(nxt, 4).chain() == ModelDrafter(draft, 3, 300).propose(nxt, 4).chain()
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID])
+def test_chains_run_where_the_network_runs_equal_each_drafters_own(arch):
+    """`catch_up_chains` + `chain_levels`: several requests' chains (different contexts and lengths,
+    0 and 1 included) from one batched pass a position, the chosen tokens fed back without leaving
+    the network, equal each drafter's own chain (`propose`) in tokens and log-probabilities -- and
+    again on the next step, after each request accepted part of its chain."""
+    draft = noisy_copy(tiny_model(arch, seed=3), 0.3)
+    rng = np.random.default_rng(11)
+    contexts = [[int(t) for t in rng.integers(0, 301, n)] for n in (5, 9, 2, 13)]
+    lengths = [4, 1, 6, 0]
+    passes: list[list[int]] = []
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+        def forward_batch(self, items, record=False):
+            passes.append([len(item[0]) for item in items])
+            return draft.forward_batch(items, record=record)
+    counted = Counted()            # one network for every request's drafter, as a build has
+    drafters = [ModelDrafter(counted, 3, 300) for _ in contexts]
+    for step in range(2):
+        passes.clear()
+        groups = catch_up_chains(drafters, contexts, lengths)
+        chains, ran = chain_levels(groups, len(drafters))
+        # first calls prefill alone; the others catch up in one pass (step 1), then one pass a position
+        assert ran == max(lengths) - 1 and len(passes) == ran + step and all(set(p) == {1} for p in passes[step:])
+        for context, n, chain in zip(contexts, lengths, chains):
+            want = ModelDrafter(draft, 3, 300).propose(context, n)
+            assert [t for t, _ in chain] == want.chain()
+            np.testing.assert_allclose([v for _, v in chain], want.logprobs[:, 0].tolist(), rtol=1e-5, atol=1e-5)
+        # each request accepts part of its chain, then the target's own token
+        contexts = [c + [t for t, _ in chain[:int(rng.integers(0, len(chain) + 1))]] + [int(rng.integers(0, 301))]
+                    for c, chain in zip(contexts, chains)]
+        lengths = [3, 5, 2, 4]
 
 
 def test_batched_expansion_past_the_models_verify_limit_goes_node_by_node():
