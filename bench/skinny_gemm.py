@@ -27,7 +27,7 @@ SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SKINNY_SHAPES
 MS = [int(m) for m in os.environ.get("SKINNY_MS", "1,2,4,8,16,32,65").split(",")]   # SKINNY_MS: a subset
 # SKINNY_SPLITS=2,4,...: also the shipped dispatch with K split over that many blocks (`Config.splits`)
 # wherever the configuration still tiles; SKINNY_VARIANTS=name,...: only these single variants;
-# SKINNY_PREVIOUS=1: also `previous_dispatch` (hopper_prev)
+# SKINNY_PREVIOUS=1: also `previous_dispatch` (hopper_prev, hopper_nfirst)
 SPLITS = [int(v) for v in os.environ.get("SKINNY_SPLITS", "").split(",") if v]
 ONLY = [v for v in os.environ.get("SKINNY_VARIANTS", "").split(",") if v]
 # SKINNY_PROFILE=1: each kernel launched once after its check, untimed (under ncu: one launch each)
@@ -54,14 +54,18 @@ def split_variants(n: int, k: int) -> dict:
 
 
 def previous_dispatch(n: int, k: int) -> dict:
-    """``hopper_prev`` (SKINNY_PREVIOUS=1): the sm_90a dispatch before `skinny_config.many_rows` -- 128-row
-    blocks up to 256 rows, 256-row blocks of three stages beyond -- to run beside the shipped one."""
+    """SKINNY_PREVIOUS=1, to run beside the shipped sm_90a dispatch: ``hopper_prev``, the dispatch before
+    `skinny_config.many_rows` (128-row blocks up to 256 rows, 256-row blocks of three stages beyond), and
+    ``hopper_nfirst``, the shipped one launching channel blocks first (`Config.rows_first` off)."""
+    from dataclasses import replace
+
     from specpilot.schedules.skinny_config import Config, pick
     if os.environ.get("SKINNY_PREVIOUS") != "1":
         return {}
     upto = [(limit, cfg) for limit, cfg in pick(n, k, wgmma=True) if limit is not None and limit <= 128]
     return {"hopper_prev": tuple(upto + [(256, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),
-                                         (None, Config(32, 4, 2, 1, stages=3, wgmma=True))])}
+                                         (None, Config(32, 4, 2, 1, stages=3, wgmma=True))]),
+            "hopper_nfirst": tuple((limit, replace(cfg, rows_first=False)) for limit, cfg in pick(n, k, wgmma=True))}
 
 
 def _variants():

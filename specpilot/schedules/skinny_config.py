@@ -26,6 +26,8 @@ class Config:
     overlap: int = 0     # wgmma: groups left in flight past the next barrier (1: copies run stages - 2 ahead)
     tail: int = 1        # wgmma, unsplit: the channel blocks past the last whole wave of block slots take K in
                          # this many pieces, a block each, summed in a fixed order by a second kernel (`with_tail`)
+    rows_first: bool = True  # row blocks as blockIdx.x: the blocks sharing a weight tile launch together, so
+                             # all but the first read it from the L2 (else every row block streams W again)
 
     def block_n(self) -> int:
         return 16 * self.a_tiles * self.wn

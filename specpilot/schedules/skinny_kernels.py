@@ -433,13 +433,14 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | N
     NB = blocks_n or (n_out + BN - 1) // BN      # channel blocks (the paired form: pairs / (block_n / 2))
     FULL, TB, TC, merge = tail or (NB, 0, 0, None)
     TL = cfg.tail
+    ON, OM = ("blockIdx.y", "blockIdx.x") if cfg.rows_first else ("blockIdx.x", "blockIdx.y")   # channel, row blocks
 
     @T.macro
     def launch(x, w, y, m):
         if tail is not None:
             part = T.alloc_buffer((TL * m, TC), "float32")
-            for b in T.thread_binding(FULL + TB, thread="blockIdx.x"):
-                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+            for b in T.thread_binding(FULL + TB, thread=ON):
+                for by in T.thread_binding((m + BM - 1) // BM, thread=OM):
                     for kw in T.thread_binding(WK, thread="threadIdx.z"):
                         for nw in T.thread_binding(WN, thread="threadIdx.y"):
                             for lane in T.thread_binding(lanes, thread="threadIdx.x"):
@@ -448,16 +449,16 @@ def _launch_blocks(n_out: int, cfg: Config, block, lanes: int, blocks_n: int | N
                                       bz, kw, nw, lane, bz * m)
             merge(part, y, m)
         elif SPL == 1:
-            for bx in T.thread_binding(NB, thread="blockIdx.x"):
-                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+            for bx in T.thread_binding(NB, thread=ON):
+                for by in T.thread_binding((m + BM - 1) // BM, thread=OM):
                     for kw in T.thread_binding(WK, thread="threadIdx.z"):
                         for nw in T.thread_binding(WN, thread="threadIdx.y"):
                             for lane in T.thread_binding(lanes, thread="threadIdx.x"):
                                 block(x, w, y, y, m, bx, by, 0, kw, nw, lane, 0)
         else:
             part = T.alloc_buffer((SPL * m, n_out), "float32")
-            for bx in T.thread_binding((n_out + BN - 1) // BN, thread="blockIdx.x"):
-                for by in T.thread_binding((m + BM - 1) // BM, thread="blockIdx.y"):
+            for bx in T.thread_binding((n_out + BN - 1) // BN, thread=ON):
+                for by in T.thread_binding((m + BM - 1) // BM, thread=OM):
                     for bz in T.thread_binding(SPL, thread="blockIdx.z"):
                         for kw in T.thread_binding(WK, thread="threadIdx.z"):
                             for nw in T.thread_binding(WN, thread="threadIdx.y"):

@@ -442,8 +442,9 @@ def test_the_tail_form_sums_its_pieces_in_a_second_kernel(tmp_path):
     heads = dict(re.findall(r"void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{", text))
     assert set(heads) == {"t_kernel", "t_kernel_1"} and "w_ptr" in heads["t_kernel"] and "w_ptr" not in heads["t_kernel_1"]
     gemm = re.search(r"t_kernel\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
-    assert "((int)blockIdx.x) < 528)" in gemm and "part_ptr[" in gemm and "y_ptr[" in gemm
-    assert "((((int)blockIdx.x) >> 3) + 462)" in gemm          # tail block b: channel block 528 + (b - 528) / 8
+    # channel blocks are blockIdx.y (`Config.rows_first`): the row blocks sharing a weight tile launch together
+    assert "((int)blockIdx.y) < 528)" in gemm and "part_ptr[" in gemm and "y_ptr[" in gemm
+    assert "((((int)blockIdx.y) >> 3) + 462)" in gemm          # tail block b: channel block 528 + (b - 528) / 8
     total = re.search(r"t_kernel_1\([^)]*\) \{(.*?)\n\}", text, re.S).group(1)
     sums = re.findall(r"part_ptr\[(.*?)\]\)?;", total)
     assert len(sums) == 8 and "m * (int64_t)" not in sums[0] and all(f"m * (int64_t){z * 1024}" in sums[z] for z in (2, 3, 7))
@@ -542,3 +543,21 @@ def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
             assert ", 17399)" in body and "+ 17400)" in body     # a ragged H: gate rows clamped to H - 1, up rows c + H
         else:       # the sum: pairs 528 * 32.. below H, gate + up of each from the eight pieces in order
             assert "+ (int64_t)16896)] = " in body and body.count("part_ptr[") == 16, body
+
+
+@pytest.mark.parametrize("rows_first", [True, False])
+def test_row_blocks_sharing_a_weight_tile_launch_together(rows_first):
+    """`Config.rows_first`: the row blocks are blockIdx.x and the channel blocks blockIdx.y, so the
+    blocks reading one weight tile are launched one after another (the rest read it from the L2);
+    without it the other way round.  Every launch form: unsplit, K split over blocks, the tail form."""
+    forms = {"plain": Config(18, 4, 1, 1, stages=4, wgmma=True, overlap=1),
+             "split": Config(18, 4, 1, 1, stages=4, wgmma=True, overlap=1, splits=2),
+             "tail": Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1, tail=8)}
+    for name, cfg in forms.items():
+        n_out = 34816 - 40 if name == "tail" else 5120
+        func = skinny_nt_matmul(n_out, 5120, ((None, replace(cfg, rows_first=rows_first)),), wgmma=True)
+        bound: dict[str, str] = {}          # the GEMM kernel's launch (a sum kernel may follow)
+        for extent, tag in re.findall(r'thread_binding\((.*?), thread="(blockIdx\.\w)"\)', func.script()):
+            bound.setdefault(tag, extent)
+        rows, channels = ("blockIdx.x", "blockIdx.y") if rows_first else ("blockIdx.y", "blockIdx.x")
+        assert "m" in bound[rows] and bound[channels].isdigit(), (name, bound)   # row blocks: (m + BM - 1) // BM
