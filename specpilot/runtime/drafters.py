@@ -213,14 +213,15 @@ class ModelDrafter:
             return Lattice.empty(self.top_k)
         logits = self._sync(context)
         tokens, logprobs = [], []
-        for i in range(n):
+        for i in range(n):      # each chosen token is fed back where it was chosen: no wait for the device
             indices, values = ranked(self._logp(logits), self.top_k)
             tokens.append(indices)
             logprobs.append(values)
             if i + 1 < n:
                 logits = self.model.forward(indices[:1], self.state, record=True)[-1]
-                self.consumed.append(int(indices[0]))
-        return Lattice(torch.stack(tokens), torch.stack(logprobs))
+        lattice = Lattice(torch.stack(tokens), torch.stack(logprobs))
+        self.consumed.extend(lattice.chain()[:n - 1])          # the chain's one copy to the host
+        return lattice
 
 
 @dataclass
