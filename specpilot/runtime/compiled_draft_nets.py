@@ -29,7 +29,7 @@ class _Compiled:
         self.module, self.cfg = module, cfg
         self.fns = {n: module.functions[n] for n in names}
         self.gpu = module.device.dlpack_device_type() == 2
-        self.device = torch.device(f"cuda:{module.device.index}" if self.gpu else "cpu")
+        self.device = module.torch_device
         self.dtype = getattr(torch, module.manifest.dtype)
         self.capacity = module.manifest.capacity
 

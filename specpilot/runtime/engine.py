@@ -215,11 +215,15 @@ class CompiledModule:
         release_device_memory()
         return True
 
+    @property
+    def torch_device(self) -> torch.device:
+        """Where the build runs, as torch names it."""
+        return torch.device("cpu") if self.device.dlpack_device_type() == 1 else torch.device("cuda", self.device.index)
+
     def zeros(self, shape, dtype: str):
         """Zeros where the build runs; on a GPU filled there in torch's caching allocator (a TVM copy
         from the host would cost a host-to-device copy of every byte and a synchronising free)."""
-        where = "cpu" if self.device.dlpack_device_type() == 1 else f"cuda:{self.device.index}"
-        return self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype), device=where))
+        return self.tvm.runtime.from_dlpack(torch.zeros(shape, dtype=getattr(torch, dtype), device=self.torch_device))
 
     def tensor(self, array: np.ndarray):
         return self.tvm.runtime.tensor(array, self.device)
@@ -236,7 +240,7 @@ class CompiledModule:
         host, views = pack_inputs(arrays)
         # from pinned memory, not waiting for the device (torch's host allocator keeps the buffer
         # until the copy has run)
-        dev = torch.from_numpy(host).pin_memory().to(f"cuda:{self.device.index}", non_blocking=True)
+        dev = torch.from_numpy(host).pin_memory().to(self.torch_device, non_blocking=True)
         return [self.tvm.runtime.from_dlpack(view(dev)) for view in views]
 
     def sample_scores(self, logits: torch.Tensor, keys: np.ndarray, controls: torch.Tensor) -> torch.Tensor:
@@ -622,16 +626,11 @@ class CompiledModel:
         else:
             head = m.tensors(tokens, positions, slots, mask, rows)
         if kept is not None:
-            head[0] = m.tvm.runtime.from_dlpack(kept.to(device=self._torch_device, dtype=torch.int32).contiguous())
+            head[0] = m.tvm.runtime.from_dlpack(kept.to(device=m.torch_device, dtype=torch.int32).contiguous())
         if record:
             return self._verify, [*head, self.kv, conv, rec, m.params], toks, states, parents
         fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
         return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
-
-    @property
-    def _torch_device(self) -> torch.device:
-        index = self.module.device.index
-        return torch.device("cpu") if self.module.device.dlpack_device_type() == 1 else torch.device("cuda", index)
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence
