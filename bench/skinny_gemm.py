@@ -27,7 +27,7 @@ SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["SKINNY_SHAPES
 MS = [int(m) for m in os.environ.get("SKINNY_MS", "1,2,4,8,16,32,65").split(",")]   # SKINNY_MS: a subset
 # SKINNY_SPLITS=2,4,...: also the shipped dispatch with K split over that many blocks (`Config.splits`)
 # wherever the configuration still tiles; SKINNY_VARIANTS=name,...: only these single variants;
-# SKINNY_PREVIOUS=1: also `previous_dispatch` (hopper_prev, hopper_nfirst)
+# SKINNY_PREVIOUS=1: also `previous_dispatch` (hopper_prev)
 SPLITS = [int(v) for v in os.environ.get("SKINNY_SPLITS", "").split(",") if v]
 ONLY = [v for v in os.environ.get("SKINNY_VARIANTS", "").split(",") if v]
 # SKINNY_PROFILE=1: each kernel launched once after its check, untimed (under ncu: one launch each)
@@ -54,18 +54,25 @@ def split_variants(n: int, k: int) -> dict:
 
 
 def previous_dispatch(n: int, k: int) -> dict:
-    """SKINNY_PREVIOUS=1, to run beside the shipped sm_90a dispatch: ``hopper_prev``, the dispatch before
-    `skinny_config.many_rows` (128-row blocks up to 256 rows, 256-row blocks of three stages beyond), and
-    ``hopper_nfirst``, the shipped one launching channel blocks first (`Config.rows_first` off)."""
-    from dataclasses import replace
-
-    from specpilot.schedules.skinny_config import Config, pick
+    """SKINNY_PREVIOUS=1, to run beside the shipped sm_90a dispatch: ``hopper_prev``, the shipped one up to
+    128 rows and beyond the ranges before `skinny_config.many_rows` sized row blocks to the batch's rows
+    (144-row blocks to 144 rows, one 256-row block of two warpgroups to 256 -- where channel blocks are
+    few, 72-row blocks, K split in two for a long K, to 144 and 128-row blocks to 288 -- 144-row blocks to
+    432, 192 to 576, 256 beyond; no tail pieces)."""
+    from specpilot.schedules.skinny_config import WIDE_SPLIT_K, Config, pick
     if os.environ.get("SKINNY_PREVIOUS") != "1":
         return {}
+
+    def wg(mt, wn, stages, splits=1):
+        return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=1, splits=splits)
     upto = [(limit, cfg) for limit, cfg in pick(n, k, wgmma=True) if limit is not None and limit <= 128]
-    return {"hopper_prev": tuple(upto + [(256, Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)),
-                                         (None, Config(32, 4, 2, 1, stages=3, wgmma=True))]),
-            "hopper_nfirst": tuple((limit, replace(cfg, rows_first=False)) for limit, cfg in pick(n, k, wgmma=True))}
+    if n // 64 < 132:
+        first = wg(18, 1, 4, splits=2) if k >= WIDE_SPLIT_K else wg(9, 1, 6)
+        beyond = [(144, first), (288, wg(16, 2, 4))]
+    else:
+        beyond = [(144, wg(18, 1, 4)), (256, wg(32, 2, 4))]
+    beyond += [(432, wg(18, 1, 4)), (576, wg(24, 2, 4)), (None, wg(32, 2, 4))]
+    return {"hopper_prev": tuple(upto + beyond)}
 
 
 def _variants():
@@ -129,7 +136,34 @@ def _variants():
             # 72 rows, 64 channels a block, the blocks past the last whole wave with K in T pieces
             # (`Config.tail`; the shipped form where `with_tail` takes it): "wg1s{S}t{T}o"
             **{f"wg1s{st}t{t}o": ((None, Config(9, 4, 1, 1, stages=st, wgmma=True, overlap=1, tail=t)),)
-               for st in (4, 6) for t in (2, 4, 8, 16)}}
+               for st in (4, 6) for t in (2, 4, 8, 16)},
+            **many_row_blocks()}
+
+
+# batched verification beyond 128 rows: row blocks sized to the batch's rows (one block of 160 for 152
+# rows, two of 136 for 272, ...), one or two warpgroups of 64 channels, S stages (1 or 2 blocks an SM),
+# the channel blocks past the last whole wave with K in 8 pieces ("t"), or K split over X blocks
+MANY = {160: ("w1s4t", "w1s6t", "w2s4t", "w2s3", "w1s4x2", "w2s4x2", "w2s4x4"),
+        208: ("w1s3t", "w1s5t", "w2s4t", "w2s3t", "w2s3x2"),
+        136: ("w1s4t", "w2s4t", "w2s4x2"),
+        168: ("w1s3t", "w1s5t", "w2s3t", "w2s4t", "w2s3x2"),
+        112: ("w1s4t", "w2s4t"),
+        80: ("w1s6t", "w2s6t", "w1s6x2")}
+
+
+def many_row_blocks() -> dict:
+    """"m{rows}w{wn}s{S}[t][x{X}]" -> one configuration (`MANY`)."""
+    import re
+
+    from specpilot.schedules.skinny_config import Config
+    out = {}
+    for rows, forms in MANY.items():
+        for form in forms:
+            wn, st, rest = re.fullmatch(r"w(\d)s(\d)(.*)", form).groups()
+            out[f"m{rows}{form}"] = ((None, Config(rows // 8, 4, int(wn), 1, stages=int(st), wgmma=True, overlap=1,
+                                                   tail=8 if rest == "t" else 1,
+                                                   splits=int(rest[1:]) if rest.startswith("x") else 1)),)
+    return out
 
 
 def _wgmma_ranges(wn: int, stages: int, split: bool, overlap: int = 0):

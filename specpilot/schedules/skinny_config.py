@@ -141,29 +141,57 @@ def configs(n_out: int, wgmma: bool = False, gpu: Device = TUNED) -> tuple:
 
 
 def many_rows(n_out: int, k_in: int, gpu: Device = TUNED) -> list[tuple[int | None, Config]]:
-    """sm_90a beyond 128 rows (batched verification, prefill chunks): row blocks of 144, 192 or 256 rows
-    chosen per range so that few rows are padded -- a row block costs about as much full as nearly
-    empty, since the W it streams dominates.  From the H200 sweep of bench/skinny_gemm.py at 136-544
-    rows (bench/README "Skinny GEMMs", the 27B-class shapes): 144 rows, one warpgroup, for 129-144
-    and 257-432 rows (5120 -> 17408 at 136 rows 106 us against 156 for two 128-row blocks); two
-    warpgroups of 64 channels for 256 rows (145 vs 168 at 200-256) and 192 rows at 433-576 (274 vs
-    353 at 544).  Where few channel blocks leave SMs idle (N = 5120, 6144): up to 144 rows 72-row
-    blocks, K split in two for a long K (17408 -> 5120 at 136 rows: 93 us against 180), and two
-    warpgroups of 128 rows up to 288.  Beyond 576 rows, 256-row blocks of four stages.  A shape of at
-    most ``TINY_N`` channels (the hybrid's 48-channel gate projections) splits K over up to 16 blocks,
-    else one or two blocks would run alone."""
-    def wg(mt, wn, stages):
-        return Config(mt, 4, wn, 1, stages=stages, wgmma=True, overlap=1)
-    r72, r144, r128w2, r192w2, r256w2 = wg(9, 1, 6), wg(18, 1, 4), wg(16, 2, 4), wg(24, 2, 4), wg(32, 2, 4)
-    if n_out // 64 < gpu.sms:
-        first = replace(r144, splits=2) if k_in >= WIDE_SPLIT_K else r72
-        ranges = [(144, first), (288, r128w2)]
+    """sm_90a beyond 128 rows (batched verification: 144-272 rows a pass at batch 16, 160-544 at 32;
+    prefill chunks): row blocks sized so that the batch's rows pad little and the blocks fill whole
+    waves of the GPU's block slots, the channel blocks past the last whole wave with K in pieces
+    (`tail_split`).  From the H200 sweep of bench/skinny_gemm.py at 152 / 200 / 272 / 330 rows (bench/README
+    "Skinny GEMMs", the 27B-class shapes), by how many 64-channel blocks N makes:
+
+    - at least eight an SM (a 248320-token head): as the next, but one 144-row block up to 144 rows and one
+      256-row block at 161-256 (1081 us at 240 rows against 1543 for two 160-row blocks: two row blocks
+      of a memory-bound head read its weights twice);
+    - at least two an SM (5120 -> 17408): two 80-row blocks up to 160 rows (two blocks an SM, the row
+      blocks sharing each weight tile through the L2: 78 us at 152 rows against 135 for one 256-row
+      block), one 208-row block of two warpgroups up to 208, two 160-row blocks up to 320, two of 168
+      up to 336;
+    - one to two an SM (10240, 12288): one 160-row block of two warpgroups up to 160 (57 vs 67 us), 256 rows
+      up to 256, two 160-row blocks of three stages (two an SM) up to 320, three 112-row blocks up to 336;
+    - fewer than SMs (5120, 6144): two 80-row blocks up to 160 (34-39 vs 47-54 us; a K of 16384 or more:
+      one 160-row block of two warpgroups, K split in two, 95 vs 142), three 72-row blocks up to 216
+      where their blocks fit one wave of slots (else one 208-row block: 44 vs 48 at N = 6144), three
+      128-row blocks of two warpgroups up to 288 where they fit one wave (else two of 160: 52 vs 89 us at
+      272 rows, N = 6144), two 160-row blocks up to 320, three 112-row blocks up to 336 where they fit
+      one wave (else two of 168).
+
+    Beyond 336 rows, 144-row blocks up to 432, 192 up to 576 and 256 beyond; neighbouring ranges with one
+    configuration are one range.  A shape of at most
+    ``TINY_N`` channels (the hybrid's 48-channel gate projections) splits K over up to 16 blocks, else
+    one or two blocks would run alone."""
+    def wg(rows, wn, stages, splits=1):
+        return Config(rows // 8, 4, wn, 1, stages=stages, wgmma=True, overlap=1, splits=splits)
+    blocks = -(-n_out // 64)
+
+    def one_wave(cfg, row_blocks):
+        return row_blocks * -(-n_out // cfg.block_n()) * cfg.splits <= block_slots(cfg, k_in, gpu)
+    r80, r72, r112, r160, r168 = wg(80, 1, 6), wg(72, 1, 6), wg(112, 1, 4), wg(160, 2, 4), wg(168, 2, 4)
+    r128, r208, r256 = wg(128, 2, 4), wg(208, 2, 4), wg(256, 2, 4)
+    if blocks >= 8 * gpu.sms:
+        ranges = [(144, wg(144, 1, 4)), (160, r80), (256, r256), (320, r160), (336, r168)]
+    elif blocks >= 2 * gpu.sms:
+        ranges = [(160, r80), (208, r208), (320, r160), (336, r168)]
+    elif blocks >= gpu.sms:
+        ranges = [(160, r160), (256, r256), (320, wg(160, 2, 3)), (336, r112)]
     else:
-        ranges = [(144, r144), (256, r256w2)]
-    ranges += [(432, r144), (576, r192w2), (None, r256w2)]
+        long_k = k_in >= WIDE_SPLIT_K
+        ranges = [(160, wg(160, 2, 4, splits=2) if long_k else r80),
+                  (216, (wg(80, 1, 6, splits=2) if long_k else r72) if one_wave(r72, 3) else wg(208, 1, 5)),
+                  (288, r128 if one_wave(r128, 3) else r160), (320, r160),
+                  (336, r112 if one_wave(r112, 3) else r168)]
+    ranges = [(limit, tail_split(cfg, n_out, k_in, gpu)) for limit, cfg in ranges]
+    ranges += [(432, wg(144, 1, 4)), (576, wg(192, 2, 4)), (None, wg(256, 2, 4))]
     if n_out <= TINY_N:
         ranges = [(limit, tiny_split(cfg, n_out, k_in, gpu)) for limit, cfg in ranges]
-    return ranges
+    return [(limit, cfg) for i, (limit, cfg) in enumerate(ranges) if i + 1 == len(ranges) or ranges[i + 1][1] != cfg]
 
 
 TINY_N = 256        # channels up to which `many_rows` splits K over many blocks
@@ -242,18 +270,29 @@ TAIL_MOST = 0.25    # split the last wave's K where it holds at most this share 
 
 def with_tail(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
     """An unsplit 72-row warpgroup configuration whose last wave of channel blocks is nearly empty
-    (at most ``TAIL_MOST`` of the block slots) with those blocks' K split over the most pieces (<= 8,
-    whole 64-k chunks) that keep one block an SM: 5120 -> 34816 (the 27B gate / up, 544 blocks of 64
-    channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths instead of 2 waves and 16
-    blocks alone.  The eighths' partial sums go to a float32 workspace that a second kernel adds in a
-    fixed order (deterministic).  H200, 65 rows round-robin (bench/README "Skinny GEMMs"): 107.3 us
-    vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style tree
-    verification 2054-2056 vs 2062-2068 us; bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml,
+    (at most ``TAIL_MOST`` of the block slots) with those blocks' K in pieces (`tail_split`): 5120 -> 34816
+    (the 27B gate / up, 544 blocks of 64 channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths
+    instead of 2 waves and 16 blocks alone.  H200, 65 rows round-robin (bench/README "Skinny GEMMs"):
+    107.3 us vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style
+    tree verification 2054-2056 vs 2062-2068 us; bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml,
     paired form, passes."""
     if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
         return cfg
     _, rest = tail_blocks(cfg, n_out, k_in, gpu)
-    if not rest or rest > TAIL_MOST * block_slots(cfg, k_in, gpu):
+    if rest > TAIL_MOST * block_slots(cfg, k_in, gpu):
+        return cfg
+    return tail_split(cfg, n_out, k_in, gpu)
+
+
+def tail_split(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
+    """An unsplit warpgroup configuration with the channel blocks past its last whole wave (`tail_blocks`)
+    taking K in the most pieces (<= 8, whole 64-k chunks) that keep those pieces within one block an SM;
+    their partial sums go to a float32 workspace that a second kernel adds in a fixed order
+    (deterministic).  ``cfg`` itself where no wave is left partial or K does not divide."""
+    if not cfg.wgmma or cfg.splits != 1:
+        return cfg
+    _, rest = tail_blocks(cfg, n_out, k_in, gpu)
+    if not rest:
         return cfg
     pieces = [t for t in (8, 4, 2) if rest * t <= gpu.sms and replace(cfg, tail=t).fits(n_out, k_in, gpu=gpu)]
     return replace(cfg, tail=pieces[0]) if pieces else cfg

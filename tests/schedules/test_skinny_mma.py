@@ -251,38 +251,66 @@ def test_hopper_picks_the_wgmma_kernel_where_it_tiles():
     assert not Config(9, 4, 1, 1, stages=1, wgmma=True).fits(64, 128)
 
 
-def test_hopper_sizes_row_blocks_beyond_72_rows_so_few_rows_are_padded():
-    """Beyond 72 rows: 128-row blocks up to 128 (the split 72-row blocks where few channel blocks leave
-    SMs idle); beyond, `many_rows`: 144-row blocks for 129-144 and 257-432 rows, two warpgroups of 256
-    rows up to 256 (of 128 rows up to 288 where channel blocks are few, after 72-row blocks -- K split
-    in two for a long K -- up to 144), 192 rows up to 576 and 256 beyond; a 48-channel shape splits K
-    16 ways in every one of those ranges."""
-    for n, k in ((34816, 5120), (17408, 5120), (248320, 5120), (16480, 5120), (5120, 17408), (5120, 6144),
-                 (48, 5120)):
+def test_hopper_sizes_row_blocks_beyond_128_rows_to_the_batch_and_the_waves():
+    """Beyond 128 rows, `many_rows`: row blocks sized to the batch's rows by how many 64-channel blocks N
+    makes -- two 80-row blocks up to 160 rows where they are many or few (a long K with few: one 160-row
+    block, K in two; a head of thousands: one 144-row block first), one 160-row block where they are
+    between; few blocks take three row blocks where those fit one wave; the blocks past the last whole
+    wave take K in pieces; 144, 192 and 256-row blocks beyond 336 rows; a 48-channel shape splits K 16
+    ways in every range; neighbouring ranges of one configuration merge."""
+    def wg(rows, wn, stages, **kw):
+        return Config(rows // 8, 4, wn, 1, stages=stages, wgmma=True, overlap=1, **kw)
+    limits = {"head": [144, 160, 256, 320, 336], "many": [160, 208, 320, 336], "mid": [160, 256, 320, 336],
+              "few": [160, 216, 288, 320, 336]}
+    for n, k in ((34816, 5120), (17408, 5120), (248320, 5120), (16480, 5120), (10240, 5120), (5120, 17408),
+                 (5120, 6144), (6144, 5120), (48, 5120)):
         ranges = pick(n, k, wgmma=True)
-        few = n // 64 < 132
-        assert [limit for limit, _ in ranges] == [8, 16, 32, 72, 128, 144] + ([288] if few else [256]) + [432, 576, None]
+        blocks = n // 64
+        kind = "head" if blocks >= 8 * 132 else "many" if blocks >= 2 * 132 else "mid" if blocks >= 132 else "few"
+        merged = [160, 216, 320, 336] if n == 6144 else limits[kind]      # 6144: two 160-row blocks at 217-320
+        assert [limit for limit, _ in ranges] == [8, 16, 32, 72, 128] + merged + [432, 576, None]
         chosen = dict(ranges)
-        if (n, k) == (5120, 17408):     # 33-72 rows: `wide_split`; 73-128 the split 64-channel blocks
-            assert chosen[72] == replace(WIDE, splits=2) and chosen[128].splits == 8 and chosen[128].a_tiles == 4
-        elif few:
-            assert chosen[128] == chosen[72]
-        else:
-            assert chosen[128] == Config(16, 4, 1, 1, stages=4, wgmma=True, overlap=1)
         splits = 16 if n == 48 else 1
-        r144 = Config(18, 4, 1, 1, stages=4, wgmma=True, overlap=1, splits=splits)
-        assert chosen[432] == r144
-        assert chosen[576] == Config(24, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
-        assert chosen[None] == Config(32, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
-        if not few:
-            assert chosen[144] == r144 and chosen[256] == chosen[None]
-        else:
-            assert chosen[288] == Config(16, 4, 2, 1, stages=4, wgmma=True, overlap=1, splits=splits)
-            assert chosen[144] == (replace(r144, splits=2) if k >= 16384 else
-                                   Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1, splits=splits))
+        assert chosen[432] == wg(144, 1, 4, splits=splits)
+        assert chosen[576] == wg(192, 2, 4, splits=splits)
+        assert chosen[None] == wg(256, 2, 4, splits=splits)
         assert all(cfg.fits(n, k) for cfg in chosen.values())
+        if kind == "head":
+            assert chosen[144] == wg(144, 1, 4) and chosen[160] == wg(80, 1, 6) and chosen[256] == wg(256, 2, 4)
+        elif kind == "many":
+            # tail pieces where a wave is left partial: 17408 -> 272 blocks of 64 in 264 slots
+            tail = 8 if n in (34816, 17408) else 1
+            assert chosen[160] == wg(80, 1, 6, tail=tail) and chosen[208] == wg(208, 2, 4, tail=tail)
+            assert chosen[320] == wg(160, 2, 4, tail=tail)
+        elif kind == "mid":
+            assert chosen[160] == wg(160, 2, 4) and chosen[320] == wg(160, 2, 3) and chosen[336] == wg(112, 1, 4)
+        elif k >= 16384:
+            assert chosen[160] == wg(160, 2, 4, splits=2) and chosen[216] == wg(80, 1, 6, splits=2)
+            assert chosen[288] == wg(128, 2, 4)
+        else:
+            assert chosen[160] == wg(80, 1, 6, splits=splits)
+            # three 72-row blocks of 5120 channels (240) fit 264 slots; of 6144 (288) they do not
+            assert chosen[216] == (wg(208, 1, 5) if n == 6144 else wg(72, 1, 6, splits=splits))
+            assert chosen[336] == (wg(168, 2, 4) if n == 6144 else wg(112, 1, 4, splits=splits))
+            assert chosen[320] == wg(160, 2, 4, splits=splits)
     # other archs keep their four ranges (the last one open)
     assert [limit for limit, _ in pick(34816, 5120)] == [8, 16, 32, None]
+
+
+def test_tail_split_takes_k_in_pieces_only_past_the_last_whole_wave():
+    """`tail_split` on any unsplit warpgroup configuration: the channel blocks past its last whole wave
+    of block slots take K in the most pieces (<= 8) that stay within the SMs; none where the blocks fit
+    whole waves or one partial wave, where K does not divide or the configuration is split."""
+    from specpilot.schedules.skinny_config import tail_blocks, tail_split
+    r80 = Config(10, 4, 1, 1, stages=6, wgmma=True, overlap=1)      # two an SM: 264 slots
+    assert tail_blocks(r80, 17408, 5120) == (264, 8) and tail_split(r80, 17408, 5120) == replace(r80, tail=8)
+    assert tail_split(r80, 64 * 264, 5120) == r80 and tail_split(r80, 64 * 200, 5120) == r80
+    assert tail_split(r80, 64 * (264 + 40), 5120) == replace(r80, tail=2)       # 40 x 4 > 132 SMs
+    assert tail_split(r80, 64 * (264 + 100), 5120) == r80                        # 100 x 2 > 132
+    assert tail_split(r80, 17408, 64 * 12) == replace(r80, tail=4)               # 12 chunks: quarters
+    assert tail_split(replace(r80, splits=2), 17408, 5120).tail == 1
+    r160 = Config(20, 4, 2, 1, stages=4, wgmma=True, overlap=1)     # one an SM: 132 slots
+    assert tail_blocks(r160, 17408, 5120) == (132, 4) and tail_split(r160, 17408, 5120).tail == 8
 
 
 def test_wgmma_kernel_compiles_for_sm90a_without_a_gpu(tmp_path):
@@ -427,8 +455,11 @@ def test_a_nearly_empty_last_wave_takes_k_in_pieces():
     assert with_tail(Config(9, 2, 2, 2, 2, stages=3), 34816, 5120).tail == 1                     # mma
     for n, k in ((17408, 5120), (5120, 17408), (16480, 5120), (14336, 5120), (248320, 5120), (5120, 6144),
                  (24576, 4096), (4096, 12288), (6144, 4096), (151936, 4096)):
-        assert all(cfg.tail == 1 for _, cfg in pick(n, k, wgmma=True)), (n, k)
-    assert [limit for limit, cfg in pick(34816, 5120, wgmma=True) if cfg.tail > 1] == [72]
+        assert all(cfg.tail == 1 for limit, cfg in pick(n, k, wgmma=True) if limit is not None and limit <= 128), (n, k)
+    tailed = [limit for limit, cfg in pick(34816, 5120, wgmma=True) if cfg.tail > 1]
+    # beyond 128 rows `many_rows` takes the tail wherever its blocks leave a wave partial (`tail_split`)
+    assert tailed == [72, 160, 208, 320, 336]
+    assert [limit for limit, cfg in pick(17408, 5120, wgmma=True) if cfg.tail > 1] == [160, 208, 320, 336]
     assert not replace(six, tail=3).fits(34816, 5120) and not replace(six, tail=8, splits=2).fits(34816, 5120)
 
 
@@ -516,7 +547,7 @@ def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     """The fused kernel's CUDA for sm_90a: every row range's kernel stores silu(gate) * up once, in
     bf16 (no float32 output parameter); a block's 64 weight rows are 32 of the gate half and the
     same 32 of the up half (rows c and c + H).  H = 17400 pairs are 544 blocks of 32: at 33-72
-    rows the tail form (`with_tail`), whose last 16 blocks' float32 partial sums (the one float32
+    rows (and in `many_rows`' tailed ranges) the tail form, whose last 16 blocks' float32 partial sums (the one float32
     buffer, ``part``) the second kernel adds and stores as silu(gate) * up, for pairs 16896.. only."""
     setup = (
         "import sys\n"
@@ -533,7 +564,9 @@ def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     heads = re.findall(r"void __launch_bounds__\((\d+)\) (swiglu_kernel\w*)\(([^)]*)\) \{", text)
     floats = {name: re.findall(r"float\* __restrict__ (\w+)", params) for _, name, params in heads}
     assert heads and all(f in ([], ["part_ptr"]) for f in floats.values()), floats
-    assert sum(f == ["part_ptr"] for f in floats.values()) == 2          # the tail's GEMM kernel and its sum
+    # the tails' GEMM kernels and sums: at 33-72 rows and in the four tailed ranges beyond 128 (each of
+    # whose blocks also leaves 528 x 32 pairs whole)
+    assert sum(f == ["part_ptr"] for f in floats.values()) == 10
     for _, name, params in heads:
         body = re.search(rf"{name}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)
         out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", params) if n not in ("w_ptr", "x_ptr", "part_ptr")]
