@@ -164,9 +164,8 @@ def many_rows(n_out: int, k_in: int, gpu: Device = TUNED) -> list[tuple[int | No
       one wave (else two of 168).
 
     Beyond 336 rows, 144-row blocks up to 432, 192 up to 576 and 256 beyond; neighbouring ranges with one
-    configuration are one range.  A shape of at most
-    ``TINY_N`` channels (the hybrid's 48-channel gate projections) splits K over up to 16 blocks, else
-    one or two blocks would run alone."""
+    configuration are one range.  A shape of at most ``TINY_N`` channels (the hybrid's 48-channel gate
+    projections) splits K over up to 16 blocks, else one or two blocks would run alone."""
     def wg(rows, wn, stages, splits=1):
         return Config(rows // 8, 4, wn, 1, stages=stages, wgmma=True, overlap=1, splits=splits)
     blocks = -(-n_out // 64)
