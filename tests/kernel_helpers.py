@@ -47,3 +47,71 @@ def sm90_source(tmp_path: Path, setup: str, funcs: str, arch: str = "sm_90") -> 
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return src.read_text()
+
+
+def loads_out_of_bounds(func) -> list[str]:
+    """The loads of a PrimFunc (te's, before scheduling; constant shapes) whose indices can leave
+    their buffers, as the hardware evaluates them: both sides of a ``Select`` are loaded, only the
+    side taken of an ``if_then_else`` (checked under its condition).  Each found: the buffer, the
+    axis, the index and the range it can take."""
+    import tvm
+    from tvm.sym.analyzer import Analyzer
+    analyzer, found = Analyzer(), []
+    leaves = {"Var", "SizeVar", "IntImm", "FloatImm", "StringImm"}
+
+    def expr(e):
+        kind = type(e).__name__
+        if kind in ("BufferLoad", "TensorLoad"):     # TensorLoad: TVM 0.27's name for a buffer load
+            buffer = e.buffer if kind == "BufferLoad" else e.source
+            for axis, (index, extent) in enumerate(zip(e.indices, buffer.shape)):
+                if not (analyzer.can_prove(index >= 0) and analyzer.can_prove(index < extent)):
+                    bound = analyzer.const_int_bound(index)
+                    found.append(f"{buffer.name}[axis {axis}]: {index} in [{bound.min_value}, "
+                                 f"{bound.max_value}], extent {extent}")
+                expr(index)
+        elif kind == "Call" and str(e.op.name).endswith("if_then_else"):
+            cond, then, other = e.args
+            expr(cond)
+            with analyzer.constraint_scope(cond):
+                expr(then)
+            with analyzer.constraint_scope(tvm.tirx.Not(cond)):
+                expr(other)
+        elif kind == "Select":
+            for part in (e.condition, e.true_value, e.false_value):
+                expr(part)
+        elif kind == "Call":
+            for arg in e.args:
+                expr(arg)
+        elif kind in ("Cast", "Not"):
+            expr(e.value if kind == "Cast" else e.a)
+        elif hasattr(e, "a") and hasattr(e, "b"):
+            expr(e.a)
+            expr(e.b)
+        elif kind not in leaves:
+            raise TypeError(f"loads_out_of_bounds: no rule for {kind}")
+
+    def stmt(s):
+        kind = type(s).__name__
+        if kind == "SeqStmt":
+            for part in s.seq:
+                stmt(part)
+        elif kind == "For":
+            analyzer.bind(s.loop_var, tvm.ir.Range.from_min_extent(s.min, s.extent))
+            stmt(s.body)
+        elif kind == "SBlockRealize":
+            stmt(s.block)
+        elif kind == "SBlock":
+            for iv in s.iter_vars:
+                analyzer.bind(iv.var, iv.dom)
+            if s.init is not None:
+                stmt(s.init)
+            stmt(s.body)
+        elif kind in ("BufferStore", "TensorStore"):
+            for index in s.indices:
+                expr(index)
+            expr(s.value)
+        else:
+            raise TypeError(f"loads_out_of_bounds: no rule for {kind}")
+
+    stmt(func.body)
+    return found

@@ -262,21 +262,26 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool,
                 stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
                 stacked_conv: Tensor | None = None):
-        """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv) -> out (B*T, hidden),
-        and the new states: final (B, ...) or, with ``keep_states``, the conv state after every
-        token and every token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).
-        ``stack`` = (G, g): the per-token records and conv states go into slice g of the
-        (B, T, G, ...) tensors of all G layers (``stacked`` / ``stacked_conv``, made by layer 0),
-        returned in their place."""
+        """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` and
+        without ``keep_states`` all G layers' (B, G, H, dk, dv) -> out (B*T, hidden), and the new
+        states: final (B, ...) or, with ``keep_states``, the conv state after every token and every
+        token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).  ``stack`` = (G, g):
+        the per-token records and conv states (a decode step's: its one token's), or the final
+        recurrent states, go into slice g of the tensors of all G layers (``stacked`` /
+        ``stacked_conv``, made by layer 0), returned in their place."""
         cfg = self.cfg
         B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         C = self.conv_dim
         mixed, z, b, a = self._projections(x)
         mixed = op.reshape(mixed, (B, T_, C))
-        if keep_states:   # verify: the window of every token follows its parents (a chain unless rewritten)
-            conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack)
-            args = [conv_state, mixed, self.conv1d.weight, s.parents]            # (B, T, C): no transposes
+        # a decode step runs verify's conv kernel on its one token: no window concatenated and
+        # transposed, and its state goes into the layers' stack (dlight's schedule of the Relax conv
+        # over the window takes 100 us a layer at 16 sequences on the H200)
+        step = not keep_states and stack is not None and isinstance(T_, int) and T_ == 1
+        if keep_states or step:   # verify: the window of every token follows its parents (a chain unless rewritten)
+            conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack, step=step)
+            args = [conv_state, mixed, self.conv1d.weight, s.parents if keep_states else s.slots]
             conv_type = Tensor.placeholder((B, T_, C), "float32")
             states_type = Tensor.placeholder((B, T_, stack[0], C, K - 1) if stack else (B, T_, C, K - 1), self.dtype)
             if stack and stack[1] > 0:
@@ -289,7 +294,7 @@ class GatedDeltaNet(nn.Module):
             conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
                                                out_dtype="float32"), "conv1d")             # (B, C, T)
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
-        mixed = op.silu(conv) if keep_states else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
+        mixed = op.silu(conv) if keep_states or step else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
         if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
             # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
             heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
@@ -310,7 +315,6 @@ class GatedDeltaNet(nn.Module):
         g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
             op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
         g = op.reshape(g, (B, T_, nv))
-        stack = stack if keep_states else None
         kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu, stack=stack)
         # prefill / decode follow the previous token: parents is not read there
         args = [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots]
@@ -325,9 +329,13 @@ class GatedDeltaNet(nn.Module):
             else:
                 o, new_rec, _ = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, rec_type, scratch])
         else:
-            o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args,
-                                         [o_type, Tensor.placeholder((B, nv, dk, dv), "float32")])
-        if not keep_states:
+            state_type = Tensor.placeholder((B, stack[0], nv, dk, dv) if stack else (B, nv, dk, dv), "float32")
+            if stack and stack[1] > 0:
+                new_rec, o = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked], [len(args), -1],
+                                                     [state_type, o_type])
+            else:
+                o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, state_type])
+        if not keep_states and not step:
             new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
                                        "conv_window_states", [window, s.slots],
                                        Tensor.placeholder((B, C, K - 1), self.dtype))

@@ -96,7 +96,8 @@ class CausalLM(nn.Module):
                 a += 1
             else:
                 conv_g = op.squeeze(slice_axis(conv, 1, g, g + 1, "conv_state"), 1)
-                rec_g = op.squeeze(slice_axis(rec, 1, g, g + 1, "rec_state"), 1)
+                # prefill / decode read their layer's state out of the stack in the kernel
+                rec_g = op.squeeze(slice_axis(rec, 1, g, g + 1, "rec_state"), 1) if keep_states else rec
                 x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states, (self.n_gdn, g),
                                                     recs[-1] if recs else None, convs[-1] if convs else None)
                 convs.append(c_new)
@@ -111,10 +112,15 @@ class CausalLM(nn.Module):
         logits = op.reshape(op.astype(matmul(h, op.permute_dims(head)), "float32"), (B, T_, cfg.vocab_size))
         outputs = [logits]
         if self.n_gdn:
-            axis = 2 if keep_states else 1   # per-token states / records: (B, T, G, ...), final: (B, G, ...)
-            # per-token: the layers already share one stacked tensor of each kind
-            outputs += [convs[-1] if keep_states else op.concat([op.unsqueeze(c, axis) for c in convs], dim=axis),
-                        recs[-1] if keep_states else op.concat([op.unsqueeze(r, axis) for r in recs], dim=axis)]
+            # per-token states / records (B, T, G, ...) and final recurrent states (B, G, ...): the layers
+            # already share one stacked tensor of each kind; a decode step's conv states too (T = 1)
+            if keep_states:
+                conv_out = convs[-1]
+            elif isinstance(T_, int) and T_ == 1:
+                conv_out = op.reshape(convs[-1], (B, self.n_gdn, *convs[-1].shape[3:]))
+            else:
+                conv_out = op.concat([op.unsqueeze(c, 1) for c in convs], dim=1)
+            outputs += [conv_out, recs[-1]]
         if self.feature_layers:
             features = op.concat([kept[i] for i in self.feature_layers], dim=-1)
             outputs.append(op.reshape(features, (B, T_, len(self.feature_layers) * cfg.hidden_size)))

@@ -81,17 +81,25 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     stores only the states of tokens that such a later token branches from (a third of the nodes of
     a best-first tree of 64).  Outputs: o, record, scratch (nothing in scratch is for the caller).
 
-    ``stack`` = (G, g), with ``keep_states``: the records of all G Gated DeltaNet layers of a
-    verify go into one (B, T, G, H, W) tensor, this layer's at index g, so no step concatenates
-    them.  Layer 0 allocates it (its other layers' slices left to them); layer g > 0 writes its
-    slice in place: the kernel then takes the stack after ``parents`` and returns it first
+    ``stack`` = (G, g): the layers' tensors stacked, so no step slices or concatenates them.  With
+    ``keep_states`` the records of all G Gated DeltaNet layers of a verify go into one (B, T, G,
+    H, W) tensor, this layer's at index g; without, s0 is all G layers' states (B, G, H, dk, dv),
+    this layer's read at g, and the final states go into one such tensor.  Layer 0 allocates the
+    stack it writes (its other layers' slices left to them); layer g > 0 writes its slice in
+    place: the kernel then takes the stack after ``parents`` and returns it first
     (``call_tir_inplace`` order: in-place operand, then o and scratch).
     """
     G, gi = stack if stack else (1, 0)
-    if stack and (not keep_states or not 0 <= gi < G):
-        raise ValueError(f"stack={stack}: needs keep_states and 0 <= g < G")
+    if stack and not 0 <= gi < G:
+        raise ValueError(f"stack={stack}: needs 0 <= g < G")
     inplace = gi > 0
     W = record_width(dk, dv)
+    stacked = stack is not None and not keep_states     # s0 and the final state: all layers'
+    SG, sg = (G, gi) if stacked else (1, 0)
+
+    def sat(b, h, i, j):
+        """Flat index of s0[b, (layer g,) h, i, j]; without ``keep_states`` the final state's too."""
+        return (((b * SG + sg) * n_heads + h) * dk + i) * dv + j
 
     def at(n, b, t, h, i, j):
         """Flat index of scratch[b, t, h, i, j]; at(1, b, 0, h, i, j): of the final state[b, h, i, j]."""
@@ -121,13 +129,13 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         acc = T.alloc_buffer((1,), "float32", scope="local")
         kept = T.alloc_buffer((1,), "int32", scope="local")
         for i in range(dk):
-            s[i] = s0[b, h, i, j]
+            s[i] = s0[sat(b, h, i, j)]
         for t in range(n):
             acc[0] = T.float32(0)
             if tree:
                 if parents[b, t] < 0:
                     for i in range(dk):
-                        s[i] = s0[b, h, i, j]
+                        s[i] = s0[sat(b, h, i, j)]
                 elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
                     for i in range(dk):
                         s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, i, j)]
@@ -154,7 +162,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                         st[at(n, b, t, h, i, j)] = s[i]
         if not keep_states:
             for i in range(dk):
-                st[at(1, b, 0, h, i, j)] = s[i]
+                st[sat(b, h, i, j)] = s[i]
 
     # GPU form: a block per (sequence, head, group of ``cols`` value columns) -- the columns of
     # the state evolve independently, so 27B-class heads (dv = 128) take 4 blocks each -- cols x
@@ -207,7 +215,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 if T.Cast("int64", parents[b, t + 1]) != t:
                     if parents[b, t + 1] < 0:
                         for i in T.unroll(rows):
-                            ps[i] = s0[b, h, p * rows + i, cb * cols + jl]
+                            ps[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
                     else:
                         for i in T.unroll(rows):
                             ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
@@ -259,7 +267,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     stored[r * threads + p * cols + jl] = word[0]
             T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
-            s[i] = s0[b, h, p * rows + i, cb * cols + jl]
+            s[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
         fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, 0)
         for t2 in range((n + 1) // 2):
             for u in T.unroll(2):
@@ -267,13 +275,14 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                      s, ps, kx, qx, sx, ix, acc, part, red, stored, u)
         if not keep_states:
             for i in T.unroll(rows):
-                st[at(1, b, 0, h, p * rows + i, cb * cols + jl)] = s[i]
+                st[sat(b, h, p * rows + i, cb * cols + jl)] = s[i]
 
     attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "recurrence",
              "gdn.tree": tree, "gdn.keep_states": keep_states, "gdn.shape": [n_heads, dk, dv]}
     if stack:
         attrs["gdn.stack"] = [G, gi]
     rec_shape = lambda batch, n: (batch, n, G, n_heads, W) if stack else (batch, n, n_heads, W)  # noqa: E731
+    state_shape = lambda batch: (batch, G, n_heads, dk, dv) if stacked else (batch, n_heads, dk, dv)  # noqa: E731
 
     @T.macro
     def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h):
@@ -284,7 +293,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         v = T.match_buffer(v_h, (batch, n, n_heads, dv), "float32")
         g = T.match_buffer(g_h, (batch, n, n_heads), "float32")
         beta = T.match_buffer(b_h, (batch, n, n_heads), "float32")
-        s0 = T.match_buffer(s0_h, (batch, n_heads, dk, dv), "float32")
+        s0_nd = T.match_buffer(s0_h, state_shape(batch), "float32")
         slots = T.match_buffer(slots_h, (batch, n), "int32")
         parents = T.match_buffer(parents_h, (batch, n), "int32")
         o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
@@ -292,9 +301,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             rec_nd = T.match_buffer(rec_h, rec_shape(batch, n), "float32")
             st_nd = T.match_buffer(st_h, (batch, n, n_heads, dk, dv), "float32")
         else:
-            st_nd = T.match_buffer(st_h, (batch, n_heads, dk, dv), "float32")
+            st_nd = T.match_buffer(st_h, state_shape(batch), "float32")
         with T.sblock("root"):
-            st = T.decl_buffer(((batch * n if keep_states else batch) * n_heads * dk * dv,), "float32",
+            s0 = T.decl_buffer((batch * SG * n_heads * dk * dv,), "float32", data=s0_nd.data)
+            st = T.decl_buffer(((batch * n if keep_states else batch * SG) * n_heads * dk * dv,), "float32",
                                data=st_nd.data)
             if keep_states:
                 rec = T.decl_buffer((batch * n * G * n_heads * W,), "float32", data=rec_nd.data)
@@ -311,6 +321,14 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
                         column(q, k, v, g, beta, s0, slots, parents, o, rec, st, n, bh // n_heads, bh % n_heads, j)
+
+    if not keep_states and inplace:
+        @T.prim_func(private=True, s_tir=True)
+        def kernel_final_inplace(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle, b_h: T.handle,
+                                 s0_h: T.handle, slots_h: T.handle, parents_h: T.handle, st_h: T.handle,
+                                 o_h: T.handle):
+            body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, None, st_h)
+        return kernel_final_inplace
 
     if not keep_states:
         @T.prim_func(private=True, s_tir=True)
@@ -407,7 +425,7 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
 
 @memo
 def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False,
-                    stack: tuple[int, int] | None = None):
+                    stack: tuple[int, int] | None = None, step: bool = False):
     """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
     every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, T, C) -- the
     projection's own layout: channels contiguous, so a block's threads (one channel each) read
@@ -423,7 +441,13 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     Token t's window is its K-1 predecessors then itself: the previous tokens (chain) or, with
     ``tree``, its ancestors along parents (gdn-path-recompute), continued into the state
     before the pass when the path is shorter.  Taps are summed in float32 in tap order.
+
+    ``step``: a decode step's conv (one token a sequence; its state after the token is the layer's
+    new state), the same arithmetic as the Relax conv over the window; marked so that
+    gdn-path-recompute leaves it a chain (``gdn.keep_states`` False).
     """
+    if tree and step:
+        raise ValueError("gdn_conv_verify: a decode step's conv (step) follows no tree")
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
@@ -459,7 +483,7 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
             states[b, t, gi, c, k] = window[k + 1]
 
     attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "conv",
-             "gdn.tree": tree, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype}
+             "gdn.tree": tree, "gdn.keep_states": not step, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype}
     if stack:
         attrs["gdn.stack"] = [G, gi]
     st_shape = lambda batch, n: (batch, n, G, channels, keep) if stack else (batch, n, channels, keep)  # noqa: E731

@@ -52,8 +52,12 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
     n_q + n_kv, so one kernel (the slices and casts producing q, k and v fused in: it is marked
     injective) stands where the operators ran three or four.  Every value the operators rounded to
     ``dtype`` is rounded here (`round_to`), so the result is theirs bit for bit: the norm's two
-    roundings, each product's, the sum's."""
+    roundings, each product's, the sum's.  Every choice between loads is an ``if_then_else``, which
+    is evaluated lazily: a ``Select`` is evaluated whole on the GPU (both sides loaded), while te
+    simplifies each side's indices under its condition -- the clamps that kept a side in bounds
+    dropped, so the side not taken read up to a head width outside q, k, v and cos / sin."""
     from tvm import te, tirx
+    pick = tirx.if_then_else
 
     def r(v):       # float32 -> dtype -> float32
         return round_to(dtype, v, spelled)
@@ -65,7 +69,7 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
         B, T, _, n = q.shape
 
         def x(b, t, h, j):      # head h of the output's input, as float32
-            return tirx.Select(h < n_q, f32(q[b, t, tirx.min(h, n_q - 1), j]), tirx.Select(
+            return pick(h < n_q, f32(q[b, t, tirx.min(h, n_q - 1), j]), pick(
                 h < normed_heads, f32(k[b, t, tirx.max(tirx.min(h - n_q, n_kv - 1), 0), j]),
                 f32(v[b, t, tirx.max(tirx.min(h - normed_heads, n_kv - 1), 0), j])))
 
@@ -85,11 +89,11 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
                 turned = normed(b, t, h, i)
             else:
                 ci = tirx.min(i, rot - 1)
-                partner = tirx.Select(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
-                                      normed(b, t, h, tirx.max(i - half, 0)))
-                turned = tirx.Select(i < rot, r(r(normed(b, t, h, i) * f32(cos[b, t, ci]))
+                partner = pick(i < half, -normed(b, t, h, tirx.min(i + half, n - 1)),
+                                normed(b, t, h, tirx.max(i - half, 0)))
+                turned = pick(i < rot, r(r(normed(b, t, h, i) * f32(cos[b, t, ci]))
                                                 + r(partner * f32(sin[b, t, ci]))), normed(b, t, h, i))
-            return tirx.Cast(dtype, tirx.Select(h < normed_heads, turned, x(b, t, h, i)))
+            return tirx.Cast(dtype, pick(h < normed_heads, turned, x(b, t, h, i)))
         return te.compute((B, T, n_q + 2 * n_kv, n), head, name="attention_heads")
     return compute
 

@@ -36,9 +36,9 @@ def _tree_form(func: tirx.PrimFunc, chunked: dict | None):
     gpu = bool(attrs["tirx.is_scheduled"])
     shape = [int(x) for x in attrs["gdn.shape"]]
     stack = tuple(int(x) for x in attrs["gdn.stack"]) if "gdn.stack" in attrs else None
+    if "gdn.keep_states" in attrs and not bool(attrs["gdn.keep_states"]):
+        return None            # prefill / decode: one sequence of tokens, nothing to follow
     if str(attrs["gdn.kernel"]) == "recurrence":
-        if not bool(attrs["gdn.keep_states"]):
-            return None            # prefill / decode: one sequence of tokens, nothing to follow
         if chunked:
             # as many tokens as the form holds, not just the budget's nodes + root: an engine may verify
             # larger trees or longer chains with the same build (more: the engine refuses, with the

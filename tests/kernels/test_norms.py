@@ -185,6 +185,43 @@ def _build_gdn(kind: str, dtype: str, shape, fused: bool):
     return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
 
 
+@pytest.mark.parametrize("spelled", [True, False])
+@pytest.mark.parametrize("dtype,eps,nq,nkv,d,rot", [
+    ("bfloat16", None, 4, 2, 128, 128),     # the tail-MLP tiny build's heads, which read past k on the H200
+    ("bfloat16", 1e-6, 3, 1, 64, 16),       # q / k norm, partial rotary: cos / sin past rot
+    ("float32", 1e-6, 5, 1, 24, 24),
+    ("bfloat16", 1e-6, 6, 2, 40, 20),
+])
+def test_attention_heads_never_load_outside_q_k_v_or_rotary(dtype, eps, nq, nkv, d, rot, spelled):
+    """Every load of the heads kernel stays inside its tensor as the hardware evaluates it: both
+    sides of a Select, the side taken of an if_then_else (`kernel_helpers.loads_out_of_bounds`).
+    te drops the clamps of a side's indices under its condition, so choices between loads written as
+    Selects read up to a head width outside q, k, v and cos / sin -- an illegal address on the
+    H200 where a tensor ended at the edge of its allocation."""
+    from tvm import te
+
+    from tests.kernel_helpers import loads_out_of_bounds
+    B, T = 2, 3
+    q, k, v = (te.placeholder((B, T, h, d), dtype, name=n) for n, h in (("q", nq), ("k", nkv), ("v", nkv)))
+    norm = [te.placeholder((d,), dtype, name=n) for n in ("wq", "wk")] if eps is not None else []
+    cos, sin = (te.placeholder((B, T, rot), dtype, name=n) for n in ("cos", "sin"))
+    heads = attention_heads_te(dtype, rot, nq, nkv, eps, False, spelled)(q, k, v, *norm, cos, sin)
+    assert loads_out_of_bounds(te.create_prim_func([q, k, v, *norm, cos, sin, heads])) == []
+
+
+def test_the_bounds_check_sees_a_select_load_both_sides():
+    """`loads_out_of_bounds` itself: a Select reading x[i + 1] on the side not taken at the last
+    element is found; the same choice as an if_then_else is not."""
+    from tvm import te, tirx
+
+    from tests.kernel_helpers import loads_out_of_bounds
+    x = te.placeholder((7,), "float32", name="x")
+    for choose, expected in ((tirx.Select, 1), (tirx.if_then_else, 0)):
+        y = te.compute((7,), lambda i: choose(i < 6, x[tirx.min(i + 1, 6)], x[i]), name="y")
+        found = loads_out_of_bounds(te.create_prim_func([x, y]))
+        assert len(found) == expected and all("x[axis 0]" in f for f in found)
+
+
 @pytest.mark.parametrize("kind,dtype,shape", [("l2norm", "float32", (5, 3, 40)), ("gated_norm", "bfloat16", (3, 4, 24)),
                                               ("gated_norm", "float32", (7, 2, 12))])
 def test_gated_deltanet_norms_are_the_operators_bit_for_bit(kind, dtype, shape):

@@ -1,0 +1,107 @@
+"""A prefill / decode step's Gated DeltaNet kernels over the layers' stacked states: the recurrence
+reads its layer's state out of all G layers' (B, G, H, dk, dv) and writes its final state into
+slice g of one such tensor (layer 0 allocating it, the others in place), and a decode step's conv
+(verify's kernel on one token) writes its window into the layers' stack -- on the CPU against the
+PyTorch recurrence and the conv written out, random inputs, odd sizes, outputs NaN-poisoned; the
+GPU forms compile to sm_90; gdn-path-recompute leaves a step's conv a chain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot import kernels
+from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
+from tests.kernel_helpers import sm90_source
+
+
+def _call(kernel, args):
+    """Call a CPU kernel on numpy arrays; every argument comes back (in-place ones as written)."""
+    import tvm
+    tensors = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args]
+    tvm.compile(kernel.with_attr("global_symbol", "k"), target="llvm")["k"](*tensors)
+    return [t.numpy() for t in tensors]
+
+
+@pytest.mark.parametrize("n,G,gi,H,dk,dv", [(1, 3, 0, 3, 8, 5), (1, 3, 2, 2, 6, 7), (4, 2, 1, 1, 8, 4),
+                                            (1, 1, 0, 2, 8, 6)])     # a model of one such layer
+def test_step_recurrence_reads_and_writes_its_layer_of_the_stack(n, G, gi, H, dk, dv):
+    rng = np.random.default_rng(n * 100 + G * 10 + gi)
+    B = 2
+    q = rng.standard_normal((B, n, H, dk)).astype("float32") * dk ** -0.5
+    k = rng.standard_normal((B, n, H, dk)).astype("float32")
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, n, H, dv)).astype("float32")
+    g = (-np.abs(rng.standard_normal((B, n, H))) * 0.3).astype("float32")
+    beta = rng.uniform(0.05, 0.95, (B, n, H)).astype("float32")
+    s0 = rng.standard_normal((B, G, H, dk, dv)).astype("float32")
+    slots = np.tile(np.arange(n, dtype="int32"), (B, 1))
+    kernel = kernels.gated_delta_rule(H, dk, dv, False, False, stack=(G, gi))
+    o = np.full((B, n, H, dv), np.nan, "float32")
+    before = rng.standard_normal((B, G, H, dk, dv)).astype("float32")   # the other layers' slices
+    if gi > 0:      # in place: the stack after parents, then o
+        *_, state, o = _call(kernel, [q, k, v, g, beta, s0, slots, slots, before.copy(), o])
+    else:
+        *_, o, state = _call(kernel, [q, k, v, g, beta, s0, slots, slots, o, np.full_like(before, np.nan)])
+    t = torch.from_numpy
+    for b in range(B):
+        want_o, want_state, _ = recurrent_gated_delta_rule(t(q[b]), t(k[b]), t(v[b]), t(g[b]), t(beta[b]), t(s0[b, gi]))
+        np.testing.assert_allclose(o[b], want_o.numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(state[b, gi], want_state.numpy(), rtol=1e-5, atol=1e-5)
+    others = [layer for layer in range(G) if layer != gi]
+    if gi > 0:
+        np.testing.assert_array_equal(state[:, others], before[:, others])
+    else:
+        assert np.isnan(state[:, others]).all()
+
+
+@pytest.mark.parametrize("G,gi,C,K", [(3, 0, 7, 4), (3, 2, 300, 4), (2, 1, 5, 3)])
+def test_step_conv_is_the_window_conv_into_the_stack(G, gi, C, K):
+    rng = np.random.default_rng(C + gi)
+    B, keep = 3, K - 1
+    state = rng.standard_normal((B, C, keep)).astype("float32")
+    x = rng.standard_normal((B, 1, C)).astype("float32")
+    weight = rng.standard_normal((C, 1, K)).astype("float32")
+    slots = np.full((B, 1), 9, "int32")
+    kernel = kernels.gdn_conv_verify(C, K, "float32", False, stack=(G, gi), step=True)
+    before = rng.standard_normal((B, 1, G, C, keep)).astype("float32")
+    conv = np.full((B, 1, C), np.nan, "float32")
+    if gi > 0:
+        *_, states, conv = _call(kernel, [state, x, weight, slots, before.copy(), conv])
+    else:
+        *_, conv, states = _call(kernel, [state, x, weight, slots, conv, np.full_like(before, np.nan)])
+    window = np.concatenate([state, x.transpose(0, 2, 1)], axis=2)          # (B, C, K)
+    want = np.zeros((B, C), "float32")
+    for tap in range(K):        # float32, in tap order, as the Relax conv sums
+        want = want + window[:, :, tap] * weight[None, :, 0, tap]
+    np.testing.assert_array_equal(conv[:, 0], want)
+    np.testing.assert_array_equal(states[:, 0, gi], window[:, :, 1:])
+    if gi > 0:
+        others = [layer for layer in range(G) if layer != gi]
+        np.testing.assert_array_equal(states[:, 0, others], before[:, 0, others])
+
+
+def test_path_recompute_leaves_a_steps_conv_a_chain():
+    """A decode step's conv and verify's are one kernel but for ``step``: the pass rewrites the
+    verify one only (tests/passes/test_gdn_path_recompute.py checks a whole lowered model)."""
+    import tvm
+    from specpilot.passes.base import PassContext
+    from specpilot.passes.pipeline import parse
+    step = kernels.gdn_conv_verify(12, 4, "float32", False, stack=(3, 1), step=True)
+    verify = kernels.gdn_conv_verify(12, 4, "float32", False, stack=(3, 1))
+    (recompute,) = parse("gdn-path-recompute")
+    context = PassContext(hybrid=True)
+    context.statistics[recompute.name] = {}      # as `passes.runner.run_pipeline` opens them
+    after = recompute.apply(tvm.IRModule({"step": step, "verify": verify}), context)
+    assert not bool(after["step"].attrs["gdn.tree"]) and bool(after["verify"].attrs["gdn.tree"])
+    with pytest.raises(ValueError, match="follows no tree"):
+        kernels.gdn_conv_verify(12, 4, "float32", False, tree=True, step=True)
+
+
+def test_step_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
+    text = sm90_source(tmp_path, "from specpilot import kernels",
+                       "{'first': kernels.gated_delta_rule(4, 16, 12, False, True, stack=(3, 0)), "
+                       "'later': kernels.gated_delta_rule(4, 16, 12, False, True, stack=(3, 2)), "
+                       "'conv': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, stack=(3, 1), step=True)}")
+    assert "first_kernel" in text and "later_kernel" in text and "conv_kernel" in text
