@@ -49,6 +49,18 @@ def sm90_source(tmp_path: Path, setup: str, funcs: str, arch: str = "sm_90") -> 
     return src.read_text()
 
 
+def gdn_inputs(rng, B: int, n: int, H: int, dk: int, dv: int):
+    """Random Gated DeltaNet recurrence inputs as the layer makes them: q (scaled), k (unit rows),
+    v, g < 0, beta in (0, 1), all float32."""
+    q = rng.standard_normal((B, n, H, dk)).astype("float32") * dk ** -0.5
+    k = rng.standard_normal((B, n, H, dk)).astype("float32")
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, n, H, dv)).astype("float32")
+    g = (-np.abs(rng.standard_normal((B, n, H))) * 0.3).astype("float32")
+    beta = rng.uniform(0.05, 0.95, (B, n, H)).astype("float32")
+    return q, k, v, g, beta
+
+
 def loads_out_of_bounds(func) -> list[str]:
     """The loads of a PrimFunc (te's, before scheduling; constant shapes) whose indices can leave
     their buffers, as the hardware evaluates them: both sides of a ``Select`` are loaded, only the

@@ -102,7 +102,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         return (((b * SG + sg) * n_heads + h) * dk + i) * dv + j
 
     def at(n, b, t, h, i, j):
-        """Flat index of scratch[b, t, h, i, j]; at(1, b, 0, h, i, j): of the final state[b, h, i, j]."""
+        """Flat index of scratch[b, t, h, i, j]."""
         return (((b * n + t) * n_heads + h) * dk + i) * dv + j
 
     def rat(n, b, t, h, w):

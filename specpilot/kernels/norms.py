@@ -5,6 +5,7 @@ The lowering wraps them as Relax calls; the decode GEMV schedule reuses `rms_sca
 from __future__ import annotations
 
 NORM_ATTR = "specpilot.rms_norm"   # on `RMSNorm`'s PrimFunc: JSON {eps, zero_centered, spelled}
+HEADS_BLOCK = "attention_heads"     # the block of `attention_heads_te` (fused functions keep block names)
 
 
 def f32(v):
@@ -55,7 +56,8 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
     roundings, each product's, the sum's.  Every choice between loads is an ``if_then_else``, which
     is evaluated lazily: a ``Select`` is evaluated whole on the GPU (both sides loaded), while te
     simplifies each side's indices under its condition -- the clamps that kept a side in bounds
-    dropped, so the side not taken read up to a head width outside q, k, v and cos / sin."""
+    dropped, so the side not taken read up to a head width outside q, k, v and cos / sin (an
+    illegal address on the H200)."""
     from tvm import te, tirx
     pick = tirx.if_then_else
 
@@ -94,7 +96,7 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
                 turned = pick(i < rot, r(r(normed(b, t, h, i) * f32(cos[b, t, ci]))
                                                 + r(partner * f32(sin[b, t, ci]))), normed(b, t, h, i))
             return tirx.Cast(dtype, pick(h < normed_heads, turned, x(b, t, h, i)))
-        return te.compute((B, T, n_q + 2 * n_kv, n), head, name="attention_heads")
+        return te.compute((B, T, n_q + 2 * n_kv, n), head, name=HEADS_BLOCK)
     return compute
 
 

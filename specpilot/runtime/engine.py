@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from specpilot.core import feature_drafter as fd
 from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
+from specpilot.core.weights import file_digest
 from specpilot.runtime.features import FeatureStore
 
 def import_tvm_runtime(gpu: bool):
@@ -94,6 +97,26 @@ def _tokens_in_place(items) -> torch.Tensor | None:
     return torch.stack(flat)
 
 
+_LOADED: dict[str, str] = {}    # model.so paths this process has loaded -> the content digest loaded there
+
+
+def loadable_library(path: Path, digest: str) -> str:
+    """Where to load the library at ``path`` (content ``digest``) from: ``path`` itself, or -- when
+    this process already loaded other bytes from that path (a build compiled again into its folder)
+    -- a copy named by the digest, since the loader hands back the library first loaded under a name
+    and the process would run the old code (and miss functions the new manifest lists)."""
+    key = str(path.resolve())
+    if _LOADED.setdefault(key, digest) == digest:
+        return key
+    copy = Path(tempfile.gettempdir()) / "specpilot-modules" / f"{digest}.so"
+    if not copy.is_file():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        part = copy.with_name(f"{copy.name}.{os.getpid()}.part")
+        shutil.copyfile(path, part)
+        os.replace(part, copy)
+    return str(copy)
+
+
 class CompiledModule:
     """One loaded build: the VM, the parameters on the device, the function table."""
 
@@ -106,8 +129,10 @@ class CompiledModule:
         self.device = tvm.cuda(0) if gpu else tvm.cpu(0)
         if verify_hashes:
             self._check_hashes()
+        so = self.dir / "model.so"
         try:
-            lib = tvm.runtime.load_module(str(self.dir / "model.so"))
+            digest = self.manifest.hashes["model.so"] if verify_hashes else file_digest(so)
+            lib = tvm.runtime.load_module(loadable_library(so, digest))
         except Exception as e:  # TVM raises its own error types for unloadable libraries
             raise SpecPilotError(f"{self.dir / 'model.so'}: cannot load ({str(e).splitlines()[0]})") from None
         self.vm = lib["vm_load_executable"]()
@@ -129,7 +154,6 @@ class CompiledModule:
         return self._stored, self._aliases
 
     def _check_hashes(self) -> None:
-        from specpilot.core.weights import file_digest
         for rel, digest in self.manifest.hashes.items():
             path = self.dir / rel
             if not path.is_file():

@@ -87,6 +87,29 @@ def _declining(rule):
     return Declining()
 
 
+def _not_heads(rule):
+    """``rule``, declining the attention heads kernel (`kernels.norms.attention_heads_te`, found by its
+    block): dlight's GEMV-family rules take it (its choices between loads are if_then_else) and pad
+    its bf16 inputs to a multiple of the batch, which TVM's bf16 legalization then rejects (a
+    Qwen3.5-style config of head_dim 12); the Reduction rules schedule it as one kernel."""
+    from tvm import s_tir, tirx
+    from tvm.s_tir import dlight as dl
+
+    from specpilot.kernels.norms import HEADS_BLOCK
+
+    class NotHeads(dl.ScheduleRule):
+        def apply(self, func, target, tunable):
+            if isinstance(func, tirx.PrimFunc):
+                try:
+                    s_tir.Schedule(func).get_sblock(HEADS_BLOCK)
+                    return None
+                except Exception:   # no such block: not the heads kernel
+                    pass
+            return rule.apply(func, target, tunable)
+
+    return NotHeads()
+
+
 def _skinny_mma(target: tvm.target.Target, gpu: Device) -> tvm.transform.Pass:
     # Hopper's warpgroup MMA where the code is for sm_90a and the schedules for a card that has it
     wgmma = str(target.attrs.get("arch", "")) == "sm_90a" and gpu.kernel_forms == "wgmma"
@@ -120,8 +143,8 @@ def gpu_schedules() -> tvm.transform.Pass:
     from tvm.s_tir import dlight as dl
 
     from specpilot.schedules.tensor_core import BF16Matmul
-    rules = [_DecodeOnly(dl.gpu.LowBatchGEMV()), BF16Matmul(), dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.LowBatchGEMV(),
-             dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
+    rules = [_not_heads(_DecodeOnly(dl.gpu.LowBatchGEMV())), BF16Matmul(), dl.gpu.Matmul(), _not_heads(dl.gpu.GEMV()),
+             _not_heads(dl.gpu.LowBatchGEMV()), dl.gpu.Reduction(), dl.gpu.GeneralReduction()]
     return dl.ApplyDefaultSchedule(*(_declining(r) for r in rules), dl.gpu.Fallback())
 
 

@@ -249,6 +249,26 @@ def test_runtime_only_load(built):
     assert result["tokens"] == from_build(out).generate("stock", [1, 2, 3], 8).tokens
 
 
+def test_a_build_compiled_again_into_its_folder_loads_as_the_new_build(tmp_path):
+    """One process loads a build, the folder is compiled again with another pipeline, and the next
+    load runs the new library: the loader would hand back the first library loaded from that path
+    (its functions, not the new manifest's), so other bytes at a loaded path load from a copy."""
+    spec = _spec(tmp_path, "LlamaForCausalLM")
+    out = tmp_path / "build"
+    build(BuildRequest(spec, parse_target("llvm"), out))
+    first = from_build(out)
+    assert "compiled-tree" not in first.engines
+    data = yaml.safe_load((tmp_path / "model.yaml").read_text())
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({**data, "passes": "tree-verify{budget=4}"}))
+    build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), out))
+    again = from_build(out)
+    assert "target_compact_kv" in read_manifest(out).functions and "compiled-tree" in again.engines
+    prompt = PROMPTS[1]
+    stock = again.generate("stock", prompt, 12)
+    assert again.generate("compiled-tree", prompt, 12, force=stock.tokens).tokens == stock.tokens
+    assert first.generate("compiled", prompt, 12, force=stock.tokens).tokens == stock.tokens   # the old one runs on
+
+
 def test_corrupt_build_is_refused(built, tmp_path):
     import shutil
     out, _ = built

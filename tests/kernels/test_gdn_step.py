@@ -13,7 +13,7 @@ import torch
 
 from specpilot import kernels
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
-from tests.kernel_helpers import sm90_source
+from tests.kernel_helpers import gdn_inputs, sm90_source
 
 
 def _call(kernel, args):
@@ -29,12 +29,7 @@ def _call(kernel, args):
 def test_step_recurrence_reads_and_writes_its_layer_of_the_stack(n, G, gi, H, dk, dv):
     rng = np.random.default_rng(n * 100 + G * 10 + gi)
     B = 2
-    q = rng.standard_normal((B, n, H, dk)).astype("float32") * dk ** -0.5
-    k = rng.standard_normal((B, n, H, dk)).astype("float32")
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, n, H, dv)).astype("float32")
-    g = (-np.abs(rng.standard_normal((B, n, H))) * 0.3).astype("float32")
-    beta = rng.uniform(0.05, 0.95, (B, n, H)).astype("float32")
+    q, k, v, g, beta = gdn_inputs(rng, B, n, H, dk, dv)
     s0 = rng.standard_normal((B, G, H, dk, dv)).astype("float32")
     slots = np.tile(np.arange(n, dtype="int32"), (B, 1))
     kernel = kernels.gated_delta_rule(H, dk, dv, False, False, stack=(G, gi))

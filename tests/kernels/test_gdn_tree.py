@@ -20,17 +20,12 @@ from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
 from tests.conftest import HYBRID, tiny_config
-from tests.kernel_helpers import run_cpu, sm90_source
+from tests.kernel_helpers import gdn_inputs, run_cpu, sm90_source
 from tests.passes.test_gdn_path_recompute import _path, _random_tree
 
 
 def _case(rng, B, n, H, dk, dv, parents):
-    q = rng.standard_normal((B, n, H, dk)).astype("float32") * dk ** -0.5
-    k = rng.standard_normal((B, n, H, dk)).astype("float32")
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.standard_normal((B, n, H, dv)).astype("float32")
-    g = (-np.abs(rng.standard_normal((B, n, H))) * 0.3).astype("float32")
-    beta = rng.uniform(0.05, 0.95, (B, n, H)).astype("float32")
+    q, k, v, g, beta = gdn_inputs(rng, B, n, H, dk, dv)
     s0 = rng.standard_normal((B, H, dk, dv)).astype("float32")
     return q, k, v, g, beta, s0, np.asarray(parents, "int32")
 

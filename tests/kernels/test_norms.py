@@ -195,9 +195,9 @@ def _build_gdn(kind: str, dtype: str, shape, fused: bool):
 def test_attention_heads_never_load_outside_q_k_v_or_rotary(dtype, eps, nq, nkv, d, rot, spelled):
     """Every load of the heads kernel stays inside its tensor as the hardware evaluates it: both
     sides of a Select, the side taken of an if_then_else (`kernel_helpers.loads_out_of_bounds`).
-    te drops the clamps of a side's indices under its condition, so choices between loads written as
-    Selects read up to a head width outside q, k, v and cos / sin -- an illegal address on the
-    H200 where a tensor ended at the edge of its allocation."""
+    te drops the clamps of a side's indices under a plain Select condition, so the side not taken
+    read up to a head width outside q, k, v and cos / sin -- an illegal address on the H200 where a
+    tensor ended at the edge of its allocation."""
     from tvm import te
 
     from tests.kernel_helpers import loads_out_of_bounds
@@ -211,12 +211,14 @@ def test_attention_heads_never_load_outside_q_k_v_or_rotary(dtype, eps, nq, nkv,
 
 def test_the_bounds_check_sees_a_select_load_both_sides():
     """`loads_out_of_bounds` itself: a Select reading x[i + 1] on the side not taken at the last
-    element is found; the same choice as an if_then_else is not."""
+    element is found (te dropped its clamp); the same choice as an if_then_else, or as a Select
+    under ``likely`` (the clamp kept), is not."""
     from tvm import te, tirx
 
     from tests.kernel_helpers import loads_out_of_bounds
     x = te.placeholder((7,), "float32", name="x")
-    for choose, expected in ((tirx.Select, 1), (tirx.if_then_else, 0)):
+    kept = lambda c, a, b: tirx.Select(tirx.likely(c), a, b)   # noqa: E731
+    for choose, expected in ((tirx.Select, 1), (tirx.if_then_else, 0), (kept, 0)):
         y = te.compute((7,), lambda i: choose(i < 6, x[tirx.min(i + 1, 6)], x[i]), name="y")
         found = loads_out_of_bounds(te.create_prim_func([x, y]))
         assert len(found) == expected and all("x[axis 0]" in f for f in found)
