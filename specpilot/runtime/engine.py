@@ -14,6 +14,7 @@ functions (padded to the longest; padding writes nothing).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import shutil
@@ -98,22 +99,24 @@ def _tokens_in_place(items) -> torch.Tensor | None:
 
 
 _LOADED: dict[str, str] = {}    # model.so paths this process has loaded -> the content digest loaded there
+_COPIES: list[Path] = []        # this process's own folder of library copies (made on first need)
 
 
 def loadable_library(path: Path, digest: str) -> str:
     """Where to load the library at ``path`` (content ``digest``) from: ``path`` itself, or -- when
     this process already loaded other bytes from that path (a build compiled again into its folder)
     -- a copy named by the digest, since the loader hands back the library first loaded under a name
-    and the process would run the old code (and miss functions the new manifest lists)."""
+    and the process would run the old code (and miss functions the new manifest lists).  The copies
+    live in a folder only this process writes (never one others could put a library in)."""
     key = str(path.resolve())
     if _LOADED.setdefault(key, digest) == digest:
         return key
-    copy = Path(tempfile.gettempdir()) / "specpilot-modules" / f"{digest}.so"
+    if not _COPIES:
+        _COPIES.append(Path(tempfile.mkdtemp(prefix="specpilot-modules-")))    # mode 0700
+        atexit.register(shutil.rmtree, _COPIES[0], True)
+    copy = _COPIES[0] / f"{digest}.so"
     if not copy.is_file():
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        part = copy.with_name(f"{copy.name}.{os.getpid()}.part")
-        shutil.copyfile(path, part)
-        os.replace(part, copy)
+        shutil.copyfile(path, copy)
     return str(copy)
 
 
