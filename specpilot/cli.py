@@ -608,6 +608,8 @@ def drafter():
               help="early-exit: target layers the drafter keeps (repeat to train several adapters from the same "
                    "passes); block: the drafter's layers (default 1)")
 @click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="block: positions per pass")
+@click.option("--anchors", type=click.IntRange(1), default=32, show_default=True,
+              help="block: blocks trained per sequence and teacher pass (distinct anchors)")
 @click.option("--target-layers", default=None, help="block / feature: target layers read, e.g. 1,15,27 "
               "(default: the published projects' choice)")
 @click.option("--ttt", type=click.IntRange(1, 8), default=3, show_default=True,
@@ -633,8 +635,8 @@ def drafter():
 @click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
-def drafter_train(spec, kind, exits, block_size, target_layers, ttt, draft_vocab, output, steps, batch, seq_len, generated, lr,
-                  seed, device, corpus, holdout, time_limit, save_dtype):
+def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, draft_vocab, output, steps, batch, seq_len,
+                  generated, lr, seed, device, corpus, holdout, time_limit, save_dtype):
     """Distil early-exit adapters from the spec's target (KL over the vocabulary on a code corpus
     and the target's own greedy continuations); use one with `drafter: {kind: early-exit,
     layers: N, adapter: FILE}`."""
@@ -666,7 +668,8 @@ def drafter_train(spec, kind, exits, block_size, target_layers, ttt, draft_vocab
     if kind != "early-exit":
         _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,
                            dict(steps=steps, batch=batch, seq_len=seq_len, generated=generated, lr=lr, seed=seed,
-                                device=device, corpus=corpus, holdout=texts, time_limit=time_limit, ttt=ttt))
+                                device=device, corpus=corpus, holdout=texts, time_limit=time_limit, ttt=ttt,
+                                blocks=anchors))
         return
     if not exits:
         raise click.UsageError("--layers: early-exit training needs the target layers each adapter keeps")

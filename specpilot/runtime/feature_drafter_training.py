@@ -128,7 +128,7 @@ class Options:
     lr: float = 6e-4
     seed: int = 0
     device: str = "cpu"
-    blocks: int = 4            # block: anchors per sequence
+    blocks: int = 32           # block: anchors per sequence (distinct)
     gamma: float = 7.0         # block: position weights exp(-(k - 1) / gamma)
     ttt: int = 3               # feature: draft steps trained
     time_limit: float | None = None
@@ -172,28 +172,41 @@ def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict,
     return out
 
 
-def _anchors(valid_len: list[int], blocks: int, rng: random.Random) -> list[list[int]]:
-    return [[rng.randrange(1, n - 1) for _ in range(blocks)] if n > 2 else [] for n in valid_len]
+def sample_anchors(valid_len: list[int], blocks: int, rng: random.Random) -> list[list[int]]:
+    """Up to ``blocks`` distinct anchors a row, ascending, each with at least one label after it
+    (1 <= a <= n - 2): DFlash trains many blocks of one sequence against one teacher pass."""
+    return [sorted(rng.sample(range(1, n - 1), min(blocks, n - 2))) if n > 2 else [] for n in valid_len]
 
 
-def _block_batch(cfg, anchors, tokens, valid_len, device, gamma: float):
-    """Query tokens, positions, mask and (row, query, teacher position, weight) of the labels."""
+def block_batch(cfg, anchors: list[list[int]], tokens: torch.Tensor, valid_len: list[int], device, gamma: float):
+    """The blocks at ``anchors`` as one padded batch: query tokens (B, Q), positions (B, Q), the mask
+    (B, Q, T + Q) and the labels (row, query, teacher position, weight) as four tensors.  Block j of
+    row b holds [t_a, mask, ...] at positions a .. a + bs - 1; it sees the features of positions < a
+    and its own block; its query k >= 1 learns the teacher after t_{a+k-1}, weighted
+    exp(-(k-1)/gamma), where a + k is inside the row.  Padding queries see only themselves."""
     bs, B, T = cfg.block_size, tokens.shape[0], tokens.shape[1]
-    Q = max(len(a) for a in anchors) * bs
-    q_tok = torch.full((B, Q), cfg.mask_token_id, dtype=torch.long)
-    q_pos = torch.zeros(B, Q, dtype=torch.long)
-    mask = torch.zeros(B, Q, T + Q, dtype=torch.bool)
-    mask[:, :, T:] = torch.eye(Q, dtype=torch.bool)          # unused queries see themselves
-    labels = []
+    n = max((len(a) for a in anchors), default=0)
+    Q = max(n, 1) * bs
+    anchor = torch.zeros(B, max(n, 1), dtype=torch.long)
+    keep = torch.zeros(B, max(n, 1), dtype=torch.bool)
     for b, row in enumerate(anchors):
-        for j, a in enumerate(row):
-            s = j * bs
-            q_tok[b, s] = tokens[b, a]
-            q_pos[b, s:s + bs] = torch.arange(a, a + bs)
-            mask[b, s:s + bs, :a] = True
-            mask[b, s:s + bs, T + s:T + s + bs] = True
-            labels += [(b, s + k, a + k - 1, math.exp(-(k - 1) / gamma)) for k in range(1, bs) if a + k < valid_len[b]]
-    return q_tok.to(device), q_pos.to(device), mask.to(device), labels
+        anchor[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        keep[b, :len(row)] = True
+    block, k = torch.arange(Q) // bs, torch.arange(Q) % bs
+    a_q, keep_q = anchor[:, block], keep[:, block]                          # (B, Q)
+    q_pos = torch.where(keep_q, a_q + k, 0)
+    first = keep_q & (k == 0)
+    q_tok = torch.where(first, tokens.gather(1, a_q.clamp(max=T - 1)), cfg.mask_token_id)
+    context = (torch.arange(T)[None, None, :] < a_q[:, :, None]) & keep_q[:, :, None]
+    same = (block[:, None] == block[None, :])[None] & keep_q[:, :, None]
+    own = torch.eye(Q, dtype=torch.bool)[None] & ~keep_q[:, :, None]
+    mask = torch.cat([context, same | own], dim=-1)
+    lengths = torch.tensor(valid_len, dtype=torch.long)[:, None]
+    labelled = keep_q & (k >= 1) & (a_q + k < lengths)
+    rows, queries = labelled.nonzero(as_tuple=True)
+    steps = k[queries]
+    labels = (rows, queries, a_q[rows, queries] + steps - 1, torch.exp(-(steps - 1).float() / gamma))
+    return q_tok.to(device), q_pos.to(device), mask.to(device), tuple(t.to(device) for t in labels)
 
 
 def _kl(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -300,12 +313,11 @@ class Trainer:
         w = {**self.params, **self.fixed}
         lengths = [len(r) for r in rows]
         if self.cfg.kind == "block":
-            anchors = _anchors(lengths, self.opts.blocks, self.rng)
-            q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
-                                                      self.opts.gamma)
+            anchors = sample_anchors(lengths, self.opts.blocks, self.rng)
+            q_tok, q_pos, mask, (b, q, t, wt) = block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
+                                                            self.opts.gamma)
             student = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask)
-            b, q, t, wt = (torch.tensor(x, device=self.opts.device) for x in zip(*labels))
-            return _kl(student[b, q], teacher[b, t], wt.float())
+            return _kl(student[b, q], teacher[b, t], wt)
         steps = feature_forward(self.cfg, w, self.embed, features, tokens, valid, self.opts.ttt)
         total = 0.0
         for s, student in enumerate(steps):
@@ -350,6 +362,7 @@ class Trainer:
                 self.save_state()
         self.save_state()
         return {"steps": self.step, "batch": o.batch, "seq_len": o.seq_len, "lr": o.lr, "seed": o.seed,
+                **({"blocks_per_sequence": o.blocks, "gamma": o.gamma} if self.cfg.kind == "block" else {}),
                 "generated_sequences": len(seqs), "heldout_sequences": len(heldout),
                 "seconds": round(time.perf_counter() - started, 1), "device": o.device, "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name() if o.device != "cpu" else None, "target_digest": self.digest,
@@ -374,10 +387,9 @@ class Trainer:
         if self.cfg.kind == "block":
             lengths = [len(r) for r in rows]
             anchors = [list(range(1, n - 1, max(1, (n - 2) // 8))) for n in lengths]
-            q_tok, q_pos, mask, labels = _block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
-                                                      self.opts.gamma)
+            q_tok, q_pos, mask, (b, q, t, _) = block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
+                                                           self.opts.gamma)
             got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
-            b, q, t, _ = (torch.tensor(x, device=got.device) for x in zip(*labels))
             for k, same in zip((q % self.cfg.block_size).tolist(), (got[b, q] == want[b, t]).int().tolist()):
                 hits.setdefault(k, []).append(same)
             return hits

@@ -6,6 +6,7 @@ networks, and every engine with either drafter passes token forcing exactly on a
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -16,7 +17,8 @@ from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 from specpilot.core.spec import parse_spec
 from specpilot.core.weights import random_weights
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, tree_inputs
-from specpilot.runtime.feature_drafter_training import block_forward, feature_forward, init_tensors
+from specpilot.runtime.feature_drafter_training import (block_batch, block_forward, feature_forward, init_tensors,
+                                                         sample_anchors)
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.reference.feature_nets import build_net
@@ -227,6 +229,44 @@ def test_spec_refuses_what_a_feature_drafter_does_not_take(tmp_path):
         parse_spec({**data, "drafter": {"kind": "ngram", "target_layers": [1]}})
     with pytest.raises(SpecError, match="not among"):
         from_spec(parse_spec({**data, "drafter": {"kind": "block", "init": {"seed": 1}, "target_layers": [0, 5]}}))
+
+
+def _block_batch_loop(cfg, anchors, tokens, valid_len, gamma):
+    """The training batch of blocks, one block at a time (the reference for `block_batch`)."""
+    bs, (B, T) = cfg.block_size, tokens.shape
+    Q = max(1, max(len(a) for a in anchors)) * bs
+    q_tok = torch.full((B, Q), cfg.mask_token_id, dtype=torch.long)
+    q_pos = torch.zeros(B, Q, dtype=torch.long)
+    mask = torch.zeros(B, Q, T + Q, dtype=torch.bool)
+    mask[:, :, T:] = torch.eye(Q, dtype=torch.bool)
+    labels = []
+    for b, row in enumerate(anchors):
+        for j, a in enumerate(row):
+            s = j * bs
+            q_tok[b, s] = tokens[b, a]
+            q_pos[b, s:s + bs] = torch.arange(a, a + bs)
+            mask[b, s:s + bs, :a] = True
+            mask[b, s:s + bs, T + s:T + s + bs] = True
+            labels += [(b, s + k, a + k - 1, math.exp(-(k - 1) / gamma)) for k in range(1, bs) if a + k < valid_len[b]]
+    return q_tok, q_pos, mask, sorted(labels)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_training_batch_of_blocks_equals_one_block_at_a_time(seed):
+    rng = random.Random(seed)
+    cfg = fd.seeded_config("block", tiny_config("LlamaForCausalLM"), block_size=rng.choice([2, 5, 8]))
+    lengths = [rng.choice([1, 2, 3, rng.randrange(4, 40)]) for _ in range(rng.randrange(1, 6))]
+    T = max(lengths)
+    tokens = torch.randint(0, 301, (len(lengths), T))
+    anchors = sample_anchors(lengths, rng.randrange(1, 12), rng)
+    for row, n in zip(anchors, lengths):
+        assert len(set(row)) == len(row) and all(1 <= a <= n - 2 for a in row) and row == sorted(row)
+    q_tok, q_pos, mask, (b, q, t, w) = block_batch(cfg, anchors, tokens, lengths, "cpu", 7.0)
+    want_tok, want_pos, want_mask, want_labels = _block_batch_loop(cfg, anchors, tokens, lengths, 7.0)
+    assert torch.equal(q_tok, want_tok) and torch.equal(q_pos, want_pos) and torch.equal(mask, want_mask)
+    got = sorted(zip(b.tolist(), q.tolist(), t.tolist(), w.tolist()))
+    assert [g[:3] for g in got] == [x[:3] for x in want_labels]
+    assert all(abs(g[3] - x[3]) < 1e-6 for g, x in zip(got, want_labels))
 
 
 def test_training_init_takes_the_target_s_tensors_where_shapes_match():
