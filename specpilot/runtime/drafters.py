@@ -32,13 +32,25 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top k (indices, values), best first and equal values in index order -- the rule of every
-    token choice here (topk's own order among equal values is the device's), so the chain a drafter
-    proposes is the same on every engine, the C++ runtime's included."""
-    top = logp.topk(k)
-    indices, order = top.indices.sort()
-    values, rank = top.values[order].sort(descending=True, stable=True)
-    return indices[rank], values
+    """The top k (indices, values) along the last axis, best first, equal values in index order and
+    the lowest indices among those equal to the k-th -- the rule of every token choice here (topk's
+    own pick among equal values is the device's), so the chain a drafter proposes is the same on
+    every engine, the C++ runtime's included.  Rows (any leading axes) are ranked in one go."""
+    if k == 0:
+        top = logp.topk(0, dim=-1)
+        return top.indices, top.values
+    if k == 1:                        # argmax takes the first of equal maxima
+        indices = logp.argmax(dim=-1, keepdim=True)
+        return indices, logp.gather(-1, indices)
+    kth = logp.topk(k, dim=-1).values[..., -1:]
+    tied = logp == kth
+    room = k - (logp > kth).sum(dim=-1, keepdim=True)
+    chosen = (logp > kth) | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
+    V = logp.shape[-1]
+    # exactly k chosen a row: the k largest of (V - index) over them are their indices, ascending
+    indices = V - torch.where(chosen, torch.arange(V, 0, -1, device=logp.device), 0).topk(k, dim=-1).values
+    values, rank = logp.gather(-1, indices).sort(dim=-1, descending=True, stable=True)
+    return indices.gather(-1, rank), values
 
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -49,10 +61,7 @@ def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 def ranked_rows(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """`ranked` of every row of ``logp`` (rows, vocab) as (token, value) lists, with one copy to the
     host for all of them (a tree level's expansions)."""
-    top = logp.topk(k, dim=-1)
-    indices, order = top.indices.sort(dim=-1)
-    values, rank = top.values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    indices = indices.gather(-1, rank)
+    indices, values = ranked(logp, k)
     return [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
 
 

@@ -64,9 +64,10 @@ class _Conditioned:
         return log_probs(logits, self.temperature)
 
     @staticmethod
-    def _lattice(logps: list[torch.Tensor], k: int) -> Lattice:
-        tops = [ranked(row, k) for row in logps]
-        return Lattice(torch.stack([t[0] for t in tops]).cpu(), torch.stack([t[1] for t in tops]).float().cpu())
+    def _lattice(logps: torch.Tensor, k: int) -> Lattice:
+        """The lattice of ``logps`` (positions, vocab): all rows ranked at once, one copy each to the host."""
+        indices, values = ranked(logps, k)
+        return Lattice(indices.cpu(), values.float().cpu())
 
 
 class BlockDrafter(_Conditioned):
@@ -97,7 +98,7 @@ class BlockDrafter(_Conditioned):
         if n <= 0:
             return Lattice.empty(self.top_k)
         logp = self.block_logp(context)
-        return self._lattice([logp[i] for i in range(n)], self.top_k)
+        return self._lattice(logp[:n], self.top_k)
 
     def _expander(self, context: list[int]):
         tops = ranked_rows(self.block_logp(context), self.top_k)
@@ -144,7 +145,7 @@ class FeatureDrafter(_Conditioned):
                 pos = torch.tensor([m + i])
                 h, out = self.net.step(self.cache, h, token, pos, pos, torch.ones(1, m + i + 1, dtype=torch.bool))
                 logits = out[0]
-        return self._lattice(rows, self.top_k)
+        return self._lattice(torch.stack(rows), self.top_k)
 
     def _expander(self, context: list[int]):
         m, h, logits = self._sync(context)

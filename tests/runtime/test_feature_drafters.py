@@ -389,14 +389,20 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
         module.feature_drafter()
 
 
-def test_ranked_rows_equals_ranked_row_by_row():
-    """Equal values (common in bf16-rounded logits) rank in index order either way."""
+@pytest.mark.parametrize("seed", range(3))
+def test_ranking_is_best_first_with_equal_values_in_index_order(seed):
+    """`ranked` of a row, of many rows at once, and `ranked_rows` all equal the rule written out
+    (sort by value descending, then index) -- bf16-rounded logits have many exact ties."""
     from specpilot.runtime.drafters import ranked, ranked_rows
-    gen = torch.Generator().manual_seed(3)
-    logp = torch.randint(-6, 0, (7, 41), generator=gen).float() / 4     # many exact ties
-    for row, got in zip(logp, ranked_rows(logp, 5)):
-        indices, values = ranked(row, 5)
-        assert got == list(zip(indices.tolist(), values.tolist()))
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab, k = 1 + seed * 3, 23 + 9 * seed, 1 + 2 * seed
+    logp = torch.randint(-6, 0, (rows, vocab), generator=gen).float() / 4     # many exact ties
+    want = [sorted(range(vocab), key=lambda t: (-float(row[t]), t))[:k] for row in logp]
+    indices, values = ranked(logp, k)
+    assert indices.tolist() == want
+    assert values.tolist() == [[float(row[t]) for t in w] for row, w in zip(logp, want)]
+    assert [ranked(row, k)[0].tolist() for row in logp] == want
+    assert [[t for t, _ in r] for r in ranked_rows(logp, k)] == want
 
 
 @pytest.mark.parametrize("kind", ["block", "feature"])
