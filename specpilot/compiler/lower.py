@@ -174,6 +174,9 @@ class Deployment(nn.Module):
     def target_verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
         return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
 
+    def target_verify_tree(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
+        return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
+
     def target_commit(self, conv_states, rec_records, rec_state, path, index):
         return self.target.commit(conv_states, rec_records, rec_state, path, index)
 
@@ -280,7 +283,8 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
                      gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1,
-                     pool_rows: bool | None = None, draft: DraftNetConfig | None = None):
+                     pool_rows: bool | None = None, draft: DraftNetConfig | None = None,
+                     verify_tokens: int | None = None):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
@@ -288,7 +292,9 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     ``pool_rows``: prefill and verification attention read the pool in place
     (`kernels.attention_rows_partial`); None: on GPUs where its GPU form serves the heads.
     ``draft``: a drafter network reading the target's hidden states (block / feature): the target's
-    steps also return the layers it reads, and its functions join the module (`compiler.lower_drafter`)."""
+    steps also return the layers it reads, and its functions join the module (`compiler.lower_drafter`).
+    ``verify_tokens``: also ``target_verify_tree``, the target's verification of one sequence of exactly
+    this many tokens (static shapes; `passes.tree_verify`'s ``fixed``)."""
     target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows, draft.target_layers if draft else ())
     drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows, pool_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_own is not None:
@@ -306,6 +312,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         if gpu:   # batch 1 static: its projections get the GEMV schedule; larger batches use decode_batch
             spec[f"{prefix}_decode_batch"] = _step_spec(cfg, capacity, n_rows, dtype, 1)
         spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n", parents=True)
+        if prefix == "target" and verify_tokens:
+            spec["target_verify_tree"] = _step_spec(cfg, capacity, n_rows, dtype, verify_tokens, batch=1, parents=True)
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
     spec["sample_scores"] = _sampling_spec(target_cfg)

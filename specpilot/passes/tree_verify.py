@@ -6,7 +6,13 @@ positions ``start + depth``, each attending the cache and its own ancestors.  Th
 ``target_compact_kv(kv, rows, src, dst)``: after acceptance, the accepted root path's keys
 and values move (in place, inside the KV pool) from the slots the tree gave them to the
 consecutive slots after the prefix.  The budget is the number of tree nodes the engine
-drafts per verification; a build records it in its pipeline text.
+drafts per verification; a build records it in its pipeline text.  ``fixed=true`` has the
+lowering add ``target_verify_tree`` (`fixed_tokens`, `compiler.lower`): ``target_verify`` for one
+sequence of exactly budget + 1 tokens, which every pass rewrites as it does ``target_verify``.
+Its shapes are static but for the KV length, so a ``kernel-schedule{graph=true}`` build replays
+its weight and activation kernels as CUDA graphs (verification otherwise launches every kernel);
+the engine pads a smaller tree or chain to it (padding tokens are written nowhere, their rows
+dropped).
 
 When it is legal: any target; on a hybrid target (Gated DeltaNet layers) only together with
 ``gdn-path-recompute``, since each node's recurrent state depends on its root path.
@@ -27,14 +33,16 @@ from specpilot.passes.base import Option, Pass, PassContext
 class TreeVerify(Pass):
     name = "tree-verify"
     doc = "verify a best-first draft tree of up to `budget` nodes per target pass; adds target_compact_kv"
-    options = (Option("budget", int, TREE_BUDGET_DEFAULT, "tree nodes drafted per verification (1..1024)"),)
+    options = (Option("budget", int, TREE_BUDGET_DEFAULT, "tree nodes drafted per verification (1..1024)"),
+               Option("fixed", bool, False, "also add target_verify_tree: one sequence's verification of exactly "
+                      "budget + 1 tokens (static shapes: CUDA graphs with kernel-schedule{graph=true})"))
     after = ("w12-layout", "nested-int8-view")
     needs_when = (("hybrid", "gdn-path-recompute"),)   # each node's Gated DeltaNet state follows its root path
     statistics = ("functions_added", "budget")
     manifest_key = "tree"
 
     def manifest_entry(self, context: PassContext) -> dict:
-        return {"budget": self["budget"]}
+        return {"budget": self["budget"], **({"fixed_tokens": self["budget"] + 1} if self["fixed"] else {})}
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 1 <= self["budget"] <= 1024:
@@ -45,6 +53,9 @@ class TreeVerify(Pass):
         names = [gv.name_hint for gv in mod.get_global_vars()]
         if "target_verify" not in names:
             raise SpecPilotError("tree-verify: the module has no target_verify function")
+        if self["fixed"] and "target_verify_tree" not in names:
+            raise SpecPilotError("tree-verify{fixed=true}: the module has no target_verify_tree (lowering adds it "
+                                 "for a pipeline with this pass: `compiler.build.lower_and_apply`)")
         verify = mod["target_verify"]
         kv_info = next(p.ty for p in verify.params if p.name == "kv")
         n_layers, _, n_rows, n_kv, capacity, head_dim = (int(d) for d in kv_info.shape)
@@ -62,3 +73,9 @@ class TreeVerify(Pass):
             bb.emit_func_output(out)
         context.statistics[self.name].update(functions_added=1, budget=self["budget"])
         return bb.get()
+
+
+def fixed_tokens(pipeline) -> int | None:
+    """Tokens of the fixed-size verification a pipeline asks the lowering for (None: none)."""
+    tree = next((p for p in pipeline if p.name == TreeVerify.name), None)
+    return tree["budget"] + 1 if tree is not None and tree["fixed"] else None

@@ -498,6 +498,10 @@ class CompiledModel:
         self._decode_batch = fns.get(f"{which}_decode_batch", self._decode)   # GPU builds: decode is batch 1
         self._commit = fns.get(f"{which}_commit")
         self._compact_kv = fns.get(f"{which}_compact_kv")   # added by the tree-verify pass
+        # tree-verify{fixed=true}: one sequence's verification at a fixed token count, padded up to it
+        self._verify_fixed = fns.get(f"{which}_verify_tree")
+        tree = module.manifest.tree
+        self.fixed_verify_tokens = tree.fixed_tokens if tree and self._verify_fixed is not None else None
         self.path_recompute = module.manifest.gdn_verify is not None   # every GDN verify kernel, drafter too
         # tokens a recording (verify) pass may take: the chunked GDN tree form holds a fixed number
         limit = (module.manifest.gdn_verify.max_tokens if module.manifest.gdn_verify else None) if self.has_gdn else None
@@ -624,6 +628,9 @@ class CompiledModel:
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items] if kept is None else \
             [np.zeros(kept.shape[1], "int32")] * len(items)
         B, T = len(items), max(len(t) for t in toks)
+        fixed = record and B == 1 and self.fixed_verify_tokens is not None and T <= self.fixed_verify_tokens
+        if fixed:        # padding tokens: written nowhere, attending to slot 0, their rows dropped
+            T = self.fixed_verify_tokens
         L = max(st.length + len(t) for t, (_, st, *_) in zip(toks, items))
         tokens = np.zeros((B, T), "int32")
         positions = np.zeros((B, T), "int32")
@@ -653,9 +660,11 @@ class CompiledModel:
         else:
             head = m.tensors(tokens, positions, slots, mask, rows)
         if kept is not None:
-            head[0] = m.tvm.runtime.from_dlpack(kept.to(device=m.torch_device, dtype=torch.int32).contiguous())
+            kept = torch.nn.functional.pad(kept.to(device=m.torch_device, dtype=torch.int32), (0, T - kept.shape[1]))
+            head[0] = m.tvm.runtime.from_dlpack(kept.contiguous())
         if record:
-            return self._verify, [*head, self.kv, conv, rec, m.params], toks, states, parents
+            fn = self._verify_fixed if fixed else self._verify
+            return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
         fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
         return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
 

@@ -14,10 +14,11 @@ from specpilot.schedules.skinny_kernels import SKINNY_ATTR, pairable, skinny_nt_
 
 def nt_matmul_shape(func) -> tuple[int, int] | None:
     """(N, K) when ``func`` is exactly the legalized ``x[m, K] . W[N, K]^T`` with a symbolic row
-    count m (bf16 inputs, float32 products and sums, one block, nothing fused), else None."""
+    count m, or a static one above 1 (a fixed-size verification: the kernel takes its rows at the
+    call), bf16 inputs, float32 products and sums, one block, nothing fused; else None."""
     parts = nt_matmul_parts(func)
-    if parts is None or isinstance(parts[0], int):
-        return None     # a static row count (the single-sequence decode step): `decode_gemv`'s
+    if parts is None or (isinstance(parts[0], int) and parts[0] < 2):
+        return None     # one static row (the single-sequence decode step): `decode_gemv`'s
     return parts[1], parts[2]
 
 

@@ -129,3 +129,44 @@ def test_the_grammar_reads_the_budget_like_the_parser(text):
     from specpilot.core.pipeline_text import tree_budget
     want = next((p["budget"] for p in parse(text).passes if p.name == "tree-verify"), 0)
     assert tree_budget(text) == want
+
+
+@pytest.mark.parametrize("arch", [DENSE, "Qwen3_5ForCausalLM"])
+def test_a_fixed_size_verification_pads_its_trees_and_chains_and_keeps_stock_s_tokens(arch, tmp_path):
+    """tree-verify{fixed=true}: target_verify_tree takes one sequence of exactly budget + 1 tokens;
+    every verification that fits is padded to it (trees and chains, the hybrid's path recompute
+    included) and decoding stays stock's; a larger tree falls back to target_verify."""
+    hybrid = "linear_attention" in tiny_config(arch).layer_types
+    data = {"target": {"architecture": arch, "config": TINY_CONFIGS[arch], "init": {"seed": 4}},
+            "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3, "draft_len": 4},
+            "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
+            "passes": "tree-verify{budget=10,fixed=true}" + (",gdn-path-recompute" if hybrid else "")}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(data))
+    manifest = build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "b"))
+    assert manifest.tree.fixed_tokens == 11
+    system = from_build(tmp_path / "b")
+    compiled, make = system.engines["compiled"].model, system.engines["compiled-tree"].drafter
+    calls = {"fixed": 0, "any": 0}
+    fixed, any_size = compiled._verify_fixed, compiled._verify
+
+    def counted(fn, key):
+        def call(*args):
+            calls[key] += 1
+            assert key == "any" or tuple(args[0].shape) == (1, 11)
+            return fn(*args)
+        return call
+    compiled._verify_fixed, compiled._verify = counted(fixed, "fixed"), counted(any_size, "any")
+    for r in range(3):
+        prompt = [(13 * i + 5 * r) % 301 for i in range(7 + 6 * r)]
+        stock = system.generate("stock", prompt, 40)
+        for budget in (4, 10):
+            before = dict(calls)
+            gen = speculative_tree(compiled, make(), prompt, 40, budget, 300, force=stock.tokens)
+            assert gen.choices == stock.tokens, (prompt, budget)
+            assert calls["fixed"] > before["fixed"] and calls["any"] == before["any"]
+        before = dict(calls)
+        assert speculative_tree(compiled, make(), prompt, 40, 32, 300).tokens == stock.tokens
+        assert calls["any"] > before["any"]          # 33 tokens do not fit the fixed 11
+        before = dict(calls)
+        assert system.generate("compiled-spec", prompt, 40).tokens == stock.tokens
+        assert calls["fixed"] > before["fixed"]

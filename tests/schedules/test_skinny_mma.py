@@ -44,8 +44,10 @@ def test_plain_bf16_nt_matmuls_are_recognised():
     assert nt_matmul_shape(nt_matmul(384, 256)) == (384, 256)
 
 
-def test_static_row_counts_stay_with_the_gemv():
+def test_one_static_row_stays_with_the_gemv_and_more_take_the_tensor_core_kernel():
+    """A decode step's one row is `decode_gemv`'s; a fixed-size verification's 33 static rows are ours."""
     assert nt_matmul_shape(nt_matmul(384, 256, rows=1)) is None
+    assert nt_matmul_shape(nt_matmul(384, 256, rows=33)) == (384, 256)
 
 
 def _fused_matmul_cast():
