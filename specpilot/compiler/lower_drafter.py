@@ -7,7 +7,7 @@ of the slots 0 .. L-1 a new position may attend to.  Functions (prefix ``drafter
 
     block (DFlash):
       context(features[1, T, F], positions, slots, rows, dkv) -> dkv   the context's keys/values
-      block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, vocab] (K: the block size)
+      block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, vocab] (K: the block size, static)
     feature (EAGLE-3):
       fuse(features[1, T, F])                                     -> hidden[1, T, H]
       step(hidden[1, T, H], tokens, positions, slots, mask, rows, dkv)
@@ -166,8 +166,9 @@ def draft_specs(cfg: DraftNetConfig, dtype: str, capacity: int) -> dict[str, dic
     if cfg.kind == "block":
         return {"drafter_context": {"features": nn.spec.Tensor([1, "n", F], dtype), **where("n"),
                                     "rows": nn.spec.Tensor([1], "int32"), "dkv": dkv, **mode},
-                # the block's rows symbolic, as verification's: the few-row projection kernels take symbolic rows
-                "drafter_block": {"tokens": nn.spec.Tensor([1, "k"], "int32"), **attend("k")}}
+                # a block is always block_size positions: static shapes, so a graph build replays the pass's
+                # kernels as CUDA graphs (its rows take the few-row tensor-core GEMM, as verification's)
+                "drafter_block": {"tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)}}
     return {"drafter_fuse": {"features": nn.spec.Tensor([1, "n", F], dtype), **mode},
             "drafter_step": {"hidden": nn.spec.Tensor([1, "n", H], dtype), "tokens": nn.spec.Tensor([1, "n"], "int32"),
                              **attend("n")}}

@@ -346,6 +346,23 @@ def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
     assert "target_decode_cuda_graph_capture" in manifest.functions
 
 
+@pytest.mark.slow
+def test_a_graph_build_replays_the_fixed_verification_and_the_block_pass(tmp_path):
+    """Static shapes but for the KV length: target_verify_tree (tree-verify{fixed=true}) and a block
+    drafter's pass are lifted into CUDA-graph capture functions, as the decode step is."""
+    data = {"target": {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"],
+                       "init": {"seed": 2}},
+            "drafter": {"kind": "block", "init": {"seed": 4}, "draft_len": 5, "top_k": 3, "block_size": 6},
+            "deployment": {"dtype": "bfloat16", "max_seq_len": 256}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
+    compile_cli(tmp_path / "m.yaml", "cuda -arch=sm_90", tmp_path / "b", "--params", "seeded", "--passes",
+                "tree-verify{budget=8,fixed=true},kernel-schedule{graph=true}", "--json")
+    manifest = read_manifest(tmp_path / "b")
+    assert manifest.tree.fixed_tokens == 9
+    assert {"target_verify_tree_cuda_graph_capture", "drafter_block_cuda_graph_capture"} <= set(manifest.functions)
+    assert not any(f.startswith("target_verify_cuda_graph") for f in manifest.functions)   # symbolic: launched
+
+
 def test_params_load_references_the_checkpoint_and_checks_it(tmp_path, monkeypatch):
     """--params load: no weights in the build; the engine reads the checkpoint it references (or the same
     one elsewhere, SPECPILOT_WEIGHTS), refuses another, and decodes exactly as a build with its weights."""
