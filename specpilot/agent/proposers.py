@@ -12,7 +12,9 @@ from the cheapest evidence there is:
   the set removes (run-time weight transposes); ``fuse-projections`` -- half the time of NT
   matmuls more than 2x from their bound; ``w12-layout`` -- the weight bytes it saves,
   counted only where weight-reading kernels are near their bandwidth bound;
-- overhead direction: fewer calls per token (shorter drafts).
+- overhead direction: fewer calls per token (shorter drafts); on CUDA, graphs
+  (``kernel-schedule{graph=true}``: half the time outside kernels) and then, for one sequence,
+  a fixed-size verification (``tree-verify{fixed=true}``: a quarter of it).
 - batch deployments (``deployment.max_batch`` > 1, with trees): the batch schedule --
   ``node-budget`` (half the rows of B trees of the budget each), ``draft-length`` (the budget, 3/4
   and 1/2 of it, by acceptance) and ``prompt-admission`` -- estimated from the replayed acceptance
@@ -184,7 +186,21 @@ class BuiltinProposer:
                               f.wall / max(f.wall - 0.5 * host, 1e-9) - 1,
                               f"{host * 1e3:.1f} ms of {f.wall * 1e3:.1f} ms is outside kernels (launches, host work); "
                               "CUDA graphs replay the static kernel runs", ()))
+            found += self._fixed_verify(f, now)
         return found
+
+    def _fixed_verify(self, f: Facts, schedule) -> list[Proposal]:
+        """On graphs, one sequence's trees verified at a fixed size so verification replays too.  Its
+        share of the host's time is not in the report: a quarter of it is the estimate (on SmolLM2
+        verification's time fell 17-31 %, bench/README "Feature and block drafters")."""
+        tree = next((p for p in f.current.passes if p.name == "tree-verify"), None)
+        if schedule is None or not schedule["graph"] or tree is None or tree["fixed"] or f.context.max_batch != 1:
+            return []
+        host = max(f.wall - f.kernel_s, 0.0)
+        return [("overhead", [REGISTRY["tree-verify"](budget=tree["budget"], fixed=True)],
+                 f.wall / max(f.wall - 0.25 * host, 1e-9) - 1,
+                 f"{host * 1e3:.1f} ms of {f.wall * 1e3:.1f} ms is outside kernels; verification at a fixed "
+                 f"{tree['budget'] + 1} tokens replays its kernels as CUDA graphs too", ())]
 
     def kernel(self, f: Facts) -> list[Proposal]:
         """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds;

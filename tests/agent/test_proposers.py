@@ -41,6 +41,24 @@ def test_host_overhead_on_cuda_proposes_cuda_graphs_and_keeps_the_schedule_set()
     assert not any("graph=true" in c.pipeline for c in again)
 
 
+def test_on_graphs_a_single_sequence_tree_is_proposed_at_a_fixed_size():
+    report = _report([{"name": "fused_NT_matmul", "seconds": 0.004, "ratio": 1.5}], wall=0.010,
+                     kernel_seconds=0.004, factors={"overhead": 2.5, "kernel": 1.5, "acceptance": 1.0})
+    cuda = PassContext(target_kind="cuda", arch="sm_90", max_batch=1)
+    now = parse("tree-verify{budget=32},kernel-schedule{graph=true}")
+    fixed = [c for c in BuiltinProposer().propose(report, now, cuda, 5, [], set()) if "fixed=true" in c.pipeline]
+    assert len(fixed) == 1 and fixed[0].direction == "overhead"
+    assert "tree-verify{budget=32,fixed=true}" in fixed[0].pipeline
+    assert fixed[0].estimated_gain == pytest.approx(0.010 / (0.010 - 0.25 * 0.006) - 1)
+    # not without graphs (the graph proposal comes first), not for a batch, not twice
+    for pipeline, context in [("tree-verify{budget=32}", cuda),
+                              ("tree-verify{budget=32},kernel-schedule{graph=true}",
+                               PassContext(target_kind="cuda", arch="sm_90", max_batch=8)),
+                              ("tree-verify{budget=32,fixed=true},kernel-schedule{graph=true}", cuda)]:
+        cands = BuiltinProposer().propose(report, parse(pipeline), context, 5, [], set())
+        assert not any("fixed=true" in c.pipeline and c.pipeline != pipeline for c in cands), pipeline
+
+
 def test_no_evidence_no_candidate():
     report = _report([{"name": "fused_NT_matmul", "seconds": 0.009, "ratio": 5.0}], wall=0.010,
                      kernel_seconds=0.0099, factors={"kernel": 5.0, "overhead": 1.01, "acceptance": 1.0})
