@@ -170,3 +170,10 @@ def test_a_fixed_size_verification_pads_its_trees_and_chains_and_keeps_stock_s_t
         before = dict(calls)
         assert system.generate("compiled-spec", prompt, 40).tokens == stock.tokens
         assert calls["fixed"] > before["fixed"]
+    from specpilot.core.sampling import SamplingParams
+    from specpilot.runtime.forcing import force
+    before = dict(calls)
+    requests = [([(5 * i + r) % 301 for i in range(9 + 4 * r)], 32) for r in range(2)]
+    report, _, _ = force(system, "compiled-tree", requests, sampling=SamplingParams(temperature=0.9, top_k=40, seed=3))
+    assert report.passed and not report.excused, report.reason       # seeded sampling draws stock's tokens
+    assert calls["fixed"] > before["fixed"]
