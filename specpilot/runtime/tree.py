@@ -91,22 +91,37 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
     trees = [Tree() for _ in expands]
     heap: list[tuple] = []
 
+    def offer(request: int, parent: int, depth: int, score: float, children: list, rank: int, lazy: bool) -> None:
+        """Push children[rank] (the first of them a score can take, from rank on) and, unless ``lazy``,
+        every later one.  Children listed best first need only one entry at a time: a younger
+        sibling's key is never below its elder's, so it is pushed when the elder is popped."""
+        for r in range(rank, len(children)):
+            token, logprob = children[r]
+            if logprob == float("-inf") or score + logprob < min_score:
+                if lazy:
+                    return            # best first: the siblings after it score no higher
+                continue
+            heapq.heappush(heap, (-(score + logprob), request, depth, parent, r, token, children if lazy else None, score))
+            if lazy:
+                return
+
     def push_children(request: int, parent: int, depth: int, score: float, path: list[int]) -> None:
         if depth > depths[request] or len(trees[request]) >= caps[request]:
             return
-        for rank, (token, logprob) in enumerate(expands[request](path)):
-            if logprob == float("-inf") or score + logprob < min_score:
-                continue
-            heapq.heappush(heap, (-(score + logprob), request, depth, parent, rank, token))
+        children = expands[request](path)
+        lazy = all(a[1] >= b[1] for a, b in zip(children, children[1:]))
+        offer(request, parent, depth, score, children, 0, lazy)
 
     for request in range(len(expands)):
         push_children(request, -1, 1, 0.0, [])
     taken = 0
     while heap and taken < budget:
-        neg, request, depth, parent, _, token = heapq.heappop(heap)
+        neg, request, depth, parent, rank, token, siblings, parent_score = heapq.heappop(heap)
         tree = trees[request]
         if len(tree) >= caps[request]:
             continue
+        if siblings is not None:
+            offer(request, parent, depth, parent_score, siblings, rank + 1, True)
         tree.tokens.append(token)
         tree.parents.append(parent)
         tree.depths.append(depth)

@@ -460,3 +460,57 @@ def test_a_levels_passes_are_ranked_together_as_each_would_be_alone():
                 indices, values = ranked(log_probs(rows[row], temperature), k)
                 assert [t for t, _ in top] == indices.tolist()
                 np.testing.assert_allclose([v for _, v in top], values.tolist(), rtol=1e-6, atol=1e-6)
+
+
+def _best_first_eager(expands, budget, depths, caps, min_score):
+    """`best_first_shared` with every child pushed when its parent is taken (the reference)."""
+    import heapq
+    trees, heap = [Tree() for _ in expands], []
+
+    def push(request, parent, depth, score, path):
+        if depth > depths[request] or len(trees[request]) >= caps[request]:
+            return
+        for rank, (token, logprob) in enumerate(expands[request](path)):
+            if logprob != float("-inf") and score + logprob >= min_score:
+                heapq.heappush(heap, (-(score + logprob), request, depth, parent, rank, token))
+    for request in range(len(expands)):
+        push(request, -1, 1, 0.0, [])
+    taken = 0
+    while heap and taken < budget:
+        neg, request, depth, parent, _, token = heapq.heappop(heap)
+        tree = trees[request]
+        if len(tree) >= caps[request]:
+            continue
+        tree.tokens.append(token), tree.parents.append(parent), tree.depths.append(depth), tree.scores.append(-neg)
+        taken += 1
+        if taken < budget:
+            push(request, len(tree) - 1, depth + 1, -neg, tree.path_tokens(len(tree) - 1))
+    return trees
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_siblings_pushed_one_at_a_time_build_the_trees_of_pushing_them_all(seed):
+    """Children listed best first enter the heap one at a time (each when its elder is taken); the
+    trees equal those of pushing every child -- exact ties (ranked by index), -inf and a score
+    floor, caps, several requests; an expansion not listed best first is pushed whole."""
+    import random
+    rng = random.Random(seed)
+    n_requests, k = rng.randint(1, 4), rng.randint(1, 6)
+    values = [0.0, -0.5, -1.0, -1.0, -2.0, float("-inf")]       # few distinct values: many ties
+
+    def lattice(r):
+        def expand(path):
+            g = random.Random(f"{seed}:{r}:{path}")
+            children = [(t, g.choice(values) if seed % 3 else -g.uniform(0.0, 3.0)) for t in g.sample(range(500), k)]
+            if g.random() < 0.8:
+                children.sort(key=lambda c: -c[1])                  # best first (stable: ties keep their order)
+            return children
+        return expand
+    expands = [lattice(r) for r in range(n_requests)]
+    depths = [rng.randint(1, 6) for _ in range(n_requests)]
+    caps = [rng.randint(0, 15) for _ in range(n_requests)]
+    budget, floor = rng.randint(0, 40), rng.choice([float("-inf"), -1.5, -3.0])
+    got = best_first_shared(expands, budget, depths, caps, floor)
+    want = _best_first_eager(expands, budget, depths, caps, floor)
+    assert [(t.tokens, t.parents, t.depths, t.scores) for t in got] == \
+        [(t.tokens, t.parents, t.depths, t.scores) for t in want]
