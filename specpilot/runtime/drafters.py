@@ -43,9 +43,9 @@ def ranked(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = logp.argmax(dim=-1, keepdim=True)
         return indices, logp.gather(-1, indices)
     kth = logp.topk(k, dim=-1).values[..., -1:]
-    tied = logp == kth
-    room = k - (logp > kth).sum(dim=-1, keepdim=True)
-    chosen = (logp > kth) | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
+    above, tied = logp > kth, logp == kth
+    room = k - above.sum(dim=-1, keepdim=True)
+    chosen = above | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
     V = logp.shape[-1]
     # exactly k chosen a row: the k largest of (V - index) over them are their indices, ascending
     indices = V - torch.where(chosen, torch.arange(V, 0, -1, device=logp.device), 0).topk(k, dim=-1).values

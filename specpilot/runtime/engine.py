@@ -660,7 +660,9 @@ class CompiledModel:
         else:
             head = m.tensors(tokens, positions, slots, mask, rows)
         if kept is not None:
-            kept = torch.nn.functional.pad(kept.to(device=m.torch_device, dtype=torch.int32), (0, T - kept.shape[1]))
+            kept = kept.to(device=m.torch_device, dtype=torch.int32)
+            if T > kept.shape[1]:        # a fixed-size verification's padding
+                kept = torch.nn.functional.pad(kept, (0, T - kept.shape[1]))
             head[0] = m.tvm.runtime.from_dlpack(kept.contiguous())
         if record:
             fn = self._verify_fixed if fixed else self._verify
