@@ -165,6 +165,7 @@ void Build::CheckDevice(const std::string& requested) {
   if (kind == "cuda" && device_.device_type != kDLCUDA) {
     throw Error(Status::kDevice, dir_ + ": a CUDA build cannot run on the CPU; compile with --target llvm");
   }
+  if (kind == "llvm") CheckCpuLevel();
   if (kind != "cuda") return;
   LoadCudaRuntime();
   auto attr = ffi::Function::GetGlobal("runtime.GetDeviceAttr");
@@ -181,6 +182,28 @@ void Build::CheckDevice(const std::string& requested) {
   if (major != want_major || (exact ? minor != want_minor : minor < want_minor)) {
     throw Error(Status::kDevice, dir_ + ": built for " + manifest_["arch"].get<std::string>() + ", but CUDA device " +
                                      std::to_string(device_.device_id) + " is compute capability " + version);
+  }
+}
+
+// A CPU build's x86-64 level (manifest "cpu", specpilot/core/cpu_level.py): code built for a level runs only
+// on a CPU with every feature of it -- elsewhere its first AVX2 / FMA instruction would stop the process.
+static bool CpuRunsLevel(const std::string& level) {
+  if (level == "generic") return true;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (level == "x86-64-v2") return __builtin_cpu_supports("x86-64-v2");
+  if (level == "x86-64-v3") return __builtin_cpu_supports("x86-64-v3");
+  if (level == "x86-64-v4") return __builtin_cpu_supports("x86-64-v4");
+#endif
+  return false;
+}
+
+void Build::CheckCpuLevel() const {
+  if (!manifest_.contains("cpu") || manifest_["cpu"].is_null()) return;   // built before levels were recorded
+  std::string level = manifest_["cpu"].get<std::string>();
+  if (!CpuRunsLevel(level)) {
+    throw Error(Status::kDevice, dir_ + ": built for " + level + ", which this CPU does not run; rebuild it here with "
+                                     "--target llvm");
   }
 }
 

@@ -63,6 +63,7 @@ class Build {
  private:
   void ReadManifest();
   void CheckDevice(const std::string& requested);
+  void CheckCpuLevel() const;
   void CheckHashes() const;
   void LoadModule();
   void LoadParams();

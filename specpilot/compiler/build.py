@@ -183,7 +183,7 @@ def tvm_target(target: TargetSpec):
     import tvm
 
     if target.kind == "llvm":
-        return tvm.target.Target("llvm")
+        return tvm.target.Target({"kind": "llvm"} if target.cpu in (None, "generic") else {"kind": "llvm", "mcpu": target.cpu})
     cards = target.launch_devices()
     return tvm.target.Target({"kind": "cuda", "arch": compile_arch(target.arch),
                               "max_shared_memory_per_block": STATIC_SHARED,
@@ -386,7 +386,7 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         spec=spec.model_dump(mode="json", exclude={"path"}), spec_path=str(spec.path) if spec.path else None,
         pipeline=str(lowered.pipeline), passes=[vars(r) for r in lowered.records],
-        target=target.text(), target_kind=target.kind, arch=target.arch, dtype=spec.deployment.dtype,
+        target=target.text(), target_kind=target.kind, arch=target.arch, cpu=target.cpu, dtype=spec.deployment.dtype,
         capacity=spec.deployment.max_seq_len, max_batch=spec.deployment.max_batch,
         schedule=schedule, cuda_graph=cuda_graph, ir_hash=system_ir_hash, serving=serving,
         tree=effects.get("tree"), two_level=bool(effects.get("two_level")), node_budget=effects.get("node_budget"),

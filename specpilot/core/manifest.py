@@ -91,6 +91,7 @@ class Manifest(_Strict):
     target: str
     target_kind: Literal["llvm", "cuda"]
     arch: str | None = None
+    cpu: str | None = None             # llvm: the x86-64 level its code needs (`core.cpu_level`)
     dtype: Literal["float32", "bfloat16", "float16"]
     capacity: int = Field(ge=1)
     max_batch: int = Field(ge=1)

@@ -1,10 +1,11 @@
 """Targets: what `--target` accepts, turned into TVM 0.27 targets, plus the device table the
 cost model reads.
 
-Accepted forms: ``llvm``; ``cuda -arch=sm_90`` (optionally ``-device=H200``, and
+Accepted forms: ``llvm`` (this CPU's x86-64 level, `core.cpu_level`) or ``llvm -mcpu=x86-64-v2`` (a
+level, or ``generic``); ``cuda -arch=sm_90`` (optionally ``-device=H200``, and
 ``-schedule-for=RTXPRO6000`` to size the kernels for another card while compiling for this arch);
-or TVM's JSON form ``{"kind": "cuda", "arch": "sm_90"}``.  TVM >= 0.24 no longer parses the CLI string
-form itself (FACTS.md), so this module does.
+or TVM's JSON form ``{"kind": "cuda", "arch": "sm_90"}`` / ``{"kind": "llvm", "mcpu": "generic"}``.
+TVM >= 0.24 no longer parses the CLI string form itself (FACTS.md), so this module does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import shlex
 from dataclasses import dataclass
 
+from specpilot.core import cpu_level
 from specpilot.core.errors import SpecPilotError
 
 
@@ -71,6 +73,7 @@ class TargetSpec:
     device: str | None = None
     schedule_for: str | None = None   # size the schedules for this card, compile for ``arch`` (measuring
                                       # one card's kernel family on another: sm_120's on the H200)
+    cpu: str | None = None            # llvm: the x86-64 level the code is built for (`core.cpu_level`)
 
     @property
     def is_gpu(self) -> bool:
@@ -78,7 +81,7 @@ class TargetSpec:
 
     def text(self) -> str:
         if self.kind == "llvm":
-            return "llvm"
+            return f"llvm -mcpu={self.cpu}"
         return (f"cuda -arch={self.arch}" + (f" -device={self.device}" if self.device else "")
                 + (f" -schedule-for={self.schedule_for}" if self.schedule_for else ""))
 
@@ -120,11 +123,12 @@ def parse_target(text: str) -> TargetSpec:
         except json.JSONDecodeError as e:
             raise SpecPilotError(f"--target: not valid JSON ({e.msg})") from None
         kind, arch, device, schedule_for = d.get("kind"), d.get("arch"), d.get("device"), d.get("schedule-for")
+        mcpu = d.get("mcpu")
     else:
         parts = shlex.split(text)
         if not parts:
             raise SpecPilotError("--target is empty; expected 'llvm' or 'cuda -arch=sm_XX'")
-        kind, arch, device, schedule_for = parts[0], None, None, None
+        kind, arch, device, schedule_for, mcpu = parts[0], None, None, None, None
         for flag in parts[1:]:
             key, _, value = flag.lstrip("-").partition("=")
             if key == "arch":
@@ -133,13 +137,19 @@ def parse_target(text: str) -> TargetSpec:
                 device = value
             elif key == "schedule-for":
                 schedule_for = value
+            elif key == "mcpu" and kind == "llvm":
+                mcpu = value
             else:
                 raise SpecPilotError(f"--target {text!r}: unknown flag {flag!r}; expected -arch=sm_XX [-device=NAME] "
-                                     "[-schedule-for=NAME]")
+                                     "[-schedule-for=NAME] (cuda) or -mcpu=LEVEL (llvm)")
     if kind == "llvm":
         if arch or device or schedule_for:
             raise SpecPilotError(f"--target {text!r}: llvm takes no -arch, -device or -schedule-for")
-        return TargetSpec("llvm")
+        if mcpu is not None and mcpu not in cpu_level.LEVELS:
+            raise SpecPilotError(f"--target {text!r}: unknown -mcpu {mcpu!r}; known: {', '.join(cpu_level.LEVELS)}")
+        return TargetSpec("llvm", cpu=mcpu or cpu_level.host_level())
+    if mcpu is not None:
+        raise SpecPilotError(f"--target {text!r}: -mcpu is for llvm targets")
     if kind != "cuda":
         raise SpecPilotError(f"--target {text!r}: unknown kind {kind!r}; expected 'llvm' or 'cuda -arch=sm_XX'")
     arch = _check_arch(arch, text)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpilot.core import cpu_level
 from specpilot.core import feature_drafter as fd
 from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
@@ -132,6 +133,7 @@ class CompiledModule:
         self.device = tvm.cuda(0) if gpu else tvm.cpu(0)
         if verify_hashes:
             self._check_hashes()
+        cpu_level.require(self.manifest.cpu, str(self.dir))
         so = self.dir / "model.so"
         try:
             digest = self.manifest.hashes["model.so"] if verify_hashes else file_digest(so)

@@ -538,3 +538,25 @@ def test_a_long_prompt_prefilled_in_chunks_is_the_same_prompt(arch, tmp_path):
     assert cut.shape == whole.shape
     torch.testing.assert_close(cut, whole, rtol=1e-5, atol=1e-5)
     assert system.generate("compiled", prompt, 12).tokens == tokens
+
+
+def test_a_build_for_a_level_this_cpu_lacks_is_refused(built, tmp_path, monkeypatch):
+    """A CPU build records its x86-64 level; where the CPU lacks one of the level's features it is refused
+    before its library loads (its first AVX2 instruction would stop the process)."""
+    import hashlib
+    import shutil
+    from specpilot.core import cpu_level
+
+    out, manifest = built
+    assert manifest.cpu == parse_target("llvm").cpu == cpu_level.host_level()
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps({**data, "cpu": "x86-64-v3"}))
+    (copy / "manifest.sha256").write_text(hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest())
+    v2 = frozenset(cpu_level.needs("x86-64-v2"))
+    monkeypatch.setattr(cpu_level, "host_features", lambda: v2)
+    with pytest.raises(SpecPilotError, match=r"built for x86-64-v3, and this CPU lacks avx, avx2, .*level: x86-64-v2"):
+        from_build(copy)
+    monkeypatch.setattr(cpu_level, "host_features", lambda: v2 | frozenset(cpu_level.needs("x86-64-v3")))
+    from_build(copy)        # a CPU with the level's features: loads (the code itself is this machine's level)

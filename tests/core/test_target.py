@@ -34,6 +34,8 @@ def test_parse(text, kind, arch, device, compiled):
     ("cuda", "unknown arch None"),
     ("rocm -arch=gfx90a", "unknown kind 'rocm'"),
     ("cuda -arch=sm_90 -mcpu=x", "unknown flag '-mcpu=x'"),
+    ('{"kind": "cuda", "arch": "sm_90", "mcpu": "x86-64-v3"}', "-mcpu is for llvm targets"),
+    ("llvm -mcpu=znver4", "unknown -mcpu 'znver4'; known: generic, x86-64-v2, x86-64-v3, x86-64-v4"),
     ("cuda -arch=sm_90 -device=A100", "A100 is sm_80, not sm_90"),
     ("llvm -arch=sm_90", "llvm takes no -arch"),
     ("llvm -schedule-for=H200", "llvm takes no -arch, -device or -schedule-for"),
@@ -118,3 +120,25 @@ def test_cli_device_option_and_devices_command(run_cli, tmp_path):
     assert table["RTXPRO6000"]["shared_per_block"] == 99 * 1024 and table["H100"]["default_for_arch"]
     code, out, _ = run_cli("devices")
     assert code == 0 and "RTXPRO6000  sm_120" in out
+
+
+def test_cpu_levels():
+    """`llvm` is this CPU's x86-64 level up to v3; -mcpu names a level; each level needs the one below's
+    features and its own, read from /proc/cpuinfo's flags."""
+    from specpilot.core import cpu_level
+
+    assert parse_target("llvm").cpu == cpu_level.host_level()
+    t = parse_target("llvm -mcpu=x86-64-v2")
+    assert t.cpu == "x86-64-v2" and parse_target(t.text()) == t
+    assert str(tvm_target(t).attrs["mcpu"]) == "x86-64-v2"
+    assert "mcpu" not in tvm_target(parse_target("llvm -mcpu=generic")).attrs
+    assert parse_target('{"kind": "llvm", "mcpu": "x86-64-v4"}').cpu == "x86-64-v4"
+    v3 = frozenset(cpu_level.needs("x86-64-v3"))
+    assert set(cpu_level.needs("x86-64-v2")) < v3 and {"avx2", "fma"} <= v3 and "avx512f" not in v3
+    assert cpu_level.host_level(features=v3) == "x86-64-v3"
+    assert cpu_level.host_level(features=v3 - {"fma"}) == "x86-64-v2"
+    assert cpu_level.host_level(features=frozenset({"sse2"})) == "generic"
+    assert cpu_level.host_level(cap="x86-64-v4", features=v3 | set(cpu_level.needs("x86-64-v4"))) == "x86-64-v4"
+    assert cpu_level.missing("x86-64-v3", v3 - {"avx2", "bmi2"}) == ["avx2", "bmi2"]
+    with pytest.raises(SpecPilotError, match="unknown CPU level 'x86-64-v5'"):
+        cpu_level.needs("x86-64-v5")
