@@ -9,7 +9,8 @@
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
-#                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES)
+#                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES, every
+#                                           speculative one under each set of DRAFT_LENGTHS)
 #   bash bench/h200_e2e.sh batch-profile BUILD  the host's side of a batched run (cProfile at BATCHES), to $OUT
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
 #   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
@@ -132,6 +133,7 @@ PY
     batch_prompts
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
+      ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} \
       --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
   batch-profile)
     # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats

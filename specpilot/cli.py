@@ -243,13 +243,16 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
 @click.option("--queue", type=click.IntRange(0), default=None, help="with --batch: bound the waiting queue")
 @click.option("--schedules", help="with --batch: more rows of the batch-scheduled engine, each under another "
                                   "NODES/CHUNK (nodes a pass / prompt-admission chunk), comma-separated (e.g. 256/64)")
+@click.option("--draft-lengths", "draft_lengths",
+              help="with --batch: more rows of each speculative engine, each drafting one of other lengths a "
+                   "request and pass: ':' within a set, ',' between sets (e.g. 4,8:6:4)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, schedules, output,
-          plot, as_json, sampling=None):
+          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, schedules,
+          draft_lengths, output, plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -266,10 +269,11 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
             raise SpecPilotError("--batch runs greedy on the build's own drafter plan; leave out sampling, "
                                  "--replay-*, --record-profile and --plot")
         _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                       forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0)
+                       forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0,
+                       draft_lengths)
         return
-    if schedules:
-        raise SpecPilotError("--schedules needs --batch")
+    if schedules or draft_lengths:
+        raise SpecPilotError("--schedules and --draft-lengths need --batch")
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
     replays = _replay_plans(system, replay_alpha, replay_profile)
@@ -304,18 +308,19 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
 
 
 def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                   forced, batches, arrivals, queue, output, as_json, schedules=None, split=False):
+                   forced, batches, arrivals, queue, output, as_json, schedules=None, split=False, draft_lengths=None):
     """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
     from rich.console import Console
     from rich.progress import Progress
 
     from specpilot.core.files import atomic_write_text
-    from specpilot.runtime.batch_bench import BatchBench, arrivals_for, parse_schedules, report as batch_report, table
+    from specpilot.runtime.batch_bench import (BatchBench, arrivals_for, parse_lengths, parse_schedules,
+                                               report as batch_report, table)
     from specpilot.runtime.batching import read_trace
     from specpilot.runtime.environment import environment
 
     sizes = _int_list(batches, "--batch")
-    extra = parse_schedules(schedules)
+    extra, lengths = parse_schedules(schedules), parse_lengths(draft_lengths)
     if engines:
         names, _ = _bench_engines(engines, system, False)
     else:
@@ -342,10 +347,10 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
 
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
-        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra)))
+        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra) + len(lengths) * (len(names) - 1)))
         run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
                          lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
-                         partial, extra, split).run()
+                         partial, extra, split, lengths).run()
     result = {**batch_report(run, meta), "complete": True}
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from specpilot.core.errors import SpecPilotError
-from specpilot.runtime.batching import Arrival, BatchRun, StepClock, WallClock, poisson_trace
+from specpilot.runtime.batching import Arrival, BatchPolicy, BatchRun, StepClock, WallClock, poisson_trace
 from specpilot.runtime.bench import TokenCheck, check_choices, check_tokens, label_for
 from specpilot.runtime.cycle_timing import Clock, breakdown
 from specpilot.runtime.engine import release_device_memory
@@ -97,22 +97,57 @@ def parse_schedules(text: str | None) -> list[tuple[int, int]]:
     return out
 
 
+def with_lengths(policy: BatchPolicy, lengths: tuple[int, ...], name: str) -> BatchPolicy:
+    """``policy`` drafting one of ``lengths`` a request and pass (one: that length fixed); refused past the
+    longest draft the engine's build verifies."""
+    if policy.mode == "ar":
+        raise SpecPilotError(f"--draft-lengths: {name} drafts nothing")
+    if max(lengths) > policy.nodes:
+        raise SpecPilotError(f"--draft-lengths {':'.join(map(str, lengths))}: {name}'s build drafts at most "
+                             f"{policy.nodes} tokens a request")
+    return replace(policy, nodes=max(lengths), lengths=lengths if len(lengths) > 1 else None)
+
+
+def parse_lengths(text: str | None) -> list[tuple[int, ...]]:
+    """``--draft-lengths 6,8:6:4``: sets of draft lengths (a request's drafted tokens a pass), each one
+    fixed length or several to choose from by acceptance."""
+    out = []
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        try:
+            choice = tuple(sorted({int(v) for v in item.split(":")}, reverse=True))
+        except ValueError:
+            choice = (0,)
+        if min(choice) < 1:
+            raise SpecPilotError(f"--draft-lengths {text!r}: expected sets of positive integers, ':' within a set "
+                                 "and ',' between sets (e.g. 6,8:6:4)")
+        out.append(choice)
+    return out
+
+
 class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
                  forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None,
-                 schedules: list[tuple[int, int]] = (), split: bool = False):
+                 schedules: list[tuple[int, int]] = (), split: bool = False,
+                 lengths: list[tuple[int, ...]] = ()):
         """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
         ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
         with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
+        ``lengths``: draft-length sets, each run as one more row of every speculative engine (the
+        runtime's choice; at most the build's own longest draft).
         ``split``: every row run once more with a synchronisation after each part of a pass, for where
         a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
         self.partial, self.split = partial or (lambda run: None), split
-        self.schedules = list(schedules)
+        self.schedules, self.lengths = list(schedules), list(lengths)
         self.scheduled = next((n for n in reversed(engines) if getattr(system.engines[n], "batch", None) is not None
                                and system.engines[n].batch.chunk is not None), None)
         if self.schedules and self.scheduled is None:
             raise SpecPilotError("--schedules: no engine here runs a batch schedule (node-budget and "
                                  "prompt-admission passes)")
+        for choice in self.lengths:      # refused before anything runs
+            for name in engines[1:]:
+                with_lengths(system.batch_policy(name, 1, queue), choice, name)
         self.system, self.engines, self.batches = system, engines, batches
         self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
         self.progress = progress or (lambda message, advance=0: None)
@@ -140,6 +175,9 @@ class BatchBench:
                 rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance))
             for nodes, chunk in self.schedules:
                 rows.append(self._row(self.scheduled, batch, self.make_arrivals(batch), tolerance, (nodes, chunk)))
+            for choice in self.lengths:
+                for name in self.engines[1:]:
+                    rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance, lengths=choice))
             base = next(r for r in rows if r.engine == ar and r.batch == batch)
             for r in rows:
                 if r.batch == batch:
@@ -148,10 +186,12 @@ class BatchBench:
         return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
 
     def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float,
-             schedule: tuple[int, int] | None = None) -> BatchResult:
+             schedule: tuple[int, int] | None = None, lengths: tuple[int, ...] | None = None) -> BatchResult:
         policy = self.system.batch_policy(name, batch, self.queue)
         if schedule is not None:
             policy = replace(policy, budget=schedule[0], chunk=schedule[1])
+        if lengths is not None:
+            policy = with_lengths(policy, lengths, name)
         speculative = self.system.engines[name].drafter is not None
         for _ in range(self.warmup):      # the same shapes once, untimed
             self.system.serve(name, [Arrival(0.0, a.prompt, 2) for a in arrivals[:batch]], policy, StepClock())
@@ -166,6 +206,8 @@ class BatchBench:
             result.split = self._split(name, arrivals, policy, forces)
         if schedule is not None:
             result.engine = f"{name}[{schedule[0]}/{schedule[1]}]"
+        if lengths is not None:
+            result.engine = f"{name}[draft {':'.join(map(str, lengths))}]"
         return result
 
     def _split(self, name: str, arrivals: list[Arrival], policy, forces) -> dict:

@@ -76,6 +76,27 @@ def test_batched_bench_without_the_split(run_cli, replay_build):
     assert [r["split"] for r in json.loads(stdout)["rows"]] == [None, None]
 
 
+def test_other_draft_lengths_are_rows_of_every_speculative_engine(run_cli, replay_build):
+    """`--draft-lengths`: one row per set and speculative engine, drafting at most the set's longest a
+    request and pass (fixed for one length, chosen by acceptance for several), tokens checked."""
+    build, _ = replay_build
+    code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines", "compiled,compiled-spec,compiled-tree-sched",
+                                "--json", "--warmup", 0, "--requests", 3, "--max-new-tokens", 12, "--forced",
+                                "--breakdown-requests", 0, "--draft-lengths", "3,6:4")
+    assert code == 0, err
+    rows = {r["engine"]: r for r in json.loads(stdout)["rows"]}
+    assert list(rows) == ["compiled", "compiled-spec", "compiled-tree-sched", "compiled-spec[draft 3]",
+                          "compiled-tree-sched[draft 3]", "compiled-spec[draft 6:4]", "compiled-tree-sched[draft 6:4]"]
+    assert all(r["check"]["passed"] and r["tokens"] == 36 for r in rows.values())
+    for engine in ("compiled-spec", "compiled-tree-sched"):
+        fixed, chosen = rows[f"{engine}[draft 3]"], rows[f"{engine}[draft 6:4]"]
+        assert (fixed["policy"]["nodes"], fixed["policy"]["lengths"]) == (3, None)
+        assert (chosen["policy"]["nodes"], chosen["policy"]["lengths"]) == (6, [6, 4])
+        assert fixed["per_pass"]["drafted"] <= 3 * fixed["per_pass"]["running"] + 1e-9
+        assert chosen["per_pass"]["drafted"] <= 6 * chosen["per_pass"]["running"] + 1e-9
+    assert rows["compiled-spec[draft 3]"]["tokens_per_verification"] <= 4
+
+
 @pytest.mark.parametrize("args,message", [(["--batch", "0"], "positive integers"),
                                           (["--batch", "two"], "comma-separated integers"),
                                           (["--batch", "2", "--arrivals", "poisson:-1"], "positive rate"),
@@ -83,7 +104,11 @@ def test_batched_bench_without_the_split(run_cli, replay_build):
                                           (["--batch", "8"], "holds 4 sequence(s) at once"),
                                           (["--batch", "2", "--schedules", "0/4"], "NODES/CHUNK pairs"),
                                           (["--batch", "2", "--schedules", "64"], "NODES/CHUNK pairs"),
-                                          (["--schedules", "64/8"], "--schedules needs --batch")])
+                                          (["--batch", "2", "--draft-lengths", "4:0"], "sets of positive integers"),
+                                          (["--batch", "2", "--draft-lengths", "x"], "sets of positive integers"),
+                                          (["--batch", "2", "--draft-lengths", "9"], "drafts at most 8 tokens"),
+                                          (["--draft-lengths", "4"], "--draft-lengths need --batch"),
+                                          (["--schedules", "64/8"], "--schedules and --draft-lengths need --batch")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err
