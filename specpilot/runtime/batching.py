@@ -100,8 +100,9 @@ def poisson_trace(prompts: list[list[int]], max_new: int, rate: float, seed: int
 @dataclass(frozen=True)
 class BatchPolicy:
     """How a batched run schedules its work.  ``mode``: "ar", "chain" or "tree"; ``nodes``: a request's
-    drafted tokens a step (chain length, tree nodes); ``budget``: a tree pass's drafted nodes in all
-    (None: ``nodes`` for each request); ``lengths``: the dynamic draft lengths (None: ``nodes``
+    drafted tokens a step (chain length, tree nodes); ``budget``: a pass's drafted nodes in all -- a
+    tree pass's best first over every request's, a chain pass's split evenly (`split_budget`); None:
+    ``nodes`` for each request; ``lengths``: the dynamic draft lengths (None: ``nodes``
     fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass)."""
     mode: str = "ar"
     max_batch: int = 1
@@ -120,8 +121,10 @@ class BatchPolicy:
             raise SpecPilotError(f"batch mode must be ar, chain or tree, got {self.mode!r}")
         if self.max_batch < 1 or (self.mode != "ar" and self.nodes < 1):
             raise SpecPilotError("a batch needs max_batch >= 1 and a speculative one nodes >= 1")
-        if (self.budget is not None or self.min_prob) and self.mode != "tree":
-            raise SpecPilotError("a shared node budget needs tree verification")
+        if self.budget is not None and self.mode == "ar":
+            raise SpecPilotError("a shared node budget needs drafts (chain or tree verification)")
+        if self.min_prob and self.mode != "tree":
+            raise SpecPilotError("a node budget's probability floor needs tree verification")
         if self.chunk is not None and (self.chunk < 1 or (self.mode == "tree" and self.budget is None)):
             raise SpecPilotError("prompt admission needs a chunk >= 1 and, with trees, a node budget")
         if self.budget is not None and self.budget < 1:
@@ -142,6 +145,17 @@ class BatchPolicy:
             return DraftSchedule(max(self.lengths), min(self.lengths), dynamic=len(self.lengths) > 1,
                                  step=_step(self.lengths))
         return DraftSchedule(max(self.nodes, 1))
+
+
+def split_budget(budget: int, caps: list[int]) -> list[int]:
+    """A chain pass's ``budget`` of drafted tokens over requests that would draft ``caps``: as evenly as
+    the caps allow (water-filling, smallest caps first; what one cannot use goes to the others)."""
+    out, left = [0] * len(caps), budget
+    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    for k, i in enumerate(order):
+        out[i] = min(caps[i], left // (len(caps) - k))
+        left -= out[i]
+    return out
 
 
 def _step(choices: tuple[int, ...]) -> int:
@@ -369,6 +383,8 @@ class _Scheduler:
         if self.policy.mode == "ar":
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
+        if self.policy.mode == "chain" and self.policy.budget is not None:
+            caps = split_budget(self.policy.budget, caps)
         reserve = self._reserve()
         trees = self._chains(caps) if self.policy.mode == "chain" else self._trees(caps, reserve)
         items, plans = [], []

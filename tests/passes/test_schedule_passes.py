@@ -145,5 +145,8 @@ def test_batch_schedule_reaches_the_manifest_and_the_engine(tmp_path):
     assert (policy.mode, policy.max_batch, policy.nodes, policy.budget, policy.lengths, policy.chunk) == \
         ("tree", 4, 8, 16, (8, 6, 4), 8)
     assert system.batch_policy("compiled-tree").budget is None             # the plain tree shares nothing
+    chain = system.batch_policy("compiled-spec")                            # chains share the pass's budget evenly
+    assert (chain.mode, chain.budget, chain.chunk) == ("chain", 16, None)
+    assert system.batch_policy("compiled").budget is None
     with pytest.raises(SpecPilotError, match="holds 4 sequence"):
         system.batch_policy("compiled", 5)

@@ -44,6 +44,7 @@ POLICIES = {
     "ar-admission": BatchPolicy("ar", 3, chunk=4),
     "chain": BatchPolicy("chain", 3, 4),
     "chain-dynamic": BatchPolicy("chain", 3, 6, lengths=(6, 4, 2)),
+    "chain-shared": BatchPolicy("chain", 3, 6, budget=8, lengths=(6, 4, 2)),
     "tree": BatchPolicy("tree", 3, 6),
     "tree-shared": BatchPolicy("tree", 3, 6, budget=8, lengths=(6, 4, 2), chunk=3),
     "tree-floor": BatchPolicy("tree", 3, 6, budget=10, min_prob=0.05, chunk=5),
@@ -52,7 +53,7 @@ POLICIES = {
 
 # every policy on a dense target; on a hybrid one (Gated DeltaNet rows kept per request) those that cut states
 CASES = [(DENSE, name) for name in POLICIES] + [(HYBRID, name) for name in ("ar-admission", "chain-dynamic",
-                                                                             "tree-shared", "tree-floor")]
+                                                                             "chain-shared", "tree-shared", "tree-floor")]
 _PAIRS: dict = {}
 
 
@@ -201,12 +202,36 @@ def test_trace_files_round_trip_and_bad_lines_say_where(tmp_path):
 
 def test_policies_refuse_what_they_cannot_do():
     for kw, words in [(dict(mode="beam"), "ar, chain or tree"), (dict(mode="chain", nodes=0), "nodes >= 1"),
-                      (dict(mode="chain", nodes=4, budget=8), "tree verification"),
+                      (dict(mode="ar", budget=8), "needs drafts"),
+                      (dict(mode="chain", nodes=4, budget=8, min_prob=0.1), "floor needs tree verification"),
                       (dict(mode="tree", nodes=4, chunk=4), "node budget"),
                       (dict(mode="ar", queue=-1), "bound")]:
         with pytest.raises(SpecPilotError, match=words):
             BatchPolicy(**kw)
     assert math.isclose(BatchPolicy("tree", 2, 4, budget=6, min_prob=0.1).min_prob, 0.1)
+    assert BatchPolicy("chain", 2, 4, budget=6).budget == 6
+
+
+def test_a_chain_pass_splits_its_budget_as_evenly_as_the_caps_allow():
+    """`split_budget` against brute force on small random cases: within the caps and the budget, all of
+    the budget the caps can take, and max-min fair (no allocation raises its smallest share, then the
+    next, ...); deterministic in the caps' order."""
+    import itertools
+    import random
+
+    from specpilot.runtime.batching import split_budget
+
+    rng = random.Random(11)
+    for _ in range(300):
+        caps = [rng.randint(0, 5) for _ in range(rng.randint(1, 4))]
+        budget = rng.randint(0, 16)
+        got = split_budget(budget, caps)
+        assert all(0 <= g <= c for g, c in zip(got, caps)) and sum(got) == min(budget, sum(caps)), (caps, budget, got)
+        best = max((x for x in itertools.product(*(range(c + 1) for c in caps)) if sum(x) == sum(got)),
+                   key=lambda x: sorted(x))
+        assert sorted(got) == sorted(best), (caps, budget, got, best)
+        assert split_budget(budget, caps) == got
+    assert split_budget(128, [8] * 32) == [4] * 32 and split_budget(128, [8] * 16) == [8] * 16
 
 
 
