@@ -272,8 +272,9 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
                        forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0,
                        draft_lengths)
         return
-    if schedules or draft_lengths:
-        raise SpecPilotError("--schedules and --draft-lengths need --batch")
+    for given, option in ((schedules, "--schedules"), (draft_lengths, "--draft-lengths")):
+        if given is not None:
+            raise SpecPilotError(f"{option} needs --batch")
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
     replays = _replay_plans(system, replay_alpha, replay_profile)
@@ -347,7 +348,8 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
 
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
-        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra) + len(lengths) * (len(names) - 1)))
+        drafting = sum(system.engines[n].drafter is not None for n in names)
+        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra) + len(lengths) * drafting))
         run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
                          lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
                          partial, extra, split, lengths).run()

@@ -186,14 +186,23 @@ void Build::CheckDevice(const std::string& requested) {
 }
 
 // A CPU build's x86-64 level (manifest "cpu", specpilot/core/cpu_level.py): code built for a level runs only
-// on a CPU with every feature of it -- elsewhere its first AVX2 / FMA instruction would stop the process.
+// on a CPU with the level's features -- elsewhere its first AVX2 / FMA instruction would stop the process.
+// Checked feature by feature (the vector and bit-manipulation ones code generation uses), as the Python
+// loader does, so that compilers without the level names take it too.
 static bool CpuRunsLevel(const std::string& level) {
   if (level == "generic") return true;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (level == "x86-64-v2") return __builtin_cpu_supports("x86-64-v2");
-  if (level == "x86-64-v3") return __builtin_cpu_supports("x86-64-v3");
-  if (level == "x86-64-v4") return __builtin_cpu_supports("x86-64-v4");
+  bool v2 = __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("ssse3") &&
+            __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("sse4.2");
+  bool v3 = v2 && __builtin_cpu_supports("avx") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+            __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512vl");
+  if (level == "x86-64-v2") return v2;
+  if (level == "x86-64-v3") return v3;
+  if (level == "x86-64-v4") return v4;
 #endif
   return false;
 }
@@ -201,6 +210,9 @@ static bool CpuRunsLevel(const std::string& level) {
 void Build::CheckCpuLevel() const {
   if (!manifest_.contains("cpu") || manifest_["cpu"].is_null()) return;   // built before levels were recorded
   std::string level = manifest_["cpu"].get<std::string>();
+  if (level != "generic" && level != "x86-64-v2" && level != "x86-64-v3" && level != "x86-64-v4") {
+    throw Error(Status::kBuild, dir_ + ": unknown CPU level " + level + " in manifest.json");
+  }
   if (!CpuRunsLevel(level)) {
     throw Error(Status::kDevice, dir_ + ": built for " + level + ", which this CPU does not run; rebuild it here with "
                                      "--target llvm");

@@ -12,6 +12,7 @@ from __future__ import annotations
 import platform
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from specpilot.core.errors import SpecPilotError
 
@@ -23,6 +24,7 @@ _ADDS = {
     "x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
 }
 LEVELS = (GENERIC, *_ADDS)
+Level = Literal["generic", "x86-64-v2", "x86-64-v3", "x86-64-v4"]     # LEVELS, for a manifest's field
 DEFAULT_CAP = "x86-64-v3"    # the default build's highest level: AVX-512 (v4) ran the cpu-nt matmuls no faster
 
 
@@ -34,11 +36,15 @@ def needs(level: str) -> tuple[str, ...]:
     return tuple(f for name in upto for f in _ADDS[name])
 
 
+def on_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 @lru_cache(maxsize=1)
 def host_features() -> frozenset[str]:
     """This machine's CPU features (empty off x86-64 Linux: then only generic code runs)."""
     cpuinfo = Path("/proc/cpuinfo")
-    if platform.machine().lower() not in ("x86_64", "amd64") or not cpuinfo.is_file():
+    if not on_x86() or not cpuinfo.is_file():
         return frozenset()
     for line in cpuinfo.read_text(errors="replace").splitlines():
         if line.startswith("flags"):

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specpilot.core.cpu_level import Level
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
 
@@ -91,7 +92,7 @@ class Manifest(_Strict):
     target: str
     target_kind: Literal["llvm", "cuda"]
     arch: str | None = None
-    cpu: str | None = None             # llvm: the x86-64 level its code needs (`core.cpu_level`)
+    cpu: Level | None = None           # llvm: the x86-64 level its code needs (`core.cpu_level`)
     dtype: Literal["float32", "bfloat16", "float16"]
     capacity: int = Field(ge=1)
     max_batch: int = Field(ge=1)

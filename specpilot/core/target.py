@@ -81,7 +81,7 @@ class TargetSpec:
 
     def text(self) -> str:
         if self.kind == "llvm":
-            return f"llvm -mcpu={self.cpu}"
+            return f"llvm -mcpu={self.cpu}" if self.cpu else "llvm"
         return (f"cuda -arch={self.arch}" + (f" -device={self.device}" if self.device else "")
                 + (f" -schedule-for={self.schedule_for}" if self.schedule_for else ""))
 
@@ -147,6 +147,8 @@ def parse_target(text: str) -> TargetSpec:
             raise SpecPilotError(f"--target {text!r}: llvm takes no -arch, -device or -schedule-for")
         if mcpu is not None and mcpu not in cpu_level.LEVELS:
             raise SpecPilotError(f"--target {text!r}: unknown -mcpu {mcpu!r}; known: {', '.join(cpu_level.LEVELS)}")
+        if mcpu not in (None, cpu_level.GENERIC) and not cpu_level.on_x86():
+            raise SpecPilotError(f"--target {text!r}: x86-64 levels are for x86-64 hosts; this one builds generic code")
         return TargetSpec("llvm", cpu=mcpu or cpu_level.host_level())
     if mcpu is not None:
         raise SpecPilotError(f"--target {text!r}: -mcpu is for llvm targets")

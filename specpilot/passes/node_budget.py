@@ -7,9 +7,9 @@ draws each step's trees from one budget over the union of the running requests' 
 first by cumulative path probability (`runtime.tree.best_first_shared`), so a request whose drafts
 are unlikely may get no node at all in a step; the same build's batched chains split it as evenly
 as their draft lengths allow (`runtime.batching.split_budget`: a chain pass pads every chain to the
-longest, so an even split also leaves no padding behind one long draft).  ``min_prob`` leaves out candidates whose path
-probability is below it: rows a pass would spend on nodes that are almost never accepted (the room
-`prompt-admission` fills).  Lossless: verification accepts only the target's own tokens.
+longest, so an even split also leaves no padding behind one long draft).  ``min_prob`` leaves out
+candidates whose path probability is below it: rows a pass would spend on nodes that are almost never
+accepted (the room `prompt-admission` fills).  Lossless: verification accepts only the target's own tokens.
 
 When it is legal: with tree verification (its trees are what it shares), in a deployment of more than
 one sequence at once (one request has no one to share with).

@@ -122,7 +122,13 @@ def parse_lengths(text: str | None) -> list[tuple[int, ...]]:
         if min(choice) < 1:
             raise SpecPilotError(f"--draft-lengths {text!r}: expected sets of positive integers, ':' within a set "
                                  "and ',' between sets (e.g. 6,8:6:4)")
+        if len({a - b for a, b in zip(choice, choice[1:])}) > 1:    # a schedule's lengths are a range with a step
+            raise SpecPilotError(f"--draft-lengths {text!r}: {item.strip()} is not evenly spaced (e.g. 8:6:4)")
+        if choice in out:
+            raise SpecPilotError(f"--draft-lengths {text!r}: {item.strip()} is given twice")
         out.append(choice)
+    if text is not None and not out:
+        raise SpecPilotError(f"--draft-lengths {text!r}: no set of lengths")
     return out
 
 
@@ -134,7 +140,7 @@ class BatchBench:
         """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
         ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
         with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
-        ``lengths``: draft-length sets, each run as one more row of every speculative engine (the
+        ``lengths``: draft-length sets, each run as one more row of every drafting engine (the
         runtime's choice; at most the build's own longest draft).
         ``split``: every row run once more with a synchronisation after each part of a pass, for where
         a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
@@ -145,8 +151,9 @@ class BatchBench:
         if self.schedules and self.scheduled is None:
             raise SpecPilotError("--schedules: no engine here runs a batch schedule (node-budget and "
                                  "prompt-admission passes)")
+        self.drafting = [n for n in engines if system.engines[n].drafter is not None]
         for choice in self.lengths:      # refused before anything runs
-            for name in engines[1:]:
+            for name in self.drafting:
                 with_lengths(system.batch_policy(name, 1, queue), choice, name)
         self.system, self.engines, self.batches = system, engines, batches
         self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
@@ -176,7 +183,7 @@ class BatchBench:
             for nodes, chunk in self.schedules:
                 rows.append(self._row(self.scheduled, batch, self.make_arrivals(batch), tolerance, (nodes, chunk)))
             for choice in self.lengths:
-                for name in self.engines[1:]:
+                for name in self.drafting:
                     rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance, lengths=choice))
             base = next(r for r in rows if r.engine == ar and r.batch == batch)
             for r in rows:

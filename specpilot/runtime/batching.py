@@ -147,13 +147,15 @@ class BatchPolicy:
         return DraftSchedule(max(self.nodes, 1))
 
 
-def split_budget(budget: int, caps: list[int]) -> list[int]:
+def split_budget(budget: int, caps: list[int], turn: int = 0) -> list[int]:
     """A chain pass's ``budget`` of drafted tokens over requests that would draft ``caps``: as evenly as
-    the caps allow (water-filling, smallest caps first; what one cannot use goes to the others)."""
-    out, left = [0] * len(caps), budget
-    order = sorted(range(len(caps)), key=lambda i: caps[i])
+    the caps allow (water-filling, smallest caps first; what one cannot use goes to the others).  Among
+    equal caps the request ``turn`` places first gets the spare tokens last, so a budget smaller than
+    the requests shorts each in turn, not always the same ones."""
+    out, left, n = [0] * len(caps), budget, len(caps)
+    order = sorted(range(n), key=lambda i: (caps[i], (i - turn) % n if n else 0))
     for k, i in enumerate(order):
-        out[i] = min(caps[i], left // (len(caps) - k))
+        out[i] = min(caps[i], left // (n - k))
         left -= out[i]
     return out
 
@@ -384,7 +386,7 @@ class _Scheduler:
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
         if self.policy.mode == "chain" and self.policy.budget is not None:
-            caps = split_budget(self.policy.budget, caps)
+            caps = split_budget(self.policy.budget, caps, len(self.result.steps))
         reserve = self._reserve()
         trees = self._chains(caps) if self.policy.mode == "chain" else self._trees(caps, reserve)
         items, plans = [], []

@@ -84,14 +84,18 @@ def _rebound(stmt, copy: tvm.tirx.PrimFunc, func: tvm.tirx.PrimFunc):
     from tvm.tirx.buffer import is_buffer_var
     from tvm.tirx.transform.common import BufferReplacer
 
-    buffers, sizes = {}, {}
+    buffers = dict(zip(copy.body.block.alloc_buffers, func.body.block.alloc_buffers))   # an epilogue's intermediate
+    sizes = {}
     for new, old in zip(copy.params, func.params):
         if not is_buffer_var(new):
             sizes[new] = old
             continue
         buffers[new] = old
         sizes.update({a: b for a, b in zip(new.ty.shape, old.ty.shape) if isinstance(a, tvm.tirx.Var)})
-    return BufferReplacer(buffer_map=buffers, var_map=sizes)(stmt)
+    # the buffers first, then the sizes in what is left: BufferReplacer rebuilds every buffer it is not
+    # given (the function's own, given as themselves, stay the same objects)
+    stmt = BufferReplacer(buffer_map=buffers)(stmt)
+    return BufferReplacer(buffer_map={b: b for b in buffers.values()}, var_map=sizes)(stmt)
 
 
 def _schedule(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:
@@ -110,7 +114,7 @@ def _schedule(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:
     copy = renew_defs(func)
     one, many = _ordered(func, cols, False), _ordered(copy, cols, True)
     first, other = one.body.block, _rebound(many.body.block, copy, func)
-    buffers = list(first.alloc_buffers)     # the epilogue's intermediate is both orders' buffer
+    buffers = list(first.alloc_buffers)     # an epilogue's intermediate: the function's, for both orders
     buffers += [b for b in other.alloc_buffers if not any(b.same_as(a) for a in buffers)]
     root = SBlock([], [], [], "root", tvm.tirx.IfThenElse(rows == 1, first.body, other.body), alloc_buffers=buffers)
     return one.with_body(SBlockRealize([], True, root))

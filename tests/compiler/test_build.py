@@ -316,7 +316,7 @@ def test_cli_compile_run_verify(run_cli, tmp_path):
                                    "--passes", "w12-layout", "--dump-ir", tmp_path / "ir",
                                    "--print-ir-after", "w12-layout", "--json")
     summary = json.loads(stdout)
-    assert code == 0 and summary["target"] == "llvm" and summary["pipeline"] == "w12-layout"
+    assert code == 0 and summary["target"] == parse_target("llvm").text() and summary["pipeline"] == "w12-layout"
     assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == ["01-lower.py", "02-w12-layout.py",
                                                                    "03-relax-pipeline.py"]
     assert "def target_verify" in (tmp_path / "ir" / "01-lower.py").read_text()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
 from specpilot.cli import _join_target_flags
 from specpilot.compiler.build import tvm_target
-from specpilot.core.target import DEVICES, parse_target
+from specpilot.core.target import DEVICES, TargetSpec, parse_target
 from specpilot.core.errors import SpecPilotError
 
 
@@ -142,3 +144,15 @@ def test_cpu_levels():
     assert cpu_level.missing("x86-64-v3", v3 - {"avx2", "bmi2"}) == ["avx2", "bmi2"]
     with pytest.raises(SpecPilotError, match="unknown CPU level 'x86-64-v5'"):
         cpu_level.needs("x86-64-v5")
+    assert typing.get_args(cpu_level.Level) == cpu_level.LEVELS       # the manifest's field takes each level
+    assert TargetSpec("llvm").text() == "llvm"
+
+
+def test_x86_levels_are_refused_off_x86(monkeypatch):
+    from specpilot.core import cpu_level
+
+    monkeypatch.setattr(cpu_level.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_level, "host_features", cpu_level.host_features.__wrapped__)     # uncached
+    assert parse_target("llvm -mcpu=generic").cpu == "generic" and parse_target("llvm").cpu == "generic"
+    with pytest.raises(SpecPilotError, match="x86-64 levels are for x86-64 hosts"):
+        parse_target("llvm -mcpu=x86-64-v3")

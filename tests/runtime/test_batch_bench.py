@@ -107,8 +107,11 @@ def test_other_draft_lengths_are_rows_of_every_speculative_engine(run_cli, repla
                                           (["--batch", "2", "--draft-lengths", "4:0"], "sets of positive integers"),
                                           (["--batch", "2", "--draft-lengths", "x"], "sets of positive integers"),
                                           (["--batch", "2", "--draft-lengths", "9"], "drafts at most 8 tokens"),
-                                          (["--draft-lengths", "4"], "--draft-lengths need --batch"),
-                                          (["--schedules", "64/8"], "--schedules and --draft-lengths need --batch")])
+                                          (["--batch", "2", "--draft-lengths", "8:6:3"], "8:6:3 is not evenly spaced"),
+                                          (["--batch", "2", "--draft-lengths", "4,4"], "4 is given twice"),
+                                          (["--batch", "2", "--draft-lengths", ","], "no set of lengths"),
+                                          (["--draft-lengths", "4"], "--draft-lengths needs --batch"),
+                                          (["--schedules", "64/8"], "--schedules needs --batch")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err

@@ -45,6 +45,7 @@ POLICIES = {
     "chain": BatchPolicy("chain", 3, 4),
     "chain-dynamic": BatchPolicy("chain", 3, 6, lengths=(6, 4, 2)),
     "chain-shared": BatchPolicy("chain", 3, 6, budget=8, lengths=(6, 4, 2)),
+    "chain-scarce": BatchPolicy("chain", 3, 4, budget=2),     # fewer tokens than requests: some draft none
     "tree": BatchPolicy("tree", 3, 6),
     "tree-shared": BatchPolicy("tree", 3, 6, budget=8, lengths=(6, 4, 2), chunk=3),
     "tree-floor": BatchPolicy("tree", 3, 6, budget=10, min_prob=0.05, chunk=5),
@@ -53,7 +54,8 @@ POLICIES = {
 
 # every policy on a dense target; on a hybrid one (Gated DeltaNet rows kept per request) those that cut states
 CASES = [(DENSE, name) for name in POLICIES] + [(HYBRID, name) for name in ("ar-admission", "chain-dynamic",
-                                                                             "chain-shared", "tree-shared", "tree-floor")]
+                                                                             "chain-shared", "chain-scarce", "tree-shared",
+                                                                             "tree-floor")]
 _PAIRS: dict = {}
 
 
@@ -232,6 +234,8 @@ def test_a_chain_pass_splits_its_budget_as_evenly_as_the_caps_allow():
         assert sorted(got) == sorted(best), (caps, budget, got, best)
         assert split_budget(budget, caps) == got
     assert split_budget(128, [8] * 32) == [4] * 32 and split_budget(128, [8] * 16) == [8] * 16
+    # a budget below the requests: each turn shorts other ones
+    assert [split_budget(2, [4, 4, 4], turn) for turn in range(3)] == [[0, 1, 1], [1, 0, 1], [1, 1, 0]]
 
 
 

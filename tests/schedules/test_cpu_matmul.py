@@ -60,8 +60,10 @@ def test_cpu_nt_matmuls_equal_numpy(n_out, k, fits, level):
     mod = _module(n_out, k)
     text = _lowered(mod)
     assert ("NT_matmul_rf" in text) == fits     # 30 columns / K 36: not multiples of its tiles, left alone
-    if fits:    # the row count is symbolic: both orders, chosen at run time
+    if fits:    # the row count is symbolic: both orders, chosen at run time, sharing the epilogue's input
         assert "T.unroll" in text and "if b * n == 1" in text.replace("T.int64(1)", "1"), text
+        assert [line for line in text.splitlines() if "alloc_buffer" in line and "rf_local" not in line] == \
+            ["    NT_matmul_intermediate = T.sblock_alloc_buffer((b, n, T.int64(%d)))" % n_out], text
     _check(mod, ((1, 1), (1, 7), (2, 33)), n_out, k, level)
 
 
@@ -71,3 +73,19 @@ def test_static_row_counts_take_one_order(rows, interleaved):
     text = _lowered(mod)
     assert "NT_matmul_rf" in text and ("T.unroll" in text) == interleaved and "if " not in text
     _check(mod, (rows,), 48, 32, parse_target("llvm").cpu)
+
+
+def test_both_orders_add_in_the_same_order():
+    """A row's outputs are bit for bit the same alone (the one-row order) and among seven (the interleaved
+    order): the orders differ in which loop is outside, not in the order each output's terms are added."""
+    mod = _module(48, 40)
+    target = tvm_target(parse_target("llvm"))
+    vm = relax.VirtualMachine(tvm.compile(mod, target=target, relax_pipeline=pipeline(target, "cpu-nt")), tvm.cpu())
+    rng = np.random.default_rng(3)
+    w = tvm.runtime.tensor(rng.standard_normal((48, 40)).astype("float32"))
+    x = rng.standard_normal((1, 7, 40)).astype("float32")
+    r = np.zeros((1, 7, 48), "float32")
+    many = vm["main"](tvm.runtime.tensor(x), w, tvm.runtime.tensor(r)).numpy()
+    for i in range(7):
+        one = vm["main"](tvm.runtime.tensor(x[:, i:i + 1]), w, tvm.runtime.tensor(r[:, i:i + 1])).numpy()
+        assert np.array_equal(one[0, 0], many[0, i])
