@@ -183,7 +183,8 @@ def tvm_target(target: TargetSpec):
     import tvm
 
     if target.kind == "llvm":
-        return tvm.target.Target({"kind": "llvm"} if target.cpu in (None, "generic") else {"kind": "llvm", "mcpu": target.cpu})
+        level = {} if target.cpu in (None, "generic") else {"mcpu": target.cpu}
+        return tvm.target.Target({"kind": "llvm", **level})
     cards = target.launch_devices()
     return tvm.target.Target({"kind": "cuda", "arch": compile_arch(target.arch),
                               "max_shared_memory_per_block": STATIC_SHARED,

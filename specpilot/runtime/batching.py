@@ -153,7 +153,7 @@ def split_budget(budget: int, caps: list[int], turn: int = 0) -> list[int]:
     equal caps the request ``turn`` places first gets the spare tokens last, so a budget smaller than
     the requests shorts each in turn, not always the same ones."""
     out, left, n = [0] * len(caps), budget, len(caps)
-    order = sorted(range(n), key=lambda i: (caps[i], (i - turn) % n if n else 0))
+    order = sorted(range(n), key=lambda i: (caps[i], (i - turn) % n))
     for k, i in enumerate(order):
         out[i] = min(caps[i], left // (n - k))
         left -= out[i]
