@@ -560,3 +560,18 @@ def test_a_build_for_a_level_this_cpu_lacks_is_refused(built, tmp_path, monkeypa
         from_build(copy)
     monkeypatch.setattr(cpu_level, "host_features", lambda: v2 | frozenset(cpu_level.needs("x86-64-v3")))
     from_build(copy)        # a CPU with the level's features: loads (the code itself is this machine's level)
+
+
+def test_a_cpu_nt_build_passes_token_forcing(run_cli, tmp_path):
+    """`kernel-schedule{set=cpu-nt}` (`schedules.cpu_matmul`: one-row decode, multi-row prefill and tree
+    verification, projections it does not fit left to TVM's loops) on the hybrid example, at this CPU's
+    level: the chain and tree engines force exactly against stock, and so does a batch of chains."""
+    out = tmp_path / "b"
+    code, _, err = run_cli("compile", ROOT / "examples" / "tiny-hybrid.yaml", "--target", "llvm", "-o", out,
+                           "--passes", "tree-verify{budget=8},gdn-path-recompute,kernel-schedule{set=cpu-nt}")
+    assert code == 0, err
+    assert json.loads((out / "manifest.json").read_text())["schedule"] == "cpu-nt"
+    for engine, extra in (("compiled-spec", ()), ("compiled-tree", ()), ("compiled-spec", ("--batch",))):
+        code, stdout, err = run_cli("verify", out, "--max-new-tokens", 32, "--engine", engine, "--tie-tolerance", 0,
+                                    "--json", *extra)
+        assert code == 0 and json.loads(stdout)["passed"] is True, (engine, extra, err)
