@@ -1,7 +1,7 @@
 """Where a batched pass's time goes: a target step of B requests as the batch engines run it, per kernel.
 
     python bench/batch_pass_cost.py BUILD_DIR [--batches 8,16,32] [--nodes 16] [--context 512] [--reps 10]
-                                   [--top 12] [--accepted 4] [--out DIR]
+                                   [--top 12] [--accepted 4] [--prefill 1,8] [--out DIR]
 
 B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
 (synchronised, medians of --reps): the AR step (one new token a request: the build's batched decode), a
@@ -12,7 +12,8 @@ Then one run of each under torch's profiler (CUPTI sees TVM's kernels too): devi
 the top --top kernels of each with their share.  Calls of the step functions do not move the states
 (`CompiledModel.step_call`), so every repetition computes the same pass.  Last, the commit after a
 verification, request by request (`commit_cost`: the emitted positions' choices and `accept_path` of
---accepted drafted tokens).  JSON to --out.
+--accepted drafted tokens).  --prefill P,...: a prefill pass of P prompts of --context tokens from empty
+states (the batch engines' join), timed and per kernel the same way.  JSON to --out.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
     return {"accepted": accepted, "choices_ms": statistics.median(choose), "accept_path_ms": statistics.median(commit)}
 
 
+def prefill_row(model, prompts: int, args) -> dict:
+    """A prefill pass of ``prompts`` random prompts of --context tokens from empty states."""
+    gen = torch.Generator().manual_seed(1)
+    states = [model.new_state(args.context + 1) for _ in range(prompts)]
+    ids = [torch.randint(0, model.vocab_size, (args.context,), generator=gen).tolist() for _ in range(prompts)]
+    fn, fargs = model.step_call(list(zip(ids, states)))[:2]
+    row = {"prompts": prompts, "tokens": prompts * args.context, **timed(fn, fargs, args.reps),
+           "kernels": kernels(fn, fargs, args.top)}
+    print(f"prefill of {prompts} x {args.context} tokens: {row['median_ms']:.2f} ms "
+          f"({row['tokens'] / row['median_ms'] * 1e3:.0f} tokens/s)")
+    for k in row["kernels"][:12]:
+        print(f"    prefill {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
+    for st in states:
+        st.close()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("build", type=Path)
@@ -118,6 +136,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--accepted", type=int, default=4, help="drafted tokens a request a commit keeps (<= nodes / 2)")
+    ap.add_argument("--prefill", default="", help="prompts a prefill pass, comma-separated (none by default)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -154,8 +173,11 @@ def main() -> None:
         print(line)
         for k in row["verify"]["kernels"][:8]:
             print(f"    verify {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
+    for st in states + d_states:          # their rows free for the prefill passes
+        st.close()
+    prefills = [prefill_row(target, int(p), args) for p in args.prefill.split(",") if p]
     path = write(f"batch-pass-cost-{args.build.name}", {"build": str(args.build), "context": args.context,
-                                                         "rows": rows}, args.out)
+                                                         "rows": rows, "prefill": prefills}, args.out)
     print(f"-> {path}")
 
 

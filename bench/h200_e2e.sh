@@ -149,7 +149,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
   pass-cost)
     # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
     shift; setup; unpack
-    timeout ${COST_S:-400} python3 bench/batch_pass_cost.py $b/$1 --batches ${BATCHES:-8,16,32} --out $OUT 2>&1 | tail -40 ;;
+    timeout ${COST_S:-400} python3 bench/batch_pass_cost.py $b/$1 --batches ${BATCHES:-8,16,32} ${COST_ARGS:-} --out $OUT 2>&1 | tail -40 ;;
   skinny)
     # bench/skinny_gemm.py on a kernel library built here (the same SKINNY_* as at its build), to $OUT
     shift; setup
