@@ -289,12 +289,13 @@ class GatedDeltaNet(nn.Module):
                                                          [len(args), -1], [states_type, conv_type])
             else:
                 conv, new_conv = op.tensor_ir_op(conv_kernel, "gdn_conv_verify", args, [conv_type, states_type])
-        else:
-            window = op.concat([conv_state, op.permute_dims(mixed, [0, 2, 1])], dim=2)   # (B, C, K-1+T)
-            conv = wrap_nested(rx.op.nn.conv1d(window._expr, self.conv1d.weight._expr, groups=C,
-                                               out_dtype="float32"), "conv1d")             # (B, C, T)
+        else:     # prefill: the conv and the state after each sequence's last real token
+            conv, new_conv = op.tensor_ir_op(kernels.gdn_conv_prefill(C, K, self.dtype, self.gpu), "gdn_conv_prefill",
+                                             [conv_state, mixed, self.conv1d.weight, s.slots],
+                                             [Tensor.placeholder((B, T_, C), "float32"),
+                                              Tensor.placeholder((B, C, K - 1), self.dtype)])
         conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
-        mixed = op.silu(conv) if keep_states or step else op.permute_dims(op.silu(conv), [0, 2, 1])   # (B, T, C)
+        mixed = op.silu(conv)                                                                # (B, T, C)
         if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
             # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
             heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
@@ -335,10 +336,6 @@ class GatedDeltaNet(nn.Module):
                                                      [state_type, o_type])
             else:
                 o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, state_type])
-        if not keep_states and not step:
-            new_conv = op.tensor_ir_op(kernels.conv_window_states(C, K, self.dtype, self.gpu),
-                                       "conv_window_states", [window, s.slots],
-                                       Tensor.placeholder((B, C, K - 1), self.dtype))
         o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
                               [op.reshape(o, (B * T_, nv, dv)), self.norm.weight, z], attrs={"op_pattern": 2})
         return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec

@@ -524,41 +524,70 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
 
 
 @memo
-def conv_window_states(channels: int, kernel_size: int, dtype: str, gpu: bool):
-    """The K-1 conv inputs a Gated DeltaNet layer keeps after a prefill / decode step, from its
-    window (B, C, K-1+T): out[b, c, :] = the window after the last *real* token of sequence b
-    (tokens with slot < 0 are padding at the end of a shorter request)."""
+def gdn_conv_prefill(channels: int, kernel_size: int, dtype: str, gpu: bool):
+    """A prefill's causal depthwise conv over a chain of tokens.  Inputs: the state before the pass
+    (B, C, K-1), the new inputs (B, T, C) in the projection's layout, the weight (C, 1, K), slots
+    (B, T) (< 0: padding after a shorter request's tokens).  Outputs: conv (B, T, C) float32
+    (before SiLU) and the K-1 inputs kept after each sequence's last real token (B, C, K-1; the
+    state itself where a sequence has none).  Token t's taps are inputs t-K+1 .. t, continued into
+    the state, summed in float32 in tap order: the Relax conv over [state; inputs]'s arithmetic,
+    without that window's concatenation and transposes (dlight's schedule of the Relax conv took
+    58 % of a 27B-class prefill on the H200, bench/README "Batched")."""
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
 
     @T.macro
-    def copy(window, slots, out, n, b, c):
-        length = T.alloc_buffer((1,), "int64", scope="local")
-        length[0] = T.int64(0)
-        for i in range(n):
-            if slots[b, i] >= 0:
-                length[0] = i + 1
-        for j in range(keep):
-            out[b, c, j] = window[b, c, length[0] + j]
+    def read(state, x, val, b, c, i):
+        """Input i of sequence b, channel c into val[0]: i < 0 reads the state's entry K-1+i."""
+        if i >= 0:
+            val[0] = x[b, i, c]
+        else:
+            val[0] = state[b, c, keep + i]
+
+    @T.macro
+    def one(state, x, weight, slots, out, new, n, b, c, t):
+        val = T.alloc_buffer((1,), dtype, scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "int32", scope="local")
+        acc[0] = T.float32(0)
+        for k in range(kernel_size):
+            read(state, x, val, b, c, t - keep + k)
+            acc[0] = acc[0] + T.Cast("float32", val[0]) * T.Cast("float32", weight[c, 0, k])
+        out[b, t, c] = acc[0]
+        last[0] = 0           # t is the last real token, or t = 0 of a sequence of padding only
+        if slots[b, t] >= 0:
+            if t + 1 == n:
+                last[0] = 1
+            elif slots[b, t + 1] < 0:
+                last[0] = 1
+        elif t == 0:
+            last[0] = 2
+        if last[0] > 0:
+            for j in range(keep):
+                read(state, x, val, b, c, t - keep + j + T.Cast("int64", last[0] == 1))
+                new[b, c, j] = val[0]
 
     @T.prim_func(private=True, s_tir=True)
-    def kernel(w_h: T.handle, slots_h: T.handle, out_h: T.handle):
+    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, slots_h: T.handle, out_h: T.handle, new_h: T.handle):
         T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu})
         batch, n = T.int64(), T.int64()
-        window = T.match_buffer(w_h, (batch, channels, n + keep), dtype)
+        state = T.match_buffer(s_h, (batch, channels, keep), dtype)
+        x = T.match_buffer(x_h, (batch, n, channels), dtype)
+        weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
         slots = T.match_buffer(slots_h, (batch, n), "int32")
-        out = T.match_buffer(out_h, (batch, channels, keep), dtype)
+        out = T.match_buffer(out_h, (batch, n, channels), "float32")
+        new = T.match_buffer(new_h, (batch, channels, keep), dtype)
         with T.sblock("root"):
-            if gpu:   # a block per (sequence, 256 channels)
-                for b in T.thread_binding(batch, thread="blockIdx.x"):
+            if gpu:   # a block per (token, 256 channels), as verify's conv
+                for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for r in T.thread_binding(rounds, thread="blockIdx.y"):
                         for tx in T.thread_binding(threads, thread="threadIdx.x"):
                             if r * threads + tx < channels:
-                                copy(window, slots, out, n, b, r * threads + tx)
+                                one(state, x, weight, slots, out, new, n, bt // n, r * threads + tx, bt % n)
             else:
-                for b, c in T.grid(batch, channels):
-                    copy(window, slots, out, n, b, c)
+                for b, c, t in T.grid(batch, channels, n):
+                    one(state, x, weight, slots, out, new, n, b, c, t)
     return kernel
 
 

@@ -77,6 +77,33 @@ def test_step_conv_is_the_window_conv_into_the_stack(G, gi, C, K):
         np.testing.assert_array_equal(states[:, 0, others], before[:, 0, others])
 
 
+@pytest.mark.parametrize("C,K,n,lengths", [(7, 4, 9, (9, 4, 1, 0)), (300, 4, 2, (2, 1, 0, 2)), (5, 3, 1, (1, 0, 1, 1)),
+                                            (6, 2, 5, (3, 5, 5, 0))])
+def test_prefill_conv_is_the_window_conv_with_each_sequences_last_state(C, K, n, lengths):
+    """Sequences of ``lengths`` real tokens (the rest padding: slot -1; 0: padding only) continue
+    their states: conv outputs as the Relax conv over [state; inputs] sums them (float32, tap
+    order), and the K-1 inputs after each sequence's last real token (its state if it has none)."""
+    rng = np.random.default_rng(C * 10 + K + n)
+    B, keep = len(lengths), K - 1
+    state = rng.standard_normal((B, C, keep)).astype("float32")
+    x = rng.standard_normal((B, n, C)).astype("float32")
+    weight = rng.standard_normal((C, 1, K)).astype("float32")
+    slots = np.full((B, n), -1, "int32")
+    for b, length in enumerate(lengths):
+        slots[b, :length] = 5 + np.arange(length)
+    conv = np.full((B, n, C), np.nan, "float32")
+    new = np.full((B, C, keep), np.nan, "float32")
+    *_, conv, new = _call(kernels.gdn_conv_prefill(C, K, "float32", False), [state, x, weight, slots, conv, new])
+    window = np.concatenate([state, x.transpose(0, 2, 1)], axis=2)          # (B, C, K-1+T)
+    for t in range(n):
+        want = np.zeros((B, C), "float32")
+        for tap in range(K):
+            want = want + window[:, :, t + tap] * weight[None, :, 0, tap]
+        np.testing.assert_array_equal(conv[:, t], want)
+    for b, length in enumerate(lengths):
+        np.testing.assert_array_equal(new[b], window[b, :, length:length + keep])
+
+
 def test_path_recompute_leaves_a_steps_conv_a_chain():
     """A decode step's conv and verify's are one kernel but for ``step``: the pass rewrites the
     verify one only (tests/passes/test_gdn_path_recompute.py checks a whole lowered model)."""

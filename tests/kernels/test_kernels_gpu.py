@@ -46,7 +46,7 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
         assert f"{name}_kernel" in text
 
 
-@pytest.mark.parametrize("make", ["gdn_conv_verify", "conv_window_states"])
+@pytest.mark.parametrize("make", ["gdn_conv_verify", "gdn_conv_prefill"])
 def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
     """27B-class layers have 10240 conv channels: a block per (token or sequence, 256 channels),
     not one block looping over all of them (one block per sequence in decode)."""
@@ -58,6 +58,6 @@ def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
 def test_gdn_conv_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
     text = sm90_source(tmp_path, "from specpilot import kernels",
                        "{'tree': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, True), "
-                       "'windows': kernels.conv_window_states(300, 4, 'bfloat16', True), "
+                       "'prefill': kernels.gdn_conv_prefill(300, 4, 'bfloat16', True), "
                        "'stacked': kernels.gdn_conv_verify(300, 4, 'bfloat16', True, True, stack=(3, 1))}")
-    assert "tree_kernel" in text and "windows_kernel" in text and "stacked_kernel" in text and "blockIdx.y" in text
+    assert "tree_kernel" in text and "prefill_kernel" in text and "stacked_kernel" in text and "blockIdx.y" in text
