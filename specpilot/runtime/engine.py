@@ -33,6 +33,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
 from specpilot.core.weights import file_digest
 from specpilot.runtime.features import FeatureStore
+from specpilot.runtime.threads import claim_cores_for_tvm
 
 def import_tvm_runtime(gpu: bool):
     """tvm without needing its compiler; on GPUs also load the CUDA runtime library."""
@@ -134,6 +135,8 @@ class CompiledModule:
         if verify_hashes:
             self._check_hashes()
         cpu_level.require(self.manifest.cpu, str(self.dir))
+        if not gpu:
+            claim_cores_for_tvm()
         so = self.dir / "model.so"
         try:
             digest = self.manifest.hashes["model.so"] if verify_hashes else file_digest(so)

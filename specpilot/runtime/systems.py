@@ -27,6 +27,7 @@ from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.replay import Oracle, ReplayDrafter
 from specpilot.runtime.sampling import sampled
+from specpilot.runtime.threads import torch_threads
 from specpilot.runtime.tokenizer import load_tokenizer
 from specpilot.runtime.draft_schedule import DraftSchedule, lengths
 
@@ -63,6 +64,7 @@ class Engine:
     tree_budget: int = 0                         # > 0: best-first tree verification with this many nodes
     two_level: bool = False                      # tree drafts checked first through the nested 8-bit view
     batch: BatchSchedule | None = None           # in a batch: the build's node budget, draft lengths, admission
+    host_threads: int | None = None              # torch's threads while it runs (`runtime.threads`); None: as set
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,9 @@ class System:
                         self.generate(self.autoregressive_engine(), list(a.prompt), a.max_new, sampling=sampling).tokens
                     self.oracle.register(list(a.prompt), tokens)
         make = (lambda: e.drafter(sampling)) if e.drafter is not None else None
-        return run_batch(sampled(e.model, sampling), make, arrivals, policy, self.capacity, clock, forces,
-                         logits_hook, parts=parts)
+        with torch_threads(e.host_threads):
+            return run_batch(sampled(e.model, sampling), make, arrivals, policy, self.capacity, clock, forces,
+                             logits_hook, parts=parts)
 
     def generate_batch(self, engine: str, prompts: list[list[int]], max_new: list[int], forces=None,
                        logits_hook=None, max_batch: int | None = None,
@@ -277,6 +280,12 @@ class System:
                 and not self.oracle.has(prompt):
             self.oracle.register(prompt, force if force is not None else
                                  self.generate(self.autoregressive_engine(), prompt, max_new, sampling=sampling).tokens)
+        with torch_threads(e.host_threads):
+            return self._generate(e, prompt, max_new, force, logits_hook, stop_ids, record_lattices, replay_lattices,
+                                  sampling, on_token)
+
+    def _generate(self, e: Engine, prompt, max_new, force, logits_hook, stop_ids, record_lattices, replay_lattices,
+                  sampling, on_token) -> Generation:
         model = sampled(e.model, sampling)
         if e.drafter is None:
             return autoregressive(model, prompt, max_new, self.capacity, force, logits_hook, stop_ids, on_token=on_token)
@@ -349,6 +358,9 @@ def from_spec(spec) -> System:
     budget = tree_budget(spec.passes)
     if budget:
         engines["stock-tree"] = Engine(reference, make, budget)
+    for name, engine in engines.items():
+        if name.startswith("compiled"):
+            engine.host_threads = host
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32,
                                                                   weight_format="stored")))
@@ -382,6 +394,7 @@ def from_build(build_dir: Path) -> System:
     engines = Engines({"stock": Engine(refs["target"]), "stock-spec": Engine(refs["target"], ref_make),
                        "compiled": Engine(compiled["target"]), "compiled-spec": Engine(compiled["target"], cmp_make)})
     budget = m.tree_budget
+    host = None if m.target_kind == "cuda" else 1     # a CPU build's cores go to its kernels (`runtime.threads`)
     if budget:
         engines["stock-tree"] = Engine(refs["target"], ref_make, budget)
         engines["compiled-tree"] = Engine(compiled["target"], cmp_make, budget)
@@ -391,6 +404,9 @@ def from_build(build_dir: Path) -> System:
         if batch is not None:
             engines["stock-tree-sched"] = Engine(refs["target"], ref_make, budget, batch=batch)
             engines["compiled-tree-sched"] = Engine(compiled["target"], cmp_make, budget, batch=batch)
+    for name, engine in engines.items():
+        if name.startswith("compiled"):
+            engine.host_threads = host
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(cfgs["target"], module.reference_weights("target"),
                                                                   torch.float32, device, weight_format="stored")))
