@@ -97,23 +97,36 @@ def parse_schedules(text: str | None) -> list[tuple[int, int]]:
     return out
 
 
-def with_lengths(policy: BatchPolicy, lengths: tuple[int, ...], name: str) -> BatchPolicy:
-    """``policy`` drafting one of ``lengths`` a request and pass (one: that length fixed); refused past the
-    longest draft the engine's build verifies."""
+AUTO = "auto"       # --draft-lengths' chain length chosen by the pass's measured cost (`runtime.pass_cost`)
+
+
+def with_lengths(policy: BatchPolicy, lengths: tuple[int, ...] | str, name: str) -> BatchPolicy:
+    """``policy`` drafting one of ``lengths`` a request and pass (one: that length fixed), or with
+    ``AUTO`` a chain engine's length chosen by what its passes cost; refused past the longest draft the
+    engine's build verifies."""
     if policy.mode == "ar":
         raise SpecPilotError(f"--draft-lengths: {name} drafts nothing")
+    if lengths == AUTO:
+        if policy.mode != "chain":
+            raise SpecPilotError(f"--draft-lengths auto: {name} drafts trees (auto chooses chain lengths)")
+        return replace(policy, adaptive=True)
     if max(lengths) > policy.nodes:
         raise SpecPilotError(f"--draft-lengths {':'.join(map(str, lengths))}: {name}'s build drafts at most "
                              f"{policy.nodes} tokens a request")
     return replace(policy, nodes=max(lengths), lengths=lengths if len(lengths) > 1 else None)
 
 
-def parse_lengths(text: str | None) -> list[tuple[int, ...]]:
-    """``--draft-lengths 6,8:6:4``: sets of draft lengths (a request's drafted tokens a pass), each one
-    fixed length or several to choose from by acceptance."""
-    out = []
+def parse_lengths(text: str | None) -> list[tuple[int, ...] | str]:
+    """``--draft-lengths 6,8:6:4,auto``: sets of draft lengths (a request's drafted tokens a pass), each
+    one fixed length or several to choose from by acceptance, or ``auto`` (`with_lengths`)."""
+    out: list[tuple[int, ...] | str] = []
     for item in (text or "").split(","):
         if not item.strip():
+            continue
+        if item.strip() == AUTO:
+            if AUTO in out:
+                raise SpecPilotError(f"--draft-lengths {text!r}: auto is given twice")
+            out.append(AUTO)
             continue
         try:
             choice = tuple(sorted({int(v) for v in item.split(":")}, reverse=True))
@@ -152,8 +165,11 @@ class BatchBench:
             raise SpecPilotError("--schedules: no engine here runs a batch schedule (node-budget and "
                                  "prompt-admission passes)")
         self.drafting = [n for n in engines if system.engines[n].drafter is not None]
+        self.chaining = [n for n in self.drafting if system.batch_policy(n, 1, queue).mode == "chain"]
+        if AUTO in self.lengths and not self.chaining:
+            raise SpecPilotError("--draft-lengths auto: no engine here drafts chains")
         for choice in self.lengths:      # refused before anything runs
-            for name in self.drafting:
+            for name in self._lengths_engines(choice):
                 with_lengths(system.batch_policy(name, 1, queue), choice, name)
         self.system, self.engines, self.batches = system, engines, batches
         self.make_arrivals, self.tie_tolerance, self.forced, self.warmup = make_arrivals, tie_tolerance, forced, warmup
@@ -183,7 +199,7 @@ class BatchBench:
             for nodes, chunk in self.schedules:
                 rows.append(self._row(self.scheduled, batch, self.make_arrivals(batch), tolerance, (nodes, chunk)))
             for choice in self.lengths:
-                for name in self.drafting:
+                for name in self._lengths_engines(choice):
                     rows.append(self._row(name, batch, self.make_arrivals(batch), tolerance, lengths=choice))
             base = next(r for r in rows if r.engine == ar and r.batch == batch)
             for r in rows:
@@ -192,8 +208,12 @@ class BatchBench:
             self.partial({"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows})
         return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
 
+    def _lengths_engines(self, choice) -> list[str]:
+        """The engines a --draft-lengths set runs on: every drafting one, or for auto the chain ones."""
+        return self.chaining if choice == AUTO else self.drafting
+
     def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float,
-             schedule: tuple[int, int] | None = None, lengths: tuple[int, ...] | None = None) -> BatchResult:
+             schedule: tuple[int, int] | None = None, lengths: tuple[int, ...] | str | None = None) -> BatchResult:
         policy = self.system.batch_policy(name, batch, self.queue)
         if schedule is not None:
             policy = replace(policy, budget=schedule[0], chunk=schedule[1])
@@ -214,7 +234,7 @@ class BatchBench:
         if schedule is not None:
             result.engine = f"{name}[{schedule[0]}/{schedule[1]}]"
         if lengths is not None:
-            result.engine = f"{name}[draft {':'.join(map(str, lengths))}]"
+            result.engine = f"{name}[draft {lengths if lengths == AUTO else ':'.join(map(str, lengths))}]"
         return result
 
     def _split(self, name: str, arrivals: list[Arrival], policy, forces) -> dict:

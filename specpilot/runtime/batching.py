@@ -32,6 +32,7 @@ from specpilot.core.files import atomic_write_text
 from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
                                         tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
+from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length
 from specpilot.runtime.drafters import (bind, catch_up_chains, chain_levels, chain_network, expand_across,
                                         sync_across)
 from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
@@ -115,6 +116,7 @@ class BatchPolicy:
     prefill: int = 2048             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
                                     # a pass's activations and logits grow with its tokens (as PREFILL_CHUNK)
     passes: int = 4
+    adaptive: bool = False          # chains: the pass's longest chain chosen by its measured cost (`pass_cost`)
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
@@ -139,6 +141,8 @@ class BatchPolicy:
             raise SpecPilotError(f"admission rides a backlog of >= 1 chunks, got {self.passes}")
         if self.prefill < 1:
             raise SpecPilotError(f"a prefill pass takes >= 1 prompt tokens, got {self.prefill}")
+        if self.adaptive and self.mode != "chain":
+            raise SpecPilotError("a chain length chosen by the pass's cost needs chain verification")
 
     def schedule(self) -> DraftSchedule:
         if self.lengths:
@@ -256,6 +260,7 @@ class _Scheduler:
     def __init__(self, model, make_drafter, arrivals, policy, capacity, clock, forces, logits_hook, stop_ids, parts):
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
         self.parts, self.levels, self.riding = parts, 0, False
+        self.cost, self.chosen = PassCost(), 0
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
@@ -359,13 +364,18 @@ class _Scheduler:
     def _step(self) -> None:
         """One target pass: every running request's draft (or last token), plus admitted chunks."""
         self.levels, self.riding = 0, self._rides()
+        started = self.clock.now()
         items, plans = self._timed("draft", self._drafts)
         drafted = sum(len(p[0]) for p in plans)
         chunks = self._chunks(drafted) if self.riding else []
         items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
         speculative = self.policy.mode != "ar"
+        drafting = self.clock.now()
         rows = self._timed("verify", self.model.forward_batch, items, record=speculative)
         self._timed("commit", self._commit_all, plans, rows)
+        # both parts end reading the device's results on the host, so their wall times are theirs
+        self.cost.observe(len(items) * max(len(it[0]) for it in items), self.clock.now() - drafting,
+                          self.levels, drafting - started)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
             if speculative and hasattr(r.state, "drop_history"):
@@ -385,6 +395,8 @@ class _Scheduler:
         if self.policy.mode == "ar":
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
+        if self.policy.adaptive:
+            caps = self._priced(caps)
         if self.policy.mode == "chain" and self.policy.budget is not None:
             caps = split_budget(self.policy.budget, caps, len(self.result.steps))
         reserve = self._reserve()
@@ -399,6 +411,19 @@ class _Scheduler:
                 items.append((tokens, r.state, positions, mask, parents))
             plans.append((tree, base))
         return items, plans
+
+    def _priced(self, caps: list[int]) -> list[int]:
+        """``caps`` cut to the chain length with the most expected tokens a second of pass; while the
+        passes seen cannot price a row yet, every other pass at half the caps, and then every
+        ``EXPLORE``-th pass a neighbouring length, so the rows the cost is fitted over vary."""
+        model = self.cost.model()
+        self.chosen += 1
+        if model is None:
+            return caps if self.chosen % 2 else [c // 2 for c in caps]
+        k = chain_length([r.schedule.rate() for r in self.running], caps, model)
+        if self.chosen % EXPLORE == 0:
+            k = k + 1 if (self.chosen // EXPLORE) % 2 else max(0, k - 1)
+        return [min(c, k) for c in caps]
 
     def _reserve(self) -> int:
         """Nodes of a tree pass's budget set aside for prompt chunks while prompts wait for admission:
@@ -494,7 +519,8 @@ class _Scheduler:
         else:
             r.last = commit_tree(self.model, r.state, r.out, tree, logits, base)
         if len(tree):      # a request given no nodes this pass learns nothing about its drafts
-            r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree))
+            r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree),
+                              len(tree) if self.policy.mode == "chain" else None)
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their cache rows (target and drafter) go back at once."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+RATE_DECAY = 0.9    # a chain's weight in `rate` a verification later
+
 
 def lengths(maximum: int, minimum: int = 1, step: int = 1) -> tuple[int, ...]:
     """maximum, maximum - step, ... >= minimum (16, 8, 4: 16, 12, 8)."""
@@ -30,6 +32,7 @@ class DraftSchedule:
         self.choices = sorted(lengths(length, self.min, step))
         self.recent = float(length)   # optimistic start: the first step drafts the maximum
         self.confidence: float | None = None
+        self.hits, self.misses = 1.0, 1.0     # drafts accepted / chains cut short, decayed (`rate`)
 
     def next(self) -> int:
         if not self.dynamic:
@@ -38,8 +41,17 @@ class DraftSchedule:
         need = math.ceil(expected - 1e-9) + 1
         return next((n for n in self.choices if n >= need), self.max)
 
-    def update(self, accepted_drafts: int, confidence: float | None = None) -> None:
+    def update(self, accepted_drafts: int, confidence: float | None = None, chain: int | None = None) -> None:
         """After a verification: how many of the drafted tokens the target accepted, and the drafter's
-        expected accepted length for that draft (None: it offers none)."""
+        expected accepted length for that draft (None: it offers none); ``chain``: the chain's length,
+        where the draft was one (a chain cut short before its end is one miss)."""
         self.recent = self.decay * self.recent + (1 - self.decay) * accepted_drafts
         self.confidence = confidence
+        if chain is not None:
+            self.hits = RATE_DECAY * self.hits + accepted_drafts
+            self.misses = RATE_DECAY * self.misses + (accepted_drafts < chain)
+
+    def rate(self) -> float:
+        """The chance a draft is accepted given the one before it was: accepted drafts over accepted
+        drafts plus chains cut short, recent chains weighing most (one of each to start)."""
+        return self.hits / (self.hits + self.misses)

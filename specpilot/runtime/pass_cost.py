@@ -1,0 +1,89 @@
+"""A batched chain pass's length chosen by what it costs: the runtime's choice per step under a shared
+node budget (`BatchPolicy.adaptive`).
+
+A batched chain pass pads every request's chain to the longest, so its verification has B x (K + 1)
+rows for a longest chain K, and drafting costs K batched drafter passes.  What one pass buys is each
+request's expected accepted tokens, sum over i <= k_r of rate_r ** i (its drafts landing one after
+another at its recent per-token rate, plus the target's own token).  `chain_length` picks the K with
+the most expected tokens per second of pass, from `PassCost`: the run's own passes fitted as
+a + b x rows for the verification and commit, and d a drafter pass.  At batch 1 a row is nearly free
+and the longest chain wins; at batch 16-32 each drafted row costs compute and shorter chains do
+(bench/README "Batched": draft 4 beat the build's 8-16 at batch 8 on the H200).  The choice changes
+how much is drafted, never which tokens are emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECAY = 0.97            # an observation's weight a pass later: load and context lengths drift
+EXPLORE = 8             # every this many chosen passes one neighbouring length runs, so the fit keeps seeing rows vary
+
+
+@dataclass
+class _Fit:
+    """Exponentially weighted least squares of y over x: y ~ a + b x."""
+    n: float = 0.0
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0
+    sxy: float = 0.0
+    seen: int = 0
+
+    def add(self, x: float, y: float) -> None:
+        self.n, self.sx, self.sxx = DECAY * self.n + 1, DECAY * self.sx + x, DECAY * self.sxx + x * x
+        self.sy, self.sxy = DECAY * self.sy + y, DECAY * self.sxy + x * y
+        self.seen += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), both >= 0; None until x has varied."""
+        spread = self.n * self.sxx - self.sx * self.sx
+        if self.seen < 3 or spread <= 1e-9 * max(1.0, self.n * self.sxx):
+            return None
+        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
+        return max(0.0, (self.sy - b * self.sx) / self.n), b
+
+
+class PassCost:
+    """Seconds of a batched pass: verification + commit as a + b x rows, drafting d a drafter pass."""
+
+    def __init__(self):
+        self.verify = _Fit()
+        self.level_seconds, self.level_weight = 0.0, 0.0
+
+    def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float) -> None:
+        self.verify.add(rows, verify_seconds)
+        if levels:
+            self.level_seconds = DECAY * self.level_seconds + draft_seconds
+            self.level_weight = DECAY * self.level_weight + levels
+
+    def model(self) -> tuple[float, float, float] | None:
+        """(a, b, d), or None while the passes seen do not yet tell a row's cost."""
+        line = self.verify.line()
+        if line is None:
+            return None
+        d = self.level_seconds / self.level_weight if self.level_weight else 0.0
+        return line[0], line[1], d
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """A request's expected tokens from a chain of k drafts accepted one after another at ``rate``,
+    plus the target's own: 1 + rate + ... + rate ** k."""
+    return sum(rate ** i for i in range(k + 1))
+
+
+def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, float]) -> int:
+    """The longest chain K (request r drafting min(K, caps[r])) with the most expected tokens a
+    second of pass under ``cost`` = (a, b, d); the shortest such K on ties."""
+    a, b, d = cost
+    if a + b * len(caps) <= 0:      # passes that seem to cost nothing say nothing: the caps stand
+        return max(caps, default=0)
+    best, best_k = -1.0, 0
+    for k in range(max(caps, default=0) + 1):
+        drafts = [min(k, c) for c in caps]
+        longest = max(drafts, default=0)
+        seconds = a + b * len(caps) * (longest + 1) + d * longest
+        value = sum(expected_tokens(r, n) for r, n in zip(rates, drafts)) / seconds
+        if value > best * (1 + 1e-12):
+            best, best_k = value, k
+    return best_k

@@ -1,0 +1,158 @@
+"""A batched chain's length chosen by what its passes cost (`runtime.pass_cost`, `BatchPolicy.adaptive`):
+the fit recovers a pass's cost line from the run's own passes, the chosen length is the one with the
+most expected tokens a second (against the closed form on random cases), a request's acceptance
+rate follows its chains, and under a clock that charges rows the scheduler drafts less where rows
+are dear, more where they are cheap -- every request's tokens its own greedy ones either way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.batch_bench import parse_lengths, with_lengths
+from specpilot.runtime.batching import Arrival, BatchPolicy, run_batch
+from specpilot.runtime.decoding import autoregressive
+from specpilot.runtime.draft_schedule import DraftSchedule
+from specpilot.runtime.drafters import ModelDrafter
+from specpilot.runtime.pass_cost import PassCost, chain_length, expected_tokens
+from tests.conftest import DENSE, noisy_copy, tiny_model
+
+
+def test_the_fit_recovers_a_pass_line_once_rows_vary():
+    cost = PassCost()
+    for _ in range(5):
+        cost.observe(40, 0.025, 4, 0.008)
+    assert cost.model() is None                      # one row count: a row's cost is unknown
+    for rows in (16, 72, 144, 80, 32):
+        cost.observe(rows, 0.017 + 0.0002 * rows, 6, 0.012)
+    a, b, d = cost.model()
+    assert a == pytest.approx(0.017) and b == pytest.approx(0.0002) and d == pytest.approx(0.002)
+
+
+def test_a_falling_line_is_priced_flat_not_negative():
+    cost = PassCost()
+    for rows in (10, 20, 30, 40):
+        cost.observe(rows, 0.05 - 0.001 * rows, 0, 0.0)
+    a, b, d = cost.model()
+    assert b == 0.0 and a > 0 and d == 0.0
+
+
+def _closed_form(rates, caps, cost):
+    """The best K by the geometric sums' closed form, searched independently."""
+    a, b, d = cost
+    values = []
+    for k in range(max(caps) + 1):
+        drafts = [min(k, c) for c in caps]
+        longest = max(drafts)
+        tokens = sum((1 - r ** (n + 1)) / (1 - r) if r != 1 else n + 1 for r, n in zip(rates, drafts))
+        values.append(tokens / (a + b * len(caps) * (longest + 1) + d * longest))
+    best = max(values)
+    return next(k for k, v in enumerate(values) if v >= best * (1 - 1e-9))
+
+
+def test_the_chosen_length_has_the_most_expected_tokens_a_second():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 33)
+        rates = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(n)]
+        caps = [rng.randint(0, 17) for _ in range(n)]
+        if not max(caps):
+            continue
+        cost = (rng.uniform(0.001, 0.03), rng.choice([0.0, rng.uniform(1e-6, 1e-3)]), rng.uniform(0, 2e-3))
+        assert chain_length(rates, caps, cost) == _closed_form(rates, caps, cost)
+
+
+def test_rows_that_cost_nothing_keep_the_caps_and_dear_rows_draft_nothing():
+    rates, caps = [0.8] * 16, [8, 12, 16, 3] * 4
+    assert chain_length(rates, caps, (0.02, 0.0, 0.0)) == 16
+    assert chain_length(rates, caps, (0.0, 0.0, 0.0)) == 16        # no information: the caps stand
+    assert chain_length(rates, caps, (0.001, 1.0, 0.0)) == 0
+    assert chain_length([0.8], [16], (0.017, 0.00017, 0.0009)) > chain_length(rates, caps, (0.017, 0.00017, 0.0009))
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.3, 0) == 1.0
+
+
+def test_a_requests_rate_follows_its_chains():
+    s = DraftSchedule(8)
+    assert s.rate() == 0.5
+    for _ in range(10):
+        s.update(8, chain=8)                          # every draft lands
+    high = s.rate()
+    assert high > 0.9
+    for _ in range(40):
+        s.update(0, chain=8)                          # the first draft fails every time
+    assert s.rate() < 0.1 < high
+    before = s.rate()
+    s.update(3)                                       # a tree's acceptance says nothing about a chain rate
+    assert s.rate() == before
+
+
+class _Clock:
+    """Time that moves only as passes are charged."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        return self.t
+
+    def wait_until(self, t):
+        self.t = max(self.t, t)
+
+    def tick(self):
+        pass
+
+
+class _Charged:
+    """A model whose batched passes cost ``fixed + per_row x rows`` seconds on ``clock``."""
+
+    def __init__(self, model, clock, fixed, per_row):
+        self.model, self.clock, self.fixed, self.per_row = model, clock, fixed, per_row
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward_batch(self, items, record: bool = False):
+        self.clock.t += self.fixed + self.per_row * len(items) * max(len(it[0]) for it in items)
+        return self.model.forward_batch(items, record=record)
+
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
+MAX_NEW = [40, 36, 44, 30]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(DENSE, seed=5)
+    return target, noisy_copy(target, 0.05), [autoregressive(target, p, n, 128).tokens for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def _drafted(pair, per_row, adaptive=True):
+    target, draft, alone = pair
+    clock = _Clock()
+    drafting = _Charged(draft, clock, 0.0, 0.0)
+    policy = BatchPolicy("chain", 4, 12, adaptive=adaptive)
+    run = run_batch(_Charged(target, clock, 0.02, per_row), lambda: ModelDrafter(drafting, 3, 128),
+                    [Arrival(0.0, tuple(p), n) for p, n in zip(PROMPTS, MAX_NEW)], policy, 128, clock)
+    assert [g.tokens for g in run.generations] == alone
+    steps = [s for s in run.steps if not s.prefill and s.running == 4]
+    return sum(s.drafted for s in steps) / len(steps)
+
+
+def test_the_scheduler_drafts_less_where_rows_are_dear(pair):
+    fixed = _drafted(pair, 0.0, adaptive=False)
+    free, cheap, dear = _drafted(pair, 0.0), _drafted(pair, 2e-5), _drafted(pair, 1e-2)
+    assert free >= 0.8 * fixed          # free rows: the caps, but for the passes that price a row
+    assert dear < cheap <= fixed and dear < fixed / 2
+
+
+def test_auto_lengths_are_for_chain_engines():
+    assert parse_lengths("4,auto,8:6:4") == [(4,), "auto", (8, 6, 4)]
+    with pytest.raises(SpecPilotError, match="auto is given twice"):
+        parse_lengths("auto,auto")
+    assert with_lengths(BatchPolicy("chain", 2, 8), "auto", "compiled-spec").adaptive
+    with pytest.raises(SpecPilotError, match="drafts trees"):
+        with_lengths(BatchPolicy("tree", 2, 8), "auto", "compiled-tree")
+    with pytest.raises(SpecPilotError, match="needs chain verification"):
+        BatchPolicy("tree", 2, 8, adaptive=True)
