@@ -188,13 +188,12 @@ def test_illegal_pipelines_name_the_rule(text, context, reason):
 @pytest.mark.slow
 def test_compiled_tree_decoding_on_a_hybrid_target_is_exact(tmp_path, monkeypatch, pool_rows):
     """pool_rows: prefill and verification attention through `kernels.attention_rows_partial`
-    (the GPU's path; its CPU form here) instead of gathered keys and matmuls; verification's 16
-    key splits over these short contexts merge several splits of a few keys, some empty."""
-    if pool_rows:
-        from functools import partial
+    (the default; its CPU form here) or gathered keys and matmuls; verification's 16 key splits
+    over these short contexts merge several splits of a few keys, some empty."""
+    from functools import partial
 
-        from specpilot.compiler import build as build_module
-        monkeypatch.setattr(build_module, "lower_deployment", partial(lower_deployment, pool_rows=True))
+    from specpilot.compiler import build as build_module
+    monkeypatch.setattr(build_module, "lower_deployment", partial(lower_deployment, pool_rows=pool_rows))
     data = {"target": {"architecture": HYBRID, "config": TINY_CONFIGS[HYBRID], "init": {"seed": 1}},
             "drafter": {"kind": "early-exit", "layers": 2, "top_k": 3},
             "deployment": {"dtype": "float32", "max_seq_len": 300, "max_batch": 2},
