@@ -531,8 +531,8 @@ def gdn_conv_prefill(channels: int, kernel_size: int, dtype: str, gpu: bool):
     (before SiLU) and the K-1 inputs kept after each sequence's last real token (B, C, K-1; the
     state itself where a sequence has none).  Token t's taps are inputs t-K+1 .. t, continued into
     the state, summed in float32 in tap order: the Relax conv over [state; inputs]'s arithmetic,
-    without that window's concatenation and transposes (dlight's schedule of the Relax conv took
-    58 % of a 27B-class prefill on the H200, bench/README "Batched")."""
+    without that window's concatenation and transposes (dlight's schedule of that Relax conv is
+    58-67 % of a 27B-class prefill on the H200, bench/README "Batched")."""
     keep = kernel_size - 1
     threads = min(256, channels)
     rounds = (channels + threads - 1) // threads
@@ -585,8 +585,8 @@ def gdn_conv_prefill(channels: int, kernel_size: int, dtype: str, gpu: bool):
                         for tx in T.thread_binding(threads, thread="threadIdx.x"):
                             if r * threads + tx < channels:
                                 one(state, x, weight, slots, out, new, n, bt // n, r * threads + tx, bt % n)
-            else:
-                for b, c, t in T.grid(batch, channels, n):
+            else:   # channels innermost: x and out are (B, T, C)
+                for b, t, c in T.grid(batch, n, channels):
                     one(state, x, weight, slots, out, new, n, b, c, t)
     return kernel
 

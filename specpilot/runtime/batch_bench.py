@@ -149,12 +149,13 @@ class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
                  forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None,
                  schedules: list[tuple[int, int]] = (), split: bool = False,
-                 lengths: list[tuple[int, ...]] = ()):
+                 lengths: list[tuple[int, ...] | str] = ()):
         """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
         ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
         with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
         ``lengths``: draft-length sets, each run as one more row of every drafting engine (the
-        runtime's choice; at most the build's own longest draft).
+        runtime's choice; at most the build's own longest draft), or ``AUTO``: one more row of every
+        chain engine choosing its lengths by their cost.
         ``split``: every row run once more with a synchronisation after each part of a pass, for where
         a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
         self.partial, self.split = partial or (lambda run: None), split

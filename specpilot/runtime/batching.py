@@ -373,9 +373,11 @@ class _Scheduler:
         drafting = self.clock.now()
         rows = self._timed("verify", self.model.forward_batch, items, record=speculative)
         self._timed("commit", self._commit_all, plans, rows)
-        # both parts end reading the device's results on the host, so their wall times are theirs
-        self.cost.observe(len(items) * max(len(it[0]) for it in items), self.clock.now() - drafting,
-                          self.levels, drafting - started)
+        # both parts end reading the device's results on the host, so their wall times are theirs; a pass
+        # carrying prompt chunks has rows no chain length explains
+        if not chunks:
+            self.cost.observe(len(items) * max(len(it[0]) for it in items), self.clock.now() - drafting,
+                              self.levels, drafting - started)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
             if speculative and hasattr(r.state, "drop_history"):
@@ -519,8 +521,9 @@ class _Scheduler:
         else:
             r.last = commit_tree(self.model, r.state, r.out, tree, logits, base)
         if len(tree):      # a request given no nodes this pass learns nothing about its drafts
+            # a chain that ended at the request's last token says nothing of the next draft
             r.schedule.update(r.out.gen.accepted[-1] - 1, _confidence(tree),
-                              len(tree) if self.policy.mode == "chain" else None)
+                              len(tree) if self.policy.mode == "chain" and not r.out.stopped else None)
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their cache rows (target and drafter) go back at once."""

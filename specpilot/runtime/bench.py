@@ -214,7 +214,7 @@ class Bench:
         timed_name = f"{name} (timed)"
         self.system.engines[timed_name] = Engine(TimedModel(engine.model, clock),
                                                  lambda sampling=None: TimedDrafter(engine.drafter(sampling), clock),
-                                                 engine.tree_budget, engine.two_level)
+                                                 engine.tree_budget, engine.two_level, host_threads=engine.host_threads)
         try:
             wall = 0.0
             for prompt in self.prompts[:requests]:

@@ -2,11 +2,11 @@
 node budget (`BatchPolicy.adaptive`).
 
 A batched chain pass pads every request's chain to the longest, so its verification has B x (K + 1)
-rows for a longest chain K, and drafting costs K batched drafter passes.  What one pass buys is each
+rows for a longest chain K, and drafting costs a catch-up pass and K batched drafter passes.  What one pass buys is each
 request's expected accepted tokens, sum over i <= k_r of rate_r ** i (its drafts landing one after
 another at its recent per-token rate, plus the target's own token).  `chain_length` picks the K with
 the most expected tokens per second of pass, from `PassCost`: the run's own passes fitted as
-a + b x rows for the verification and commit, and d a drafter pass.  At batch 1 a row is nearly free
+a + b x rows for the verification and commit, and c + d x K for the drafting.  At batch 1 a row is nearly free
 and the longest chain wins; at batch 16-32 each drafted row costs compute and shorter chains do
 (bench/README "Batched": draft 4 beat the build's 8-16 at batch 8 on the H200).  The choice changes
 how much is drafted, never which tokens are emitted.
@@ -45,25 +45,26 @@ class _Fit:
 
 
 class PassCost:
-    """Seconds of a batched pass: verification + commit as a + b x rows, drafting d a drafter pass."""
+    """Seconds of a batched pass: verification + commit as a + b x rows, drafting as c + d x its drafter
+    passes (c: the catch-up on accepted tokens, host work)."""
 
     def __init__(self):
-        self.verify = _Fit()
-        self.level_seconds, self.level_weight = 0.0, 0.0
+        self.verify, self.draft = _Fit(), _Fit()
 
     def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float) -> None:
         self.verify.add(rows, verify_seconds)
-        if levels:
-            self.level_seconds = DECAY * self.level_seconds + draft_seconds
-            self.level_weight = DECAY * self.level_weight + levels
+        self.draft.add(levels, draft_seconds)
 
     def model(self) -> tuple[float, float, float] | None:
-        """(a, b, d), or None while the passes seen do not yet tell a row's cost."""
+        """(a + c, b, d), or None while the passes seen do not yet tell a row's cost (d: 0 until the
+        drafter passes a pass have varied too)."""
         line = self.verify.line()
         if line is None:
             return None
-        d = self.level_seconds / self.level_weight if self.level_weight else 0.0
-        return line[0], line[1], d
+        draft = self.draft.line()
+        if draft is None:
+            draft = (self.draft.sy / self.draft.n if self.draft.n else 0.0, 0.0)
+        return line[0] + draft[0], line[1], draft[1]
 
 
 def expected_tokens(rate: float, k: int) -> float:

@@ -358,9 +358,6 @@ def from_spec(spec) -> System:
     budget = tree_budget(spec.passes)
     if budget:
         engines["stock-tree"] = Engine(reference, make, budget)
-    for name, engine in engines.items():
-        if name.startswith("compiled"):
-            engine.host_threads = host
     if dtype != torch.float32:
         engines.later("stock-fp32", lambda: Engine(ReferenceModel(target.cfg, target.weights, torch.float32,
                                                                   weight_format="stored")))

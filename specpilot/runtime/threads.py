@@ -1,12 +1,11 @@
 """How a CPU build's process splits its cores between TVM's kernels and torch's host work.
 
-TVM's thread pool, unless told (``TVM_NUM_THREADS``), takes half the logical CPUs on x86 (it
-assumes two hardware threads a core), so on a machine without SMT -- most VMs and containers --
-its kernels ran on half the cores.  And torch's own intra-op threads, busy-waiting between the
-host's small ops (argmax, top-k over a logits row), took cores from TVM's workers, which spin
-between kernels: on the 2-core demo machine an AR step that took 20 ms alone cost 28 ms a token
-(bench/README "End to end").  So a CPU build's kernels get every physical core and its host work
-one torch thread; the stock PyTorch engines keep torch's own setting.
+TVM's thread pool, unless told (``TVM_NUM_THREADS``, else ``OMP_NUM_THREADS``), takes half the
+logical CPUs on x86, assuming two hardware threads a core, which leaves half the cores idle on a
+machine without SMT (most VMs and containers).  And torch's intra-op threads, busy-waiting between
+the host's small ops (argmax, top-k over a logits row), take cores from TVM's workers, which spin
+between kernels.  So a CPU build's kernels get every physical core and its host work one torch
+thread, while the stock PyTorch engines keep torch's own setting (bench/README "End to end").
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from pathlib import Path
 import torch
 
 TVM_THREADS = "TVM_NUM_THREADS"
+OMP_THREADS = "OMP_NUM_THREADS"     # TVM's pool reads this one when the first is unset
 
 
-def _cpuinfo_cores(cpus: set[int], text: str) -> int | None:
+def cores_in_cpuinfo(cpus: set[int], text: str) -> int | None:
     """Distinct (physical id, core id) among ``cpus`` in /proc/cpuinfo's ``text`` (None without them)."""
     cores, cpu, package = set(), None, None
     for line in text.splitlines():
@@ -36,8 +36,9 @@ def _cpuinfo_cores(cpus: set[int], text: str) -> int | None:
     return len(cores) or None
 
 
-def _quota(text: str) -> int | None:
-    """The CPUs a cgroup v2 ``cpu.max`` ("QUOTA PERIOD", or "max PERIOD") allows, rounded up."""
+def quota_cpus(text: str) -> int | None:
+    """The CPUs a cgroup v2 ``cpu.max`` ("QUOTA PERIOD", or "max PERIOD") allows, rounded up (cgroup v1's
+    quota files and a parent cgroup's quota are not read)."""
     quota, _, period = text.strip().partition(" ")
     if quota == "max" or not period:
         return None
@@ -50,16 +51,17 @@ def physical_cores(cpuinfo: Path = Path("/proc/cpuinfo"), cpu_max: Path = Path("
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     count = len(cpus)
     if cpuinfo.is_file():
-        count = _cpuinfo_cores(cpus, cpuinfo.read_text(errors="replace")) or count
+        count = cores_in_cpuinfo(cpus, cpuinfo.read_text(errors="replace")) or count
     if cpu_max.is_file():
-        count = min(count, _quota(cpu_max.read_text()) or count)
+        count = min(count, quota_cpus(cpu_max.read_text()) or count)
     return max(1, count)
 
 
 def claim_cores_for_tvm() -> None:
-    """Every physical core to TVM's thread pool, unless ``TVM_NUM_THREADS`` already says; effective
-    before the pool's first parallel kernel (it reads the variable once)."""
-    os.environ.setdefault(TVM_THREADS, str(physical_cores()))
+    """Every physical core to TVM's thread pool, unless ``TVM_NUM_THREADS`` or ``OMP_NUM_THREADS``
+    already says; effective before the pool's first parallel kernel (it reads them once)."""
+    if TVM_THREADS not in os.environ and OMP_THREADS not in os.environ:
+        os.environ[TVM_THREADS] = str(physical_cores())
 
 
 @contextmanager

@@ -48,8 +48,8 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
 
 @pytest.mark.parametrize("make", ["gdn_conv_verify", "gdn_conv_prefill"])
 def test_gdn_conv_gpu_forms_spread_channels_over_blocks(make):
-    """27B-class layers have 10240 conv channels: a block per (token or sequence, 256 channels),
-    not one block looping over all of them (one block per sequence in decode)."""
+    """27B-class layers have 10240 conv channels: a block per (token, 256 channels), not one block
+    looping over all of them."""
     from specpilot import kernels
     text = getattr(kernels, make)(10240, 4, "bfloat16", True).script()
     assert 'T.thread_binding(40, thread="blockIdx.y")' in text and 'T.thread_binding(256, thread="threadIdx.x")' in text

@@ -23,12 +23,16 @@ from tests.conftest import DENSE, noisy_copy, tiny_model
 def test_the_fit_recovers_a_pass_line_once_rows_vary():
     cost = PassCost()
     for _ in range(5):
-        cost.observe(40, 0.025, 4, 0.008)
+        cost.observe(40, 0.025, 4, 0.009)
     assert cost.model() is None                      # one row count: a row's cost is unknown
-    for rows in (16, 72, 144, 80, 32):
-        cost.observe(rows, 0.017 + 0.0002 * rows, 6, 0.012)
-    a, b, d = cost.model()
-    assert a == pytest.approx(0.017) and b == pytest.approx(0.0002) and d == pytest.approx(0.002)
+    cost.observe(16, 0.0202, 4, 0.009)
+    cost.observe(72, 0.0314, 4, 0.009)
+    a, b, d = cost.model()                           # drafting seen at one length: its mean, no slope yet
+    assert a == pytest.approx(0.017 + 0.009) and b == pytest.approx(0.0002) and d == 0.0
+    for rows, levels in ((144, 8), (80, 5), (32, 1), (96, 12)):
+        cost.observe(rows, 0.017 + 0.0002 * rows, levels, 0.003 + 0.0015 * levels)
+    a, b, d = cost.model()                           # verification a + b rows, drafting c + d levels
+    assert a == pytest.approx(0.017 + 0.003) and b == pytest.approx(0.0002) and d == pytest.approx(0.0015)
 
 
 def test_a_falling_line_is_priced_flat_not_negative():
@@ -141,6 +145,8 @@ def _drafted(pair, per_row, adaptive=True):
 
 
 def test_the_scheduler_drafts_less_where_rows_are_dear(pair):
+    """4 requests, chains of at most 12, a pass 20 ms plus each row's price: every request's tokens its
+    own greedy ones, fewer drafted a pass the dearer a row."""
     fixed = _drafted(pair, 0.0, adaptive=False)
     free, cheap, dear = _drafted(pair, 0.0), _drafted(pair, 2e-5), _drafted(pair, 1e-2)
     assert free >= 0.8 * fixed          # free rows: the caps, but for the passes that price a row

@@ -29,17 +29,17 @@ def _cpuinfo(pairs: list[tuple[int, int]]) -> str:
     ([(0, 0), (0, 1), (0, 2)], {1, 2}, 2),
 ])
 def test_cpuinfo_counts_distinct_cores_among_the_allowed_cpus(pairs, cpus, want):
-    assert threads._cpuinfo_cores(cpus, _cpuinfo(pairs)) == want
+    assert threads.cores_in_cpuinfo(cpus, _cpuinfo(pairs)) == want
 
 
 def test_cpuinfo_without_core_ids_counts_nothing():
-    assert threads._cpuinfo_cores({0, 1}, "processor\t: 0\nflags\t: fpu\n\nprocessor\t: 1\n") is None
+    assert threads.cores_in_cpuinfo({0, 1}, "processor\t: 0\nflags\t: fpu\n\nprocessor\t: 1\n") is None
 
 
 @pytest.mark.parametrize("text,want", [("max 100000\n", None), ("200000 100000\n", 2), ("150000 100000", 2),
                                        ("50000 100000", 1), ("", None)])
 def test_cgroup_quota_rounds_up(text, want):
-    assert threads._quota(text) == want
+    assert threads.quota_cpus(text) == want
 
 
 def test_physical_cores_reads_the_files_and_takes_the_smaller(tmp_path, monkeypatch):
@@ -53,24 +53,34 @@ def test_physical_cores_reads_the_files_and_takes_the_smaller(tmp_path, monkeypa
 
 
 def test_tvm_gets_the_cores_unless_told(monkeypatch):
-    monkeypatch.delenv(threads.TVM_THREADS, raising=False)
+    for name in (threads.TVM_THREADS, threads.OMP_THREADS):     # set first, so teardown restores what was
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(threads, "physical_cores", lambda: 6)
     threads.claim_cores_for_tvm()
     assert os.environ[threads.TVM_THREADS] == "6"
     monkeypatch.setenv(threads.TVM_THREADS, "1")
     threads.claim_cores_for_tvm()
     assert os.environ[threads.TVM_THREADS] == "1"
+    monkeypatch.delenv(threads.TVM_THREADS)
+    monkeypatch.setenv(threads.OMP_THREADS, "3")              # TVM's pool reads it: left to say
+    threads.claim_cores_for_tvm()
+    assert threads.TVM_THREADS not in os.environ
 
 
 def test_torch_threads_are_set_inside_and_restored_after_an_error():
-    before = torch.get_num_threads()
-    with threads.torch_threads(None):
-        assert torch.get_num_threads() == before
-    with pytest.raises(RuntimeError):
-        with threads.torch_threads(1):
-            assert torch.get_num_threads() == 1
-            raise RuntimeError("inside")
-    assert torch.get_num_threads() == before
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with threads.torch_threads(None):
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            with threads.torch_threads(1):
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(original)
 
 
 def test_compiled_engines_of_a_cpu_build_run_torch_on_one_thread(tmp_path):
