@@ -101,9 +101,9 @@ def test_auto_lengths_are_a_row_of_each_chain_engine(run_cli, replay_build):
     """`--draft-lengths auto`: one more row of each chain engine, its lengths chosen by its passes' cost
     (trees keep theirs), tokens checked."""
     build, _ = replay_build
-    code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines", "compiled,compiled-spec,compiled-tree-sched",
-                                "--json", "--warmup", 0, "--requests", 3, "--max-new-tokens", 12, "--forced",
-                                "--breakdown-requests", 0, "--draft-lengths", "auto")
+    code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines",
+                                "compiled,compiled-spec,compiled-tree-sched", "--json", "--warmup", 0, "--requests", 3,
+                                "--max-new-tokens", 12, "--forced", "--breakdown-requests", 0, "--draft-lengths", "auto")
     assert code == 0, err
     rows = {r["engine"]: r for r in json.loads(stdout)["rows"]}
     assert list(rows) == ["compiled", "compiled-spec", "compiled-tree-sched", "compiled-spec[draft auto]"]

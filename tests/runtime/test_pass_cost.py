@@ -129,7 +129,8 @@ MAX_NEW = [40, 36, 44, 30]
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_model(DENSE, seed=5)
-    return target, noisy_copy(target, 0.05), [autoregressive(target, p, n, 128).tokens for p, n in zip(PROMPTS, MAX_NEW)]
+    alone = [autoregressive(target, p, n, 128).tokens for p, n in zip(PROMPTS, MAX_NEW)]
+    return target, noisy_copy(target, 0.05), alone
 
 
 def _drafted(pair, per_row, adaptive=True):
