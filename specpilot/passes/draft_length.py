@@ -7,7 +7,9 @@ in a batch gives each request at most that many nodes a pass (`runtime.draft_sch
 ``dynamic=true`` each request picks its own length every step from the lengths length, length -
 step, ... >= min (``length=16,min=8,step=4``: 16, 12 or 8) by its recent acceptance and the
 drafter's confidence in its last draft: requests whose drafts keep failing stop paying for long
-drafts.  Any draft length is lossless -- verification still accepts only the target's own tokens.
+drafts.  With ``priced=true`` a batched chain engine also cuts each pass's chains to the length with
+the most expected tokens a second of pass, from its own passes' measured cost (`runtime.pass_cost`).
+Any draft length is lossless -- verification still accepts only the target's own tokens.
 
 Defaults reproduce stock: ``length=0`` means the spec's ``drafter.draft_len`` (with a tree: the tree
 budget), fixed.
@@ -25,14 +27,15 @@ class DraftLength(Pass):
                       "when dynamic"),
                Option("dynamic", bool, False, "choose each request's length from its recent acceptance"),
                Option("min", int, 1, "shortest dynamic draft"),
-               Option("step", int, 1, "the dynamic lengths are length, length - step, ... >= min"))
+               Option("step", int, 1, "the dynamic lengths are length, length - step, ... >= min"),
+               Option("priced", bool, False, "batched chains: each pass's length by its measured cost"))
     statistics = ("draft_len", "dynamic")
     manifest_key = "serving"
 
     def manifest_entry(self, context: PassContext) -> dict:
         """The policy; a length of 0 (the spec's draft_len) is filled in by the build."""
         return {"draft_len": self["length"], "draft_dynamic": self["dynamic"], "draft_min": self["min"],
-                "draft_step": self["step"]}
+                "draft_step": self["step"], "draft_priced": self["priced"]}
 
     def relations(self, others: dict[str, Pass]) -> list[tuple[str, str, bool]]:
         tree = others.get("tree-verify")
@@ -56,4 +59,5 @@ class DraftLength(Pass):
         context.statistics[self.name].update(draft_len=self["length"], dynamic=self["dynamic"])
         return (mod.with_attr("specpilot.draft_len", self["length"])
                 .with_attr("specpilot.draft_dynamic", int(self["dynamic"]))
-                .with_attr("specpilot.draft_min", self["min"]).with_attr("specpilot.draft_step", self["step"]))
+                .with_attr("specpilot.draft_min", self["min"]).with_attr("specpilot.draft_step", self["step"])
+                .with_attr("specpilot.draft_priced", int(self["priced"])))

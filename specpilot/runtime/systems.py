@@ -101,11 +101,11 @@ class System:
     def __init__(self, engines: dict[str, Engine], tokenizer, capacity: int, draft_len: int,
                  eos_ids: tuple[int, ...], dtype: str, draft_min: int = 1, draft_dynamic: bool = False,
                  draft_step: int = 1, setup: DrafterSetup | None = None, oracle: Oracle | None = None, draft_reference=None,
-                 node_budget: int | None = None):
+                 node_budget: int | None = None, draft_priced: bool = False):
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
         self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
-        self.draft_step = draft_step
+        self.draft_step, self.draft_priced = draft_step, draft_priced   # priced: batched chains by cost
         self.node_budget = node_budget      # a build's drafted tokens a batched pass (`node-budget`), None: no cap
         self.setup, self.draft_reference = setup, draft_reference
         self.drafter_source: dict | None = None   # a block / feature drafter's directory and weights digest
@@ -218,7 +218,8 @@ class System:
             return BatchPolicy("ar", limit, queue=queue)
         if not e.tree_budget:
             dynamic = lengths(self.draft_len, self.draft_min, self.draft_step) if self.draft_dynamic else None
-            return BatchPolicy("chain", limit, self.draft_len, self.node_budget, lengths=dynamic, queue=queue)
+            return BatchPolicy("chain", limit, self.draft_len, self.node_budget, lengths=dynamic, queue=queue,
+                               adaptive=self.draft_priced)
         b = e.batch
         if b is None:
             return BatchPolicy("tree", limit, e.tree_budget, queue=queue)
@@ -412,7 +413,7 @@ def from_build(build_dir: Path) -> System:
     system = System(engines, load_tokenizer(tok, cfg.vocab_size), capacity, m.serving.draft_len,
                     tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
                     m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"),
-                    node_budget=m.node_budget.nodes if m.node_budget else None)
+                    node_budget=m.node_budget.nodes if m.node_budget else None, draft_priced=m.serving.draft_priced)
     if d.kind in ("block", "feature"):     # which drafter ran: the build's own or a retrained one
         from specpilot.core.weights import file_digest
         weights = directory / "model.safetensors"

@@ -52,7 +52,7 @@ def test_schedule_passes_only_annotate():
     mod, records = lowered.mod, lowered.records
     assert {k: str(v) for k, v in mod.attrs.items()} == {
         "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1", "specpilot.draft_step": "1",
-        "specpilot.schedule": "cpu-nt"}
+        "specpilot.draft_priced": "0", "specpilot.schedule": "cpu-nt"}
     import tvm
     from specpilot.compiler.build import ir_hash
     assert ir_hash(tvm.IRModule(mod.functions)) == ir_hash(stock) != ir_hash(mod)   # functions unchanged
@@ -136,17 +136,22 @@ def test_batch_schedule_passes_are_legal_only_where_they_make_sense():
 
 
 def test_batch_schedule_reaches_the_manifest_and_the_engine(tmp_path):
+    """The example's batch schedule, its chains priced by their passes' cost (`draft-length{priced}`)."""
     spec = load_spec(Path(__file__).parents[2] / "examples" / "tiny-hybrid-batch.yaml")
-    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b"))
+    priced = spec.passes.replace("dynamic=true}", "dynamic=true,priced=true}")
+    assert priced != spec.passes
+    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b", priced))
     assert manifest.node_budget.nodes == 16 and (manifest.admission.chunk, manifest.admission.passes) == (8, 4)
     assert (manifest.serving.draft_nodes, manifest.serving.draft_min, manifest.serving.draft_step) == (8, 4, 2)
+    assert manifest.serving.draft_priced
     system = from_build(tmp_path / "b")
     policy = system.batch_policy("compiled-tree-sched")
     assert (policy.mode, policy.max_batch, policy.nodes, policy.budget, policy.lengths, policy.chunk) == \
         ("tree", 4, 8, 16, (8, 6, 4), 8)
     assert system.batch_policy("compiled-tree").budget is None             # the plain tree shares nothing
     chain = system.batch_policy("compiled-spec")                            # chains share the pass's budget evenly
-    assert (chain.mode, chain.budget, chain.chunk) == ("chain", 16, None)
+    assert (chain.mode, chain.budget, chain.chunk, chain.adaptive) == ("chain", 16, None, True)
+    assert not system.batch_policy("compiled-tree-sched").adaptive         # trees keep the best-first budget
     assert system.batch_policy("compiled").budget is None
     with pytest.raises(SpecPilotError, match="holds 4 sequence"):
         system.batch_policy("compiled", 5)
