@@ -57,7 +57,8 @@ class DraftLength(Pass):
 
     def apply(self, mod, context: PassContext):
         context.statistics[self.name].update(draft_len=self["length"], dynamic=self["dynamic"])
-        return (mod.with_attr("specpilot.draft_len", self["length"])
-                .with_attr("specpilot.draft_dynamic", int(self["dynamic"]))
-                .with_attr("specpilot.draft_min", self["min"]).with_attr("specpilot.draft_step", self["step"])
-                .with_attr("specpilot.draft_priced", int(self["priced"])))
+        mod = (mod.with_attr("specpilot.draft_len", self["length"])
+               .with_attr("specpilot.draft_dynamic", int(self["dynamic"]))
+               .with_attr("specpilot.draft_min", self["min"]).with_attr("specpilot.draft_step", self["step"]))
+        # only where set: pipelines without it keep their IR identity (and the memory's entries theirs)
+        return mod.with_attr("specpilot.draft_priced", 1) if self["priced"] else mod

@@ -40,7 +40,8 @@ def test_entry_stored_only_if_it_reproduces(tmp_path, hashes):
     mem = Memory(tmp_path / "m.sqlite")
     assert mem.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     good = mem.add(_entry("draft-length{length=2}", hashes["draft-length{length=2}"]), reproduce_hash)
-    assert good.id == good.key() and good.options == {"draft-length": {"length": 2, "dynamic": False, "min": 1, "step": 1}}
+    assert good.id == good.key() and good.options == {"draft-length": {"length": 2, "dynamic": False, "min": 1, "step": 1,
+                                                                               "priced": False}}
     assert mem.verify(good.id, reproduce_hash) == []
     # a source hash from another system: not stored, and the message says what differed
     with pytest.raises(SpecPilotError, match=r"gives IRModule [0-9a-f]{16}, not the source system's 00000000"):

@@ -52,11 +52,13 @@ def test_schedule_passes_only_annotate():
     mod, records = lowered.mod, lowered.records
     assert {k: str(v) for k, v in mod.attrs.items()} == {
         "specpilot.draft_len": "2", "specpilot.draft_dynamic": "1", "specpilot.draft_min": "1", "specpilot.draft_step": "1",
-        "specpilot.draft_priced": "0", "specpilot.schedule": "cpu-nt"}
+        "specpilot.schedule": "cpu-nt"}
     import tvm
     from specpilot.compiler.build import ir_hash
     assert ir_hash(tvm.IRModule(mod.functions)) == ir_hash(stock) != ir_hash(mod)   # functions unchanged
     assert records[1].statistics == {"schedule": "cpu-nt", "cuda_graph": 0}
+    priced = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true,priced=true}").mod
+    assert str(priced.attrs["specpilot.draft_priced"]) == "1"           # set only where asked: the IR differs
 
 
 def test_cuda_graph_knob_is_legal_only_for_cuda_and_round_trips():
