@@ -349,11 +349,11 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
 
     console = Console(stderr=True)
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
-        drafting = sum(system.engines[n].drafter is not None for n in names)
-        task = progress.add_task("bench", total=len(sizes) * (len(names) + len(extra) + len(lengths) * drafting))
-        run = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
-                         lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
-                         partial, extra, split, lengths).run()
+        bench = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
+                           lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
+                           partial, extra, split, lengths)
+        task = progress.add_task("bench", total=len(sizes) * bench.rows_per_batch())
+        run = bench.run()
     result = {**batch_report(run, meta), "complete": True}
     if output:
         atomic_write_text(output, json.dumps(result, indent=2))

@@ -209,6 +209,11 @@ class BatchBench:
             self.partial({"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows})
         return {"ar_engine": ar, "tie_tolerance": tolerance, "forced": self.forced, "rows": rows}
 
+    def rows_per_batch(self) -> int:
+        """Rows the run measures at each batch size: every engine, each --schedules pair, each
+        --draft-lengths set on its engines."""
+        return len(self.engines) + len(self.schedules) + sum(len(self._lengths_engines(c)) for c in self.lengths)
+
     def _lengths_engines(self, choice) -> list[str]:
         """The engines a --draft-lengths set runs on: every drafting one, or for auto the chain ones."""
         return self.chaining if choice == AUTO else self.drafting

@@ -375,7 +375,7 @@ class _Scheduler:
         self._timed("commit", self._commit_all, plans, rows)
         # both parts end reading the device's results on the host, so their wall times are theirs; a pass
         # carrying prompt chunks has rows no chain length explains
-        if not chunks:
+        if self.policy.adaptive and not chunks:
             self.cost.observe(len(items) * max(len(it[0]) for it in items), self.clock.now() - drafting,
                               self.levels, drafting - started)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
