@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "safetensors.h"
+#include "threads.h"
 
 namespace specpilot {
 namespace {
@@ -89,6 +90,7 @@ Build::Build(const std::string& dir, const OpenOptions& options) : dir_(dir) {
   ReadManifest();
   CheckDevice(options.device);
   if (options.verify_hashes) CheckHashes();
+  if (device_.device_type == kDLCPU) cpu_threads_ = ClaimCoresForTvm();   // before the pool's first kernel
   LoadModule();
   LoadParams();
 }

@@ -48,6 +48,8 @@ class Build {
   const nlohmann::json& manifest() const { return manifest_; }
   DLDevice device() const { return device_; }
   int capacity() const { return capacity_; }
+  // a CPU build's kernel threads (threads.h; 0: TVM's own reading of its variables; CUDA builds: 0)
+  int cpu_threads() const { return cpu_threads_; }
   int max_batch() const { return max_batch_; }
   int tree_budget() const { return tree_budget_; }
   bool two_level() const { return two_level_; }
@@ -71,7 +73,7 @@ class Build {
   std::string dir_;
   nlohmann::json manifest_;
   DLDevice device_{kDLCPU, 0};
-  int capacity_ = 0, max_batch_ = 1, tree_budget_ = 0, max_verify_tokens_ = 0;
+  int capacity_ = 0, max_batch_ = 1, tree_budget_ = 0, max_verify_tokens_ = 0, cpu_threads_ = 0;
   bool two_level_ = false, path_recompute_ = false;
   DrafterSpec drafter_;
   std::map<std::string, ModelSpec> models_;

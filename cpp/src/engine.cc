@@ -25,6 +25,7 @@ Engine::Impl::Impl(const std::string& dir, const OpenOptions& options)
                       {"target", m.at("target")},
                       {"drafter", kind},
                       {"tree_budget", build.tree_budget()},
+                      {"cpu_threads", build.cpu_threads()},
                       {"device", build.device().device_type == kDLCUDA ? "cuda:" + std::to_string(build.device().device_id) : "cpu"}};
   info = j.dump();
 }

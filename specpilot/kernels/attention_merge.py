@@ -1,5 +1,5 @@
-"""Flash attention's running softmax and the merge of key splits (flash decoding), shared by the
-decode and many-row attention kernels."""
+"""The merge of key splits (flash decoding) and the running max's floor, shared by the decode and
+many-row attention kernels."""
 
 from __future__ import annotations
 
@@ -8,23 +8,6 @@ from tvm.script import tirx as T
 from specpilot.kernels.base import memo
 
 ATTN_FLOOR = -1e30  # the running max before any key: finite, so exp(floor - m) is 0, never NaN
-
-
-
-def online_update(head_dim: int):
-    @T.macro
-    def online(ml_m, ml_l, acc, r, score, vrow, e_count, idx):
-        """Fold one key (its score, its value row read through vrow(i)) into row r's running sums."""
-        m_new = T.max(ml_m[r], score)
-        c = T.exp(ml_m[r] - m_new)
-        p = T.exp(score - m_new)
-        ml_l[r] = ml_l[r] * c + p
-        ml_m[r] = m_new
-        for e in range(e_count):
-            if idx(e) < head_dim:
-                acc[r, e] = acc[r, e] * c + p * T.Cast("float32", vrow(idx(e)))
-    return online
-
 
 
 def merge_splits(group: int, dtype: str):

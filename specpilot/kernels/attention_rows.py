@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from specpilot.kernels.attention_merge import ATTN_FLOOR, online_update
+from specpilot.kernels.attention_merge import ATTN_FLOOR
 from specpilot.kernels.base import memo
 
 
@@ -13,6 +13,8 @@ ROWS_WARPS = 4       # GPU form of `attention_rows_partial`: warps per block, 16
 ROWS_KEYS = 32       # keys per shared-memory chunk (two chunks in flight)
 ROWS_SPLIT = 256     # verification: keys per split (flash decoding) ...
 ROWS_SPLITS = 16     # ... and at most this many splits (longer contexts: longer splits); prefill: one
+CPU_KEYS = 64        # CPU form: keys a chunk (their scores in one buffer, the running sums rescaled once a chunk)
+CPU_LANES = 8        # CPU form: a dot product's partial sums, one vector
 
 
 def key_splits(L, split: int = 0, splits: int = 0):
@@ -50,8 +52,8 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     `attention_combine` merges the splits.  No step copies keys or values out of the pool, and
     no step materializes the (T x L) scores (`lower`'s gathered form does both).
 
-    CPU form: the decode form's loop per row (with one token and ``ATTN_CHUNK`` keys per split it
-    is the CPU decode kernel).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
+    CPU form (`_cpu_rows`; with one token and ``ATTN_CHUNK`` keys per split it is the CPU decode
+    kernel, so decode and verification share its arithmetic).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
     tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
     chunks of ``ROWS_KEYS`` keys and values go to shared memory with cp.async (the next chunk in
     flight while this one is multiplied).  Each warp: S = Q K^T for its 16 rows (mma.sync m16n8k16,
@@ -63,7 +65,6 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     probabilities); the sums are float32.
     """
     scale = float(head_dim) ** -0.5
-    online = online_update(head_dim)
     if split <= 0 and splits <= 0:
         raise ValueError("attention_rows_partial: give keys per split (split) and / or the number of splits (splits)")
 
@@ -74,32 +75,7 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
         return split if split and not splits else (L + n_splits(L) - 1) // n_splits(L)
 
     if not gpu:
-        @T.macro
-        def cpu_form(q, kv, row, mask, out, ml, batch, tokens, L):
-            with T.sblock("root"):
-                for b, h, sp, r in T.grid(batch, n_kv, n_splits(L), tokens * group):
-                    acc = T.alloc_buffer((1, head_dim), "float32", scope="local")
-                    m = T.alloc_buffer((1,), "float32", scope="local")
-                    lsum = T.alloc_buffer((1,), "float32", scope="local")
-                    sc = T.alloc_buffer((1,), "float32", scope="local")
-                    for i in range(head_dim):
-                        acc[0, i] = T.float32(0)
-                    m[0] = T.float32(ATTN_FLOOR)
-                    lsum[0] = T.float32(0)
-                    for jj in range(keys(L)):
-                        if sp * keys(L) + jj < L:
-                            if mask[b, r // group, sp * keys(L) + jj]:
-                                sc[0] = T.float32(0)
-                                for i in range(head_dim):
-                                    sc[0] = sc[0] + T.Cast("float32", q[b, r // group, h * group + r % group, i]) * \
-                                        T.Cast("float32", kv[layer, 0, T.Cast("int64", row[b]), h, sp * keys(L) + jj, i])
-                                online(m, lsum, acc, 0, sc[0] * T.float32(scale),
-                                       lambda i: kv[layer, 1, T.Cast("int64", row[b]), h, sp * keys(L) + jj, i],
-                                       head_dim, lambda e: e)
-                    ml[b, h, sp, r, 0] = m[0]
-                    ml[b, h, sp, r, 1] = lsum[0]
-                    for i in range(head_dim):
-                        out[b, h, sp, r, i] = acc[0, i]
+        cpu_form = _cpu_rows(layer, n_kv, head_dim, group, scale, n_splits, keys)
         body = _rows_signature(n_layers, rows, n_kv, capacity, head_dim, group, dtype, n_splits, False, cpu_form,
                                q_heads)
 
@@ -112,6 +88,79 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
         raise ValueError(f"attention_rows_partial's GPU form needs bf16/fp16 and head_dim % 32 == 0, "
                          f"not {dtype} / {head_dim}")
     return _rows_gpu(n_layers, layer, rows, n_kv, capacity, head_dim, group, dtype, n_splits, keys, scale, q_heads)
+
+
+def _cpu_rows(layer, n_kv, d, group, scale, n_splits, keys):
+    """The CPU form: a parallel task per (sequence, KV head, split, query row).  The row's split goes
+    in chunks of ``CPU_KEYS`` keys: each visible key's score (the dot product in ``CPU_LANES``
+    vector partial sums, added in lane order, times d^-0.5) into a buffer, then the running max,
+    sum and value sums rescaled once by the chunk's max and the chunk's values folded in with one
+    exp a key, vectorised over the head dimension.  Every buffer is a small constant-size one, so
+    it lives on the task's stack (registers), not in a workspace allocation."""
+    lanes, ch = CPU_LANES, CPU_KEYS
+    whole = d // lanes
+
+    @T.macro
+    def cpu_form(q, kv, row, mask, out, ml, batch, tokens, L):
+        with T.sblock("root"):
+            for task in T.parallel(batch * n_kv * n_splits(L) * (tokens * group)):
+                rs = tokens * group
+                r = task % rs
+                sp = task // rs % n_splits(L)
+                h = task // (rs * n_splits(L)) % n_kv
+                b = task // (rs * n_splits(L) * n_kv)
+                t = r // group
+                seq = T.Cast("int64", row[b])
+                qv = T.alloc_buffer((d,), "float32")
+                acc = T.alloc_buffer((d,), "float32")
+                sc = T.alloc_buffer((ch,), "float32")
+                vis = T.alloc_buffer((ch,), "int32")
+                part = T.alloc_buffer((lanes,), "float32")
+                st = T.alloc_buffer((4,), "float32")        # running max, running sum, chunk max, p
+                for i in T.vectorized(d):
+                    qv[i] = T.Cast("float32", q[b, t, h * group + r % group, i])
+                    acc[i] = T.float32(0)
+                st[0] = T.float32(ATTN_FLOOR)
+                st[1] = T.float32(0)
+                for c in range((keys(L) + ch - 1) // ch):
+                    st[2] = T.float32(ATTN_FLOOR)
+                    for jj in range(ch):
+                        vis[jj] = 0
+                        if c * ch + jj < keys(L) and sp * keys(L) + c * ch + jj < L:
+                            if mask[b, t, sp * keys(L) + c * ch + jj]:
+                                vis[jj] = 1
+                                for l in T.vectorized(lanes):
+                                    part[l] = T.float32(0)
+                                for io in range(whole):
+                                    for l in T.vectorized(lanes):
+                                        part[l] = part[l] + qv[io * lanes + l] * T.Cast(
+                                            "float32", kv[layer, 0, seq, h, sp * keys(L) + c * ch + jj, io * lanes + l])
+                                for l in range(d - whole * lanes):
+                                    part[l] = part[l] + qv[whole * lanes + l] * T.Cast(
+                                        "float32", kv[layer, 0, seq, h, sp * keys(L) + c * ch + jj, whole * lanes + l])
+                                sc[jj] = part[0]
+                                for l in range(1, lanes):
+                                    sc[jj] = sc[jj] + part[l]
+                                sc[jj] = sc[jj] * T.float32(scale)
+                                st[2] = T.max(st[2], sc[jj])
+                    if st[2] > st[0]:       # a larger max: rescale what the row has so far
+                        st[3] = T.exp(st[0] - st[2])
+                        st[1] = st[1] * st[3]
+                        for i in T.vectorized(d):
+                            acc[i] = acc[i] * st[3]
+                        st[0] = st[2]
+                    for jj in range(ch):
+                        if vis[jj] == 1:
+                            st[3] = T.exp(sc[jj] - st[0])
+                            st[1] = st[1] + st[3]
+                            for i in T.vectorized(d):
+                                acc[i] = acc[i] + st[3] * T.Cast(
+                                    "float32", kv[layer, 1, seq, h, sp * keys(L) + c * ch + jj, i])
+                ml[b, h, sp, r, 0] = st[0]
+                ml[b, h, sp, r, 1] = st[1]
+                for i in T.vectorized(d):
+                    out[b, h, sp, r, i] = acc[i]
+    return cpu_form
 
 
 def _rows_signature(n_layers, rows, n_kv, capacity, d, group, dtype, n_splits, scheduled, form, q_heads=0):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import urllib.request
 import pytest
 
 from specpilot.core.sampling import SamplingParams
+from specpilot.runtime.threads import physical_cores
 from specpilot.runtime.systems import from_build
 from tests.conftest import TINY_CONFIGS, build_spec
 from tests.cpp.helpers import cpp_programs, generate, run_generate
@@ -146,9 +148,9 @@ def test_clean_under_address_and_undefined_behaviour_sanitizers(small_build, sys
         assert proc.returncode == 1 and "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
 
 
-def _serve(programs: Path, build: Path, *flags):
+def _serve(programs: Path, build: Path, *flags, env: dict | None = None):
     proc = subprocess.Popen([str(programs / "specpilot-server"), str(build), "--port", "0", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"http://127\.0\.0\.1:(\d+)", line)
     if match is None:
@@ -196,6 +198,23 @@ def _post_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
     for t in threads:
         t.join()
     return responses
+
+
+def test_a_cpu_build_runs_its_kernels_on_every_core(small_build, programs):
+    """Unless TVM_NUM_THREADS or OMP_NUM_THREADS says (TVM's pool reads the first, else the second), the
+    runtime gives a CPU build's kernels every physical core, the Python engines' rule
+    (`runtime.threads.physical_cores`); TVM's own default is half the logical CPUs on x86."""
+    base = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+    for extra, want in (({}, physical_cores()), ({"OMP_NUM_THREADS": "3"}, 3),
+                        ({"TVM_NUM_THREADS": "1", "OMP_NUM_THREADS": "3"}, 1)):
+        proc, url = _serve(programs, small_build, env={**base, **extra})
+        try:
+            info = _http(f"{url}/v1/models")[1]["data"][0]["specpilot"]
+            assert info["cpu_threads"] == want, (extra, info)
+            assert info["device"] == "cpu"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 @pytest.mark.slow

@@ -45,6 +45,8 @@ def _reference(q, kv, layer, row, mask, group):
     (7, 5, 7, 16, 2, 0.3, 0, 16),                     # fewer keys than splits: most splits empty
     (8, 9, 83, 24, 3, 0.4, 8, 4),                     # splits of >= 8 keys, at most 4: 4 of 21
     (9, 9, 29, 24, 3, 0.4, 8, 16),                    # ... at most 16: 4 of 8
+    (10, 3, 150, 64, 3, 0.3, 0, 1),                   # the CPU form's chunks of keys: 64 + 64 + 22
+    (11, 4, 157, 40, 2, 0.5, 100, 0),                 # chunks that do not align with the splits
 ])
 def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split, splits):
     rng = np.random.default_rng(seed)

@@ -62,7 +62,7 @@ def test_cpu_nt_matmuls_equal_numpy(n_out, k, fits, level):
     assert ("NT_matmul_rf" in text) == fits     # 30 columns / K 36: not multiples of its tiles, left alone
     if fits:    # the row count is symbolic: both orders, chosen at run time, sharing the epilogue's input
         assert "T.unroll" in text and "if b * n == 1" in text.replace("T.int64(1)", "1"), text
-        assert [line for line in text.splitlines() if "alloc_buffer" in line and "rf_local" not in line] == \
+        assert [line for line in text.splitlines() if "alloc_buffer" in line and "_rf" not in line] == \
             ["    NT_matmul_intermediate = T.sblock_alloc_buffer((b, n, T.int64(%d)))" % n_out], text
     _check(mod, ((1, 1), (1, 7), (2, 33)), n_out, k, level)
 
@@ -72,6 +72,8 @@ def test_static_row_counts_take_one_order(rows, interleaved):
     mod = _module(48, 32, rows)
     text = _lowered(mod)
     assert "NT_matmul_rf" in text and ("T.unroll" in text) == interleaved and "if " not in text
+    # the interleaved order's accumulators on the stack (default scope), the one-row order's in "local"
+    assert ("_rf_local = " in text) == (not interleaved), text
     _check(mod, (rows,), 48, 32, parse_target("llvm").cpu)
 
 
