@@ -1,6 +1,6 @@
 """Where a batched pass's time goes: a target step of B requests as the batch engines run it, per kernel.
 
-    python bench/batch_pass_cost.py BUILD_DIR [--batches 8,16,32] [--nodes 16] [--context 512] [--reps 10]
+    python bench/batch_pass_cost.py BUILD_DIR [--batches 8,16,32] [--nodes 16,...] [--context 512] [--reps 10]
                                    [--top 12] [--accepted 4] [--prefill 1,8] [--out DIR]
 
 B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
@@ -8,7 +8,8 @@ B requests are prefilled with --context random token ids each.  At each batch si
 verification pass of --nodes drafted tokens a request plus its last token (the build's verify, recording
 as the speculative engines do; a chain's mask: a tree's costs the same rows), and, where the build has a
 drafter model (an early-exit or replay cost drafter), its pass over one node a request (a tree level).
-Then one run of each under torch's profiler (CUPTI sees TVM's kernels too): device time per kernel name,
+Then one run of each per kernel: on a GPU under torch's profiler (CUPTI sees TVM's kernels too), device
+time per kernel name; on the CPU by TVM's VM instrument hook, a kernel's per-layer copies under one name;
 the top --top kernels of each with their share.  Calls of the step functions do not move the states
 (`CompiledModel.step_call`), so every repetition computes the same pass.  Last, the commit after a
 verification, request by request (`commit_cost`: the emitted positions' choices and `accept_path` of
@@ -19,6 +20,7 @@ states (the batch engines' join), timed and per kernel the same way.  JSON to --
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -51,21 +53,39 @@ def timed(fn, args, reps: int) -> dict:
     return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
 
 
-def kernels(fn, args, top: int) -> list[dict]:
-    """Device time per kernel name over one call (torch's profiler; every kernel the process launches)."""
-    from torch.profiler import ProfilerActivity, profile
-    if not torch.cuda.is_available():
-        return []
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        _sync()
+def kernels(fn, args, top: int, module=None) -> list[dict]:
+    """Time per kernel name over one call: on a GPU, device time from torch's profiler (every kernel the
+    process launches); on the CPU, each of ``module``'s kernel calls timed by TVM's VM instrument hook
+    (`runtime.profile`)."""
     totals: dict[str, list] = {}
-    for e in prof.events():
-        if str(e.device_type).endswith("CUDA"):     # a kernel (or copy) on the device: its own span
-            t = totals.setdefault(e.name, [0.0, 0])
-            t[0] += e.time_range.elapsed_us()
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            _sync()
+        for e in prof.events():
+            if str(e.device_type).endswith("CUDA"):     # a kernel (or copy) on the device: its own span
+                t = totals.setdefault(e.name, [0.0, 0])
+                t[0] += e.time_range.elapsed_us()
+                t[1] += 1
+    elif module is not None:
+        from specpilot.runtime.profile import AnyKernel, profiling
+        with profiling(module, AnyKernel()) as prof:
+            fn(*args)
+        for c in prof.calls:
+            t = totals.setdefault(c.name, [0.0, 0])
+            t[0] += c.seconds * 1e6
             t[1] += 1
+        copies: dict[str, list[str]] = {}     # a kernel's per-layer copies (name, name1, ...): once a pass each
+        for name, (_, calls) in totals.items():
+            if calls == 1:
+                copies.setdefault(re.sub(r"\d+$", "", name), []).append(name)
+        for base, names in copies.items():
+            if len(names) > 1:
+                totals[base + "*"] = [sum(totals.pop(n)[0] for n in names), len(names)]
+    if not totals:
+        return []
     whole = sum(t for t, _ in totals.values()) or 1.0
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     return [{"kernel": name[:120], "us": us, "calls": calls, "share": us / whole} for name, (us, calls) in ranked[:top]] \
@@ -84,7 +104,7 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
     """A verification's commit as the batch engines run it, request by request, after a real recorded
     pass of ``nodes`` + 1 tokens each: the choice at each of ``accepted`` + 1 emitted positions
     (`Emitter.target_token`: `decoding.top2` of its logits row, then to the host) and `accept_path` of
-    ``accepted`` nodes (every other one, as a tree's path).  Milliseconds for all B requests, medians of ``reps`` (one more
+    ``accepted`` nodes (every other one, as a tree's path; a chain build's prefix, which moves nothing).  Milliseconds for all B requests, medians of ``reps`` (one more
     first, untimed); this moves the states on by ``accepted`` + 1 tokens a repetition."""
     from specpilot.runtime.decoding import top2
     choose, commit = [], []
@@ -101,8 +121,9 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
                 torch.stack([at, runner]).tolist()
         _sync()
         t1 = time.perf_counter()
-        for st, base in zip(states, bases):       # a tree's path: every other node, so keys and values move
-            model.accept_path(st, base, [2 * i for i in range(accepted + 1)])
+        step = 2 if model.keeps_tree_paths else 1   # a tree's path: every other node, so keys and values move
+        for st, base in zip(states, bases):
+            model.accept_path(st, base, [step * i for i in range(accepted + 1)])
         _sync()
         if rep:
             choose.append((t1 - t0) * 1e3)
@@ -117,7 +138,7 @@ def prefill_row(model, prompts: int, args) -> dict:
     ids = [torch.randint(0, model.vocab_size, (args.context,), generator=gen).tolist() for _ in range(prompts)]
     fn, fargs = model.step_call(list(zip(ids, states)))[:2]
     row = {"prompts": prompts, "tokens": prompts * args.context, **timed(fn, fargs, args.reps),
-           "kernels": kernels(fn, fargs, args.top)}
+           "kernels": kernels(fn, fargs, args.top, model.module)}
     print(f"prefill of {prompts} x {args.context} tokens: {row['median_ms']:.2f} ms "
           f"({row['tokens'] / row['median_ms'] * 1e3:.0f} tokens/s)")
     for k in row["kernels"][:12]:
@@ -127,20 +148,48 @@ def prefill_row(model, prompts: int, args) -> dict:
     return row
 
 
+def batch_row(module, target, drafter, states, d_states, nodes: int, args, gen) -> dict:
+    """The passes of ``len(states)`` requests at ``nodes`` drafted tokens each: timed, per kernel, the commit."""
+    b = len(states)
+    calls = passes(target, states, nodes, gen)
+    if drafter:
+        calls["drafter_level"] = drafter.step_call(
+            [(torch.randint(0, drafter.vocab_size, (1,), generator=gen).tolist(), st) for st in d_states])[:2]
+    row = {"batch": b, "nodes": nodes}
+    for name, (fn, fargs) in calls.items():
+        row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top, module)}
+    row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
+    accepted = min(args.accepted, nodes // 2 if target.keeps_tree_paths else nodes)
+    row["commit"] = commit_cost(target, states, nodes, accepted, args.reps, gen)
+    line = f"B={b}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {nodes + 1} rows) " \
+           f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
+    if drafter:
+        line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
+    line += f"; commit of {accepted} + 1 tokens a request: choices {row['commit']['choices_ms']:.2f} ms, " \
+            f"accept_path {row['commit']['accept_path_ms']:.2f} ms"
+    print(line)
+    for k in row["verify"]["kernels"][:8]:
+        print(f"    verify {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("build", type=Path)
     ap.add_argument("--batches", default="8,16,32")
-    ap.add_argument("--nodes", type=int, default=16, help="drafted tokens a request a verification")
+    ap.add_argument("--nodes", default="16", help="drafted tokens a request a verification, comma-separated")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--accepted", type=int, default=4, help="drafted tokens a request a commit keeps (<= nodes / 2)")
+    ap.add_argument("--accepted", type=int, default=4, help="drafted tokens a request a commit keeps (at most nodes / 2 "
+                    "on a tree build, nodes on a chain build)")
     ap.add_argument("--prefill", default="", help="prompts a prefill pass, comma-separated (none by default)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     module = CompiledModule(args.build)
+    if module.device.dlpack_device_type() == 1:
+        torch.set_num_threads(1)    # the host work on one thread, as compiled engines run it (`runtime.threads`)
     target = module.model("target")
     drafter = module.model("drafter") if "drafter" in module.manifest.models else None
     gen = torch.Generator().manual_seed(0)
@@ -154,25 +203,8 @@ def main() -> None:
             drafter.forward_batch(list(zip(ids, d_states[group:group + 8])))
     rows = []
     for b in batches:
-        calls = passes(target, states[:b], args.nodes, gen)
-        if drafter:
-            calls["drafter_level"] = drafter.step_call(
-                [(torch.randint(0, drafter.vocab_size, (1,), generator=gen).tolist(), st) for st in d_states[:b]])[:2]
-        row = {"batch": b, "nodes": args.nodes}
-        for name, (fn, fargs) in calls.items():
-            row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top)}
-        row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
-        row["commit"] = commit_cost(target, states[:b], args.nodes, args.accepted, args.reps, gen)
-        rows.append(row)
-        line = f"B={b}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {args.nodes + 1} rows) " \
-               f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
-        if drafter:
-            line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
-        line += f"; commit of {args.accepted} + 1 tokens a request: choices {row['commit']['choices_ms']:.2f} ms, " \
-                f"accept_path {row['commit']['accept_path_ms']:.2f} ms"
-        print(line)
-        for k in row["verify"]["kernels"][:8]:
-            print(f"    verify {k['share'] * 100:5.1f} %  {k['us'] / 1e3:7.2f} ms  x{k['calls']:<4} {k['kernel'][:80]}")
+        for nodes in [int(n) for n in str(args.nodes).split(",")]:
+            rows.append(batch_row(module, target, drafter, states[:b], d_states[:b], nodes, args, gen))
     for st in states + d_states:          # their rows free for the prefill passes
         st.close()
     prefills = [prefill_row(target, int(p), args) for p in args.prefill.split(",") if p]

@@ -522,6 +522,11 @@ class CompiledModel:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    @property
+    def keeps_tree_paths(self) -> bool:
+        """Whether `accept_path` can keep a path other than a prefix of the pass (tree-verify builds)."""
+        return self._compact_kv is not None
+
     def new_state(self, capacity: int) -> CompiledState:
         if capacity > self.capacity:
             raise SpecPilotError(f"capacity {capacity} exceeds the build's max_seq_len {self.capacity}")

@@ -208,3 +208,34 @@ def test_built_in_prompt_sets_are_real_text_for_a_real_tokenizer():
     tiny = SimpleNamespace(tokenizer=ByteTokenizer(100), vocab_size=100)
     ids = _bench_prompts("code", tiny, None)
     assert len(ids) == 16 and all(0 <= t < 100 for p in ids for t in p)
+
+
+@pytest.mark.parametrize("passes", ["", "tree-verify{budget=8}"])
+def test_pass_cost_bench_profiles_a_cpu_build_per_kernel(tmp_path, passes):
+    """bench/batch_pass_cost.py on a tiny CPU build: per node count, the timed passes, a per-kernel
+    profile through the VM's instrument hook (a kernel's per-layer copies under one name), and the
+    commit (a tree build keeps every other node, moving keys and values; a chain build its prefix)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    data = {"target": DENSE_TARGET, "drafter": {"kind": "ngram", "draft_len": 3}, "passes": passes,
+            "deployment": {"dtype": "float32", "max_seq_len": 256}}
+    build = build_spec(tmp_path, data)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "batch_pass_cost.py"), str(build), "--batches", "1",
+                           "--nodes", "0,4", "--context", "12", "--reps", "2", "--accepted", "2", "--top", "40",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = (tmp_path / "out").glob("batch-pass-cost-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["nodes"] for r in rows] == [0, 4]
+    layers = TINY_CONFIGS["Qwen3ForCausalLM"]["num_hidden_layers"]
+    for row in rows:
+        for name in ("ar_step", "verify"):
+            ranked = row[name]["kernels"]
+            assert ranked[-1]["kernel"] == "(all)" and ranked[-1]["us"] > 0
+            assert sum(k["us"] for k in ranked[:-1]) == pytest.approx(ranked[-1]["us"])    # --top covers them all
+            attention = [k for k in ranked if k["kernel"].startswith("attention_")]
+            assert any(k["kernel"].endswith("*") and k["calls"] == layers for k in attention), ranked
+        assert row["commit"]["accepted"] == min(2, row["nodes"] // 2 if passes else row["nodes"])
+        assert row["verify"]["median_ms"] > 0 and row["commit"]["accept_path_ms"] >= 0
