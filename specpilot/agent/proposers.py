@@ -19,7 +19,9 @@ from the cheapest evidence there is:
   ``node-budget`` (half the rows of B trees of the budget each), ``draft-length`` (the budget, 3/4
   and 1/2 of it, by acceptance) and ``prompt-admission`` -- estimated from the replayed acceptance
   at the nodes a request gets on average, against the rows a pass no longer verifies (a batched
-  verification of B x (budget + 1) rows is compute-bound on the GPUs measured: bench/README "Batched").
+  verification of B x (budget + 1) rows is compute-bound on the GPUs measured: bench/README "Batched");
+  with chains, lengths priced per pass (``draft-length{priced}``), estimated from the replayed tokens a
+  verified row at the best fixed length against the current lengths'.
 
 Only candidates with an estimated net gain >= 3 % are built.  The LLM proposer
 (`agent.llm`) answers the same question through a chat endpoint; its answers are data.
@@ -205,7 +207,8 @@ class BuiltinProposer:
     def kernel(self, f: Facts) -> list[Proposal]:
         """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds;
         the batch schedule, from the verification rows it saves."""
-        return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f), *self._batch_schedule(f)]
+        return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f), *self._batch_schedule(f),
+                *self._priced_chains(f)]
 
     def _batch_schedule(self, f: Facts) -> list[Proposal]:
         tree = next((p for p in f.current.passes if p.name == "tree-verify"), None)
@@ -227,6 +230,32 @@ class BuiltinProposer:
                  f"batch {batch}: {nodes} nodes a pass shared best first instead of {batch} x {budget} verifies "
                  f"{rows:.2f}x fewer rows (counted as time: compute-bound batched verification), replayed "
                  f"acceptance {shared:.2f} at {share} nodes a request vs {now:.2f} at {budget}", ())]
+
+    def _priced_chains(self, f: Facts) -> list[Proposal]:
+        """Batch deployments served by chains: each pass's chains cut to the length with the most expected
+        tokens a second of pass, priced from the passes' measured cost (``draft-length{priced}``).
+        Estimated as the batch schedule is, rows counted as time (a compute-bound batched verification):
+        the replayed tokens a verified row at the best fixed length against the current lengths'."""
+        now = next((p for p in f.current.passes if p.name == "draft-length"), None)
+        exps = _expansions(f.report)
+        if f.context.max_batch < 2 or "tree-verify" in f.names or (now is not None and now["priced"]) or not exps:
+            return []
+        from specpilot.runtime.draft_schedule import DraftSchedule
+        length = now["length"] if now is not None and now["length"] else f.draft_len
+        dynamic = now is not None and now["dynamic"]
+
+        def per_row(k: int, dyn: bool) -> float:
+            acc, drafted = self._replay_chain(exps, f.references, k, dyn, DraftSchedule)
+            return acc / (drafted + 1)      # the drafted tokens and the last one: the rows a request verifies
+        current = per_row(length, dynamic)
+        rows = {k: per_row(k, False) for k in range(1, length + 1)}
+        best = max(rows, key=rows.get)
+        change = [REGISTRY["draft-length"](**{**(now.values if now is not None else {}), "length": length,
+                                              "priced": True})]
+        return [("kernel", change, rows[best] / current - 1,
+                 f"batch {f.context.max_batch}: chains of {best} verify {rows[best]:.2f} replayed tokens a row against "
+                 f"{current:.2f} at {length}{' (dynamic)' if dynamic else ''} (rows counted as time: compute-bound "
+                 "batched verification); the engine picks each pass's length from its passes' measured cost", ())]
 
     def _draft_lengths(self, f: Facts) -> list[Proposal]:
         if "tree-verify" in f.names or "compiled-spec" not in f.report.get("engine", "compiled-spec"):

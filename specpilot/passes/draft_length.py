@@ -53,6 +53,8 @@ class DraftLength(Pass):
             return False, f"min ({self['min']}) exceeds length ({self['length']})"
         if not 1 <= self["step"] <= 64:
             return False, f"step must be in 1..64, got {self['step']}"
+        if self["priced"] and context.max_batch < 2:
+            return False, "priced: prices batched chains' passes; needs deployment.max_batch >= 2"
         return True, ""
 
     def apply(self, mod, context: PassContext):

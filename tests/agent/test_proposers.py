@@ -148,3 +148,35 @@ def test_batch_deployments_are_offered_the_batch_schedule_with_its_estimate(batc
     assert [c.pipeline for c in mine] == ["tree-verify{budget=16},gdn-path-recompute,node-budget,"
                                           "draft-length{length=16,dynamic=true,min=8,step=4},prompt-admission{chunk=32}"]
     assert mine[0].estimated_gain == pytest.approx((3.1 / 3.6) * (8 * 17 / 72) - 1)
+
+
+def _chain_lattice(reference: list[int], wrong: int) -> dict:
+    """At every position the drafter's chain starts with the reference token, then goes wrong."""
+    return {str(p): [[[], [[reference[p], -0.1]]], [[reference[p]], [[wrong, -0.2]]]]
+            for p in range(1, len(reference))}
+
+
+@pytest.mark.parametrize("pipeline,batch,offered", [("", 8, True), ("draft-length{length=4,dynamic=true}", 8, True),
+                                                    ("", 1, False), ("draft-length{length=4,priced=true}", 8, False),
+                                                    ("tree-verify{budget=4}", 8, False)])
+def test_batched_chains_are_offered_priced_lengths_with_their_estimate(pipeline, batch, offered):
+    """Chains whose second draft always fails: every verification keeps the first draft and the bonus token,
+    2 tokens for the k + 1 rows a chain of k verifies -- 2 / 5 at length 4, 2 / 2 at length 1, so pricing the
+    rows (counted as time in a batch) is estimated at 1.0 / 0.4 - 1 = 1.5; against the dynamic schedule, which
+    shortens the chains itself (replayed as it runs), at less.  Not offered at batch 1, with a tree, or where
+    the chains are priced already."""
+    reference = list(range(10, 211))
+    report = _report([], wall=1.0, kernel_seconds=0.9, factors={"kernel": 2.0, "acceptance": 1.2, "overhead": 1.1},
+                     lattices=[_chain_lattice(reference, wrong=3)])
+    cands = BuiltinProposer().propose(report, parse(pipeline), PassContext(max_batch=batch), 4, [reference], set())
+    mine = [c for c in cands if "priced=true" in c.pipeline and c.pipeline != pipeline]
+    if not offered:
+        assert not mine
+        return
+    (cand,) = mine
+    assert "length=4" in cand.pipeline and ("dynamic=true" in cand.pipeline) == ("dynamic" in pipeline)
+    assert cand.direction == "kernel" and "chains of 1" in cand.rationale
+    if "dynamic" in pipeline:
+        assert 0.03 < cand.estimated_gain < 1.0 / 0.4 - 1 - 0.1
+    else:
+        assert cand.estimated_gain == pytest.approx(1.0 / 0.4 - 1, rel=0.02)

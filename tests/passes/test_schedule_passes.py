@@ -43,6 +43,9 @@ def test_legality_of_schedule_passes():
     assert check(parse("kernel-schedule{set=nt-gemv}"), PassContext()) == [
         "kernel-schedule: set=nt-gemv is not a llvm schedule set (tvm-default, cpu-nt)"]
     assert check(parse("tree-verify{budget=8},draft-length{length=2}"), PassContext()) == []   # nodes a request
+    assert check(parse("draft-length{priced=true}"), PassContext()) == [
+        "draft-length: priced: prices batched chains' passes; needs deployment.max_batch >= 2"]
+    assert check(parse("draft-length{priced=true}"), PassContext(max_batch=2)) == []
 
 
 def test_schedule_passes_only_annotate():
@@ -57,7 +60,8 @@ def test_schedule_passes_only_annotate():
     from specpilot.compiler.build import ir_hash
     assert ir_hash(tvm.IRModule(mod.functions)) == ir_hash(stock) != ir_hash(mod)   # functions unchanged
     assert records[1].statistics == {"schedule": "cpu-nt", "cuda_graph": 0}
-    priced = lower_and_apply(spec, target, "draft-length{length=2,dynamic=true,priced=true}").mod
+    batched = spec.model_copy(update={"deployment": spec.deployment.model_copy(update={"max_batch": 2})})
+    priced = lower_and_apply(batched, target, "draft-length{length=2,dynamic=true,priced=true}").mod
     assert str(priced.attrs["specpilot.draft_priced"]) == "1"           # set only where asked: the IR differs
 
 
