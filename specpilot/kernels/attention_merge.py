@@ -29,6 +29,35 @@ def merge_splits(group: int, dtype: str):
     return merge
 
 
+def _cpu_merge(n_kv: int, d: int, group: int, dtype: str):
+    """`merge_splits` on the CPU: a parallel task a (sequence, KV head, query row), each split's weight
+    e^(m_s - M) computed once for the row and its partial sums added vectorised over the head dimension
+    -- the same terms added in the same order as the per-element form."""
+    @T.macro
+    def cpu_merge(acc, ml, out, batch, tokens, S):
+        for task in T.parallel(batch * n_kv * tokens * group):
+            # expressions, not variables (an assigned name would be a one-element workspace buffer)
+            b = T.meta_var(task // (n_kv * tokens * group))
+            h = T.meta_var(task // (tokens * group) % n_kv)
+            r = T.meta_var(task % (tokens * group))
+            top = T.alloc_buffer((3,), "float32")       # M, the sum of the weighted l_s, a split's weight
+            sums = T.alloc_buffer((d,), "float32")
+            top[0] = T.float32(ATTN_FLOOR)
+            for sp in range(S):
+                top[0] = T.max(top[0], ml[b, h, sp, r, 0])
+            top[1] = T.float32(0)
+            for i in T.vectorized(d):
+                sums[i] = T.float32(0)
+            for sp in range(S):
+                top[2] = T.exp(ml[b, h, sp, r, 0] - top[0])
+                top[1] = top[1] + ml[b, h, sp, r, 1] * top[2]
+                for i in T.vectorized(d):
+                    sums[i] = sums[i] + acc[b, h, sp, r, i] * top[2]
+            for i in T.vectorized(d):
+                out[b, r // group, h * group + r % group, i] = T.Cast(dtype, sums[i] / top[1])
+    return cpu_merge
+
+
 @memo
 def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: bool):
     """Second half of `attention_rows_partial` (`attention_decode` merges its own): merge the splits of
@@ -37,6 +66,7 @@ def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: boo
     threads = min(256, head_dim)
     rounds = (head_dim + threads - 1) // threads
     merge = merge_splits(group, dtype)
+    cpu_merge = _cpu_merge(n_kv, head_dim, group, dtype)
 
     @T.prim_func(private=True, s_tir=True)
     def kernel(acc_h: T.handle, ml_h: T.handle, out_h: T.handle):
@@ -54,6 +84,5 @@ def attention_combine(n_kv: int, head_dim: int, group: int, dtype: str, gpu: boo
                                 merge(acc, ml, out, bhr // (n_kv * tokens * group), bhr // (tokens * group) % n_kv,
                                       bhr % (tokens * group), rr * threads + tx, S)
             else:
-                for b, h, r, i in T.grid(batch, n_kv, tokens * group, head_dim):
-                    merge(acc, ml, out, b, h, r, i, S)
+                cpu_merge(acc, ml, out, batch, tokens, S)
     return kernel

@@ -104,13 +104,14 @@ def _cpu_rows(layer, n_kv, d, group, scale, n_splits, keys):
     def cpu_form(q, kv, row, mask, out, ml, batch, tokens, L):
         with T.sblock("root"):
             for task in T.parallel(batch * n_kv * n_splits(L) * (tokens * group)):
-                rs = tokens * group
-                r = task % rs
-                sp = task // rs % n_splits(L)
-                h = task // (rs * n_splits(L)) % n_kv
-                b = task // (rs * n_splits(L) * n_kv)
-                t = r // group
-                seq = T.Cast("int64", row[b])
+                # expressions, not variables (an assigned name would be a one-element workspace buffer)
+                rs = T.meta_var(tokens * group)
+                r = T.meta_var(task % rs)
+                sp = T.meta_var(task // rs % n_splits(L))
+                h = T.meta_var(task // (rs * n_splits(L)) % n_kv)
+                b = T.meta_var(task // (rs * n_splits(L) * n_kv))
+                t = T.meta_var(r // group)
+                seq = T.meta_var(T.Cast("int64", row[b]))
                 qv = T.alloc_buffer((d,), "float32")
                 acc = T.alloc_buffer((d,), "float32")
                 sc = T.alloc_buffer((ch,), "float32")
