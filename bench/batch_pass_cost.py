@@ -4,7 +4,7 @@
                                    [--top 12] [--accepted 4] [--prefill 1,8] [--out DIR]
 
 B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
-(synchronised, medians of --reps): the AR step (one new token a request: the build's batched decode), a
+(synchronised, medians of --reps after a second of calls): the AR step (one new token a request: the build's batched decode), a
 verification pass of --nodes drafted tokens a request plus its last token (the build's verify, recording
 as the speculative engines do; a chain's mask: a tree's costs the same rows), and, where the build has a
 drafter model (an early-exit or replay cost drafter), its pass over one node a request (a tree level).
@@ -39,9 +39,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+WARMUP_S = 1.0     # calls before the timed ones: a shared CPU's first second of a pass ran ~15 % slow
+
+
 def timed(fn, args, reps: int) -> dict:
-    """Milliseconds per call, synchronised; median and quartiles."""
-    fn(*args)
+    """Milliseconds per call, synchronised, after ``WARMUP_S`` seconds of calls; median and quartiles."""
+    start = time.perf_counter()
+    while True:
+        fn(*args)
+        _sync()
+        if time.perf_counter() - start >= WARMUP_S:
+            break
     ms = []
     for _ in range(reps):
         _sync()
