@@ -13,7 +13,9 @@ time per kernel name; on the CPU by TVM's VM instrument hook, a kernel's per-lay
 the top --top kernels of each with their share.  Calls of the step functions do not move the states
 (`CompiledModel.step_call`), so every repetition computes the same pass.  Last, the commit after a
 verification, request by request (`commit_cost`: the emitted positions' choices and `accept_path` of
---accepted drafted tokens).  --prefill P,...: a prefill pass of P prompts of --context tokens from empty
+--accepted drafted tokens), which moves the states on; after each node count they go back to --context
+(a model with recurrent layers cannot: its later rows' context is larger, recorded as each row's
+``context``).  --prefill P,...: a prefill pass of P prompts of --context tokens from empty
 states (the batch engines' join), timed and per kernel the same way.  JSON to --out.
 """
 
@@ -90,7 +92,7 @@ def kernels(fn, args, top: int, module=None) -> list[dict]:
             if calls == 1:
                 copies.setdefault(re.sub(r"\d+$", "", name), []).append(name)
         for base, names in copies.items():
-            if len(names) > 1:
+            if len(names) > 2:      # not two kernels that happen to share a stem
                 totals[base + "*"] = [sum(totals.pop(n)[0] for n in names), len(names)]
     if not totals:
         return []
@@ -163,13 +165,13 @@ def batch_row(module, target, drafter, states, d_states, nodes: int, args, gen) 
     if drafter:
         calls["drafter_level"] = drafter.step_call(
             [(torch.randint(0, drafter.vocab_size, (1,), generator=gen).tolist(), st) for st in d_states])[:2]
-    row = {"batch": b, "nodes": nodes}
+    row = {"batch": b, "nodes": nodes, "context": max(st.length for st in states)}
     for name, (fn, fargs) in calls.items():
         row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top, module)}
     row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
     accepted = min(args.accepted, nodes // 2 if target.keeps_tree_paths else nodes)
     row["commit"] = commit_cost(target, states, nodes, accepted, args.reps, gen)
-    line = f"B={b}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {nodes + 1} rows) " \
+    line = f"B={b}, context {row['context']}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {nodes + 1} rows) " \
            f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
     if drafter:
         line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
@@ -196,7 +198,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     module = CompiledModule(args.build)
-    if module.device.dlpack_device_type() == 1:
+    if module.torch_device.type == "cpu":
         torch.set_num_threads(1)    # the host work on one thread, as compiled engines run it (`runtime.threads`)
     target = module.model("target")
     drafter = module.model("drafter") if "drafter" in module.manifest.models else None
@@ -213,6 +215,9 @@ def main() -> None:
     for b in batches:
         for nodes in [int(n) for n in str(args.nodes).split(",")]:
             rows.append(batch_row(module, target, drafter, states[:b], d_states[:b], nodes, args, gen))
+            if not target.has_gdn:      # back to the prefilled context (a recurrent state cannot go back)
+                for st in states[:b]:
+                    target.truncate(st, args.context)
     for st in states + d_states:          # their rows free for the prefill passes
         st.close()
     prefills = [prefill_row(target, int(p), args) for p in args.prefill.split(",") if p]

@@ -90,8 +90,12 @@ Build::Build(const std::string& dir, const OpenOptions& options) : dir_(dir) {
   ReadManifest();
   CheckDevice(options.device);
   if (options.verify_hashes) CheckHashes();
-  if (device_.device_type == kDLCPU) cpu_threads_ = ClaimCoresForTvm();   // before the pool's first kernel
+  if (device_.device_type == kDLCPU) ClaimCoresForTvm();   // before the pool starts
   LoadModule();
+  if (device_.device_type == kDLCPU) {
+    auto threads = ffi::Function::GetGlobal("runtime.NumThreads");   // what TVM's pool runs kernels on
+    if (threads.has_value()) cpu_threads_ = (*threads)().cast<int>();
+  }
   LoadParams();
 }
 

@@ -48,7 +48,7 @@ class Build {
   const nlohmann::json& manifest() const { return manifest_; }
   DLDevice device() const { return device_; }
   int capacity() const { return capacity_; }
-  // a CPU build's kernel threads (threads.h; 0: TVM's own reading of its variables; CUDA builds: 0)
+  // the threads TVM's pool runs a CPU build's kernels on (threads.h); 0 on CUDA builds
   int cpu_threads() const { return cpu_threads_; }
   int max_batch() const { return max_batch_; }
   int tree_budget() const { return tree_budget_; }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <utility>
 
@@ -24,14 +25,6 @@ std::string Slurp(const char* path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-int PositiveEnv(const char* name) {
-  const char* v = getenv(name);
-  if (v == nullptr) return 0;
-  char* end = nullptr;
-  long n = strtol(v, &end, 10);
-  return (end != v && n > 0 && n < 1 << 16) ? static_cast<int>(n) : 0;
 }
 
 }  // namespace
@@ -63,7 +56,7 @@ int QuotaCpus(const std::string& text) {
   in >> quota >> period;
   if (quota.empty() || quota == "max" || period.empty()) return 0;
   double q = atof(quota.c_str()), p = atof(period.c_str());
-  if (q <= 0 || p <= 0) return 0;
+  if (q < 0 || p <= 0) return 0;
   return std::max(1, static_cast<int>(std::ceil(q / p)));
 }
 
@@ -85,13 +78,14 @@ int PhysicalCores() {
   return std::max(1, count);
 }
 
-int ClaimCoresForTvm() {
-  // TVM's pool reads TVM_NUM_THREADS, else OMP_NUM_THREADS; one that is set but not a count: the pool's own reading
-  if (getenv("TVM_NUM_THREADS") != nullptr) return PositiveEnv("TVM_NUM_THREADS");
-  if (getenv("OMP_NUM_THREADS") != nullptr) return PositiveEnv("OMP_NUM_THREADS");
-  int cores = PhysicalCores();
-  setenv("TVM_NUM_THREADS", std::to_string(cores).c_str(), 0);
-  return cores;
+void ClaimCoresForTvm() {
+  // once a process (setenv is not safe beside another thread's setenv); TVM's pool reads TVM_NUM_THREADS,
+  // else OMP_NUM_THREADS, when it starts
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (getenv("TVM_NUM_THREADS") != nullptr || getenv("OMP_NUM_THREADS") != nullptr) return;
+    setenv("TVM_NUM_THREADS", std::to_string(PhysicalCores()).c_str(), 0);
+  });
 }
 
 }  // namespace specpilot

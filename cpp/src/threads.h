@@ -16,9 +16,8 @@ int QuotaCpus(const std::string& text);
 // The physical cores this process may run on: its affinity set, one per core where /proc/cpuinfo
 // pairs hardware threads, at most the cgroup's CPU quota.
 int PhysicalCores();
-// Sets TVM_NUM_THREADS to PhysicalCores() unless it or OMP_NUM_THREADS is set (read by TVM's pool
-// at its first parallel kernel); returns the count the pool takes (0: a variable set to something
-// that is not a count, which the pool reads its own way).
-int ClaimCoresForTvm();
+// Sets TVM_NUM_THREADS to PhysicalCores() unless it or OMP_NUM_THREADS is set, once a process; TVM's pool
+// reads them when it starts (its first parallel kernel, or runtime.NumThreads).
+void ClaimCoresForTvm();
 
 }  // namespace specpilot

@@ -244,10 +244,10 @@ class BuiltinProposer:
         length = now["length"] if now is not None and now["length"] else f.draft_len
         dynamic = now is not None and now["dynamic"]
 
-        def per_row(k: int, dyn: bool) -> float:
-            acc, drafted = self._replay_chain(exps, f.references, k, dyn, DraftSchedule)
+        def per_row(k: int, dyn: bool, minimum: int = 1, step: int = 1) -> float:
+            acc, drafted = self._replay_chain(exps, f.references, k, dyn, DraftSchedule, minimum, step)
             return acc / (drafted + 1)      # the drafted tokens and the last one: the rows a request verifies
-        current = per_row(length, dynamic)
+        current = per_row(length, dynamic, *((now["min"], now["step"]) if dynamic else ()))
         rows = {k: per_row(k, False) for k in range(1, length + 1)}
         best = max(rows, key=rows.get)
         change = [REGISTRY["draft-length"](**{**(now.values if now is not None else {}), "length": length,
@@ -315,10 +315,11 @@ class BuiltinProposer:
                  "of their bound (only those gain from fewer bytes)", ())]
 
     @staticmethod
-    def _replay_chain(exps, references, length, dynamic, schedule_cls) -> tuple[float, float]:
+    def _replay_chain(exps, references, length, dynamic, schedule_cls, minimum: int = 1,
+                      step: int = 1) -> tuple[float, float]:
         accs, drafts = [], []
         for table, ref in zip(exps, references):
-            sched = schedule_cls(length, 1, dynamic)
+            sched = schedule_cls(length, minimum, dynamic, step=step)
 
             def length_at(step, last, sched=sched):
                 if last is not None:

@@ -172,9 +172,11 @@ class Attention(nn.Module):
         grp = nh // nkv
         decode = isinstance(T_, int) and T_ == 1
         # keys per split and most splits: decode's 64-key splits; verification's >= 256 keys, at most
-        # ROWS_SPLITS; prefill's many rows fill the GPU with one split
-        split, most = (kernels.ATTN_CHUNK, 0) if decode else \
-            (kernels.ROWS_SPLIT, kernels.ROWS_SPLITS) if s.parents is not None or s.few_rows else (0, 1)
+        # ROWS_SPLITS, on GPUs, and decode's splits on the CPU (its rows then add what decode adds, in the
+        # same order: a chain's verified row is decode's row bit for bit); prefill: one split
+        verify = s.parents is not None or s.few_rows
+        split, most = (kernels.ATTN_CHUNK, 0) if decode or (verify and not self.gpu) else \
+            (kernels.ROWS_SPLIT, kernels.ROWS_SPLITS) if verify else (0, 1)
         splits = kernels.key_splits(s.mask.shape[2], split, most)
         parts = [Tensor.placeholder((B, nkv, splits, T_ * grp, d), "float32"),
                  Tensor.placeholder((B, nkv, splits, T_ * grp, 2), "float32")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from specpilot.kernels.attention_decode import ATTN_CHUNK
 from specpilot.kernels.attention_merge import ATTN_FLOOR
 from specpilot.kernels.base import memo
 
@@ -13,7 +14,7 @@ ROWS_WARPS = 4       # GPU form of `attention_rows_partial`: warps per block, 16
 ROWS_KEYS = 32       # keys per shared-memory chunk (two chunks in flight)
 ROWS_SPLIT = 256     # verification: keys per split (flash decoding) ...
 ROWS_SPLITS = 16     # ... and at most this many splits (longer contexts: longer splits); prefill: one
-CPU_KEYS = 64        # CPU form: keys a chunk (their scores in one buffer, the running sums rescaled once a chunk)
+CPU_KEYS = ATTN_CHUNK  # CPU form: keys a chunk (scores in one buffer, sums rescaled once a chunk): a decode split
 CPU_LANES = 8        # CPU form: a dot product's partial sums, one vector
 
 
@@ -53,7 +54,8 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
     no step materializes the (T x L) scores (`lower`'s gathered form does both).
 
     CPU form (`_cpu_rows`; with one token and ``ATTN_CHUNK`` keys per split it is the CPU decode
-    kernel, so decode and verification share its arithmetic).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
+    kernel; verification on the CPU takes the same splits, so a causal row adds what decode adds, in
+    decode's order: keys a row may not see add nothing, and splits it sees none of merge with weight 0).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
     tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
     chunks of ``ROWS_KEYS`` keys and values go to shared memory with cp.async (the next chunk in
     flight while this one is multiplied).  Each warp: S = Q K^T for its 16 rows (mma.sync m16n8k16,
@@ -95,8 +97,9 @@ def _cpu_rows(layer, n_kv, d, group, scale, n_splits, keys):
     in chunks of ``CPU_KEYS`` keys: each visible key's score (the dot product in ``CPU_LANES``
     vector partial sums, added in lane order, times d^-0.5) into a buffer, then the running max,
     sum and value sums rescaled once by the chunk's max and the chunk's values folded in with one
-    exp a key, vectorised over the head dimension.  Every buffer is a small constant-size one, so
-    it lives on the task's stack (registers), not in a workspace allocation."""
+    exp a key, vectorised over the head dimension.  The buffers are constant-size: below TVM's 1 KB
+    stack bound (head_dim < 256) they live on the task's stack (registers), not in a workspace
+    allocation each."""
     lanes, ch = CPU_LANES, CPU_KEYS
     whole = d // lanes
 

@@ -47,6 +47,8 @@ def _reference(q, kv, layer, row, mask, group):
     (9, 9, 29, 24, 3, 0.4, 8, 16),                    # ... at most 16: 4 of 8
     (10, 3, 150, 64, 3, 0.3, 0, 1),                   # the CPU form's chunks of keys: 64 + 64 + 22
     (11, 4, 157, 40, 2, 0.5, 100, 0),                 # chunks that do not align with the splits
+    (12, 2, 90, 5, 2, 0.2, 0, 1),                     # a head dimension below one vector
+    (13, 3, 150, 16, 2, "gap", 0, 1),                 # a row that sees a chunk, none of the next, then one key
 ])
 def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group, masked, split, splits):
     rng = np.random.default_rng(seed)
@@ -54,7 +56,13 @@ def test_attention_from_the_pool_matches_softmax_attention(seed, T, L, d, group,
     kv = rng.standard_normal((n_layers, 2, rows, n_kv, cap, d)).astype("float32")
     q = rng.standard_normal((B, T, n_kv * group, d)).astype("float32") * 2
     row = np.array([2, 0, 3], "int32")              # sequence b lives in pool row row[b]
-    mask = rng.uniform(size=(B, T, L)) >= masked
+    if masked == "gap":     # keys 0..63 and 140 visible, nothing in 64..127: the larger max comes late
+        mask = np.zeros((B, T, L), bool)
+        mask[:, :, :64] = True
+        mask[:, :, 140] = True
+        kv[layer, 0, :, :, 140] *= 6.0
+    else:
+        mask = rng.uniform(size=(B, T, L)) >= masked
     mask[:, :, 0] = True                            # every query sees at least one key
     S = min(splits or L, (L + split - 1) // split) if split else splits
     acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False,
@@ -134,7 +142,8 @@ def test_gpu_lowering_reads_the_pool_in_place_where_the_rows_kernel_serves(head_
     """GPU lowering: prefill and verify attention through `attention_rows_partial` (verify with capped
     key splits, prefill with one) when its GPU form serves the heads (bf16 / fp16, head_dim % 32 == 0),
     else through gathered keys and matmuls; decode through the decode kernel either way; the CPU
-    lowering reads the pool in its rows loop in float32 and keeps the gathered form in 16 bits."""
+    lowering verifies through decode's own kernels in float32 (its splits, the same functions) and keeps
+    the gathered form in 16 bits."""
     import tvm
     from tvm import relax
 
@@ -159,5 +168,34 @@ def test_gpu_lowering_reads_the_pool_in_place_where_the_rows_kernel_serves(head_
         assert ("relax.nn.softmax" in names) != rows_kernel, (fn, names)    # the gathered form's softmax
     assert any(n.startswith("attention_decode") for n in called(gpu, "target_decode"))
     cpu, _ = lower_deployment(cfg, None, dtype, 256, gpu=False)
-    assert any(n.startswith("attention_rows") for n in called(cpu, "target_verify")) == (dtype == "float32")
-    assert any(n.startswith("attention_decode") for n in called(cpu, "target_decode"))   # the rows kernel's loop
+    decode = {n for n in called(cpu, "target_decode") if n.startswith("attention_decode")}   # the rows kernel's loop
+    verify = {n for n in called(cpu, "target_verify") if n.startswith(("attention_rows", "attention_decode"))}
+    assert decode and (verify == decode) == (dtype == "float32")     # float32 verification: decode's kernels
+    assert ("relax.nn.softmax" in called(cpu, "target_verify")) == (dtype != "float32")
+
+
+def test_cpu_verification_rows_are_decode_rows_bit_for_bit():
+    """On the CPU verification takes decode's splits, so row t of a causal T-row pass over base + T keys is
+    exactly what decode computes for that query over its base + t + 1 keys (keys it may not see add
+    nothing, splits it sees none of merge with weight 0): equal bit for bit, across split boundaries."""
+    rng = np.random.default_rng(21)
+    n_layers, layer, rows, n_kv, cap, d, group, base, T = 2, 1, 2, 2, 256, 24, 3, 100, 40
+    kv = rng.standard_normal((n_layers, 2, rows, n_kv, cap, d)).astype("float32")
+    q = rng.standard_normal((1, T, n_kv * group, d)).astype("float32")
+    row = np.array([1], "int32")
+
+    def attend(qs, L, mask):
+        S = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+        t = qs.shape[1]
+        acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "float32", False,
+                                                      split=kernels.ATTN_CHUNK), [qs, kv, row, mask],
+                       [((1, n_kv, S, t * group, d), "float32"), ((1, n_kv, S, t * group, 2), "float32")])
+        return _run(kernels.attention_combine(n_kv, d, group, "float32", False), [acc, ml],
+                    [((1, t, n_kv * group, d), "float32")])[0]
+
+    L = base + T
+    causal = np.arange(L)[None, :] <= (base + np.arange(T))[:, None]
+    verified = attend(q, L, causal[None])
+    for t in range(T):
+        decoded = attend(q[:, t:t + 1], base + t + 1, np.ones((1, 1, base + t + 1), bool))
+        assert np.array_equal(verified[:, t], decoded[:, 0]), t

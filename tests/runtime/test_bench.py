@@ -238,4 +238,5 @@ def test_pass_cost_bench_profiles_a_cpu_build_per_kernel(tmp_path, passes):
             attention = [k for k in ranked if k["kernel"].startswith("attention_")]
             assert any(k["kernel"].endswith("*") and k["calls"] == layers for k in attention), ranked
         assert row["commit"]["accepted"] == min(2, row["nodes"] // 2 if passes else row["nodes"])
+        assert row["context"] == 12         # every node count at the prefilled context
         assert row["verify"]["median_ms"] > 0 and row["commit"]["accept_path_ms"] >= 0
