@@ -199,3 +199,24 @@ def test_cpu_verification_rows_are_decode_rows_bit_for_bit():
     for t in range(T):
         decoded = attend(q[:, t:t + 1], base + t + 1, np.ones((1, 1, base + t + 1), bool))
         assert np.array_equal(verified[:, t], decoded[:, 0]), t
+
+
+def test_the_cpu_form_reads_bf16_pools():
+    """bf16 CPU builds decode through the same loop: q and the pool in bfloat16, sums in float32, the merged
+    output rounded once to bfloat16 -- against softmax attention over the same bf16 values in float64."""
+    import ml_dtypes
+    rng = np.random.default_rng(31)
+    n_layers, layer, rows, n_kv, cap, d, group, T, L = 2, 0, 2, 2, 160, 40, 2, 3, 150
+    kv = rng.standard_normal((n_layers, 2, rows, n_kv, cap, d)).astype(ml_dtypes.bfloat16)
+    q = (rng.standard_normal((1, T, n_kv * group, d)) * 2).astype(ml_dtypes.bfloat16)
+    row = np.array([1], "int32")
+    mask = rng.uniform(size=(1, T, L)) >= 0.3
+    mask[:, :, 0] = True
+    S = (L + kernels.ATTN_CHUNK - 1) // kernels.ATTN_CHUNK
+    acc, ml = _run(kernels.attention_rows_partial(n_layers, layer, rows, n_kv, cap, d, group, "bfloat16", False,
+                                                  split=kernels.ATTN_CHUNK), [q, kv, row, mask],
+                   [((1, n_kv, S, T * group, d), "float32"), ((1, n_kv, S, T * group, 2), "float32")])
+    (out,) = _run(kernels.attention_combine(n_kv, d, group, "bfloat16", False), [acc, ml],
+                  [((1, T, n_kv * group, d), ml_dtypes.bfloat16)])
+    want = _reference(q.astype("float32"), kv.astype("float32"), layer, row, mask, group)
+    np.testing.assert_allclose(out.astype("float32"), want, rtol=1e-2, atol=1e-2)    # one bf16 rounding
