@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # the real SmolLM2-135M-Instruct (GGUF from the registry package) drafted by prompt lookup (6 tokens down to
-# 1 by recent acceptance: a verification row past the first costs a tenth to a fifth of a decode step here), compiled for
-# this CPU (cpu-nt: 4x the default CPU schedule here): real text, token forcing against stock decoding,
-# then the bench -- compiled AR and speculative beside stock PyTorch's, tokens checked
+# 1 by recent acceptance: a verification row past the first costs a tenth to a fifth of a decode step
+# here), compiled for this CPU (cpu-nt: 4x the default CPU schedule here): real text, token forcing
+# against stock decoding, then the bench -- compiled AR and speculative beside stock PyTorch's, tokens checked
 DEMO_BUILD := build/smollm2-demo
 $(DEMO_BUILD)/manifest.json: $(STAMP) examples/smollm2.yaml $(wildcard specpilot/*.py specpilot/*/*.py)   # rebuilt when the compiler changes
 	$(BIN)/specpilot compile examples/smollm2.yaml --target llvm -o $(DEMO_BUILD) \

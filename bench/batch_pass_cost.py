@@ -4,7 +4,8 @@
                                    [--top 12] [--accepted 4] [--prefill 1,8] [--out DIR]
 
 B requests are prefilled with --context random token ids each.  At each batch size B, timed on the device
-(synchronised, medians of --reps after a second of calls): the AR step (one new token a request: the build's batched decode), a
+(synchronised, medians of --reps after a second of calls): the AR step (one new token a request: the build's
+batched decode), a
 verification pass of --nodes drafted tokens a request plus its last token (the build's verify, recording
 as the speculative engines do; a chain's mask: a tree's costs the same rows), and, where the build has a
 drafter model (an early-exit or replay cost drafter), its pass over one node a request (a tree level).
@@ -114,7 +115,8 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
     """A verification's commit as the batch engines run it, request by request, after a real recorded
     pass of ``nodes`` + 1 tokens each: the choice at each of ``accepted`` + 1 emitted positions
     (`Emitter.target_token`: `decoding.top2` of its logits row, then to the host) and `accept_path` of
-    ``accepted`` nodes (every other one, as a tree's path; a chain build's prefix, which moves nothing).  Milliseconds for all B requests, medians of ``reps`` (one more
+    ``accepted`` nodes (every other one, as a tree's path; a chain build's prefix, which moves nothing).
+    Milliseconds for all B requests, medians of ``reps`` (one more
     first, untimed); this moves the states on by ``accepted`` + 1 tokens a repetition."""
     from specpilot.runtime.decoding import top2
     choose, commit = [], []
@@ -171,8 +173,8 @@ def batch_row(module, target, drafter, states, d_states, nodes: int, args, gen) 
     row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
     accepted = min(args.accepted, nodes // 2 if target.keeps_tree_paths else nodes)
     row["commit"] = commit_cost(target, states, nodes, accepted, args.reps, gen)
-    line = f"B={b}, context {row['context']}: AR step {row['ar_step']['median_ms']:.2f} ms, verify ({b} x {nodes + 1} rows) " \
-           f"{row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
+    line = f"B={b}, context {row['context']}: AR step {row['ar_step']['median_ms']:.2f} ms, " \
+           f"verify ({b} x {nodes + 1} rows) {row['verify']['median_ms']:.2f} ms ({row['verify_over_ar']:.2f}x)"
     if drafter:
         line += f", drafter level {row['drafter_level']['median_ms']:.2f} ms"
     line += f"; commit of {accepted} + 1 tokens a request: choices {row['commit']['choices_ms']:.2f} ms, " \

@@ -290,7 +290,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
     drafter that reads the target's weights (early exit), the names of those it does not.
     ``pool_rows``: prefill and verification attention read the pool in place
-    (`kernels.attention_rows_partial`); None: in float32 on the CPU, and on GPUs where its GPU form serves the heads.
+    (`kernels.attention_rows_partial`); None: in float32 on the CPU, and on GPUs where its GPU form
+    serves the heads.
     ``draft``: a drafter network reading the target's hidden states (block / feature): the target's
     steps also return the layers it reads, and its functions join the module (`compiler.lower_drafter`).
     ``verify_tokens``: also ``target_verify_tree``, the target's verification of one sequence of exactly

@@ -55,8 +55,8 @@ def attention_rows_partial(n_layers: int, layer: int, rows: int, n_kv: int, capa
 
     CPU form (`_cpu_rows`; with one token and ``ATTN_CHUNK`` keys per split it is the CPU decode
     kernel; verification on the CPU takes the same splits, so a causal row adds what decode adds, in
-    decode's order: keys a row may not see add nothing, and splits it sees none of merge with weight 0).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on
-    tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
+    decode's order: keys a row may not see add nothing, and splits it sees none of merge with weight
+    0).  GPU form (bf16 / fp16, `rows_kernel_fits`): flash attention on tensor cores.  A block per (sequence, KV head, split, 16 * ``ROWS_WARPS`` rows); its Q rows and
     chunks of ``ROWS_KEYS`` keys and values go to shared memory with cp.async (the next chunk in
     flight while this one is multiplied).  Each warp: S = Q K^T for its 16 rows (mma.sync m16n8k16,
     float32 sums; a lane's k slots stand for 8 consecutive dims, as in `schedules.skinny_kernels`),
