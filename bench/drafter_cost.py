@@ -7,8 +7,9 @@ The target is prefilled with --context random token ids.  AR step: the build's d
 on the device (`CompiledModel.step_on_device`, as the AR engine runs), per step over --reps steps.
 Drafting cycle: what the drafter does between two verifications -- cache the target features of the
 --accepted tokens the last verification committed, then propose a chain of --draft-len tokens (a
-block drafter: one block pass; a feature drafter: its steps), its log-probabilities read back ranked
-(`drafters.ranked`) -- timed to the host having the proposal.  Features are random rows of the right
+block drafter: one block pass, in the build's one `drafter_cycle` call and, beside it, as two calls; a
+feature drafter: its steps), its log-probabilities read back ranked (`drafters.ranked`) -- timed to the
+host having the proposal.  Features are random rows of the right
 width: the cost does not depend on their values.  Medians and quartiles; JSON to --out.
 """
 
@@ -40,8 +41,9 @@ def quartiles(ms: list[float]) -> dict:
     return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
 
 
-def ar_steps(module: CompiledModule, context: int, reps: int) -> list[float]:
-    """Milliseconds per decode step after a prefill of ``context`` random ids."""
+def ar_steps(module: CompiledModule, context: int, reps: int, profiled: int = 0) -> tuple[list[float], list[dict]]:
+    """Milliseconds per decode step after a prefill of ``context`` random ids; ``profiled``: that many
+    more steps' kernels (`kernel_table`)."""
     target = module.model("target")
     gen = torch.Generator().manual_seed(0)
     state = target.new_state(module.manifest.capacity)
@@ -55,18 +57,28 @@ def ar_steps(module: CompiledModule, context: int, reps: int) -> list[float]:
         token = target.step_on_device(token, state).argmax().reshape(1).to(torch.int32)
         _sync(device)
         out.append((time.perf_counter() - t0) * 1e3)
-    return out
+
+    def more() -> None:
+        nonlocal token
+        for _ in range(profiled):
+            token = target.step_on_device(token, state).argmax().reshape(1).to(torch.int32)
+    return out, kernel_table(more, profiled) if profiled else []
 
 
-def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_len: int, reps: int) -> list[float]:
-    """Milliseconds per drafting cycle (see the module docstring)."""
+def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_len: int, reps: int,
+                    one_call: bool = True, profiled: int = 0) -> tuple[list[float], list[dict]]:
+    """Milliseconds per drafting cycle (see the module docstring); ``one_call``: a block drafter's
+    cycle as the build's ``drafter_cycle`` (else its context and block calls).  ``profiled``: that
+    many more cycles under the profiler, their kernels (`kernel_table`)."""
     net = module.draft_net()
+    if hasattr(net, "one_call"):
+        net.one_call = one_call
     cfg = net.cfg
     capacity = module.manifest.capacity
-    need = context + reps * accepted + 1
+    need = context + (reps + profiled) * accepted + 1
     if need + draft_len >= capacity:
-        raise SystemExit(f"--context {context} with {reps} cycles of {accepted} needs {need + draft_len} slots; "
-                         f"the build holds {capacity}")
+        raise SystemExit(f"--context {context} with {reps + profiled} cycles of {accepted} needs "
+                         f"{need + draft_len} slots; the build holds {capacity}")
     gen = torch.Generator().manual_seed(1)
     store = FeatureStore(capacity, len(cfg.target_layers) * cfg.target_hidden, net.dtype, net.device)
     store.write(0, torch.randn(need, store.width, generator=gen).to(net.device))
@@ -75,15 +87,40 @@ def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_l
     drafter = kind(net, top_k=8, capacity=capacity)
     drafter.source = store          # the drafter reads these rows as the committed context's features
     drafter.propose(tokens[:context + 1], draft_len)      # the context cached once
+
+    def cycle(r: int) -> None:
+        lattice = drafter.propose(tokens[:context + (r + 1) * accepted + 1], draft_len)
+        assert lattice.tokens.shape[0] == draft_len
     out = []
     for r in range(reps):
-        length = context + (r + 1) * accepted + 1
         _sync(net.device)
         t0 = time.perf_counter()
-        lattice = drafter.propose(tokens[:length], draft_len)
+        cycle(r)
         out.append((time.perf_counter() - t0) * 1e3)
-        assert lattice.tokens.shape[0] == draft_len
-    return out
+    return out, (kernel_table(lambda: [cycle(r) for r in range(reps, reps + profiled)], profiled)
+                 if profiled else [])
+
+
+def kernel_table(run, calls: int, top: int = 12) -> list[dict]:
+    """The device's kernels over ``run()`` (``calls`` cycles or steps) under torch's profiler, per call:
+    microseconds and launches by kernel name, the busiest first, then their sum ("(all)") -- beside the
+    wall time, what a cycle spends on the device at all.  Empty off a GPU."""
+    if not torch.cuda.is_available():
+        return []
+    from torch.profiler import ProfilerActivity, profile
+    _sync(torch.device("cuda"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        _sync(torch.device("cuda"))
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if str(e.device_type).endswith("CUDA"):
+            t = totals.setdefault(e.name[:100], [0.0, 0])
+            t[0] += e.time_range.elapsed_us() / calls
+            t[1] += 1 / calls
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return [{"kernel": k, "us": us, "launches": n} for k, (us, n) in ranked[:top]] + [
+        {"kernel": "(all)", "us": sum(t[0] for t in totals.values()), "launches": sum(t[1] for t in totals.values())}]
 
 
 def main() -> None:
@@ -94,22 +131,36 @@ def main() -> None:
     ap.add_argument("--draft-len", type=int, default=None, help="drafts a cycle (default: a block's, or the build's)")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=10, help="steps / cycles whose kernels are listed (GPU)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     module = CompiledModule(args.build)
     cfg = module.feature_drafter()[0]
     draft_len = args.draft_len or (cfg.drafts_per_pass if cfg.kind == "block" else module.manifest.serving.draft_len)
-    ar = ar_steps(module, args.context, args.warmup + args.reps)[args.warmup:]
-    cycles = drafting_cycles(module, args.context, args.accepted, draft_len, args.warmup + args.reps)[args.warmup:]
+    n = args.warmup + args.reps
+    ar, ar_kernels = ar_steps(module, args.context, n, args.profile)
+    cycles, kernels = drafting_cycles(module, args.context, args.accepted, draft_len, n, profiled=args.profile)
+    two_calls = (drafting_cycles(module, args.context, args.accepted, draft_len, n, one_call=False)[0]
+                 if cfg.kind == "block" else None)
+    ar, cycles, two_calls = ar[args.warmup:], cycles[args.warmup:], two_calls and two_calls[args.warmup:]
     result = {"build": str(args.build), "context": args.context, "accepted": args.accepted, "draft_len": draft_len,
               "drafter": {**cfg.to_dict(), "parameters": sum(t.numel() for k, t in module.feature_drafter()[1].items()
                                                              if k != "d2t")},
               "ar_step": quartiles(ar), "drafting_cycle": quartiles(cycles)}
     result["share_of_ar_step"] = result["drafting_cycle"]["median_ms"] / result["ar_step"]["median_ms"]
+    if two_calls:     # the same cycle as two calls (context, then block), for the side-by-side
+        result["drafting_cycle_two_calls"] = quartiles(two_calls)
+    if kernels:       # per step / cycle: what the device ran, against the wall time above
+        result["kernels"] = {"ar_step": ar_kernels, "drafting_cycle": kernels}
+        for what, table in result["kernels"].items():
+            print(f"{what}: {table[-1]['us']:.0f} us on the device in {table[-1]['launches']:.0f} launches; "
+                  + ", ".join(f"{k['kernel'][:40]} {k['us']:.0f}" for k in table[:6]))
     path = write(f"drafter-cost-{args.build.name}", result, args.out)
     print(f"{args.build.name}: AR step {result['ar_step']['median_ms']:.3f} ms, drafting cycle "
           f"{result['drafting_cycle']['median_ms']:.3f} ms ({cfg.kind}, {cfg.num_layers} layer(s), {draft_len} drafts): "
-          f"{100 * result['share_of_ar_step']:.1f} % of an AR step -> {path}")
+          f"{100 * result['share_of_ar_step']:.1f} % of an AR step"
+          + (f"; as two calls {result['drafting_cycle_two_calls']['median_ms']:.3f} ms" if two_calls else "")
+          + f" -> {path}")
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ class Deployment(nn.Module):
     def drafter_block(self, tokens, positions, slots, mask, rows, dkv):
         return self.drafter.block(tokens, positions, slots, mask, rows, dkv)
 
+    def drafter_cycle(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv):
+        return self.drafter.cycle(features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv)
+
     def drafter_fuse(self, features):
         return self.drafter.fuse_features(features)
 

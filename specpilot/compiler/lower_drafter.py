@@ -8,6 +8,8 @@ of the slots 0 .. L-1 a new position may attend to.  Functions (prefix ``drafter
     block (DFlash):
       context(features[1, T, F], positions, slots, rows, dkv) -> dkv   the context's keys/values
       block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, vocab] (K: the block size, static)
+      cycle(features[1, K, F], context_positions, context_slots, tokens[1, K], positions, slots, mask, rows, dkv)
+                                                               -> logits[1, K, vocab]   context, then block
     feature (EAGLE-3):
       fuse(features[1, T, F])                                     -> hidden[1, T, H]
       step(hidden[1, T, H], tokens, positions, slots, mask, rows, dkv)
@@ -107,6 +109,12 @@ class BlockDraftNet(_DraftNet):
         logits = op.astype(matmul(self.norm(h), op.permute_dims(self.head)), "float32")
         return op.reshape(logits, (B, K, self.cfg.vocab_size))
 
+    def cycle(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv):
+        """A drafting cycle in one call: the newly committed tokens' keys/values (at most a block's,
+        padded with slot -1: written nowhere), then the block."""
+        dkv = self.context(features, context_positions, context_slots, rows, dkv)
+        return self.block(tokens, positions, slots, mask, rows, dkv)
+
 
 class _MidLayer(nn.Module):
     """EAGLE-3's layer: attention over [norm(embedding); norm(hidden)] (2 H inputs), the residual
@@ -168,7 +176,12 @@ def draft_specs(cfg: DraftNetConfig, dtype: str, capacity: int) -> dict[str, dic
                                     "rows": nn.spec.Tensor([1], "int32"), "dkv": dkv, **mode},
                 # a block is always block_size positions: static shapes, so a graph build replays the pass's
                 # kernels as CUDA graphs (its rows take the few-row tensor-core GEMM, as verification's)
-                "drafter_block": {"tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)}}
+                "drafter_block": {"tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)},
+                # a cycle commits at most a block's tokens (the last one and the accepted drafts)
+                "drafter_cycle": {"features": nn.spec.Tensor([1, cfg.block_size, F], dtype),
+                                  "context_positions": nn.spec.Tensor([1, cfg.block_size], "int32"),
+                                  "context_slots": nn.spec.Tensor([1, cfg.block_size], "int32"),
+                                  "tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)}}
     return {"drafter_fuse": {"features": nn.spec.Tensor([1, "n", F], dtype), **mode},
             "drafter_step": {"hidden": nn.spec.Tensor([1, "n", H], dtype), "tokens": nn.spec.Tensor([1, "n"], "int32"),
                              **attend("n")}}

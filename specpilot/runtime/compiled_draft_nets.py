@@ -51,7 +51,8 @@ class _Compiled:
 
 class CompiledBlockNet(_Compiled):
     def __init__(self, module, cfg: fd.DraftNetConfig):
-        super().__init__(module, cfg, ("drafter_context", "drafter_block"))
+        super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
+        self.one_call = True      # `cycle` as the build's drafter_cycle where the new tokens fit (else two calls)
 
     def context(self, cache, features: torch.Tensor, start: int) -> None:
         positions = np.arange(start, start + features.shape[0], dtype="int32")[None]
@@ -60,12 +61,36 @@ class CompiledBlockNet(_Compiled):
                                     m.params)
 
     def block(self, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        m = self.module
+        out = self.fns["drafter_block"](*m.tensors(*self._block_inputs(tokens, start)), cache, m.params)
+        return self._out(out)[0]
+
+    def cycle(self, cache, features: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``:
+        one call of the build's ``drafter_cycle`` when they fit in a block's rows."""
+        K, n = self.cfg.block_size, features.shape[0]
+        if not self.one_call or n > K:
+            self.context(cache, features, start - n)
+            return self.block(cache, tokens, start)
+        padded = torch.zeros((1, K, features.shape[1]), dtype=self.dtype, device=self.device)
+        padded[0, :n] = features.to(device=self.device, dtype=self.dtype)
+        positions = np.zeros((1, K), "int32")
+        positions[0, :n] = np.arange(start - n, start)
+        slots = np.full((1, K), -1, "int32")      # padding rows write nothing
+        slots[0, :n] = positions[0, :n]
+        m = self.module
+        out = self.fns["drafter_cycle"](self.module.tvm.runtime.from_dlpack(padded),
+                                        *m.tensors(positions, slots, *self._block_inputs(tokens, start)),
+                                        cache, m.params)
+        return self._out(out)[0]
+
+    @staticmethod
+    def _block_inputs(tokens: torch.Tensor, start: int) -> tuple[np.ndarray, ...]:
+        """The block's host inputs: tokens, positions, slots, mask (everything cached and the block), row."""
         K = tokens.shape[0]
         positions = np.arange(start, start + K, dtype="int32")[None]
-        m = self.module
-        out = self.fns["drafter_block"](*m.tensors(np.asarray(host_array(tokens), "int32")[None], positions, positions,
-                                                   np.ones((1, K, start + K), bool), _ROW), cache, m.params)
-        return self._out(out)[0]
+        return (np.asarray(host_array(tokens), "int32")[None], positions, positions,
+                np.ones((1, K, start + K), bool), _ROW)
 
 
 class CompiledFeatureNet(_Compiled):

@@ -77,21 +77,20 @@ class BlockDrafter(_Conditioned):
         self.cache = self.net.new_cache(cache_slots(self.net.cfg, self.capacity))
         self.consumed: list[int] = []      # the context tokens whose keys/values are cached
 
-    def _sync(self, context: list[int]) -> int:
-        """Cache the keys/values of the committed context (all but its last token); returns its length."""
+    def block_logp(self, context: list[int]) -> torch.Tensor:
+        """Log-probabilities (block - 1, vocab) of the tokens after ``context``, one row per draft;
+        the committed context's keys/values (all but its last token) cached first, in the same call
+        where the network has one."""
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
-        if keep < n:
-            self.net.context(self.cache, self._features(keep, n), keep)
-        self.consumed = list(context[:n])
-        return n
-
-    def block_logp(self, context: list[int]) -> torch.Tensor:
-        """Log-probabilities (block - 1, vocab) of the tokens after ``context``, one row per draft."""
-        n = self._sync(context)
         cfg = self.net.cfg
         tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
-        return self._logp(self.net.block(self.cache, tokens, n)[1:])
+        if keep < n:
+            logits = self.net.cycle(self.cache, self._features(keep, n), n, tokens)
+        else:
+            logits = self.net.block(self.cache, tokens, n)
+        self.consumed = list(context[:n])
+        return self._logp(logits[1:])
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))

@@ -340,6 +340,16 @@ def test_the_lowered_drafter_equals_its_reference(compiled):
         tokens = torch.randint(0, cfg.vocab_size, (cfg.block_size,), generator=gen)
         got, want = (net.block(cache, tokens, 13) for net, cache in zip(nets, caches))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # a cycle: a few committed tokens' keys/values and the next block, in the build's one call and in two
+        more = torch.randn(3, features.shape[1], generator=gen)
+        two_calls = nets[0].__class__(module, cfg)
+        two_calls.one_call = False
+        two_cache = module.zeros(fd.cache_shape(cfg, module.manifest.capacity), module.manifest.dtype)
+        two_calls.context(two_cache, features, 0)
+        got, want, split = (net.cycle(cache, more, 16, tokens)
+                            for net, cache in ((*zip(nets, caches), (two_calls, two_cache))))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, split, atol=1e-5, rtol=1e-5)
         return
     hidden = [net.fuse(features) for net in nets]
     torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=1e-5)
