@@ -7,9 +7,9 @@ The target is prefilled with --context random token ids.  AR step: the build's d
 on the device (`CompiledModel.step_on_device`, as the AR engine runs), per step over --reps steps.
 Drafting cycle: what the drafter does between two verifications -- cache the target features of the
 --accepted tokens the last verification committed, then propose a chain of --draft-len tokens (a
-block drafter: one block pass, in the build's one `drafter_cycle` call and, beside it, as two calls; a
-feature drafter: its steps), its log-probabilities read back ranked (`drafters.ranked`) -- timed to the
-host having the proposal.  Features are random rows of the right
+block drafter: the build's one `drafter_cycle` call, ranked where it ran, and beside it the context and
+block calls with the logits ranked by torch (`drafters.ranked`); a feature drafter: its steps, ranked by
+torch) -- timed to the host having the proposal.  Features are random rows of the right
 width: the cost does not depend on their values.  Medians and quartiles; JSON to --out.
 """
 
@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import write  # noqa: E402
+from specpilot.core import feature_drafter as fd  # noqa: E402
+from specpilot.runtime.drafters import ranked  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter  # noqa: E402
 from specpilot.runtime.features import FeatureStore  # noqa: E402
@@ -68,7 +70,7 @@ def ar_steps(module: CompiledModule, context: int, reps: int, profiled: int = 0)
 def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_len: int, reps: int,
                     one_call: bool = True, profiled: int = 0) -> tuple[list[float], list[dict]]:
     """Milliseconds per drafting cycle (see the module docstring); ``one_call``: a block drafter's
-    cycle as the build's ``drafter_cycle`` (else its context and block calls).  ``profiled``: that
+    cycle as the build's ``drafter_cycle`` (else its context and block calls, ranked by torch).  ``profiled``: that
     many more cycles under the profiler, their kernels (`kernel_table`)."""
     net = module.draft_net()
     if hasattr(net, "one_call"):
@@ -99,6 +101,29 @@ def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_l
         out.append((time.perf_counter() - t0) * 1e3)
     return out, (kernel_table(lambda: [cycle(r) for r in range(reps, reps + profiled)], profiled)
                  if profiled else [])
+
+
+def ranking_check(module: CompiledModule, context: int, cycles: int = 8) -> dict:
+    """The build's ranking (`kernels.rank_rows` in ``drafter_cycle``) against `drafters.ranked` over
+    torch's log_softmax of the same block's logits (``drafter_block`` again on the same cache):
+    the share of identical ranked indices and the largest log-probability difference."""
+    net = module.draft_net()
+    cfg = net.cfg
+    gen = torch.Generator().manual_seed(2)
+    width = len(cfg.target_layers) * cfg.target_hidden
+    cache = net.new_cache(fd.cache_slots(cfg, module.manifest.capacity))
+    net.context(cache, torch.randn(context, width, generator=gen), 0)
+    same = total = 0
+    worst = 0.0
+    for r in range(cycles):
+        start = context + 3 * (r + 1)
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.block_size,), generator=gen)
+        got = net.ranked_cycle(cache, torch.randn(3, width, generator=gen), start, tokens, net.ranks)
+        want = ranked(torch.log_softmax(net.block(cache, tokens, start), dim=-1), net.ranks)
+        same += int((got[0] == want[0].cpu()).sum())
+        total += got[0].numel()
+        worst = max(worst, float((got[1] - want[1].float().cpu()).abs().max()))
+    return {"identical_indices": same / total, "max_logprob_difference": worst}
 
 
 def kernel_table(run, calls: int, top: int = 12) -> list[dict]:
@@ -140,16 +165,19 @@ def main() -> None:
     n = args.warmup + args.reps
     ar, ar_kernels = ar_steps(module, args.context, n, args.profile)
     cycles, kernels = drafting_cycles(module, args.context, args.accepted, draft_len, n, profiled=args.profile)
-    two_calls = (drafting_cycles(module, args.context, args.accepted, draft_len, n, one_call=False)[0]
-                 if cfg.kind == "block" else None)
+    two_calls, agreement = None, None
+    if cfg.kind == "block":
+        two_calls = drafting_cycles(module, args.context, args.accepted, draft_len, n, one_call=False)[0]
+        agreement = ranking_check(module, args.context)
     ar, cycles, two_calls = ar[args.warmup:], cycles[args.warmup:], two_calls and two_calls[args.warmup:]
     result = {"build": str(args.build), "context": args.context, "accepted": args.accepted, "draft_len": draft_len,
               "drafter": {**cfg.to_dict(), "parameters": sum(t.numel() for k, t in module.feature_drafter()[1].items()
                                                              if k != "d2t")},
               "ar_step": quartiles(ar), "drafting_cycle": quartiles(cycles)}
     result["share_of_ar_step"] = result["drafting_cycle"]["median_ms"] / result["ar_step"]["median_ms"]
-    if two_calls:     # the same cycle as two calls (context, then block), for the side-by-side
+    if two_calls:     # the same cycle as two calls (context, then block) ranked by torch, for the side-by-side
         result["drafting_cycle_two_calls"] = quartiles(two_calls)
+        result["ranking_check"] = agreement
     if kernels:       # per step / cycle: what the device ran, against the wall time above
         result["kernels"] = {"ar_step": ar_kernels, "drafting_cycle": kernels}
         for what, table in result["kernels"].items():
@@ -159,7 +187,8 @@ def main() -> None:
     print(f"{args.build.name}: AR step {result['ar_step']['median_ms']:.3f} ms, drafting cycle "
           f"{result['drafting_cycle']['median_ms']:.3f} ms ({cfg.kind}, {cfg.num_layers} layer(s), {draft_len} drafts): "
           f"{100 * result['share_of_ar_step']:.1f} % of an AR step"
-          + (f"; as two calls {result['drafting_cycle_two_calls']['median_ms']:.3f} ms" if two_calls else "")
+          + (f"; as two calls ranked by torch {result['drafting_cycle_two_calls']['median_ms']:.3f} ms "
+             f"(the build's ranks {100 * agreement['identical_indices']:.1f} % torch's)" if two_calls else "")
           + f" -> {path}")
 
 

@@ -17,6 +17,7 @@
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
 #   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
+#   bash bench/h200_e2e.sh fd-profile BUILD  the host's side of a trained drafter's tree engine (cProfile), to $OUT
 #   bash bench/h200_e2e.sh fd [BUILD...]    the block / feature builds (bench/specs/smollm2-{block,feature}-bf16.yaml)
 #                                           with the trained drafters (SPECPILOT_DRAFTER=$E/drafters/KIND), to $OUT
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
@@ -190,6 +191,15 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
           --engines compiled,compiled-spec,compiled-tree -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -8
       done
     done ;;
+  fd-profile)
+    # the host's side of a trained drafter's tree engine (cProfile of one code-set bench run), the stats to $OUT
+    shift; prepare
+    kind=$(python3 -c "import json; print(json.load(open('$b/$1/manifest.json'))['drafter']['kind'])")
+    SPECPILOT_DRAFTER=$E/drafters/$kind timeout ${PROFILE_S:-200} python3 -m cProfile -o $OUT/fd-profile-$1.pstats \
+      -m specpilot.cli bench $b/$1 --prompts code --requests ${REQUESTS:-2} --max-new-tokens ${TOKENS:-256} \
+      --engines ${PROFILE_ENGINES:-compiled,compiled-tree} -o $OUT/fd-profile-$1.json 2>&1 | tail -4
+    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25)
+s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats | cut -c1-150 ;;
   cost)
     # a drafting cycle beside an AR step of the same build (bench/drafter_cost.py): SmolLM2's (--params load:
     # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k
@@ -199,6 +209,6 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;
 esac

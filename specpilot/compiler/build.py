@@ -225,7 +225,8 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     mod, names = lower_deployment(tgt.cfg, drf.cfg if drf else None, dtype_name, spec.deployment.max_seq_len,
                                   target.is_gpu, drafter_own=drf.own if drf else None,
                                   n_rows=spec.deployment.max_batch,
-                                  draft=net[0] if net else None, verify_tokens=fixed_tokens(pipeline))
+                                  draft=net[0] if net else None, verify_tokens=fixed_tokens(pipeline),
+                                  draft_ranks=spec.drafter.top_k)
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
     draft = drf or (packing_view(*net, tgt.weights) if net and params != "seeded" else None)

@@ -287,7 +287,7 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
                      gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1,
                      pool_rows: bool | None = None, draft: DraftNetConfig | None = None,
-                     verify_tokens: int | None = None):
+                     verify_tokens: int | None = None, draft_ranks: int = 4):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
@@ -298,7 +298,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     ``draft``: a drafter network reading the target's hidden states (block / feature): the target's
     steps also return the layers it reads, and its functions join the module (`compiler.lower_drafter`).
     ``verify_tokens``: also ``target_verify_tree``, the target's verification of one sequence of exactly
-    this many tokens (static shapes; `passes.tree_verify`'s ``fixed``)."""
+    this many tokens (static shapes; `passes.tree_verify`'s ``fixed``).  ``draft_ranks``: a block
+    drafter's proposals a position, ranked in its cycle (the spec's top_k)."""
     target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows, draft.target_layers if draft else ())
     drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows, pool_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_own is not None:
@@ -306,7 +307,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     spec = {}
     if draft is not None:
         embed = target.model.embed_tokens.weight
-        drafter = draft_net(draft, dtype, gpu, capacity, embed, embed if target.lm_head is None else target.lm_head.weight)
+        drafter = draft_net(draft, dtype, gpu, capacity, embed, embed if target.lm_head is None else target.lm_head.weight,
+                            draft_ranks)
         spec.update(draft_specs(draft, dtype, capacity))
     for prefix, model, cfg in (("target", target, target_cfg), ("drafter", drafter, drafter_cfg)):
         if model is None or cfg is None:

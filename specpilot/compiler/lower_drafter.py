@@ -9,7 +9,8 @@ of the slots 0 .. L-1 a new position may attend to.  Functions (prefix ``drafter
       context(features[1, T, F], positions, slots, rows, dkv) -> dkv   the context's keys/values
       block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, vocab] (K: the block size, static)
       cycle(features[1, K, F], context_positions, context_slots, tokens[1, K], positions, slots, mask, rows, dkv)
-                                                               -> logits[1, K, vocab]   context, then block
+                                                               -> ranked[1, K, top_k, 2]   context, then block,
+                                                                  each position's top_k (`kernels.rank_rows`)
     feature (EAGLE-3):
       fuse(features[1, T, F])                                     -> hidden[1, T, H]
       step(hidden[1, T, H], tokens, positions, slots, mask, rows, dkv)
@@ -84,8 +85,9 @@ class BlockDraftNet(_DraftNet):
     attend to them and to each other."""
 
     def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
-                 head: nn.Parameter):
+                 head: nn.Parameter, ranks: int):
         super().__init__(cfg, dtype, gpu, capacity, embed)
+        self.ranks = ranks          # the proposals a cycle ranks a position (the spec's top_k)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, False, dtype, gpu)
         self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, "full_attention", dtype, gpu, self.slots, 1,
                                                   cfg.num_layers) for _ in range(cfg.num_layers)])
@@ -111,9 +113,14 @@ class BlockDraftNet(_DraftNet):
 
     def cycle(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv):
         """A drafting cycle in one call: the newly committed tokens' keys/values (at most a block's,
-        padded with slot -1: written nowhere), then the block."""
+        padded with slot -1: written nowhere), then the block, ranked where it ran (one small read-back
+        instead of the logits and a dozen host-side ranking launches)."""
         dkv = self.context(features, context_positions, context_slots, rows, dkv)
-        return self.block(tokens, positions, slots, mask, rows, dkv)
+        B, K = tokens.shape
+        logits = op.reshape(self.block(tokens, positions, slots, mask, rows, dkv), (B * K, self.cfg.vocab_size))
+        ranked = op.tensor_ir_op(kernels.rank_rows(self.cfg.vocab_size, self.ranks, self.gpu), "rank_rows", [logits],
+                                 Tensor.placeholder((B * K, self.ranks, 2), "float32"))
+        return op.reshape(ranked, (B, K, self.ranks, 2))
 
 
 class _MidLayer(nn.Module):
@@ -153,9 +160,10 @@ class FeatureDraftNet(_DraftNet):
 
 
 def draft_net(cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
-              head: nn.Parameter) -> _DraftNet:
+              head: nn.Parameter, ranks: int) -> _DraftNet:
+    """``ranks``: a block drafter's proposals a position, ranked in its cycle."""
     if cfg.kind == "block":
-        return BlockDraftNet(cfg, dtype, gpu, capacity, embed, head)
+        return BlockDraftNet(cfg, dtype, gpu, capacity, embed, head, ranks)
     return FeatureDraftNet(cfg, dtype, gpu, capacity, embed)
 
 

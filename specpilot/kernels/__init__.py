@@ -19,7 +19,7 @@ from specpilot.kernels.attention_rows import (ROWS_KEYS, ROWS_SPLIT, ROWS_SPLITS
                                               key_splits, rows_kernel_fits)
 from specpilot.kernels.base import memo
 from specpilot.kernels.choice import PARTS as ARGMAX_PARTS
-from specpilot.kernels.choice import argmax_merge, argmax_parts, argmax_rows
+from specpilot.kernels.choice import argmax_merge, argmax_parts, argmax_rows, rank_rows
 from specpilot.kernels.gdn import (gated_delta_rule, gdn_commit, gdn_conv_prefill, gdn_conv_verify, record_width,
                                    select_token)
 from specpilot.kernels.kv_cache import compact_kv, kv_write
@@ -27,6 +27,6 @@ from specpilot.kernels.sampling import sample_scores
 from specpilot.kernels.w12_gemm import w12_gemm
 
 __all__ = ["ATTN_CHUNK", "ATTN_FLOOR", "DECODE_MERGE_MAX", "ROWS_KEYS", "ROWS_SPLIT", "ROWS_SPLITS", "ROWS_WARPS",
-           "ARGMAX_PARTS", "argmax_merge", "argmax_parts", "argmax_rows", "attention_combine", "attention_decode", "attention_rows_partial", "compact_kv",
+           "ARGMAX_PARTS", "argmax_merge", "argmax_parts", "argmax_rows", "rank_rows", "attention_combine", "attention_decode", "attention_rows_partial", "compact_kv",
            "gated_delta_rule", "gdn_commit", "gdn_conv_prefill", "gdn_conv_verify", "key_splits", "kv_write", "memo", "record_width",
            "rows_kernel_fits", "sample_scores", "select_token", "w12_gemm"]

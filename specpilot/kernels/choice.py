@@ -123,3 +123,113 @@ def argmax_rows(vocab: int):
                         at[0] = T.Cast("int32", v)
                 out[r] = at[0]
     return kernel
+
+
+@memo
+def rank_rows(vocab: int, k: int, gpu: bool):
+    """A drafter's ranked proposals inside the compiled module: logits (rows, vocab) -> (rows, k, 2)
+    float32, each row's k best as (log-probability, index as a float), best first, equal values in
+    index order -- `drafters.ranked`'s rule over log_softmax(row).  The log-probability is the logit
+    less the row's log-sum-exp (max + log sum exp(x - max), float32).
+
+    GPU: a block a row: the row's maximum and its index (`_block_best`), the sum of exponentials
+    (a tree sum in shared memory), then k - 1 more rounds, each the best of what ranks after the
+    previous pick.  CPU: a loop a row, the k best kept sorted as it scans (a later equal value goes
+    after the earlier)."""
+    threads, none = 512, vocab
+    per_thread = (vocab + threads - 1) // threads
+
+    @T.macro
+    def pick(logits, vals, idxs, best, at, mine, mine_at, prev, prev_at, bx, tx):
+        """prev := the best of the row ranking after prev (the block's shared halvings)."""
+        best[0] = T.float32("-inf")
+        at[0] = T.int32(none)
+        for i in range(per_thread):
+            if i * threads + tx < vocab:
+                if T.Or(logits[bx, i * threads + tx] < prev[0], T.And(
+                        logits[bx, i * threads + tx] == prev[0], i * threads + tx > prev_at[0])):
+                    if T.Or(logits[bx, i * threads + tx] > best[0], at[0] == none):
+                        best[0] = logits[bx, i * threads + tx]
+                        at[0] = T.Cast("int32", i * threads + tx)
+        vals[tx] = best[0]
+        idxs[tx] = at[0]
+        _block_best(vals, idxs, best, at, mine, mine_at, tx, threads, _halvings(threads), none)
+        prev[0] = vals[0]
+        prev_at[0] = idxs[0]
+
+    @T.prim_func(private=True, s_tir=True)
+    def gpu_kernel(l_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": True})
+        rows = T.int64()
+        logits = T.match_buffer(l_h, (rows, vocab), "float32")
+        out = T.match_buffer(out_h, (rows, k, 2), "float32")
+        with T.sblock("root"):
+            for bx in T.thread_binding(rows, thread="blockIdx.x"):
+                vals = T.alloc_buffer((threads,), "float32", scope="shared")
+                idxs = T.alloc_buffer((threads,), "int32", scope="shared")
+                sums = T.alloc_buffer((threads,), "float32", scope="shared")
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    best = T.alloc_buffer((1,), "float32", scope="local")
+                    at = T.alloc_buffer((1,), "int32", scope="local")
+                    mine = T.alloc_buffer((1,), "float32", scope="local")
+                    mine_at = T.alloc_buffer((1,), "int32", scope="local")
+                    prev = T.alloc_buffer((1,), "float32", scope="local")
+                    prev_at = T.alloc_buffer((1,), "int32", scope="local")
+                    lse = T.alloc_buffer((1,), "float32", scope="local")
+                    prev[0] = T.float32("inf")
+                    prev_at[0] = T.int32(-1)
+                    pick(logits, vals, idxs, best, at, mine, mine_at, prev, prev_at, bx, tx)     # the maximum
+                    mine[0] = T.float32(0)
+                    for i in range(per_thread):
+                        if i * threads + tx < vocab:
+                            mine[0] = mine[0] + T.exp(logits[bx, i * threads + tx] - prev[0])
+                    sums[tx] = mine[0]
+                    for s in range(_halvings(threads)):
+                        mine[0] = sums[(tx + (threads >> (s + 1))) % threads]
+                        best[0] = sums[tx]
+                        sums[tx] = T.if_then_else(tx < (threads >> (s + 1)), best[0] + mine[0], best[0])
+                    lse[0] = prev[0] + T.log(sums[0])
+                    if tx == 0:
+                        out[bx, 0, 0] = prev[0] - lse[0]
+                        out[bx, 0, 1] = T.Cast("float32", prev_at[0])
+                    for r in range(1, k):
+                        pick(logits, vals, idxs, best, at, mine, mine_at, prev, prev_at, bx, tx)
+                        if tx == 0:
+                            out[bx, r, 0] = prev[0] - lse[0]
+                            out[bx, r, 1] = T.Cast("float32", prev_at[0])
+
+    @T.prim_func(private=True, s_tir=True)
+    def cpu_kernel(l_h: T.handle, out_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+        rows = T.int64()
+        logits = T.match_buffer(l_h, (rows, vocab), "float32")
+        out = T.match_buffer(out_h, (rows, k, 2), "float32")
+        with T.sblock("root"):
+            for b in T.parallel(rows):
+                vals = T.alloc_buffer((k,), "float32")
+                idxs = T.alloc_buffer((k,), "int32")
+                acc = T.alloc_buffer((2,), "float32")
+                place = T.alloc_buffer((1,), "int32")
+                for j in range(k):
+                    vals[j] = T.float32("-inf")
+                    idxs[j] = T.int32(none)
+                for v in range(vocab):      # into the sorted k best: after every value >= it
+                    if T.Or(logits[b, v] > vals[k - 1], idxs[k - 1] == none):
+                        place[0] = k - 1
+                        for j in range(k - 1):
+                            if T.Or(logits[b, v] > vals[k - 2 - j], idxs[k - 2 - j] == none):
+                                place[0] = k - 2 - j
+                        for j in range(k - 1):
+                            if k - 1 - j > place[0]:
+                                vals[k - 1 - j] = vals[k - 2 - j]
+                                idxs[k - 1 - j] = idxs[k - 2 - j]
+                        vals[place[0]] = logits[b, v]
+                        idxs[place[0]] = T.Cast("int32", v)
+                acc[0] = vals[0]
+                acc[1] = T.float32(0)
+                for v in range(vocab):
+                    acc[1] = acc[1] + T.exp(logits[b, v] - acc[0])
+                for j in range(k):
+                    out[b, j, 0] = vals[j] - (acc[0] + T.log(acc[1]))
+                    out[b, j, 1] = T.Cast("float32", idxs[j])
+    return gpu_kernel if gpu else cpu_kernel

@@ -52,7 +52,8 @@ class _Compiled:
 class CompiledBlockNet(_Compiled):
     def __init__(self, module, cfg: fd.DraftNetConfig):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
-        self.one_call = True      # `cycle` as the build's drafter_cycle where the new tokens fit (else two calls)
+        self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
+        self.ranks = module.manifest.drafter.top_k       # the proposals drafter_cycle ranks a position
 
     def context(self, cache, features: torch.Tensor, start: int) -> None:
         positions = np.arange(start, start + features.shape[0], dtype="int32")[None]
@@ -65,13 +66,14 @@ class CompiledBlockNet(_Compiled):
         out = self.fns["drafter_block"](*m.tensors(*self._block_inputs(tokens, start)), cache, m.params)
         return self._out(out)[0]
 
-    def cycle(self, cache, features: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
-        """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``:
-        one call of the build's ``drafter_cycle`` when they fit in a block's rows."""
+    def ranked_cycle(self, cache, features: torch.Tensor, start: int, tokens: torch.Tensor, k: int):
+        """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``, each
+        position's k best (indices, log-probabilities) on the host -- the build's ``drafter_cycle``, one
+        call and one small read-back.  None where it does not serve: more new tokens than a block's
+        rows, more ranks than the build keeps, or ``one_call`` off."""
         K, n = self.cfg.block_size, features.shape[0]
-        if not self.one_call or n > K:
-            self.context(cache, features, start - n)
-            return self.block(cache, tokens, start)
+        if not self.one_call or n > K or k > self.ranks:
+            return None
         padded = torch.zeros((1, K, features.shape[1]), dtype=self.dtype, device=self.device)
         padded[0, :n] = features.to(device=self.device, dtype=self.dtype)
         positions = np.zeros((1, K), "int32")
@@ -79,10 +81,10 @@ class CompiledBlockNet(_Compiled):
         slots = np.full((1, K), -1, "int32")      # padding rows write nothing
         slots[0, :n] = positions[0, :n]
         m = self.module
-        out = self.fns["drafter_cycle"](self.module.tvm.runtime.from_dlpack(padded),
-                                        *m.tensors(positions, slots, *self._block_inputs(tokens, start)),
-                                        cache, m.params)
-        return self._out(out)[0]
+        out = self.fns["drafter_cycle"](m.tvm.runtime.from_dlpack(padded),
+                                        *m.tensors(positions, slots, *self._block_inputs(tokens, start)), cache, m.params)
+        ranked = torch.from_numpy(out.numpy())[0, :, :k]       # (K, k, 2): log-probability, index
+        return ranked[..., 1].long(), ranked[..., 0]
 
     @staticmethod
     def _block_inputs(tokens: torch.Tensor, start: int) -> tuple[np.ndarray, ...]:

@@ -230,11 +230,21 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
     return out.gen
 
 
+def row_choices(out: "Emitter", rows):
+    """What `Emitter.target_token` takes for a verification's rows: on a GPU every row's `Choice` in
+    one read-back (a row at a time waits for the device twice a row), else the rows themselves (a
+    logits hook sees rows; on the CPU there is nothing to wait for, and unread rows cost nothing)."""
+    if out.hook is None and isinstance(rows, torch.Tensor) and rows.is_cuda:
+        return top2_rows([rows])[0]
+    return rows
+
+
 def commit_chain(state, out: "Emitter", draft: list[int], rows, base: int) -> int:
     """After a verification of ``[last] + draft`` (logits ``rows``, the pass starting at ``base``):
     emit the longest agreeing prefix and the target's own next token, cut the rest from ``state``;
     returns the new last token."""
     committed = 0
+    rows = row_choices(out, rows)
     for i in range(len(draft) + 1):
         last = out.target_token(rows[i])
         committed += 1
@@ -268,6 +278,8 @@ def _verify_tree(model, state, out: "Emitter", last: int, tree: Tree) -> int:
 def commit_tree(model, state, out: "Emitter", tree: Tree, rows, base: int) -> int:
     """After a verification of ``tree`` (logits ``rows``, the pass starting at ``base``): emit the
     accepted path and the bonus token, keep the path in ``state``; returns the new last token."""
+    rows = row_choices(out, rows)
+
     def choose(row: int) -> int:
         if out.stopped:
             raise StopIteration

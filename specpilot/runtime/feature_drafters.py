@@ -77,30 +77,37 @@ class BlockDrafter(_Conditioned):
         self.cache = self.net.new_cache(cache_slots(self.net.cfg, self.capacity))
         self.consumed: list[int] = []      # the context tokens whose keys/values are cached
 
-    def block_logp(self, context: list[int]) -> torch.Tensor:
-        """Log-probabilities (block - 1, vocab) of the tokens after ``context``, one row per draft;
-        the committed context's keys/values (all but its last token) cached first, in the same call
-        where the network has one."""
+    def block_ranked(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top_k (indices, log-probabilities) on the host of each draft after ``context``, (block - 1,
+        top_k) each, best first (`drafters.ranked`'s rule).  The committed context's keys/values (all but
+        its last token) are cached first -- with the block and its ranking in one call where the
+        network has one (`CompiledBlockNet.ranked_cycle`)."""
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
         cfg = self.net.cfg
         tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
-        if keep < n:
-            logits = self.net.cycle(self.cache, self._features(keep, n), n, tokens)
+        one_call = getattr(self.net, "ranked_cycle", None) if keep < n and self.temperature == 1.0 else None
+        out = one_call(self.cache, self._features(keep, n), n, tokens, self.top_k) if one_call else None
+        if out is None:
+            if keep < n:
+                self.net.context(self.cache, self._features(keep, n), keep)
+            indices, values = ranked(self._logp(self.net.block(self.cache, tokens, n)[1:]), self.top_k)
+            out = indices.cpu(), values.float().cpu()
         else:
-            logits = self.net.block(self.cache, tokens, n)
+            out = out[0][1:], out[1][1:]
         self.consumed = list(context[:n])
-        return self._logp(logits[1:])
+        return out
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
         if n <= 0:
             return Lattice.empty(self.top_k)
-        logp = self.block_logp(context)
-        return self._lattice(logp[:n], self.top_k)
+        indices, values = self.block_ranked(context)
+        return Lattice(indices[:n], values[:n])
 
     def _expander(self, context: list[int]):
-        tops = ranked_rows(self.block_logp(context), self.top_k)
+        indices, values = self.block_ranked(context)
+        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             d = len(path)

@@ -17,6 +17,7 @@ from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 from specpilot.core.spec import parse_spec
 from specpilot.core.weights import random_weights
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, tree_inputs
+from specpilot.runtime.drafters import ranked
 from specpilot.runtime.feature_drafter_training import (block_batch, block_forward, feature_forward, init_tensors,
                                                          sample_anchors)
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
@@ -340,16 +341,16 @@ def test_the_lowered_drafter_equals_its_reference(compiled):
         tokens = torch.randint(0, cfg.vocab_size, (cfg.block_size,), generator=gen)
         got, want = (net.block(cache, tokens, 13) for net, cache in zip(nets, caches))
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        # a cycle: a few committed tokens' keys/values and the next block, in the build's one call and in two
+        # a cycle: a few committed tokens' keys/values and the next block, ranked where the build runs, in
+        # its one call -- against the reference's context, block and ranking of log_softmax
         more = torch.randn(3, features.shape[1], generator=gen)
-        two_calls = nets[0].__class__(module, cfg)
-        two_calls.one_call = False
-        two_cache = module.zeros(fd.cache_shape(cfg, module.manifest.capacity), module.manifest.dtype)
-        two_calls.context(two_cache, features, 0)
-        got, want, split = (net.cycle(cache, more, 16, tokens)
-                            for net, cache in ((*zip(nets, caches), (two_calls, two_cache))))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(got, split, atol=1e-5, rtol=1e-5)
+        k = nets[0].ranks
+        got = nets[0].ranked_cycle(caches[0], more, 16, tokens, k)
+        nets[1].context(caches[1], more, 13)
+        want = ranked(torch.log_softmax(nets[1].block(caches[1], tokens, 16), dim=-1), k)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+        assert nets[0].ranked_cycle(caches[0], features[:cfg.block_size + 1], 16, tokens, k) is None   # too many
         return
     hidden = [net.fuse(features) for net in nets]
     torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=1e-5)
@@ -403,7 +404,7 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
 def test_ranking_is_best_first_with_equal_values_in_index_order(seed):
     """`ranked` of a row, of many rows at once, and `ranked_rows` all equal the rule written out
     (sort by value descending, then index) -- bf16-rounded logits have many exact ties."""
-    from specpilot.runtime.drafters import ranked, ranked_rows
+    from specpilot.runtime.drafters import ranked_rows
     gen = torch.Generator().manual_seed(seed)
     rows, vocab, k = 1 + seed * 3, 23 + 9 * seed, 1 + 2 * seed
     logp = torch.randint(-6, 0, (rows, vocab), generator=gen).float() / 4     # many exact ties

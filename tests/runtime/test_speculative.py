@@ -109,3 +109,40 @@ def test_recorded_ids_outside_the_vocabulary_are_refused(tmp_path, ids):
     path.write_text(path.read_text().splitlines()[0] + "\n[1, 2]\n")
     with pytest.raises(SpecPilotError, match="step 0 is not a record"):
         LatticeReplayer(path)
+
+
+def test_commits_from_choices_read_at_once_equal_row_by_row():
+    """On a GPU a verification's choices are read back at once (`decoding.row_choices`, `top2_rows`):
+    committing from them records what committing row by row does -- tokens, choices, margins,
+    runner-ups and accepted counts -- over rows with exact ties."""
+    import torch
+
+    from specpilot.runtime.decoding import Emitter, commit_chain, commit_tree, top2_rows
+    from specpilot.runtime.tree import Tree
+
+    class Cache:
+        def truncate(self, length):
+            self.length = length
+
+        def drop_history(self):
+            pass
+
+        def accept_path(self, state, base, rows):
+            self.path = (base, list(rows))
+
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randint(-3, 3, (6, 37), generator=gen).float()          # many exact ties
+    best = [int(r.argmax()) for r in rows]
+    draft = [best[0], best[1], (best[2] + 1) % 37, 5, 6]                  # two accepted, then a miss
+    tree = Tree([best[0], (best[0] + 1) % 37, best[1], (best[3] + 1) % 37, 10],      # two accepted, then a miss
+                [-1, -1, 0, 2, 3], [1, 1, 2, 3, 4], [0.0] * 5)
+    for commit, args in ((commit_chain, (draft,)), (commit_tree, (tree,))):
+        records = []
+        for given in (rows, top2_rows([rows])[0]):
+            out, cache = Emitter(20, None, None, ()), Cache()
+            last = commit(cache, out, *args, given, 10) if commit is commit_chain else \
+                commit(cache, cache, out, *args, given, 10)
+            records.append((last, out.gen.tokens, out.gen.choices, out.gen.margins, out.gen.runner_up,
+                            out.gen.accepted, vars(cache)))
+        assert records[0] == records[1]
+        assert records[0][5] == [3]                  # two drafts and the bonus token

@@ -114,11 +114,6 @@ class BlockNet(_Net):
             h = h + self._mlp(p, h)
         return F.linear(plain_rms_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
 
-    def cycle(self, cache, features: torch.Tensor, start: int, tokens: torch.Tensor) -> torch.Tensor:
-        """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``."""
-        self.context(cache, features, start - features.shape[0])
-        return self.block(cache, tokens, start)
-
 
 class FeatureNet(_Net):
     """EAGLE-3: one layer over [norm(embedding of the next token); norm(feature)], the feature being
