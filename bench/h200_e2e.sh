@@ -158,9 +158,11 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
   smol-batch)
     # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
+    # (TIE: a fixed tie tolerance; `auto` runs stock PyTorch on every prompt first, minutes at 32)
     shift; prepare
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
-      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --forced -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \
+      --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
+      -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \
       2>&1 | tail -${TAIL:-40} ;;
   train-drafters)
     # block (DFlash-style) and feature (EAGLE-3-style) drafters distilled from SmolLM2 on the target's own
