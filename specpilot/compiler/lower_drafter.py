@@ -87,7 +87,7 @@ class BlockDraftNet(_DraftNet):
     def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
                  head: nn.Parameter, ranks: int):
         super().__init__(cfg, dtype, gpu, capacity, embed)
-        self.ranks = ranks          # the proposals a cycle ranks a position (the spec's top_k)
+        self.ranks = min(ranks, cfg.vocab_size)      # the proposals a cycle ranks a position (the spec's top_k)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, False, dtype, gpu)
         self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, "full_attention", dtype, gpu, self.slots, 1,
                                                   cfg.num_layers) for _ in range(cfg.num_layers)])

@@ -7,6 +7,9 @@ of the row); each thread scans a strided slice of its part (ascending, so its be
 index of its maximum), then a tree reduction in shared memory keeps (value, index), the lower
 index on equal values; `argmax_merge` -- a block per row reduces the parts' bests the same way.
 TVM's ThreadSync pass puts the barriers between the halvings.  CPU: one loop a row.
+
+`rank_rows`: a drafter's top k a row (equal logits in index order) and their log-probabilities,
+so a drafting cycle reads back k pairs a position instead of its logits.
 """
 
 from __future__ import annotations
@@ -128,9 +131,10 @@ def argmax_rows(vocab: int):
 @memo
 def rank_rows(vocab: int, k: int, gpu: bool):
     """A drafter's ranked proposals inside the compiled module: logits (rows, vocab) -> (rows, k, 2)
-    float32, each row's k best as (log-probability, index as a float), best first, equal values in
-    index order -- `drafters.ranked`'s rule over log_softmax(row).  The log-probability is the logit
-    less the row's log-sum-exp (max + log sum exp(x - max), float32).
+    float32, each row's k best as (log-probability, index as a float), best first, equal logits in
+    index order -- `drafters.ranked`'s rule over the logits (`BlockDrafter.block_ranked` ranks its
+    fallback the same way).  The log-probability is the logit less the row's log-sum-exp (max + log
+    sum exp(x - max), float32).  NaN logits are not ranked on the GPU; rows are expected finite or -inf.
 
     GPU: a block a row: the row's maximum and its index (`_block_best`), the sum of exponentials
     (a tree sum in shared memory), then k - 1 more rounds, each the best of what ranks after the

@@ -53,7 +53,7 @@ class CompiledBlockNet(_Compiled):
     def __init__(self, module, cfg: fd.DraftNetConfig):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
-        self.ranks = module.manifest.drafter.top_k       # the proposals drafter_cycle ranks a position
+        self.ranks = min(module.manifest.drafter.top_k, cfg.vocab_size)   # what drafter_cycle ranks a position
 
     def context(self, cache, features: torch.Tensor, start: int) -> None:
         positions = np.arange(start, start + features.shape[0], dtype="int32")[None]

@@ -79,20 +79,22 @@ class BlockDrafter(_Conditioned):
 
     def block_ranked(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The top_k (indices, log-probabilities) on the host of each draft after ``context``, (block - 1,
-        top_k) each, best first (`drafters.ranked`'s rule).  The committed context's keys/values (all but
-        its last token) are cached first -- with the block and its ranking in one call where the
-        network has one (`CompiledBlockNet.ranked_cycle`)."""
+        top_k) each, best first, equal logits in index order (`drafters.ranked` over the logits).  The
+        committed context's keys/values (all but its last token) are cached first: with the block and
+        its ranking in one call where the network has one (`CompiledBlockNet.ranked_cycle`) and the
+        new tokens, top_k and temperature 1 let it; else context and block calls, ranked here."""
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
         cfg = self.net.cfg
         tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
-        one_call = getattr(self.net, "ranked_cycle", None) if keep < n and self.temperature == 1.0 else None
-        out = one_call(self.cache, self._features(keep, n), n, tokens, self.top_k) if one_call else None
+        cycle = getattr(self.net, "ranked_cycle", None) if keep < n and self.temperature == 1.0 else None
+        out = cycle(self.cache, self._features(keep, n), n, tokens, self.top_k) if cycle else None
         if out is None:
             if keep < n:
                 self.net.context(self.cache, self._features(keep, n), keep)
-            indices, values = ranked(self._logp(self.net.block(self.cache, tokens, n)[1:]), self.top_k)
-            out = indices.cpu(), values.float().cpu()
+            logits = self.net.block(self.cache, tokens, n)[1:]
+            indices, _ = ranked(logits, self.top_k)
+            out = indices.cpu(), self._logp(logits).gather(-1, indices).float().cpu()
         else:
             out = out[0][1:], out[1][1:]
         self.consumed = list(context[:n])
