@@ -159,7 +159,10 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
     # (TIE: a fixed tie tolerance; `auto` runs stock PyTorch on every prompt first, minutes at 32)
+    # (a block / feature drafter's build drafts with the trained drafter staged in $E/drafters)
     shift; prepare
+    kind=$(python3 -c "import json; print(json.load(open('$b/${1:-smol-batch}/manifest.json'))['drafter']['kind'])")
+    [ -d $E/drafters/$kind ] && export SPECPILOT_DRAFTER=$E/drafters/$kind
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
       -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \

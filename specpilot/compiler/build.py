@@ -38,7 +38,7 @@ from specpilot.core.manifest import Manifest, write_manifest
 from specpilot.compiler.lower import lower_deployment
 from specpilot.core.weights import dedupe, file_digest, packed_parameters, params_digest
 from specpilot.passes.base import PassContext
-from specpilot.core.spec import Spec, replay_plan
+from specpilot.core.spec import Spec, conditioned_source, replay_plan
 from specpilot.compiler.launch_check import launch_check
 from specpilot.core.target import STATIC_SHARED, TargetSpec, compile_arch
 from specpilot.core.errors import SpecError, SpecPilotError
@@ -214,7 +214,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     say("loading weights")
     tgt, drf = load_models(spec, weights=params != "seeded")
-    net = conditioned_drafter(spec, tgt, weights=params != "seeded") if spec.drafter.kind in ("block", "feature") else None
+    net = conditioned_drafter(spec, tgt, weights=params != "seeded") if conditioned_source(spec.drafter) else None
     device = target.schedule_device()
     context = PassContext(target_kind=target.kind, arch=target.arch, device=device.name if device else None,
                           architecture=tgt.cfg.architecture,

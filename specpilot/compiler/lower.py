@@ -204,6 +204,10 @@ class Deployment(nn.Module):
     def drafter_cycle(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv):
         return self.drafter.cycle(features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv)
 
+    def drafter_cycle_batch(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows,
+                            dkv):
+        return self.drafter.cycle(features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv)
+
     def drafter_fuse(self, features):
         return self.drafter.fuse_features(features)
 
@@ -308,8 +312,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     if draft is not None:
         embed = target.model.embed_tokens.weight
         drafter = draft_net(draft, dtype, gpu, capacity, embed, embed if target.lm_head is None else target.lm_head.weight,
-                            draft_ranks)
-        spec.update(draft_specs(draft, dtype, capacity))
+                            draft_ranks, n_rows)
+        spec.update(draft_specs(draft, dtype, capacity, n_rows))
     for prefix, model, cfg in (("target", target, target_cfg), ("drafter", drafter, drafter_cfg)):
         if model is None or cfg is None:
             continue

@@ -1,9 +1,11 @@
 """The drafters that read the target's hidden states, lowered to Relax beside the target
 (`core.feature_drafter`; the PyTorch reference is `runtime.reference.feature_nets`, line for line).
 
-Each runs one sequence at a time over its own key/value cache ``dkv[layers, 2, 1, kv heads,
-slots, d]`` (`cache_slots`), written in place like the target's pool; ``mask[1, T, L]`` says which
-of the slots 0 .. L-1 a new position may attend to.  Functions (prefix ``drafter_``):
+Each runs over a key/value cache ``dkv[layers, 2, rows, kv heads, slots, d]`` (`cache_slots`), a
+row a sequence, written in place like the target's pool; ``rows`` says which row each sequence of a
+call owns and ``mask[B, T, L]`` which of the slots 0 .. L-1 a new position may attend to.  A feature
+drafter's cache holds one row; a block drafter's pool holds deployment.max_batch, so that one call
+drafts the blocks of a whole batch.  Functions (prefix ``drafter_``), one sequence each unless said:
 
     block (DFlash):
       context(features[1, T, F], positions, slots, rows, dkv) -> dkv   the context's keys/values
@@ -11,6 +13,8 @@ of the slots 0 .. L-1 a new position may attend to.  Functions (prefix ``drafter
       cycle(features[1, K, F], context_positions, context_slots, tokens[1, K], positions, slots, mask, rows, dkv)
                                                                -> ranked[1, K, top_k, 2]   context, then block,
                                                                   each position's top_k (`kernels.rank_rows`)
+      cycle_batch(the same, B sequences: features[B, K, F], ..., mask[B, K, L], rows[B])
+                                                               -> ranked[B, K, top_k, 2]   (pools of more than one row)
     feature (EAGLE-3):
       fuse(features[1, T, F])                                     -> hidden[1, T, H]
       step(hidden[1, T, H], tokens, positions, slots, mask, rows, dkv)
@@ -34,8 +38,9 @@ from specpilot.kernels.norms import attention_heads_te, rotary_te
 
 
 class _DraftNet(nn.Module):
-    def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter):
-        self.cfg, self.dtype, self.gpu = cfg, dtype, gpu
+    def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
+                 n_rows: int = 1):
+        self.cfg, self.dtype, self.gpu, self.n_rows = cfg, dtype, gpu, n_rows
         self.layer_cfg = layer_config(cfg)
         self.slots = cache_slots(cfg, capacity)
         self.fc = Linear(len(cfg.target_layers) * cfg.target_hidden, cfg.hidden_size, False, dtype)
@@ -54,7 +59,7 @@ class _DraftNet(nn.Module):
                            "embed")
 
     def attention(self, n_layers: int, in_features: int | None = None) -> Attention:
-        return Attention(self.layer_cfg, self.dtype, self.gpu, self.slots, 1, n_layers, pool_rows=None,
+        return Attention(self.layer_cfg, self.dtype, self.gpu, self.slots, self.n_rows, n_layers, pool_rows=None,
                          in_features=in_features)
 
     def fuse(self, features: Tensor) -> Tensor:
@@ -74,7 +79,7 @@ def write_keys(attn: Attention, x: Tensor, s: StepInputs, dkv: Tensor, layer: in
         attention_heads_te(attn.dtype, cfg.rotary_dim, nkv, nkv, cfg.rms_norm_eps if cfg.qk_norm else None,
                            False, not attn.gpu),
         "attention_heads", [k, k, v, *norm, *s.cos_sin()], attrs={"op_pattern": 2})
-    kernel = kernels.kv_write(attn.n_attn, layer, 1, nkv, attn.capacity, d, attn.dtype, attn.gpu,
+    kernel = kernels.kv_write(attn.n_attn, layer, attn.n_rows, nkv, attn.capacity, d, attn.dtype, attn.gpu,
                               heads_at=(nkv, 2 * nkv))
     return op.tensor_ir_inplace_op(kernel, f"kv_write_{layer}", [dkv, heads, s.slots, s.rows], [0],
                                    Tensor.placeholder(dkv.shape, attn.dtype))
@@ -85,11 +90,11 @@ class BlockDraftNet(_DraftNet):
     attend to them and to each other."""
 
     def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
-                 head: nn.Parameter, ranks: int):
-        super().__init__(cfg, dtype, gpu, capacity, embed)
+                 head: nn.Parameter, ranks: int, n_rows: int = 1):
+        super().__init__(cfg, dtype, gpu, capacity, embed, n_rows)
         self.ranks = min(ranks, cfg.vocab_size)      # the proposals a cycle ranks a position (the spec's top_k)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, False, dtype, gpu)
-        self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, "full_attention", dtype, gpu, self.slots, 1,
+        self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, "full_attention", dtype, gpu, self.slots, n_rows,
                                                   cfg.num_layers) for _ in range(cfg.num_layers)])
         self.head = head
 
@@ -160,36 +165,45 @@ class FeatureDraftNet(_DraftNet):
 
 
 def draft_net(cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
-              head: nn.Parameter, ranks: int) -> _DraftNet:
-    """``ranks``: a block drafter's proposals a position, ranked in its cycle."""
+              head: nn.Parameter, ranks: int, n_rows: int = 1) -> _DraftNet:
+    """``ranks``: a block drafter's proposals a position, ranked in its cycle; ``n_rows``: the
+    sequences its cache pool holds (a feature drafter's holds one)."""
     if cfg.kind == "block":
-        return BlockDraftNet(cfg, dtype, gpu, capacity, embed, head, ranks)
+        return BlockDraftNet(cfg, dtype, gpu, capacity, embed, head, ranks, n_rows)
     return FeatureDraftNet(cfg, dtype, gpu, capacity, embed)
 
 
-def draft_specs(cfg: DraftNetConfig, dtype: str, capacity: int) -> dict[str, dict]:
-    """The exported drafter functions' argument specs, by function name."""
+def draft_specs(cfg: DraftNetConfig, dtype: str, capacity: int, n_rows: int = 1) -> dict[str, dict]:
+    """The exported drafter functions' argument specs, by function name (``n_rows``: a block
+    drafter's pool rows; with more than one, ``drafter_cycle_batch`` too)."""
     F, H = len(cfg.target_layers) * cfg.target_hidden, cfg.hidden_size
-    dkv = nn.spec.Tensor(list(cache_shape(cfg, capacity)), dtype)
+    rows = n_rows if cfg.kind == "block" else 1
+    dkv = nn.spec.Tensor(list(cache_shape(cfg, capacity, rows)), dtype)
     mode = {"$": {"param_mode": "packed", "effect_mode": "none"}}
 
-    def where(n):
-        return {"positions": nn.spec.Tensor([1, n], "int32"), "slots": nn.spec.Tensor([1, n], "int32")}
+    def where(n, b=1):
+        return {"positions": nn.spec.Tensor([b, n], "int32"), "slots": nn.spec.Tensor([b, n], "int32")}
 
-    def attend(n):
-        return {**where(n), "mask": nn.spec.Tensor([1, n, "kv_len"], "bool"), "rows": nn.spec.Tensor([1], "int32"),
+    def attend(n, b=1):
+        return {**where(n, b), "mask": nn.spec.Tensor([b, n, "kv_len"], "bool"), "rows": nn.spec.Tensor([b], "int32"),
                 "dkv": dkv, **mode}
+
+    def cycle(b=1):
+        K = cfg.block_size
+        return {"features": nn.spec.Tensor([b, K, F], dtype), "context_positions": nn.spec.Tensor([b, K], "int32"),
+                "context_slots": nn.spec.Tensor([b, K], "int32"), "tokens": nn.spec.Tensor([b, K], "int32"),
+                **attend(K, b)}
     if cfg.kind == "block":
-        return {"drafter_context": {"features": nn.spec.Tensor([1, "n", F], dtype), **where("n"),
-                                    "rows": nn.spec.Tensor([1], "int32"), "dkv": dkv, **mode},
-                # a block is always block_size positions: static shapes, so a graph build replays the pass's
-                # kernels as CUDA graphs (its rows take the few-row tensor-core GEMM, as verification's)
-                "drafter_block": {"tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)},
-                # a cycle commits at most a block's tokens (the last one and the accepted drafts)
-                "drafter_cycle": {"features": nn.spec.Tensor([1, cfg.block_size, F], dtype),
-                                  "context_positions": nn.spec.Tensor([1, cfg.block_size], "int32"),
-                                  "context_slots": nn.spec.Tensor([1, cfg.block_size], "int32"),
-                                  "tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)}}
+        specs = {"drafter_context": {"features": nn.spec.Tensor([1, "n", F], dtype), **where("n"),
+                                     "rows": nn.spec.Tensor([1], "int32"), "dkv": dkv, **mode},
+                 # a block is always block_size positions: static shapes, so a graph build replays the pass's
+                 # kernels as CUDA graphs (its rows take the few-row tensor-core GEMM, as verification's)
+                 "drafter_block": {"tokens": nn.spec.Tensor([1, cfg.block_size], "int32"), **attend(cfg.block_size)},
+                 # a cycle commits at most a block's tokens (the last one and the accepted drafts)
+                 "drafter_cycle": cycle()}
+        if rows > 1:     # a batch's blocks in one pass over the weights
+            specs["drafter_cycle_batch"] = cycle("batch")
+        return specs
     return {"drafter_fuse": {"features": nn.spec.Tensor([1, "n", F], dtype), **mode},
             "drafter_step": {"hidden": nn.spec.Tensor([1, "n", H], dtype), "tokens": nn.spec.Tensor([1, "n"], "int32"),
                              **attend("n")}}

@@ -74,9 +74,10 @@ def cache_slots(cfg: DraftNetConfig, capacity: int) -> int:
     return capacity + cfg.block_size if cfg.kind == "block" else 2 * capacity
 
 
-def cache_shape(cfg: DraftNetConfig, capacity: int) -> tuple[int, ...]:
-    """The lowered drafter's key/value cache: (layers, 2, 1, kv heads, slots, head dim)."""
-    return (cfg.num_layers, 2, 1, cfg.num_kv_heads, cache_slots(cfg, capacity), cfg.head_dim)
+def cache_shape(cfg: DraftNetConfig, capacity: int, rows: int = 1) -> tuple[int, ...]:
+    """The lowered drafter's key/value cache: (layers, 2, rows, kv heads, slots, head dim); a row a
+    sequence (a block drafter's pool holds deployment.max_batch of them)."""
+    return (cfg.num_layers, 2, rows, cfg.num_kv_heads, cache_slots(cfg, capacity), cfg.head_dim)
 
 
 def layer_config(cfg: DraftNetConfig) -> ModelConfig:

@@ -9,7 +9,7 @@ import torch
 
 from specpilot.core.adapter import attach as attach_adapter
 from specpilot.core.config import ModelConfig, config_from_hf
-from specpilot.core.spec import ModelSource, Spec
+from specpilot.core.spec import ModelSource, Spec, conditioned_source
 from specpilot.core.weights import gguf_to_checkpoint, load_checkpoint, random_weights
 from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 
@@ -68,7 +68,7 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
     """Target and (for model drafters) drafter, with the drafter's vocabulary checked."""
     target = load_source(spec, spec.target, "target", weights)
     d = spec.drafter
-    if d.kind in ("ngram", "block", "feature"):   # block / feature: `conditioned_drafter`
+    if d.kind in ("ngram", "block", "feature") or conditioned_source(d) is not None:   # `conditioned_drafter`
         return target, None
     if d.kind == "early-exit":
         if d.layers >= target.cfg.num_hidden_layers:
@@ -86,11 +86,12 @@ def load_models(spec: Spec, weights: bool = True) -> tuple[LoadedModel, LoadedMo
 
 def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
     """A block / feature drafter's (DraftNetConfig, tensors): its checkpoint directory (published
-    DFlash / EAGLE-3 layout, checked against the target) or seeded at the target's width."""
+    DFlash / EAGLE-3 layout, checked against the target) or seeded at the target's width (a replay
+    drafter's block cost: seeded)."""
     from specpilot.core import feature_drafter as fd
     from specpilot.core.adapter import target_digest
 
-    d = spec.drafter
+    d = conditioned_source(spec.drafter)
     if d.checkpoint:
         digest = target_digest(target.weights) if target.weights else None
         cfg, tensors = fd.load(spec.resolve(d.checkpoint, "drafter.checkpoint"), target.cfg, digest)
@@ -100,7 +101,7 @@ def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
     try:
         cfg = fd.for_target(fd.seeded_config(d.kind, target.cfg, d.layers or 1, d.block_size,
                                              tuple(d.target_layers) if d.target_layers else None,
-                                             draft_vocab=d.draft_vocab), target.cfg)
+                                             draft_vocab=getattr(d, "draft_vocab", None)), target.cfg)
     except CheckpointError as e:
         raise SpecError(spec.path, "drafter", str(e)) from None
     return cfg, (fd.random_init(cfg, d.init.seed) if weights else {})

@@ -51,6 +51,16 @@ class ModelSource(_Strict):
     tokenizer: str | None = None
 
 
+class CostSource(ModelSource):
+    """A replay drafter's network: a model (``kind: model``, a model source) or a seeded DFlash-style
+    block drafter of the target's width reading its hidden states (``kind: block``: layers,
+    block_size, target_layers, init), so that a replay spends a block drafter's time."""
+    kind: Literal["model", "block"] = "model"
+    layers: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=8, ge=2, le=64)
+    target_layers: list[int] | None = None
+
+
 class DrafterSpec(ModelSource):
     kind: Literal["model", "early-exit", "ngram", "replay", "block", "feature"] = "model"
     draft_len: int = Field(default=5, ge=1, le=64)
@@ -66,11 +76,19 @@ class DrafterSpec(ModelSource):
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
     min_ngram: int = Field(default=1, ge=1, le=16)
     # replay (projections): acceptance from a recorded profile or a per-token rate, drafting time
-    # from a real drafter network ``cost`` (a model source)
+    # from a real drafter network ``cost`` (a model source, or a seeded block drafter: `CostSource`)
     profile: str | None = None
     alpha: float | None = Field(default=None, ge=0, le=1)
     seed: int = Field(default=0, ge=0)
-    cost: ModelSource | None = None
+    cost: CostSource | None = None
+
+
+def conditioned_source(d: DrafterSpec) -> DrafterSpec | CostSource | None:
+    """The network reading the target's hidden states that a spec's drafter runs: a block / feature
+    drafter's own options, a replay drafter's block cost, or None."""
+    if d.kind in ("block", "feature"):
+        return d
+    return d.cost if d.kind == "replay" and d.cost is not None and d.cost.kind == "block" else None
 
 
 class Deployment(_Strict):
@@ -177,7 +195,16 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
     given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init") if getattr(d, k) is not None]
     if given:
         raise SpecError(spec.path, f"drafter.{given[0]}", "a replay drafter's network goes under 'cost'")
-    _check_source(spec, d.cost, "drafter.cost", require=True)
+    if d.cost.kind == "block":
+        given = [k for k in ("checkpoint", "gguf", "architecture", "config", "tokenizer") if getattr(d.cost, k) is not None]
+        if given or d.cost.init is None:
+            raise SpecError(spec.path, f"drafter.cost.{given[0] if given else 'init'}", "a replay drafter's block cost "
+                            "is a seeded drafter of the target's width: layers, block_size, target_layers, init: {seed: N}")
+    elif d.cost.layers is not None or d.cost.target_layers is not None or "block_size" in d.cost.model_fields_set:
+        raise SpecError(spec.path, "drafter.cost", "layers, block_size and target_layers are a block cost's "
+                        "(cost: {kind: block, ...})")
+    else:
+        _check_source(spec, d.cost, "drafter.cost", require=True)
     if d.profile is not None:
         try:
             read_profile(spec.resolve(d.profile, "drafter.profile"))

@@ -254,7 +254,7 @@ class BatchBench:
         passes = max(1, sum(not s.prefill for s in run.steps))
         out["prefill_seconds"] = clock.seconds["prefill"]
         out["per_pass_ms"] = {k: 1e3 * v / passes for k, v in out["seconds"].items()}
-        for part in ("draft_sync", "draft_levels"):       # within draft
+        for part in ("draft_sync", "draft_blocks", "draft_levels"):       # within draft
             out["per_pass_ms"][part] = 1e3 * clock.seconds[part] / passes
         return out
 

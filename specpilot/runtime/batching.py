@@ -35,6 +35,7 @@ from specpilot.runtime.draft_schedule import DraftSchedule
 from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length
 from specpilot.runtime.drafters import (bind, catch_up_chains, chain_levels, chain_network, expand_across,
                                         sync_across)
+from specpilot.runtime.feature_drafters import draft_blocks
 from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
 
 
@@ -248,8 +249,9 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
     for each request as it joins; None for "ar").  ``model`` needs ``forward_batch``.  ``parts``: a
     `cycle_timing.Clock` that times each pass's parts to their end on the device -- prefill (joins'
     own passes), draft (drafts and trees), verify (the batched pass), commit (choices and commits);
-    within draft also draft_sync (the drafter's catch-up pass) and draft_levels (its passes a chain
-    position or tree level, with their inputs and ranking)."""
+    within draft also draft_sync (the drafter's catch-up pass), draft_blocks (the block drafters'
+    batched cycle) and draft_levels (its passes a chain position or tree level, with their inputs and
+    ranking)."""
     if forces is not None and len(forces) != len(arrivals):
         raise SpecPilotError(f"{len(forces)} forced token lists for {len(arrivals)} requests")
     return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
@@ -451,6 +453,7 @@ class _Scheduler:
         contexts = [r.prompt + r.out.gen.tokens for r in self.running]
         drafters = [r.drafter for r in self.running]
         self._timed("draft_sync", sync_across, drafters, contexts)
+        self._timed("draft_blocks", draft_blocks, drafters, contexts)
         return [d.expander(c) for d, c in zip(drafters, contexts)]
 
     def _chains(self, caps: list[int]) -> list[Tree]:
@@ -535,6 +538,8 @@ class _Scheduler:
             if getattr(network, "state", None) is not None:
                 close_state(network.state)
                 network.state = None
+            if hasattr(r.drafter, "close"):      # a block drafter's pooled cache row
+                r.drafter.close()
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen

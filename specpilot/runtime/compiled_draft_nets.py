@@ -2,12 +2,17 @@
 interface of their PyTorch references (`runtime.reference.feature_nets`), so the drafters of
 `runtime.feature_drafters` run either.
 
-A cache is the drafter's own key/value buffer on the build's device; every call takes its
-positions, slots and mask from the host in one copy, its tensors where the build runs, and
-returns torch tensors there (copies: a CUDA graph's outputs are reused by its next replay).
+A cache is a drafter's row of a key/value buffer on the build's device (`CacheRow`): a feature
+drafter's own buffer; a block drafter's row of the network's pool, shared by the drafters of one
+batch so that `CompiledBlockNet.cycle_batch` drafts all their blocks in one call.  Every call
+takes its positions, slots and mask from the host in one copy, its tensors where the build runs,
+and returns torch tensors there (copies: a CUDA graph's outputs are reused by its next replay).
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import numpy as np
 import torch
@@ -17,7 +22,15 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import scatter_draft_vocab
 
-_ROW = np.zeros(1, "int32")    # a drafter's cache holds one sequence
+class CacheRow:
+    """A drafter's row ``row`` of the key/value buffer ``pool``; a pooled row goes back to its pool's
+    free list when the last reference to its handle goes."""
+
+    def __init__(self, pool, row: int, free: list[int] | None = None):
+        self.pool, self.row = pool, row
+        self.rows = np.array([row], "int32")
+        if free is not None:
+            weakref.finalize(self, free.append, row)
 
 
 class _Compiled:
@@ -33,11 +46,17 @@ class _Compiled:
         self.dtype = getattr(torch, module.manifest.dtype)
         self.capacity = module.manifest.capacity
 
-    def new_cache(self, slots: int):
+    def new_cache(self, slots: int) -> CacheRow:
+        self._check_slots(slots)
+        return CacheRow(self._zeros(1), 0)
+
+    def _check_slots(self, slots: int) -> None:
         if slots != fd.cache_slots(self.cfg, self.capacity):
             raise SpecPilotError(f"a compiled {self.cfg.kind} drafter's cache holds "
                                  f"{fd.cache_slots(self.cfg, self.capacity)} slots, not {slots}")
-        return self.module.zeros(fd.cache_shape(self.cfg, self.capacity), self.module.manifest.dtype)
+
+    def _zeros(self, rows: int):
+        return self.module.zeros(fd.cache_shape(self.cfg, self.capacity, rows), self.module.manifest.dtype)
 
     def _tensor(self, t: torch.Tensor):
         """A torch tensor as the build's argument: a fresh aligned copy where the build runs."""
@@ -54,45 +73,93 @@ class CompiledBlockNet(_Compiled):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
         self.ranks = min(module.manifest.drafter.top_k, cfg.vocab_size)   # what drafter_cycle ranks a position
+        self.pool_rows = module.manifest.max_batch       # the build's pool (one row: a buffer a drafter)
+        self.batched = self.pool_rows > 1 and "drafter_cycle_batch" in module.functions
+        if self.batched:
+            self.fns["drafter_cycle_batch"] = module.functions["drafter_cycle_batch"]
+        self._pool, self._free = None, []
 
-    def context(self, cache, features: torch.Tensor, start: int) -> None:
+    def new_cache(self, slots: int) -> CacheRow:
+        """A row of the network's pool (builds for batches), else a buffer of its own."""
+        if self.pool_rows == 1:
+            return super().new_cache(slots)
+        self._check_slots(slots)
+        if self._pool is None:
+            self._pool, self._free = self._zeros(self.pool_rows), list(range(self.pool_rows - 1, -1, -1))
+        if not self._free:
+            gc.collect()        # rows of drafters that went in reference cycles
+        if not self._free:
+            raise SpecPilotError(f"all {self.pool_rows} rows of the block drafter's cache pool are in use "
+                                 "(deployment.max_batch drafters at once)")
+        return CacheRow(self._pool, self._free.pop(), self._free)
+
+    def context(self, cache: CacheRow, features: torch.Tensor, start: int) -> None:
         positions = np.arange(start, start + features.shape[0], dtype="int32")[None]
         m = self.module
-        self.fns["drafter_context"](self._tensor(features[None]), *m.tensors(positions, positions, _ROW), cache,
-                                    m.params)
+        self.fns["drafter_context"](self._tensor(features[None]), *m.tensors(positions, positions, cache.rows),
+                                    cache.pool, m.params)
 
-    def block(self, cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def block(self, cache: CacheRow, tokens: torch.Tensor, start: int) -> torch.Tensor:
         m = self.module
-        out = self.fns["drafter_block"](*m.tensors(*self._block_inputs(tokens, start)), cache, m.params)
+        out = self.fns["drafter_block"](*m.tensors(*self._block_inputs(tokens, start, cache.rows)), cache.pool,
+                                        m.params)
         return self._out(out)[0]
 
-    def ranked_cycle(self, cache, features: torch.Tensor, start: int, tokens: torch.Tensor, k: int):
+    def ranked_cycle(self, cache: CacheRow, features: torch.Tensor, start: int, tokens: torch.Tensor, k: int):
         """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``, each
         position's k best (indices, log-probabilities) on the host -- the build's ``drafter_cycle``, one
         call and one small read-back.  None where it does not serve: more new tokens than a block's
         rows, more ranks than the build keeps, or ``one_call`` off."""
-        K, n = self.cfg.block_size, features.shape[0]
-        if not self.one_call or n > K or k > self.ranks:
+        if not self.serves(features.shape[0], k):
             return None
-        padded = torch.zeros((1, K, features.shape[1]), dtype=self.dtype, device=self.device)
-        padded[0, :n] = features.to(device=self.device, dtype=self.dtype)
-        positions = np.zeros((1, K), "int32")
-        positions[0, :n] = np.arange(start - n, start)
-        slots = np.full((1, K), -1, "int32")      # padding rows write nothing
-        slots[0, :n] = positions[0, :n]
+        return self._cycle("drafter_cycle", [(cache, features, start, tokens)], k)[0]
+
+    def serves(self, new: int, k: int) -> bool:
+        """Whether a cycle call takes ``new`` committed tokens and ranks ``k`` proposals a position."""
+        return self.one_call and new <= self.cfg.block_size and k <= self.ranks
+
+    def cycle_batch(self, entries: list[tuple[CacheRow, torch.Tensor, int, torch.Tensor]], k: int) -> list:
+        """`ranked_cycle` of many sequences, each (cache row, features, start, tokens), in one call over
+        the pool (the build's ``drafter_cycle_batch``: one pass over the weights for all their blocks).
+        Every entry must be one `serves` takes, its row of this network's pool."""
+        if not self.batched:
+            raise SpecPilotError("this build drafts one block a call (no drafter_cycle_batch: deployment.max_batch 1)")
+        if any(c.pool is not self._pool for c, *_ in entries) or not all(self.serves(f.shape[0], k) for _, f, _, _ in entries):
+            raise SpecPilotError("cycle_batch: every sequence needs a row of this network's pool and at most a "
+                                 f"block of new tokens, ranked at most {self.ranks} a position")
+        return self._cycle("drafter_cycle_batch", entries, k)
+
+    def _cycle(self, name: str, entries: list, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        K, B, F = self.cfg.block_size, len(entries), entries[0][1].shape[1]
+        padded = torch.zeros((B, K, F), dtype=self.dtype, device=self.device)
+        context = np.zeros((2, B, K), "int32")       # positions, slots of the committed tokens
+        context[1] = -1                               # padding rows write nothing
+        width = max(start for _, _, start, _ in entries) + K
+        block = [np.empty((B, K), "int32"), np.empty((B, K), "int32"), np.zeros((B, K, width), bool),
+                 np.empty(B, "int32")]                # tokens, positions (= slots), mask, rows
+        for b, (cache, features, start, tokens) in enumerate(entries):
+            n = features.shape[0]
+            padded[b, :n] = features.to(device=self.device, dtype=self.dtype)
+            context[:, b, :n] = np.arange(start - n, start)
+            block[0][b] = np.asarray(host_array(tokens), "int32")
+            block[1][b] = np.arange(start, start + K)
+            block[2][b, :, :start + K] = True
+            block[3][b] = cache.row
         m = self.module
-        out = self.fns["drafter_cycle"](m.tvm.runtime.from_dlpack(padded),
-                                        *m.tensors(positions, slots, *self._block_inputs(tokens, start)), cache, m.params)
-        ranked = torch.from_numpy(out.numpy())[0, :, :k]       # (K, k, 2): log-probability, index
-        return ranked[..., 1].long(), ranked[..., 0]
+        tokens, positions, mask, rows = block
+        out = self.fns[name](m.tvm.runtime.from_dlpack(padded), *m.tensors(context[0], context[1], tokens, positions,
+                                                                           positions, mask, rows),
+                             entries[0][0].pool, m.params)
+        ranked = torch.from_numpy(out.numpy())[:, :, :k]       # (B, K, k, 2): log-probability, index
+        return [(r[..., 1].long(), r[..., 0]) for r in ranked]
 
     @staticmethod
-    def _block_inputs(tokens: torch.Tensor, start: int) -> tuple[np.ndarray, ...]:
+    def _block_inputs(tokens: torch.Tensor, start: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
         """The block's host inputs: tokens, positions, slots, mask (everything cached and the block), row."""
         K = tokens.shape[0]
         positions = np.arange(start, start + K, dtype="int32")[None]
         return (np.asarray(host_array(tokens), "int32")[None], positions, positions,
-                np.ones((1, K, start + K), bool), _ROW)
+                np.ones((1, K, start + K), bool), rows)
 
 
 class CompiledFeatureNet(_Compiled):
@@ -107,8 +174,8 @@ class CompiledFeatureNet(_Compiled):
     def step(self, cache, hidden: torch.Tensor, tokens, positions, slots, mask):
         m = self.module
         args = (np.asarray(host_array(tokens), "int32")[None], np.asarray(host_array(positions), "int32")[None],
-                np.asarray(host_array(slots), "int32")[None], np.asarray(host_array(mask), bool)[None], _ROW)
-        h, draft = self.fns["drafter_step"](self._tensor(hidden[None]), *m.tensors(*args), cache, m.params)
+                np.asarray(host_array(slots), "int32")[None], np.asarray(host_array(mask), bool)[None], cache.rows)
+        h, draft = self.fns["drafter_step"](self._tensor(hidden[None]), *m.tensors(*args), cache.pool, m.params)
         logits = scatter_draft_vocab(self._out(draft)[0], self.d2t, self.cfg.vocab_size, self.identity_vocab)
         return self._out(h)[0], logits
 

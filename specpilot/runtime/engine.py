@@ -319,10 +319,11 @@ class CompiledModule:
         own = self.dir / "drafter"
         digest = json.loads((own / "config.json").read_text()).get("specpilot_target_digest")
         cfg, tensors = fd.load(Path(override), target, digest)
-        if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != self.manifest.drafter.kind:
+        kind = self.conditioned_spec()["kind"]
+        if list(cfg.target_layers) != list(self.manifest.features or []) or cfg.kind != kind:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: a {cfg.kind} drafter reading target layers "
                                  f"{list(cfg.target_layers)}; this build's target returns layers "
-                                 f"{self.manifest.features} for a {self.manifest.drafter.kind} drafter")
+                                 f"{self.manifest.features} for a {kind} drafter")
         lowered = fd.read_config(own, target)
         differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(lowered, f.name)]
         if differ:
@@ -340,8 +341,14 @@ class CompiledModule:
                 self._drafter = (*fd.load(own, target), own)
             else:
                 cfg = fd.read_config(own, target)
-                self._drafter = cfg, fd.random_init(cfg, int(self.manifest.spec["drafter"]["init"]["seed"])), own
+                self._drafter = cfg, fd.random_init(cfg, int(self.conditioned_spec()["init"]["seed"])), own
         return self._drafter
+
+    def conditioned_spec(self) -> dict:
+        """The spec's options of the network reading the target's hidden states: a block / feature
+        drafter's own, or a replay drafter's block cost (`core.spec.conditioned_source`)."""
+        drafter = self.manifest.spec["drafter"]
+        return drafter["cost"] if drafter["kind"] == "replay" else drafter
 
     def _swap_drafter(self) -> None:
         """The retrained drafter's tensors in the stored parameters' places (`feature_drafter` checked

@@ -73,20 +73,37 @@ class _Conditioned:
 class BlockDrafter(_Conditioned):
     name = "block"
 
+    @property
+    def block_drafter(self) -> "BlockDrafter":
+        """The block drafter whose cycles `draft_blocks` batches (a replay drafter's: its cost's)."""
+        return self
+
     def reset(self) -> None:
+        self.cache = None       # a pooled row goes back before the next is taken
         self.cache = self.net.new_cache(cache_slots(self.net.cfg, self.capacity))
         self.consumed: list[int] = []      # the context tokens whose keys/values are cached
+        self.last = None                   # (context, ranked) of the last block drafted
+
+    def bind(self, state) -> None:
+        super().bind(state)
+        self.last = None
+
+    def close(self) -> None:
+        """Give the cache back (a pooled row returns to its network's pool)."""
+        self.cache = self.last = None
 
     def block_ranked(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The top_k (indices, log-probabilities) on the host of each draft after ``context``, (block - 1,
         top_k) each, best first, equal logits in index order (`drafters.ranked` over the logits).  The
         committed context's keys/values (all but its last token) are cached first: with the block and
         its ranking in one call where the network has one (`CompiledBlockNet.ranked_cycle`) and the
-        new tokens, top_k and temperature 1 let it; else context and block calls, ranked here."""
+        new tokens, top_k and temperature 1 let it; else context and block calls, ranked here.  The
+        same context twice (or one `draft_blocks` drafted) is not drafted again."""
+        if self.last is not None and self.last[0] == tuple(context):
+            return self.last[1]
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
-        cfg = self.net.cfg
-        tokens = torch.tensor([context[-1]] + [cfg.mask_token_id] * cfg.drafts_per_pass)
+        tokens = self._block_tokens(context)
         cycle = getattr(self.net, "ranked_cycle", None) if keep < n and self.temperature == 1.0 else None
         out = cycle(self.cache, self._features(keep, n), n, tokens, self.top_k) if cycle else None
         if out is None:
@@ -97,8 +114,26 @@ class BlockDrafter(_Conditioned):
             out = indices.cpu(), self._logp(logits).gather(-1, indices).float().cpu()
         else:
             out = out[0][1:], out[1][1:]
-        self.consumed = list(context[:n])
+        self._drafted(context, out)
         return out
+
+    def _block_tokens(self, context: list[int]) -> torch.Tensor:
+        return torch.tensor([context[-1]] + [self.net.cfg.mask_token_id] * self.net.cfg.drafts_per_pass)
+
+    def _drafted(self, context: list[int], out) -> None:
+        self.consumed, self.last = list(context[:len(context) - 1]), (tuple(context), out)
+
+    def cycle_entry(self, context: list[int]):
+        """This drafter's part of a batched cycle below ``context`` (cache row, new features, start,
+        block tokens), or None where one cannot take it: nothing new to cache, more new tokens than a
+        block, sampling temperature, more ranks than the build keeps, or a network that drafts alone."""
+        n = len(context) - 1
+        keep = common_prefix(self.consumed, context[:n])
+        if not getattr(self.net, "batched", False) or self.temperature != 1.0 or not keep < n \
+                or not self.net.serves(n - keep, self.top_k) or self.last is not None and self.last[0] == tuple(context):
+            return None
+        return self.cache, self._features(keep, n), n, self._block_tokens(context)
+
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
@@ -115,6 +150,24 @@ class BlockDrafter(_Conditioned):
             d = len(path)
             return tops[d] if d < len(tops) and len(context) + d < self.capacity else []
         return expand
+
+
+def draft_blocks(drafters: list, contexts: list[list[int]]) -> None:
+    """The block drafters among ``drafters`` (a replay drafter's cost too) that share a network draft
+    their blocks below ``contexts`` in one batched call (`CompiledBlockNet.cycle_batch`); each keeps its
+    ranked block for the `block_ranked` of that context.  The others draft alone when asked."""
+    groups: dict[int, list] = {}
+    for drafter, context in zip(drafters, contexts):
+        block = getattr(drafter, "block_drafter", None)
+        entry = block.cycle_entry(context) if block is not None else None
+        if entry is not None:
+            groups.setdefault((id(block.net), block.top_k), []).append((block, context, entry))
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        outs = members[0][0].net.cycle_batch([entry for _, _, entry in members], members[0][0].top_k)
+        for (block, context, _), (indices, values) in zip(members, outs):
+            block._drafted(context, (indices[1:], values[1:]))
 
 
 class FeatureDrafter(_Conditioned):

@@ -86,6 +86,20 @@ class ReplayDrafter:
         """The drafter network whose time a replay spends."""
         return self.cost.network
 
+    @property
+    def block_drafter(self):
+        """A block drafter spending the time (`feature_drafters.draft_blocks` batches its cycles), or None."""
+        return getattr(self.cost, "block_drafter", None)
+
+    def bind(self, state) -> None:
+        """A cost network that reads the target's hidden states reads ``state``'s (`drafters.bind`)."""
+        if hasattr(self.cost, "bind"):
+            self.cost.bind(state)
+
+    def close(self) -> None:
+        if hasattr(self.cost, "close"):
+            self.cost.close()
+
     def reset(self) -> None:
         self.cost.reset()
         self.run = None

@@ -17,7 +17,7 @@ import torch
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.pipeline_text import tree_budget
 from specpilot.core.sampling import MASKED, SamplingParams
-from specpilot.core.spec import replay_plan
+from specpilot.core.spec import conditioned_source, replay_plan
 from specpilot.runtime.batching import Arrival, BatchPolicy, BatchRun, StepClock, run_batch
 from specpilot.runtime.decoding import Generation, autoregressive, speculative, speculative_tree, speculative_two_level
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
@@ -323,6 +323,7 @@ class DrafterSetup:
     min_ngram: int = 1
     temperature: float = 1.0
     replay: dict | None = None        # a replay drafter's plan (`runtime.replay`)
+    cost_kind: str = "model"          # a replay drafter's cost network: a model's, or a block drafter's
 
     def factory(self, model, oracle: Oracle, vocab_size: int) -> Callable[..., object]:
         """A fresh drafter per generation: n-gram, a model's (the drafter network), or a replay drafter
@@ -336,6 +337,9 @@ class DrafterSetup:
             return lambda sampling=None: kind(model, self.top_k, self.capacity, self.temperature)
         network = lambda sampling=None: ModelDrafter(sampled(model, sampling), self.top_k,  # noqa: E731
                                                      self.capacity, name=self.kind, temperature=self.temperature)
+        if self.kind == "replay" and self.cost_kind == "block":
+            return lambda sampling=None: ReplayDrafter(BlockDrafter(model, self.top_k, self.capacity), oracle,
+                                                       self.replay, self.top_k, vocab_size)
         if self.kind == "replay":
             return lambda sampling=None: ReplayDrafter(network(sampling), oracle, self.replay, self.top_k, vocab_size)
         return network
@@ -347,12 +351,13 @@ def from_spec(spec) -> System:
     dtype = DTYPES[spec.deployment.dtype]
     target, drafter = load_models(spec)
     capacity, d = spec.deployment.max_seq_len, spec.drafter
-    net = conditioned_drafter(spec, target) if d.kind in ("block", "feature") else None
+    net = conditioned_drafter(spec, target) if conditioned_source(d) else None
     reference = ReferenceModel(target.cfg, target.weights, dtype, feature_layers=net[0].target_layers if net else None)
     draft_model = ReferenceModel(drafter.cfg, drafter.weights, dtype) if drafter else None
     if net:
         draft_model = build_net(*net, target.weights, dtype, "cpu")
-    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, replay_plan(spec))
+    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, replay_plan(spec),
+                         d.cost.kind if d.cost is not None else "model")
     oracle = Oracle()
     make = setup.factory(draft_model, oracle, target.cfg.vocab_size)
     engines = Engines({"stock": Engine(reference), "stock-spec": Engine(reference, make)})
@@ -381,11 +386,12 @@ def from_build(build_dir: Path) -> System:
                                                                device, feature_layers=features if which == "target"
                                                                else None)) for which in m.models}
     compiled = {which: module.model(which) for which in m.models}
-    if d.kind in ("block", "feature"):   # one network drafts for both engines (it reads the target's embeddings)
+    cost_kind = (m.spec["drafter"].get("cost") or {}).get("kind", "model")
+    if d.kind in ("block", "feature") or cost_kind == "block":   # one network drafts for both engines
         net_cfg, tensors, directory = module.feature_drafter()
         refs["drafter"] = Deferred(lambda: build_net(net_cfg, tensors, module.reference_weights("target"), dtype, device))
         compiled["drafter"] = Deferred(module.draft_net)
-    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay)
+    setup = DrafterSetup(d.kind, d.top_k, capacity, d.max_ngram, d.min_ngram, d.temperature, d.replay, cost_kind)
     oracle, vocab = Oracle(), cfgs["target"].vocab_size
     ref_make = setup.factory(refs.get("drafter"), oracle, vocab)
     cmp_make = setup.factory(compiled.get("drafter"), oracle, vocab)
@@ -414,11 +420,11 @@ def from_build(build_dir: Path) -> System:
                     tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
                     m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"),
                     node_budget=m.node_budget.nodes if m.node_budget else None, draft_priced=m.serving.draft_priced)
-    if d.kind in ("block", "feature"):     # which drafter ran: the build's own or a retrained one
+    if d.kind in ("block", "feature") or cost_kind == "block":     # which drafter ran: the build's own or a retrained one
         from specpilot.core.weights import file_digest
         weights = directory / "model.safetensors"
         system.drafter_source = {"directory": str(directory), "sha256": file_digest(weights)} if weights.is_file() \
-            else {"directory": str(directory), "seed": m.spec["drafter"]["init"]["seed"]}
+            else {"directory": str(directory), "seed": module.conditioned_spec()["init"]["seed"]}
     return system
 
 

@@ -92,6 +92,30 @@ def test_replay_from_a_compiled_build_runs_its_cost_network_and_stays_exact(tmp_
     assert 1.5 < runs[1].mean_accepted < 4.5              # alpha 0.7: about 1 / (1 - 0.7) tokens a verification
 
 
+def test_a_replay_spending_a_block_drafter_s_time_drafts_a_batch_in_one_call(tmp_path, monkeypatch):
+    """A replay drafter whose cost is a seeded block drafter (`cost: {kind: block}`): the build's
+    target keeps features, its block cycles of a continuous batch run in one call, tokens stay AR's."""
+    from specpilot.runtime.compiled_draft_nets import CompiledBlockNet
+    calls = []
+    batch = CompiledBlockNet.cycle_batch
+    monkeypatch.setattr(CompiledBlockNet, "cycle_batch", lambda self, entries, k: calls.append(len(entries))
+                        or batch(self, entries, k))
+    data = _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}")
+    data["drafter"]["cost"] = {"kind": "block", "layers": 1, "block_size": 6, "init": {"seed": 9}}
+    data["deployment"]["max_batch"] = 2
+    system = from_build(build_spec(tmp_path, data))
+    module = system.engines["compiled"].model.module
+    assert "drafter_cycle_batch" in module.manifest.functions and "drafter_decode" not in module.manifest.functions
+    prompts, lengths = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1]], [40, 24, 32]
+    ar = [system.generate("compiled", p, n).tokens for p, n in zip(prompts, lengths)]
+    for engine in ("compiled-spec", "compiled-tree"):
+        calls.clear()
+        got = system.generate_batch(engine, prompts, lengths, max_batch=2)
+        assert [g.tokens for g in got] == ar, engine
+        assert calls and max(calls) == 2, (engine, calls)
+        assert sum(g.mean_accepted for g in got) / 3 > 1.5, engine      # alpha 0.7 replayed
+
+
 def test_replay_rows_run_once_per_acceptance_plan(run_cli, tmp_path):
     build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}"))
     write_profile(tmp_path / "p.json", PROFILE, "test")
@@ -162,6 +186,10 @@ def test_a_run_that_leaves_the_recorded_continuation_stays_exact_with_every_late
     ({"kind": "replay", "alpha": 1.5, "cost": COST}, "less than or equal to 1"),
     ({"kind": "replay", "profile": "nope.json", "cost": COST}, "does not exist"),
     ({"kind": "replay", "alpha": 0.5, "cost": COST, "init": {"seed": 1}}, "goes under 'cost'"),
+    ({"kind": "replay", "alpha": 0.5, "cost": {"kind": "block", "layers": 1}}, "drafter.cost.init: .*seeded drafter"),
+    ({"kind": "replay", "alpha": 0.5, "cost": {"kind": "block", "init": {"seed": 1}, "architecture": "LlamaForCausalLM"}},
+     "drafter.cost.architecture"),
+    ({"kind": "replay", "alpha": 0.5, "cost": {**COST, "layers": 2}}, "are a block cost's"),
 ])
 def test_bad_replay_drafters_are_refused_with_the_key(tmp_path, drafter, message):
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({"target": DENSE_TARGET, "drafter": drafter}))

@@ -494,3 +494,67 @@ def test_a_referenced_checkpoint_build_takes_a_retrained_drafter(tmp_path, monke
     stored = system.engines["compiled"].model.module.stored_parameters()[0]
     assert torch.equal(stored["drafter.fc.weight"], retrained["fc.weight"])
     assert system.generate("compiled-tree", PROMPTS[0], 24).tokens == system.generate("stock", PROMPTS[0], 24).tokens
+
+
+# -- block drafters of a batch build: one pool, one call for all their blocks ------------------
+@pytest.fixture(scope="module")
+def batch_build(tmp_path_factory):
+    """A CPU fp32 build of the hybrid with a block drafter and a pool of three sequences."""
+    from tests.conftest import build_spec
+    data = _data(HYBRID, "block", block_size=5)
+    data["deployment"]["max_batch"] = 3
+    data["passes"] += ",node-budget{nodes=12}"
+    return build_spec(tmp_path_factory.mktemp("batch-block"), data)
+
+
+def test_a_batch_s_blocks_in_one_call_equal_each_drafted_alone(batch_build):
+    """`cycle_batch` over pool rows against the PyTorch network drafting each sequence alone, on fresh
+    random features: contexts of different lengths, new tokens from none to a whole block."""
+    from specpilot.runtime.engine import CompiledModule
+    module = CompiledModule(batch_build)
+    cfg, tensors, _ = module.feature_drafter()
+    net = module.draft_net()
+    reference = build_net(cfg, tensors, module.reference_weights("target"), torch.float32, "cpu")
+    assert net.batched and net.pool_rows == 3
+    slots = fd.cache_slots(cfg, module.manifest.capacity)
+    caches = [net.new_cache(slots) for _ in range(3)]
+    assert sorted(c.row for c in caches) == [0, 1, 2]
+    gen = torch.Generator().manual_seed(11)
+    width, k = len(cfg.target_layers) * cfg.target_hidden, net.ranks
+    entries, want = [], []
+    for cache, (cached, new) in zip(caches, [(7, 3), (19, cfg.block_size), (4, 0)]):
+        features = torch.randn(cached + new, width, generator=gen)
+        tokens = torch.randint(0, cfg.vocab_size, (cfg.block_size,), generator=gen)
+        net.context(cache, features[:cached], 0)
+        own = reference.new_cache(slots)
+        reference.context(own, features, 0)
+        logits = reference.block(own, tokens, cached + new)
+        want.append((ranked(logits, k)[0], torch.log_softmax(logits, dim=-1)))
+        entries.append((cache, features[cached:], cached + new, tokens))
+    for (indices, values), (want_indices, logp) in zip(net.cycle_batch(entries, k), want):
+        assert torch.equal(indices, want_indices)
+        torch.testing.assert_close(values, logp.gather(-1, want_indices), atol=1e-4, rtol=1e-4)
+    with pytest.raises(SpecPilotError, match="all 3 rows"):
+        net.new_cache(slots)
+    del caches[1], entries                         # a dropped handle gives its row back
+    assert net.new_cache(slots).row in (0, 1, 2)
+
+
+def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s_tokens(batch_build, monkeypatch):
+    """Three requests of different lengths joining and leaving a batch of two: the compiled chain, tree
+    and scheduled engines draft their blocks together (`draft_blocks`) and emit each request's own
+    single-request stock tokens."""
+    from specpilot.runtime.compiled_draft_nets import CompiledBlockNet
+    calls = []
+    batch = CompiledBlockNet.cycle_batch
+    monkeypatch.setattr(CompiledBlockNet, "cycle_batch", lambda self, entries, k: calls.append(len(entries))
+                        or batch(self, entries, k))
+    system = from_build(batch_build)
+    prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)]]
+    lengths = [20, 12, 16]
+    want = [system.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
+    for engine in ("compiled-spec", "compiled-tree", "compiled-tree-sched"):
+        calls.clear()
+        got = system.generate_batch(engine, prompts, lengths, max_batch=2)
+        assert [g.tokens for g in got] == want, engine
+        assert calls and max(calls) == 2, (engine, calls)
