@@ -150,7 +150,7 @@ class CompiledModule:
         self._drafter = None      # a block / feature drafter's (config, tensors, directory), read once
         self._retrained = None    # (SPECPILOT_DRAFTER, its (config, tensors, directory))
         self._stored, self._aliases = self._read_params()
-        if self.manifest.drafter.kind in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
+        if self.conditioned_spec()["kind"] in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
             self._swap_drafter()
         self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
@@ -200,7 +200,7 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
-        if m.drafter.kind in fd.KINDS:     # the build's own network (a retrained one is swapped in after)
+        if self.conditioned_spec()["kind"] in fd.KINDS:   # the build's own network (a retrained one swapped in after)
             drafter = fd.packing_view(*self._own_drafter()[:2], target.weights)   # the build's: its digest
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace

@@ -453,14 +453,19 @@ def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_pa
     assert code != 0 and "--target-layers" in err
 
 
-def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path):
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path, replay):
     """--params seeded: the build carries the drafter's config alone; the engine draws the same weights
-    the spec's seed gives, and its engines are stock's tokens."""
+    the spec's seed gives, and its engines are stock's tokens (a block drafter, or one a replay drafter
+    spends the time of)."""
     from specpilot.compiler.build import BuildRequest, build
     from specpilot.core.spec import load_spec
     from specpilot.core.target import parse_target
     from tests.conftest import build_spec
     data = _data("Qwen3ForCausalLM", "block", block_size=5)
+    if replay:
+        data["drafter"] = {"kind": "replay", "alpha": 0.8, "top_k": 3,
+                           "cost": {"kind": "block", "block_size": 5, "init": {"seed": 4}}}
     full = build_spec(tmp_path, data)
     build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "seeded", params="seeded"))
     assert not (tmp_path / "seeded" / "drafter" / "model.safetensors").exists()
