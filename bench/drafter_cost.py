@@ -1,7 +1,8 @@
 """What drafting costs beside an AR step of the target, for a build with a block / feature drafter
 lowered into it (issue goals: <= 15 % on SmolLM2, <= 5 % at 27B-class shapes), in one run.
 
-    python bench/drafter_cost.py BUILD_DIR [--context 4096] [--accepted 3] [--draft-len N] [--reps 40] [--out DIR]
+    python bench/drafter_cost.py BUILD_DIR [--context 4096] [--accepted 3] [--draft-len N] [--reps 40]
+                                 [--batches 2,4,8,16,32] [--out DIR]
 
 The target is prefilled with --context random token ids.  AR step: the build's decode, a token fed back
 on the device (`CompiledModel.step_on_device`, as the AR engine runs), per step over --reps steps.
@@ -11,6 +12,11 @@ block drafter: the build's one `drafter_cycle` call, ranked where it ran, and be
 block calls with the logits ranked by torch (`drafters.ranked`); a feature drafter: its steps, ranked by
 torch) -- timed to the host having the proposal.  Features are random rows of the right
 width: the cost does not depend on their values.  Medians and quartiles; JSON to --out.
+
+--batches (a block drafter in a build for batches): B drafters, each on its own row of the pool with a
+context of --context tokens, their cycles as one ``drafter_cycle_batch`` call against one
+``drafter_cycle`` call each, interleaved, beside the target's batched AR pass over the same B sequences,
+and how alike the two ways rank (their kernels differ: with bf16, near-ties may swap).
 """
 
 from __future__ import annotations
@@ -103,6 +109,61 @@ def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_l
                  if profiled else [])
 
 
+def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: int, reps: int, warmup: int) -> dict:
+    """A batch's drafting cycles (see the module docstring): milliseconds a cycle of all ``batch`` drafters
+    as one call and as a call each, the share of drafters ranking alike both ways, and the target's
+    batched AR pass over ``batch`` sequences of ``context`` tokens."""
+    net = module.draft_net()
+    cfg, capacity = net.cfg, module.manifest.capacity
+    n = warmup + reps
+    need = context + n * accepted
+    if need + cfg.block_size > capacity:
+        raise SystemExit(f"--context {context} with {n} cycles of {accepted} needs {need + cfg.block_size} slots; "
+                         f"the build holds {capacity}")
+    gen = torch.Generator().manual_seed(3)
+    width = len(cfg.target_layers) * cfg.target_hidden
+    features = torch.randn(batch, need, width, generator=gen).to(device=net.device, dtype=net.dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (n, batch, cfg.block_size), generator=gen)
+    caches = [net.new_cache(fd.cache_slots(cfg, capacity)) for _ in range(batch)]
+    for b, cache in enumerate(caches):
+        net.context(cache, features[b, :context], 0)
+    one, each, alike, worst = [], [], 0, 0.0
+    for r in range(n):
+        start = context + (r + 1) * accepted      # both ways cache the same rows: the same state after either
+        entries = [(c, features[b, start - accepted:start], start, tokens[r, b]) for b, c in enumerate(caches)]
+        _sync(net.device)
+        t0 = time.perf_counter()
+        together = net.cycle_batch(entries, net.ranks)
+        t1 = time.perf_counter()
+        alone = [net.ranked_cycle(*entry, net.ranks) for entry in entries]
+        t2 = time.perf_counter()
+        if r >= warmup:
+            one.append((t1 - t0) * 1e3)
+            each.append((t2 - t1) * 1e3)
+        alike += sum(bool(torch.equal(a[0], b[0])) for a, b in zip(together, alone))
+        worst = max([worst] + [float((a[1][:, 0] - b[1][:, 0]).abs().max()) for a, b in zip(together, alone)])
+    return {"batch": batch, "one_call": quartiles(one), "a_call_each": quartiles(each),
+            "identical_rankings": alike / (n * batch), "max_top1_logprob_difference": worst,
+            "ar_pass": quartiles(ar_passes(module, context, batch, n)[warmup:])}
+
+
+def ar_passes(module: CompiledModule, context: int, batch: int, reps: int) -> list[float]:
+    """Milliseconds per batched AR pass (`forward_batch` of one token a sequence, as the batch scheduler
+    runs AR) over ``batch`` sequences prefilled with ``context`` random ids."""
+    target = module.model("target")
+    gen = torch.Generator().manual_seed(4)
+    states = [target.new_state(module.manifest.capacity) for _ in range(batch)]
+    for state in states:
+        target.forward(torch.randint(0, target.vocab_size, (context,), generator=gen).tolist(), state)
+    out = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        rows = target.forward_batch([([r % target.vocab_size], state) for state in states])
+        rows[-1][-1].argmax().item()          # the host has the pass's result
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def ranking_check(module: CompiledModule, context: int, cycles: int = 8) -> dict:
     """The build's ranking (`kernels.rank_rows` in ``drafter_cycle``) against `drafters.ranked` over the
     same block's logits (``drafter_block`` again on the same cache): the share of identical ranked
@@ -159,6 +220,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", type=int, default=10, help="steps / cycles whose kernels are listed (GPU)")
+    ap.add_argument("--batches", default="", help="B,...: a batch's cycles in one call against a call each")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     module = CompiledModule(args.build)
@@ -180,6 +242,14 @@ def main() -> None:
     if two_calls:     # the same cycle as two calls (context, then block) ranked by torch, for the side-by-side
         result["drafting_cycle_two_calls"] = quartiles(two_calls)
         result["ranking_check"] = agreement
+    batches = [int(v) for v in args.batches.split(",") if v]
+    if batches:
+        result["batched"] = [batched_cycles(module, args.context, args.accepted, b, args.reps, args.warmup)
+                             for b in batches]
+        for row in result["batched"]:
+            print(f"batch {row['batch']}: one call {row['one_call']['median_ms']:.3f} ms, a call each "
+                  f"{row['a_call_each']['median_ms']:.3f} ms, AR pass {row['ar_pass']['median_ms']:.3f} ms; "
+                  f"ranked alike {100 * row['identical_rankings']:.1f} %")
     if kernels:       # per step / cycle: what the device ran, against the wall time above
         result["kernels"] = {"ar_step": ar_kernels, "drafting_cycle": kernels}
         for what, table in result["kernels"].items():
@@ -194,6 +264,7 @@ def main() -> None:
           + f" -> {path}")
     if agreement and agreement["identical_indices"] < 1.0:     # the kernel is wrong somewhere: fail the run
         raise SystemExit(f"the build's ranking differs from torch's on the same logits: {agreement}")
+
 
 
 if __name__ == "__main__":

@@ -207,12 +207,14 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
 s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats | cut -c1-150 ;;
   cost)
     # a drafting cycle beside an AR step of the same build (bench/drafter_cost.py): SmolLM2's (--params load:
-    # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k
+    # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k (CONTEXT: another); COST_ARGS: more
+    # options (--batches 2,4,...: a batch build's cycles in one call against a call each)
     shift; setup; unpack
     [ -f $E/smolpart.ab ] && { G=$E/SmolLM2-135M-Instruct.Q4_1.gguf; [ -f $G ] || cat $E/smolpart.* > $G; }
     for build in "$@"; do
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
-      timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context $context --out $OUT 2>&1 | tail -2
+      timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \
+        --out $OUT 2>&1 | tail -${TAIL:-8}
     done ;;
   *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;

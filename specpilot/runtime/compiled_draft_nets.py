@@ -22,6 +22,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import scatter_draft_vocab
 
+
 class CacheRow:
     """A drafter's row ``row`` of the key/value buffer ``pool``; a pooled row goes back to its pool's
     free list when the last reference to its handle goes."""

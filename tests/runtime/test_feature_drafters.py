@@ -563,3 +563,13 @@ def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s
         got = system.generate_batch(engine, prompts, lengths, max_batch=2)
         assert [g.tokens for g in got] == want, engine
         assert calls and max(calls) == 2, (engine, calls)
+
+
+def test_the_drafter_cost_bench_times_a_batch_s_cycles_both_ways_alike(batch_build):
+    """bench/drafter_cost.py --batches on the CPU build: one call and a call each rank alike, and the
+    batched AR pass runs over the same sequences."""
+    from bench.drafter_cost import batched_cycles
+    from specpilot.runtime.engine import CompiledModule
+    row = batched_cycles(CompiledModule(batch_build), context=9, accepted=2, batch=3, reps=3, warmup=1)
+    assert row["batch"] == 3 and row["identical_rankings"] == 1.0 and row["max_top1_logprob_difference"] < 1e-4
+    assert all(row[k]["samples"] == 3 and row[k]["median_ms"] > 0 for k in ("one_call", "a_call_each", "ar_pass"))
