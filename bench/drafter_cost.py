@@ -223,6 +223,8 @@ def main() -> None:
     ap.add_argument("--batches", default="", help="B,...: a batch's cycles in one call against a call each")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.accepted < 1:     # a cycle caches what the last verification committed: at least its last token
+        raise SystemExit("--accepted: at least 1")
     module = CompiledModule(args.build)
     cfg = module.feature_drafter()[0]
     draft_len = args.draft_len or (cfg.drafts_per_pass if cfg.kind == "block" else module.manifest.serving.draft_len)

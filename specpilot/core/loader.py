@@ -103,7 +103,7 @@ def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
                                              tuple(d.target_layers) if d.target_layers else None,
                                              draft_vocab=getattr(d, "draft_vocab", None)), target.cfg)
     except CheckpointError as e:
-        raise SpecError(spec.path, "drafter", str(e)) from None
+        raise SpecError(spec.path, "drafter.cost" if spec.drafter.kind == "replay" else "drafter", str(e)) from None
     return cfg, (fd.random_init(cfg, d.init.seed) if weights else {})
 
 

@@ -195,11 +195,18 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
     given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init") if getattr(d, k) is not None]
     if given:
         raise SpecError(spec.path, f"drafter.{given[0]}", "a replay drafter's network goes under 'cost'")
+    own = [k for k in ("layers", "target_layers") if getattr(d, k) is not None] + \
+        (["block_size"] if "block_size" in d.model_fields_set else [])
+    if own:
+        raise SpecError(spec.path, f"drafter.{own[0]}", "a replay drafter's network options go under 'cost'")
     if d.cost.kind == "block":
         given = [k for k in ("checkpoint", "gguf", "architecture", "config", "tokenizer") if getattr(d.cost, k) is not None]
         if given or d.cost.init is None:
             raise SpecError(spec.path, f"drafter.cost.{given[0] if given else 'init'}", "a replay drafter's block cost "
                             "is a seeded drafter of the target's width: layers, block_size, target_layers, init: {seed: N}")
+        if d.cost.init.draw != "host" or d.cost.init.round_to is not None:
+            raise SpecError(spec.path, "drafter.cost.init", "a block cost is drawn from its seed alone (no draw or "
+                            "round_to)")
     elif d.cost.layers is not None or d.cost.target_layers is not None or "block_size" in d.cost.model_fields_set:
         raise SpecError(spec.path, "drafter.cost", "layers, block_size and target_layers are a block cost's "
                         "(cost: {kind: block, ...})")

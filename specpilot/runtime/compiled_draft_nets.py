@@ -74,8 +74,9 @@ class CompiledBlockNet(_Compiled):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
         self.ranks = min(module.manifest.drafter.top_k, cfg.vocab_size)   # what drafter_cycle ranks a position
-        self.pool_rows = module.manifest.max_batch       # the build's pool (one row: a buffer a drafter)
-        self.batched = self.pool_rows > 1 and "drafter_cycle_batch" in module.functions
+        # the build's pool: max_batch rows where it drafts batches, else a buffer a drafter
+        self.batched = "drafter_cycle_batch" in module.functions
+        self.pool_rows = module.manifest.max_batch if self.batched else 1
         if self.batched:
             self.fns["drafter_cycle_batch"] = module.functions["drafter_cycle_batch"]
         self._pool, self._free = None, []
@@ -125,9 +126,11 @@ class CompiledBlockNet(_Compiled):
         Every entry must be one `serves` takes, its row of this network's pool."""
         if not self.batched:
             raise SpecPilotError("this build drafts one block a call (no drafter_cycle_batch: deployment.max_batch 1)")
-        if any(c.pool is not self._pool for c, *_ in entries) or not all(self.serves(f.shape[0], k) for _, f, _, _ in entries):
-            raise SpecPilotError("cycle_batch: every sequence needs a row of this network's pool and at most a "
-                                 f"block of new tokens, ranked at most {self.ranks} a position")
+        rows = {c.row for c, *_ in entries}
+        if any(c.pool is not self._pool for c, *_ in entries) or len(rows) < len(entries) \
+                or not all(self.serves(f.shape[0], k) for _, f, _, _ in entries):
+            raise SpecPilotError("cycle_batch: every sequence needs a row of this network's pool of its own and at "
+                                 f"most a block of new tokens, ranked at most {self.ranks} a position")
         return self._cycle("drafter_cycle_batch", entries, k)
 
     def _cycle(self, name: str, entries: list, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -150,7 +150,7 @@ class CompiledModule:
         self._drafter = None      # a block / feature drafter's (config, tensors, directory), read once
         self._retrained = None    # (SPECPILOT_DRAFTER, its (config, tensors, directory))
         self._stored, self._aliases = self._read_params()
-        if self.conditioned_spec()["kind"] in fd.KINDS and os.environ.get("SPECPILOT_DRAFTER"):
+        if self.conditioned_spec() is not None and os.environ.get("SPECPILOT_DRAFTER"):
             self._swap_drafter()
         self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
@@ -200,7 +200,7 @@ class CompiledModule:
             else:
                 weights = random_weights(cfgs["drafter"], **seeds["drafter"])
             drafter = SimpleNamespace(cfg=cfgs["drafter"], weights=weights)
-        if self.conditioned_spec()["kind"] in fd.KINDS:   # the build's own network (a retrained one swapped in after)
+        if self.conditioned_spec() is not None:   # the build's own network (a retrained one swapped in after)
             drafter = fd.packing_view(*self._own_drafter()[:2], target.weights)   # the build's: its digest
         values = rewritten_parameters(m, target, drafter, device="cuda" if on_gpu else None, consume=True)
         if on_gpu:    # the conversion's freed temporaries back to the driver, where TVM allocates its workspace
@@ -344,11 +344,15 @@ class CompiledModule:
                 self._drafter = cfg, fd.random_init(cfg, int(self.conditioned_spec()["init"]["seed"])), own
         return self._drafter
 
-    def conditioned_spec(self) -> dict:
-        """The spec's options of the network reading the target's hidden states: a block / feature
-        drafter's own, or a replay drafter's block cost (`core.spec.conditioned_source`)."""
+    def conditioned_spec(self) -> dict | None:
+        """The spec's options of the network reading the target's hidden states that the build lowered:
+        a block / feature drafter's own, a replay drafter's block cost (`core.spec.conditioned_source`),
+        or None."""
         drafter = self.manifest.spec["drafter"]
-        return drafter["cost"] if drafter["kind"] == "replay" else drafter
+        if drafter["kind"] in fd.KINDS:
+            return drafter
+        cost = drafter.get("cost") or {}
+        return cost if drafter["kind"] == "replay" and cost.get("kind", "model") == "block" else None
 
     def _swap_drafter(self) -> None:
         """The retrained drafter's tensors in the stored parameters' places (`feature_drafter` checked

@@ -126,10 +126,12 @@ class BlockDrafter(_Conditioned):
     def cycle_entry(self, context: list[int]):
         """This drafter's part of a batched cycle below ``context`` (cache row, new features, start,
         block tokens), or None where one cannot take it: nothing new to cache, more new tokens than a
-        block, sampling temperature, more ranks than the build keeps, or a network that drafts alone."""
+        block, a context past what the target consumed (its features are not there), sampling
+        temperature, more ranks than the build keeps, or a network that drafts alone."""
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
-        if not getattr(self.net, "batched", False) or self.temperature != 1.0 or not keep < n \
+        past = self.target_state is not None and len(context) > self.target_state.length + 1
+        if past or not getattr(self.net, "batched", False) or self.temperature != 1.0 or not keep < n \
                 or not self.net.serves(n - keep, self.top_k) or self.last is not None and self.last[0] == tuple(context):
             return None
         return self.cache, self._features(keep, n), n, self._block_tokens(context)
@@ -156,7 +158,7 @@ def draft_blocks(drafters: list, contexts: list[list[int]]) -> None:
     """The block drafters among ``drafters`` (a replay drafter's cost too) that share a network draft
     their blocks below ``contexts`` in one batched call (`CompiledBlockNet.cycle_batch`); each keeps its
     ranked block for the `block_ranked` of that context.  The others draft alone when asked."""
-    groups: dict[int, list] = {}
+    groups: dict[tuple[int, int], list] = {}
     for drafter, context in zip(drafters, contexts):
         block = getattr(drafter, "block_drafter", None)
         entry = block.cycle_entry(context) if block is not None else None

@@ -311,6 +311,8 @@ class System:
                 drafter.close()
             if hasattr(own, "state"):
                 own.state = None
+            if hasattr(own, "close"):     # a block drafter's pooled cache row goes back
+                own.close()
 
 
 @dataclass
@@ -338,8 +340,8 @@ class DrafterSetup:
         network = lambda sampling=None: ModelDrafter(sampled(model, sampling), self.top_k,  # noqa: E731
                                                      self.capacity, name=self.kind, temperature=self.temperature)
         if self.kind == "replay" and self.cost_kind == "block":
-            return lambda sampling=None: ReplayDrafter(BlockDrafter(model, self.top_k, self.capacity), oracle,
-                                                       self.replay, self.top_k, vocab_size)
+            return lambda sampling=None: ReplayDrafter(BlockDrafter(model, self.top_k, self.capacity, self.temperature),
+                                                       oracle, self.replay, self.top_k, vocab_size)
         if self.kind == "replay":
             return lambda sampling=None: ReplayDrafter(network(sampling), oracle, self.replay, self.top_k, vocab_size)
         return network
@@ -386,8 +388,9 @@ def from_build(build_dir: Path) -> System:
                                                                device, feature_layers=features if which == "target"
                                                                else None)) for which in m.models}
     compiled = {which: module.model(which) for which in m.models}
-    cost_kind = (m.spec["drafter"].get("cost") or {}).get("kind", "model")
-    if d.kind in ("block", "feature") or cost_kind == "block":   # one network drafts for both engines
+    conditioned = module.conditioned_spec() is not None     # a block / feature network, or a replay's block cost
+    cost_kind = "block" if conditioned and d.kind == "replay" else "model"
+    if conditioned:   # one network drafts for both engines (it reads the target's embeddings)
         net_cfg, tensors, directory = module.feature_drafter()
         refs["drafter"] = Deferred(lambda: build_net(net_cfg, tensors, module.reference_weights("target"), dtype, device))
         compiled["drafter"] = Deferred(module.draft_net)
@@ -420,7 +423,7 @@ def from_build(build_dir: Path) -> System:
                     tuple(cfg.eos_token_ids), m.dtype, m.serving.draft_min, m.serving.draft_dynamic,
                     m.serving.draft_step, setup=setup, oracle=oracle, draft_reference=refs.get("drafter"),
                     node_budget=m.node_budget.nodes if m.node_budget else None, draft_priced=m.serving.draft_priced)
-    if d.kind in ("block", "feature") or cost_kind == "block":     # which drafter ran: the build's own or a retrained one
+    if conditioned:     # which drafter ran: the build's own or a retrained one
         from specpilot.core.weights import file_digest
         weights = directory / "model.safetensors"
         system.drafter_source = {"directory": str(directory), "sha256": file_digest(weights)} if weights.is_file() \

@@ -190,6 +190,10 @@ def test_a_run_that_leaves_the_recorded_continuation_stays_exact_with_every_late
     ({"kind": "replay", "alpha": 0.5, "cost": {"kind": "block", "init": {"seed": 1}, "architecture": "LlamaForCausalLM"}},
      "drafter.cost.architecture"),
     ({"kind": "replay", "alpha": 0.5, "cost": {**COST, "layers": 2}}, "are a block cost's"),
+    ({"kind": "replay", "alpha": 0.5, "cost": {"kind": "block", "init": {"seed": 1, "draw": "device"}}},
+     "drafter.cost.init: a block cost is drawn from its seed alone"),
+    ({"kind": "replay", "alpha": 0.5, "block_size": 4, "cost": {"kind": "block", "init": {"seed": 1}}},
+     "drafter.block_size: a replay drafter's network options go under 'cost'"),
 ])
 def test_bad_replay_drafters_are_refused_with_the_key(tmp_path, drafter, message):
     (tmp_path / "m.yaml").write_text(yaml.safe_dump({"target": DENSE_TARGET, "drafter": drafter}))
