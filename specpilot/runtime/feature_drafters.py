@@ -128,14 +128,15 @@ class BlockDrafter(_Conditioned):
         block tokens), or None where one cannot take it: nothing new to cache, more new tokens than a
         block, a context past what the target consumed (its features are not there), sampling
         temperature, more ranks than the build keeps, or a network that drafts alone."""
+        if not getattr(self.net, "batched", False) or self.temperature != 1.0:     # the cheap tests first: every step
+            return None
         n = len(context) - 1
+        past = self.target_state is not None and n > self.target_state.length
         keep = common_prefix(self.consumed, context[:n])
-        past = self.target_state is not None and len(context) > self.target_state.length + 1
-        if past or not getattr(self.net, "batched", False) or self.temperature != 1.0 or not keep < n \
-                or not self.net.serves(n - keep, self.top_k) or self.last is not None and self.last[0] == tuple(context):
+        if past or not keep < n or not self.net.serves(n - keep, self.top_k) \
+                or self.last is not None and self.last[0] == tuple(context):
             return None
         return self.cache, self._features(keep, n), n, self._block_tokens(context)
-
 
     def propose(self, context: list[int], n: int) -> Lattice:
         n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
