@@ -19,7 +19,8 @@
 #   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
 #   bash bench/h200_e2e.sh fd-profile BUILD  the host's side of a trained drafter's tree engine (cProfile), to $OUT
 #   bash bench/h200_e2e.sh fd [BUILD...]    the block / feature builds (bench/specs/smollm2-{block,feature}-bf16.yaml)
-#                                           with the trained drafters (SPECPILOT_DRAFTER=$E/drafters/KIND), to $OUT
+#                                           with the trained drafters (SPECPILOT_DRAFTER=$E/drafters/KIND where the
+#                                           build's is a seeded stand-in), to $OUT
 # Carried: the runtime TVM (bench/make_gpu_runtime.sh's site.tgz), the wheels the image lacks (pydantic, gguf;
 # for serving fastapi, uvicorn, prometheus-client, openai and theirs: `pip download --python-version 3.12`), the GGUF split in
 # three (+ its sha256), and the builds as NAME.txz (tar -cJf, without kernels.json), spread over the calls.
@@ -43,6 +44,12 @@ prepare() {
 unpack() {
   b=$E/builds; mkdir -p $b
   for t in $E/*.txz; do [ -e "$t" ] && [ ! -d $b/$(basename $t .txz) ] && tar xJf $t -C $b; done; true
+}
+# SPECPILOT_DRAFTER for a build whose block / feature drafter is a seeded stand-in: the trained one staged in
+# $E/drafters (a build lowered from a drafter checkpoint keeps its own; empty: none)
+trained() {
+  python3 -c "import json; d = json.load(open('$b/$1/manifest.json'))['spec']['drafter']
+print('$E/drafters/' + d['kind'] if d['kind'] in ('block', 'feature') and not d.get('checkpoint') else '')"
 }
 # batch 1 at a 4k context: prompts of 4096 token ids (a seeded model has no tokenizer; any ids will do)
 long_prompts() {
@@ -161,8 +168,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     # (TIE: a fixed tie tolerance; `auto` runs stock PyTorch on every prompt first, minutes at 32)
     # (a block / feature drafter's build drafts with the trained drafter staged in $E/drafters)
     shift; prepare
-    kind=$(python3 -c "import json; print(json.load(open('$b/${1:-smol-batch}/manifest.json'))['drafter']['kind'])")
-    [ -d $E/drafters/$kind ] && export SPECPILOT_DRAFTER=$E/drafters/$kind
+    export SPECPILOT_DRAFTER=$(trained ${1:-smol-batch})
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
       -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \
@@ -189,9 +195,8 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     # the trained drafters in their builds: compiled AR vs chain vs tree, code and chat, identical tokens
     shift; prepare
     for build in ${@:-block feature}; do
-      kind=$(python3 -c "import json; print(json.load(open('$b/$build/manifest.json'))['drafter']['kind'])")
       for set in ${SETS:-code chat}; do
-        SPECPILOT_DRAFTER=$E/drafters/$kind timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build \
+        SPECPILOT_DRAFTER=$(trained $build) timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build \
           --prompts $set --requests ${REQUESTS:-6} --max-new-tokens ${TOKENS:-256} \
           --engines compiled,compiled-spec,compiled-tree -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -8
       done
@@ -199,8 +204,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
   fd-profile)
     # the host's side of a trained drafter's tree engine (cProfile of one code-set bench run), the stats to $OUT
     shift; prepare
-    kind=$(python3 -c "import json; print(json.load(open('$b/$1/manifest.json'))['drafter']['kind'])")
-    SPECPILOT_DRAFTER=$E/drafters/$kind timeout ${PROFILE_S:-200} python3 -m cProfile -o $OUT/fd-profile-$1.pstats \
+    SPECPILOT_DRAFTER=$(trained $1) timeout ${PROFILE_S:-200} python3 -m cProfile -o $OUT/fd-profile-$1.pstats \
       -m specpilot.cli bench $b/$1 --prompts code --requests ${REQUESTS:-2} --max-new-tokens ${TOKENS:-256} \
       --engines ${PROFILE_ENGINES:-compiled,compiled-tree} -o $OUT/fd-profile-$1.json 2>&1 | tail -4
     python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25)

@@ -623,7 +623,8 @@ def drafter():
 @click.option("--ttt", type=click.IntRange(1, 8), default=3, show_default=True,
               help="feature: draft steps trained on the drafter's own outputs")
 @click.option("--draft-vocab", type=click.IntRange(1), default=None,
-              help="feature: its head's vocabulary, the target's most used tokens (default: the whole vocabulary)")
+              help="block / feature: its head's vocabulary, the target's most used tokens (default: the whole "
+                   "vocabulary; a block drafter's head is the target head's rows of them)")
 @click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="directory for the adapters (adapter-L<N>.safetensors) or the drafter (config.json + "
                    "model.safetensors, the published layout; training state in training/: a rerun resumes), "
@@ -658,20 +659,8 @@ def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, dr
 
     s = load_spec(spec)
     target = load_source(s, s.target, "target")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecPilotError(f"--device {device}: no CUDA device here (use --device cpu)")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise SpecPilotError(f"--device {device}: expected cpu, cuda or auto")
-    texts = []
-    if holdout is not None:
-        try:
-            texts = json.loads(holdout.read_text())
-        except json.JSONDecodeError as e:
-            raise SpecPilotError(f"{holdout}: not JSON ({e})") from None
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise SpecPilotError(f"{holdout}: expected a JSON list of strings")
+    device = _training_device(device)
+    texts = _holdout_texts(holdout)
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
     if kind != "early-exit":
         _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,
@@ -697,6 +686,115 @@ def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, dr
         click.echo(f"{path}: held-out top-1 {r.heldout['top1']:.3f} (no adapter {r.heldout['top1_no_adapter']:.3f}), "
                    f"top-4 {r.heldout['top4']:.3f}")
     (output / "training.json").write_text(json.dumps(report, indent=2))
+
+
+def _training_device(device: str) -> str:
+    import torch
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecPilotError(f"--device {device}: no CUDA device here (use --device cpu)")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise SpecPilotError(f"--device {device}: expected cpu, cuda or auto")
+    return device
+
+
+def _holdout_texts(holdout: Path | None) -> list[str]:
+    """A --holdout file's prompt texts (a JSON list of strings)."""
+    if holdout is None:
+        return []
+    try:
+        texts = json.loads(holdout.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecPilotError(f"{holdout}: not JSON ({e})") from None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise SpecPilotError(f"{holdout}: expected a JSON list of strings")
+    return texts
+
+
+@drafter.command("vocab")
+@click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--size", type=click.IntRange(1), default=None, help="tokens in the draft vocabulary (counted)")
+@click.option("--from", "source", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="take the draft vocabulary of another drafter of the same target (an EAGLE-3 drafter's d2t) "
+                   "instead of counting")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="directory for the drafter with its vocabulary (the input is left as it is)")
+@click.option("--generate", "generated", type=click.IntRange(2), default=512, show_default=True,
+              help="target continuations whose tokens are counted (half code, half chat for chat models)")
+@click.option("--seq-len", type=click.IntRange(16), default=256, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
+@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="directory of .py files (default: the Python standard library)")
+@click.option("--holdout", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="JSON list of prompt texts never to count (a benchmark's)")
+def drafter_vocab(spec, directory, size, source, output, generated, seq_len, seed, device, corpus, holdout):
+    """Give a trained block drafter (DIRECTORY, for SPEC's target) a draft vocabulary: its head becomes
+    the target head's rows of the SIZE tokens the target's own continuations use most (or of another
+    drafter's vocabulary, --from), so a drafting pass computes and ranks those logits a position
+    instead of the whole vocabulary's.  Tokens stay the target's: verification decides."""
+    import dataclasses
+
+    from specpilot.core import feature_drafter as fd
+    from specpilot.core.adapter import target_digest
+    from specpilot.core.loader import load_source
+    from specpilot.core.spec import load_spec
+
+    if (size is None) == (source is None):
+        raise click.UsageError("give one of --size (count the target's continuations) or --from (another drafter's)")
+    s = load_spec(spec)
+    target = load_source(s, s.target, "target")
+    digest = target_digest(target.weights)
+    cfg, tensors = fd.load(directory, target.cfg, digest)
+    if cfg.kind != "block" or fd.sliced_head(cfg):
+        raise SpecPilotError(f"{directory}: a {cfg.kind} drafter" + (" with a draft vocabulary already" if
+                             cfg.kind == "block" else "; a feature drafter's vocabulary is chosen when it is trained"))
+    if source is not None:
+        ids, note = _vocabulary_of(source, target, digest)
+    else:
+        if size >= cfg.vocab_size:
+            raise click.BadParameter(f"{size} is not smaller than the target's vocabulary ({cfg.vocab_size})",
+                                     param_hint="--size")
+        ids, note = _counted_vocabulary(target, size, dict(generated=generated, seq_len=seq_len, seed=seed,
+                                                           device=device, corpus=corpus, holdout=holdout))
+    fd.save_with_vocabulary(directory, output, dataclasses.replace(cfg, draft_vocab_size=len(ids)), fd.d2t_of(ids),
+                            target.cfg.num_hidden_layers, digest)
+    click.echo(f"{output}: a block drafter with a vocabulary of {len(ids)} tokens, {note}")
+
+
+def _vocabulary_of(source: Path, target, digest: str):
+    """Another drafter's draft vocabulary (target ids, ascending) for the same target."""
+    from specpilot.core import feature_drafter as fd
+
+    cfg, tensors = fd.load(source, target.cfg, digest)
+    if "d2t" not in tensors or (cfg.draft_vocab_size or cfg.vocab_size) >= cfg.vocab_size:
+        raise SpecPilotError(f"--from {source}: a {cfg.kind} drafter without a draft vocabulary")
+    return fd.vocab_ids(tensors["d2t"]), f"{source}'s"
+
+
+def _counted_vocabulary(target, size: int, options: dict):
+    """The ``size`` tokens the target's own continuations use most, and what share of their tokens
+    those cover."""
+    import random
+
+    import torch
+
+    from specpilot.runtime.drafter_training import stdlib_files, target_sequences
+    from specpilot.runtime.feature_drafter_training import draft_vocabulary
+    from specpilot.runtime.tokenizer import load_tokenizer
+
+    o = options
+    tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
+    weights = {k: v.to(_training_device(o["device"]), torch.float32) for k, v in target.weights.items()}
+    sequences = target_sequences(target.cfg, weights, tok, o["generated"], o["seq_len"], stdlib_files(o["corpus"]),
+                                 random.Random(o["seed"]), o["seed"], _holdout_texts(o["holdout"]),
+                                 log=lambda m: click.echo(m, err=True))
+    ids = draft_vocabulary(sequences, size)
+    counted = torch.bincount(torch.tensor([t for q in sequences for t in q]), minlength=target.cfg.vocab_size)
+    covered = float(counted[ids].sum()) / max(float(counted.sum()), 1.0)
+    return ids, f"{covered:.2%} of the {int(counted.sum())} tokens of {len(sequences)} target sequences"
 
 
 def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,

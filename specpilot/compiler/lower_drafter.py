@@ -9,7 +9,7 @@ drafts the blocks of a whole batch.  Functions (prefix ``drafter_``), one sequen
 
     block (DFlash):
       context(features[1, T, F], positions, slots, rows, dkv) -> dkv   the context's keys/values
-      block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, vocab] (K: the block size, static)
+      block(tokens[1, K], positions, slots, mask, rows, dkv)   -> logits[1, K, head rows] (K: the block size, static)
       cycle(features[1, K, F], context_positions, context_slots, tokens[1, K], positions, slots, mask, rows, dkv)
                                                                -> ranked[1, K, top_k, 2]   context, then block,
                                                                   each position's top_k (`kernels.rank_rows`)
@@ -21,7 +21,9 @@ drafts the blocks of a whole batch.  Functions (prefix ``drafter_``), one sequen
                                                                   -> (hidden out[1, T, H], logits[1, T, draft vocab])
 
 Parameters are ``drafter.<published name>``; the token embeddings (and the block drafter's head)
-are the target's own.
+are the target's own.  A block drafter with a draft vocabulary has ``drafter.lm_head.weight``, the
+target head's rows of its tokens (`core.feature_drafter.packing_view`): its logits and ranks are
+draft ids, mapped to the target's where they are read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tvm.relax.frontend.nn.core import wrap_nested
 
 from specpilot import kernels
 from specpilot.compiler.layers import MLP, Attention, DecoderLayer, Linear, RMSNorm, StepInputs, Weight, matmul
-from specpilot.core.feature_drafter import DraftNetConfig, cache_shape, cache_slots, layer_config
+from specpilot.core.feature_drafter import DraftNetConfig, cache_shape, cache_slots, layer_config, sliced_head
 from specpilot.kernels.norms import attention_heads_te, rotary_te
 
 
@@ -92,11 +94,14 @@ class BlockDraftNet(_DraftNet):
     def __init__(self, cfg: DraftNetConfig, dtype: str, gpu: bool, capacity: int, embed: nn.Parameter,
                  head: nn.Parameter, ranks: int, n_rows: int = 1):
         super().__init__(cfg, dtype, gpu, capacity, embed, n_rows)
-        self.ranks = min(ranks, cfg.vocab_size)      # the proposals a cycle ranks a position (the spec's top_k)
+        self.head_rows = cfg.draft_vocab_size if sliced_head(cfg) else cfg.vocab_size
+        self.ranks = min(ranks, self.head_rows)      # the proposals a cycle ranks a position (the spec's top_k)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, False, dtype, gpu)
         self.layers = nn.ModuleList([DecoderLayer(self.layer_cfg, "full_attention", dtype, gpu, self.slots, n_rows,
                                                   cfg.num_layers) for _ in range(cfg.num_layers)])
-        self.head = head
+        # the target's head (its parameter: stored once), or its rows of the draft vocabulary
+        self.lm_head = Weight((cfg.draft_vocab_size, cfg.hidden_size), dtype) if sliced_head(cfg) else None
+        self.head = head if self.lm_head is None else None
 
     def context(self, features, positions, slots, rows, dkv):
         h = self.hidden_norm(self.fuse(features))
@@ -113,8 +118,9 @@ class BlockDraftNet(_DraftNet):
             x, dkv = layer.self_attn(layer.input_layernorm(h), s, dkv, i)
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = op.astype(matmul(self.norm(h), op.permute_dims(self.head)), "float32")
-        return op.reshape(logits, (B, K, self.cfg.vocab_size))
+        head = self.head if self.lm_head is None else self.lm_head.weight
+        logits = op.astype(matmul(self.norm(h), op.permute_dims(head)), "float32")
+        return op.reshape(logits, (B, K, self.head_rows))
 
     def cycle(self, features, context_positions, context_slots, tokens, positions, slots, mask, rows, dkv):
         """A drafting cycle in one call: the newly committed tokens' keys/values (at most a block's,
@@ -122,8 +128,8 @@ class BlockDraftNet(_DraftNet):
         instead of the logits and a dozen host-side ranking launches)."""
         dkv = self.context(features, context_positions, context_slots, rows, dkv)
         B, K = tokens.shape
-        logits = op.reshape(self.block(tokens, positions, slots, mask, rows, dkv), (B * K, self.cfg.vocab_size))
-        ranked = op.tensor_ir_op(kernels.rank_rows(self.cfg.vocab_size, self.ranks, self.gpu), "rank_rows", [logits],
+        logits = op.reshape(self.block(tokens, positions, slots, mask, rows, dkv), (B * K, self.head_rows))
+        ranked = op.tensor_ir_op(kernels.rank_rows(self.head_rows, self.ranks, self.gpu), "rank_rows", [logits],
                                  Tensor.placeholder((B * K, self.ranks, 2), "float32"))
         return op.reshape(ranked, (B, K, self.ranks, 2))
 

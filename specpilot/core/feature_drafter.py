@@ -7,7 +7,9 @@ published projects use.
   layer's own k/v projections); all positions are predicted in one pass.  Files: ``config.json``
   (``architectures: [DFlashDraftModel]``, ``block_size``, ``num_target_layers``,
   ``dflash_config: {mask_token_id, target_layer_ids}``) and ``model.safetensors`` with ``fc``,
-  ``hidden_norm``, ``layers.{i}.*``, ``norm``; embeddings and head are the target's.
+  ``hidden_norm``, ``layers.{i}.*``, ``norm``; embeddings and head are the target's.  An extension
+  here: ``draft_vocab_size`` in config.json and a ``d2t`` tensor (as EAGLE-3's) keep the head to the
+  target head's rows of those tokens -- a pass over the head is most of a small drafter's cost.
 - ``feature`` (EAGLE-3, SafeAILab/EAGLE): one decoder layer over [embedding of the next token;
   fused target feature], autoregressive over the draft on its own pre-norm output.  Files:
   ``config.json`` (``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``,
@@ -54,7 +56,9 @@ class DraftNetConfig:
     qk_norm: bool = False
     block_size: int = 0               # block: positions per pass (the last token + block_size - 1 drafts)
     mask_token_id: int = -1           # block
-    draft_vocab_size: int = 0         # feature: rows of its own head (0: no head of its own; the target's)
+    # the head's rows (d2t names their target ids): feature, its own head; block, the target head's rows
+    # of those tokens (0: the whole head)
+    draft_vocab_size: int = 0
 
     @property
     def drafts_per_pass(self) -> int:
@@ -90,15 +94,34 @@ def layer_config(cfg: DraftNetConfig) -> ModelConfig:
         tie_word_embeddings=False, qk_norm=cfg.qk_norm, layer_types=("full_attention",) * cfg.num_layers)
 
 
+def sliced_head(cfg: DraftNetConfig) -> bool:
+    """Whether a block drafter's head is the target head's rows of a draft vocabulary."""
+    return cfg.kind == "block" and cfg.draft_vocab_size > 0
+
+
+def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target ids of draft ids 0, 1, .. (target id = draft id + d2t[draft id])."""
+    return torch.arange(d2t.shape[0]) + d2t.long().cpu()
+
+
+def d2t_of(ids: torch.Tensor) -> torch.Tensor:
+    """The d2t of a draft vocabulary of target ids ``ids`` (ascending)."""
+    return ids.long() - torch.arange(len(ids))
+
+
 def packing_view(cfg: DraftNetConfig, tensors: dict[str, torch.Tensor], target_weights: dict[str, torch.Tensor]):
     """The drafter as `core.weights.packed_parameters` reads a model (``cfg``: its layers' model
     config, ``weights`` by the names the lowered drafter uses): its own tensors but d2t (the runtime
-    maps draft ids), and the target's embeddings and head -- the same tensor objects, stored once."""
+    maps draft ids), and the target's embeddings and head -- the same tensor objects, stored once
+    (a block drafter's draft vocabulary: the head's rows of its tokens, as ``lm_head.weight``)."""
     from types import SimpleNamespace
 
     embed = target_weights["model.embed_tokens.weight"]
+    head = target_weights.get("lm_head.weight", embed)
     weights = {k: v for k, v in tensors.items() if k != "d2t"}
-    weights.update(embed=embed, head=target_weights.get("lm_head.weight", embed))
+    weights.update(embed=embed, head=head)
+    if sliced_head(cfg):
+        weights["lm_head.weight"] = head[vocab_ids(tensors["d2t"]).to(head.device)]
     return SimpleNamespace(cfg=layer_config(cfg), weights=weights)
 
 
@@ -122,8 +145,9 @@ def default_layers(kind: str, num_target_layers: int, n: int | None = None) -> t
 def seeded_config(kind: str, target: ModelConfig, layers: int = 1, block_size: int = 8,
                   target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
                   draft_vocab: int | None = None) -> DraftNetConfig:
-    """A drafter of the target's width (its heads, MLP and rotary base).  ``draft_vocab`` (feature): its
-    head's rows, the target's first tokens until training picks them (d2t)."""
+    """A drafter of the target's width (its heads, MLP and rotary base).  ``draft_vocab``: its head's
+    rows (a block drafter's: of the target's head), the target's first tokens until training picks
+    them (d2t); a block drafter of the whole vocabulary has none."""
     if draft_vocab is not None and not 1 <= draft_vocab <= target.vocab_size:
         raise CheckpointError(f"a draft vocabulary of {draft_vocab} tokens; the target has {target.vocab_size}")
     if kind not in KINDS:
@@ -136,7 +160,8 @@ def seeded_config(kind: str, target: ModelConfig, layers: int = 1, block_size: i
         vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
         qk_norm=kind == "block", block_size=block_size if kind == "block" else 0,
         mask_token_id=(target.vocab_size - 1 if mask_token_id is None else mask_token_id) if kind == "block" else -1,
-        draft_vocab_size=(draft_vocab or target.vocab_size) if kind == "feature" else 0)
+        draft_vocab_size=(draft_vocab or target.vocab_size) if kind == "feature" else
+        (draft_vocab if draft_vocab and draft_vocab < target.vocab_size else 0))
 
 
 def parameter_shapes(cfg: DraftNetConfig) -> dict[str, tuple[int, ...]]:
@@ -145,7 +170,7 @@ def parameter_shapes(cfg: DraftNetConfig) -> dict[str, tuple[int, ...]]:
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     fc = {"fc.weight": (H, len(cfg.target_layers) * cfg.target_hidden), "norm.weight": (H,)}
     if cfg.kind == "block":
-        out = {**fc, "hidden_norm.weight": (H,)}
+        out = {**fc, "hidden_norm.weight": (H,), **({"d2t": (cfg.draft_vocab_size,)} if sliced_head(cfg) else {})}
         prefixes, width = [f"layers.{i}." for i in range(cfg.num_layers)], H
     else:
         out = {**fc, "midlayer.hidden_norm.weight": (H,), "lm_head.weight": (cfg.draft_vocab_size, H),
@@ -163,12 +188,14 @@ def parameter_shapes(cfg: DraftNetConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_init(cfg: DraftNetConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights: matrices ~ N(0, 1/fan_in), norms near 1, the identity vocabulary map."""
+    """Seeded weights: matrices ~ N(0, 1/fan_in), norms near 1; a draft vocabulary of tokens drawn
+    from the seed too (its own generator: the weights are the same with or without one)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in sorted(parameter_shapes(cfg).items()):
         if name == "d2t":
-            out[name] = torch.zeros(shape, dtype=torch.long)
+            picks = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:shape[0]]
+            out[name] = d2t_of(picks.sort().values)
         elif len(shape) == 1:
             out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
@@ -185,7 +212,8 @@ def hf_config(cfg: DraftNetConfig, num_target_layers: int, digest: str | None = 
     if cfg.kind == "block":
         out = {"architectures": [ARCHITECTURES["block"]], "model_type": "qwen3", **common,
                "block_size": cfg.block_size, "num_target_layers": num_target_layers,
-               "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layers)}}
+               "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layers)},
+               **({"draft_vocab_size": cfg.draft_vocab_size} if sliced_head(cfg) else {})}
     else:
         out = {"architectures": [ARCHITECTURES["feature"]], "model_type": "llama", **common,
                "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden,
@@ -234,8 +262,12 @@ def config_from_hf(d: dict, target: ModelConfig, where: str) -> DraftNetConfig:
         mask = extra.get("mask_token_id")
         if not isinstance(mask, int) or not 0 <= mask < vocab:
             raise CheckpointError(f"{where}: dflash_config.mask_token_id {mask!r} is not a token of the vocabulary")
+        draft_vocab = d.get("draft_vocab_size") or 0
+        if not isinstance(draft_vocab, int) or not 0 <= draft_vocab <= vocab:
+            raise CheckpointError(f"{where}: draft_vocab_size {draft_vocab!r} is not a vocabulary of at most {vocab} tokens")
         cfg = DraftNetConfig(kind="block", target_layers=tuple(layers), target_hidden=target.hidden_size, qk_norm=True,
-                             block_size=block, mask_token_id=mask, **common)
+                             block_size=block, mask_token_id=mask, draft_vocab_size=0 if draft_vocab == vocab else draft_vocab,
+                             **common)
     else:
         extra = d.get("eagle_config") or {}
         layers = extra.get("eagle_aux_hidden_state_layer_ids") or d.get("eagle_aux_hidden_state_layer_ids") \
@@ -273,6 +305,25 @@ def save(directory: Path, cfg: DraftNetConfig, tensors: dict[str, torch.Tensor],
         save_file({k: (v if not v.is_floating_point() else v.to(dtype)).detach().cpu().contiguous()
                    for k, v in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
         tmp.replace(directory / "model.safetensors")
+    atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
+
+
+def save_with_vocabulary(source: Path, directory: Path, cfg: DraftNetConfig, d2t: torch.Tensor,
+                         num_target_layers: int, digest: str | None) -> None:
+    """``source``'s drafter with a draft vocabulary, in ``directory``: its weight files copied as they
+    are, d2t in ``vocab.safetensors``, ``cfg`` (with the vocabulary's size) as config.json."""
+    import shutil
+
+    from safetensors.torch import save_file
+    directory = Path(directory)
+    if directory.resolve() == Path(source).resolve():
+        raise CheckpointError(f"{directory}: the drafter with a vocabulary goes to a new directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in sorted(Path(source).glob("*.safetensors")):
+        shutil.copyfile(f, directory / f"{f.name}.tmp")
+        (directory / f"{f.name}.tmp").replace(directory / f.name)
+    save_file({"d2t": d2t.long().contiguous()}, str(directory / "vocab.safetensors.tmp"), metadata={"format": "pt"})
+    (directory / "vocab.safetensors.tmp").replace(directory / "vocab.safetensors")
     atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
 
 
@@ -321,9 +372,11 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shape}")
         if name == "d2t":
-            ids = torch.arange(shape[0]) + t.long()
+            ids = vocab_ids(t)
             if t.is_floating_point() or bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
                 raise CheckpointError(f"{where}: d2t maps draft tokens outside the target's vocabulary")
+            if len(torch.unique(ids)) < len(ids):
+                raise CheckpointError(f"{where}: d2t maps two draft tokens to one target token")
         elif not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{where}: {name} is not finite floating point")
     return cfg, tensors

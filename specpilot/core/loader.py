@@ -97,14 +97,19 @@ def conditioned_drafter(spec: Spec, target: LoadedModel, weights: bool = True):
         cfg, tensors = fd.load(spec.resolve(d.checkpoint, "drafter.checkpoint"), target.cfg, digest)
         if cfg.kind != d.kind:
             raise SpecError(spec.path, "drafter.checkpoint", f"a {cfg.kind} drafter checkpoint; the spec asks for {d.kind}")
-        return cfg, tensors
-    try:
-        cfg = fd.for_target(fd.seeded_config(d.kind, target.cfg, d.layers or 1, d.block_size,
-                                             tuple(d.target_layers) if d.target_layers else None,
-                                             draft_vocab=getattr(d, "draft_vocab", None)), target.cfg)
-    except CheckpointError as e:
-        raise SpecError(spec.path, "drafter.cost" if spec.drafter.kind == "replay" else "drafter", str(e)) from None
-    return cfg, (fd.random_init(cfg, d.init.seed) if weights else {})
+    else:
+        try:
+            cfg = fd.for_target(fd.seeded_config(d.kind, target.cfg, d.layers or 1, d.block_size,
+                                                 tuple(d.target_layers) if d.target_layers else None,
+                                                 draft_vocab=d.draft_vocab), target.cfg)
+        except CheckpointError as e:
+            raise SpecError(spec.path, "drafter.cost" if spec.drafter.kind == "replay" else "drafter", str(e)) from None
+        tensors = fd.random_init(cfg, d.init.seed) if weights else {}
+    rows = cfg.draft_vocab_size or cfg.vocab_size
+    if spec.drafter.top_k > rows:
+        raise SpecError(spec.path, "drafter.top_k", f"{spec.drafter.top_k} proposals a position from a draft "
+                        f"vocabulary of {rows} tokens")
+    return cfg, tensors
 
 
 def source_digest(path: Path) -> str:

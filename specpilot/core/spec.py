@@ -54,11 +54,12 @@ class ModelSource(_Strict):
 class CostSource(ModelSource):
     """A replay drafter's network: a model (``kind: model``, a model source) or a seeded DFlash-style
     block drafter of the target's width reading its hidden states (``kind: block``: layers,
-    block_size, target_layers, init), so that a replay spends a block drafter's time."""
+    block_size, target_layers, draft_vocab, init), so that a replay spends a block drafter's time."""
     kind: Literal["model", "block"] = "model"
     layers: int | None = Field(default=None, ge=1)
     block_size: int = Field(default=8, ge=2, le=64)
     target_layers: list[int] | None = None
+    draft_vocab: int | None = Field(default=None, ge=1)
 
 
 class DrafterSpec(ModelSource):
@@ -71,7 +72,8 @@ class DrafterSpec(ModelSource):
     # or ``init`` (seeded, the target's width); the target layers read and the block size
     target_layers: list[int] | None = None
     block_size: int = Field(default=8, ge=2, le=64)
-    draft_vocab: int | None = Field(default=None, ge=1)    # feature, seeded: rows of its own head (EAGLE-3's draft vocabulary)
+    # block / feature, seeded: the head's rows (EAGLE-3's draft vocabulary; a block drafter's of the target's head)
+    draft_vocab: int | None = Field(default=None, ge=1)
     adapter: str | None = None                                # early-exit: a trained adapter file
     max_ngram: int = Field(default=4, ge=1, le=16)           # ngram: longest suffix matched
     min_ngram: int = Field(default=1, ge=1, le=16)
@@ -207,8 +209,9 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
         if d.cost.init.draw != "host" or d.cost.init.round_to is not None:
             raise SpecError(spec.path, "drafter.cost.init", "a block cost is drawn from its seed alone (no draw or "
                             "round_to)")
-    elif d.cost.layers is not None or d.cost.target_layers is not None or "block_size" in d.cost.model_fields_set:
-        raise SpecError(spec.path, "drafter.cost", "layers, block_size and target_layers are a block cost's "
+    elif d.cost.layers is not None or d.cost.target_layers is not None or d.cost.draft_vocab is not None \
+            or "block_size" in d.cost.model_fields_set:
+        raise SpecError(spec.path, "drafter.cost", "layers, block_size, target_layers and draft_vocab are a block cost's "
                         "(cost: {kind: block, ...})")
     else:
         _check_source(spec, d.cost, "drafter.cost", require=True)
@@ -231,11 +234,11 @@ def _check_conditioned(spec: Spec, d: DrafterSpec) -> None:
         raise SpecError(spec.path, "drafter", f"a {d.kind} drafter takes one of 'checkpoint' or 'init'")
     if d.checkpoint:
         spec.resolve(d.checkpoint, "drafter.checkpoint")
-    if d.draft_vocab is not None and d.kind != "feature":
-        raise SpecError(spec.path, "drafter.draft_vocab", "a draft vocabulary is a feature drafter's")
-    if d.checkpoint and (d.target_layers is not None or d.draft_vocab is not None or "block_size" in d.model_fields_set):
-        raise SpecError(spec.path, "drafter.target_layers" if d.target_layers is not None else "drafter.block_size",
-                        "a drafter checkpoint's config.json says which target layers it reads and its block size")
+    given = [k for k in ("target_layers", "draft_vocab") if getattr(d, k) is not None] + \
+        (["block_size"] if "block_size" in d.model_fields_set else [])
+    if d.checkpoint and given:
+        raise SpecError(spec.path, f"drafter.{given[0]}", "a drafter checkpoint's config.json says which target layers "
+                        "it reads, its block size and its draft vocabulary")
 
 
 def replay_plan(spec: Spec) -> dict | None:

@@ -20,7 +20,7 @@ import torch
 from specpilot.core import feature_drafter as fd
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.engine import host_array
-from specpilot.runtime.reference.feature_nets import scatter_draft_vocab
+from specpilot.runtime.reference.feature_nets import identity_vocab, scatter_draft_vocab
 
 
 class CacheRow:
@@ -70,10 +70,14 @@ class _Compiled:
 
 
 class CompiledBlockNet(_Compiled):
-    def __init__(self, module, cfg: fd.DraftNetConfig):
+    def __init__(self, module, cfg: fd.DraftNetConfig, d2t: torch.Tensor | None):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
-        self.ranks = min(module.manifest.drafter.top_k, cfg.vocab_size)   # what drafter_cycle ranks a position
+        # a draft vocabulary: the build's head rows and ranks are draft ids, mapped here to the target's
+        self.d2t = None if identity_vocab(cfg, d2t) else d2t
+        self.ids = None if self.d2t is None else fd.vocab_ids(d2t)
+        rows = cfg.draft_vocab_size if self.ids is not None else cfg.vocab_size
+        self.ranks = min(module.manifest.drafter.top_k, rows)   # what drafter_cycle ranks a position
         # the build's pool: max_batch rows where it drafts batches, else a buffer a drafter
         self.batched = "drafter_cycle_batch" in module.functions
         self.pool_rows = module.manifest.max_batch if self.batched else 1
@@ -105,7 +109,7 @@ class CompiledBlockNet(_Compiled):
         m = self.module
         out = self.fns["drafter_block"](*m.tensors(*self._block_inputs(tokens, start, cache.rows)), cache.pool,
                                         m.params)
-        return self._out(out)[0]
+        return scatter_draft_vocab(self._out(out)[0], self.d2t, self.cfg.vocab_size, self.d2t is None)
 
     def ranked_cycle(self, cache: CacheRow, features: torch.Tensor, start: int, tokens: torch.Tensor, k: int):
         """`context` of ``features`` (the tokens just before ``start``), then `block` at ``start``, each
@@ -155,7 +159,10 @@ class CompiledBlockNet(_Compiled):
                                                                            positions, mask, rows),
                              entries[0][0].pool, m.params)
         ranked = torch.from_numpy(out.numpy())[:, :, :k]       # (B, K, k, 2): log-probability, index
-        return [(r[..., 1].long(), r[..., 0]) for r in ranked]
+        index = ranked[..., 1].long()
+        if self.ids is not None:
+            index = self.ids[index]
+        return [(i, r[..., 0]) for i, r in zip(index, ranked)]
 
     @staticmethod
     def _block_inputs(tokens: torch.Tensor, start: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -169,7 +176,7 @@ class CompiledBlockNet(_Compiled):
 class CompiledFeatureNet(_Compiled):
     def __init__(self, module, cfg: fd.DraftNetConfig, d2t: torch.Tensor):
         super().__init__(module, cfg, ("drafter_fuse", "drafter_step"))
-        self.identity_vocab = cfg.draft_vocab_size == cfg.vocab_size and not bool(d2t.any())
+        self.identity_vocab = identity_vocab(cfg, d2t)
         self.d2t = d2t.to(self.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -186,5 +193,5 @@ class CompiledFeatureNet(_Compiled):
 
 def compiled_draft_net(module, cfg: fd.DraftNetConfig, tensors: dict[str, torch.Tensor]):
     if cfg.kind == "block":
-        return CompiledBlockNet(module, cfg)
+        return CompiledBlockNet(module, cfg, tensors.get("d2t"))
     return CompiledFeatureNet(module, cfg, tensors["d2t"])

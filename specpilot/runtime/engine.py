@@ -329,6 +329,9 @@ class CompiledModule:
         if differ:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its {differ[0]} is {getattr(cfg, differ[0])}; this "
                                  f"build lowered a drafter with {getattr(lowered, differ[0])}")
+        if fd.sliced_head(cfg) and not torch.equal(tensors["d2t"], self._own_drafter()[1]["d2t"]):
+            raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its draft vocabulary differs from the one this build's "
+                                 "head rows were taken for")
         return cfg, tensors, Path(override)
 
     def _own_drafter(self):

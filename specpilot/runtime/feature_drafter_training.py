@@ -139,8 +139,8 @@ class Options:
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int) -> torch.Tensor:
-    """The ``size`` tokens the target's outputs use most (ties: lower id first), ascending: a feature
-    drafter's draft vocabulary (EAGLE-3 keeps 32k of Llama 3's 128k)."""
+    """The ``size`` tokens the target's outputs use most (ties: lower id first), ascending: a drafter's
+    draft vocabulary (EAGLE-3 keeps 32k of Llama 3's 128k)."""
     counts = torch.bincount(torch.tensor([t for s in sequences for t in s], dtype=torch.long))
     order = sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))[:size]
     if len(order) < size:
@@ -152,11 +152,11 @@ def init_tensors(cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict,
                  vocab_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Seeded weights, with what the target has of the same shape copied in: its last layers' MLPs and
     attention where shapes match, its final norm, and (feature) its head's rows of the draft vocabulary
-    (``vocab_ids``, default the whole vocabulary) with d2t mapping them."""
+    (``vocab_ids``, default the whole vocabulary); d2t maps the draft vocabulary (either kind)."""
     out = fd.random_init(cfg, seed)
     last = target_cfg.num_hidden_layers - 1
     if vocab_ids is not None:
-        out["d2t"] = vocab_ids - torch.arange(len(vocab_ids))
+        out["d2t"] = fd.d2t_of(vocab_ids)
     for name in out:
         if name == "lm_head.weight":
             head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
@@ -231,11 +231,13 @@ class Trainer:
         self.tokenizer, self.rng = tokenizer, random.Random(opts.seed)
         self.sequences = self.data()
         self.vocab_ids = draft_vocabulary(self.sequences, cfg.draft_vocab_size) \
-            if cfg.kind == "feature" and cfg.draft_vocab_size < cfg.vocab_size else None
+            if 0 < cfg.draft_vocab_size < cfg.vocab_size else None
+        if fd.sliced_head(cfg):     # a block drafter's head: the target head's rows of its vocabulary
+            self.head = self.head[self.vocab_ids.to(opts.device)]
         init = init_tensors(cfg, target_cfg, weights, opts.seed, self.vocab_ids)
         self.params = {k: torch.nn.Parameter(v.to(opts.device, torch.float32)) for k, v in init.items()
                        if v.is_floating_point()}
-        self.fixed = {"d2t": init["d2t"].to(opts.device)} if cfg.kind == "feature" else {}
+        self.fixed = {"d2t": init["d2t"].to(opts.device)} if "d2t" in init else {}
         self.opt = torch.optim.AdamW(list(self.params.values()), lr=opts.lr, weight_decay=0.0)
         self.step, self.losses = 0, []
         self._resume()
@@ -390,6 +392,8 @@ class Trainer:
             q_tok, q_pos, mask, (b, q, t, _) = block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
                                                            self.opts.gamma)
             got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
+            if self.vocab_ids is not None:
+                got = self.vocab_ids.to(got.device)[got]
             for k, same in zip((q % self.cfg.block_size).tolist(), (got[b, q] == want[b, t]).int().tolist()):
                 hits.setdefault(k, []).append(same)
             return hits

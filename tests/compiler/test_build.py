@@ -349,10 +349,12 @@ def test_specpilot_compile_for_cuda_embeds_device_code(tmp_path):
 @pytest.mark.slow
 def test_a_graph_build_replays_the_fixed_verification_and_the_block_pass(tmp_path):
     """Static shapes but for the KV length: target_verify_tree (tree-verify{fixed=true}) and a block
-    drafter's pass are lifted into CUDA-graph capture functions, as the decode step is."""
+    drafter's pass (its head the target head's rows of a draft vocabulary) are lifted into CUDA-graph
+    capture functions, as the decode step is."""
     data = {"target": {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"],
                        "init": {"seed": 2}},
-            "drafter": {"kind": "block", "init": {"seed": 4}, "draft_len": 5, "top_k": 3, "block_size": 6},
+            "drafter": {"kind": "block", "init": {"seed": 4}, "draft_len": 5, "top_k": 3, "block_size": 6,
+                        "draft_vocab": 120},
             "deployment": {"dtype": "bfloat16", "max_seq_len": 256}}
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(data))
     compile_cli(tmp_path / "m.yaml", "cuda -arch=sm_90", tmp_path / "b", "--params", "seeded", "--passes",
@@ -361,6 +363,7 @@ def test_a_graph_build_replays_the_fixed_verification_and_the_block_pass(tmp_pat
     assert manifest.tree.fixed_tokens == 9
     assert {"target_verify_tree_cuda_graph_capture", "drafter_block_cuda_graph_capture"} <= set(manifest.functions)
     assert not any(f.startswith("target_verify_cuda_graph") for f in manifest.functions)   # symbolic: launched
+    assert "drafter.lm_head.weight" in manifest.params
 
 
 def test_params_load_references_the_checkpoint_and_checks_it(tmp_path, monkeypatch):

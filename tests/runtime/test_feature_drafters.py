@@ -195,8 +195,48 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids(tmp_path):
     assert finite == [4 * i for i in range(50)]
 
 
+def test_a_block_drafter_s_draft_vocabulary_is_the_head_s_rows_of_its_tokens(tmp_path):
+    """A block drafter with a draft vocabulary: its logits are the whole head's at the d2t tokens and
+    -inf elsewhere, on fresh random features; the vocabulary travels in the published layout (config's
+    draft_vocab_size, d2t), and `save_with_vocabulary` adds one to a drafter keeping its weight files."""
+    import dataclasses
+    model = _target("Qwen3ForCausalLM", layers=(0, 1, 2))
+    cfg, tensors, sliced = _net(model, "block", layers=2, block_size=5, target_layers=(0, 1, 2), draft_vocab=77)
+    ids = fd.vocab_ids(tensors["d2t"])
+    assert fd.sliced_head(cfg) and len(ids) == 77 and bool((ids[1:] > ids[:-1]).all()) and ids[-1] > 76
+    whole = build_net(dataclasses.replace(cfg, draft_vocab_size=0), {k: v for k, v in tensors.items() if k != "d2t"},
+                      model.w, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    features, tokens = torch.randn(11, 3 * cfg.target_hidden, generator=gen), torch.randint(0, 301, (5,), generator=gen)
+    got, want = [], []
+    for net, out in ((sliced, got), (whole, want)):
+        cache = net.new_cache(fd.cache_slots(cfg, 64))
+        net.context(cache, features, 0)
+        out.append(net.block(cache, tokens, 11))
+    assert torch.isfinite(got[0]).nonzero()[:, 1].unique().tolist() == ids.tolist()
+    torch.testing.assert_close(got[0][:, ids], want[0][:, ids], atol=1e-5, rtol=1e-5)
+    fd.save(tmp_path / "v", cfg, tensors, 3, "abc", dtype=torch.float32)
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["draft_vocab_size"] == 77
+    back, read = fd.load(tmp_path / "v", model.cfg, "abc")
+    assert back == cfg and torch.equal(read["d2t"], tensors["d2t"])
+    plain = dataclasses.replace(cfg, draft_vocab_size=0)
+    fd.save(tmp_path / "plain", plain, {k: v for k, v in tensors.items() if k != "d2t"}, 3, "abc", dtype=torch.float32)
+    fd.save_with_vocabulary(tmp_path / "plain", tmp_path / "added", cfg, tensors["d2t"], 3, "abc")
+    assert (tmp_path / "added" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    back, read = fd.load(tmp_path / "added", model.cfg, "abc")
+    assert back == cfg and set(read) == set(tensors) and all(torch.equal(read[k], tensors[k]) for k in tensors)
+    with pytest.raises(CheckpointError, match="new directory"):
+        fd.save_with_vocabulary(tmp_path / "plain", tmp_path / "plain", cfg, tensors["d2t"], 3, "abc")
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c, t: c.update(vocab_size=999), "vocabulary of 999"),
+    (lambda c, t: (c.update(draft_vocab_size=400), t.update(d2t=torch.zeros(400, dtype=torch.long))),
+     "draft_vocab_size 400"),
+    (lambda c, t: (c.update(draft_vocab_size=3), t.update(d2t=torch.tensor([5, 4, 0]))),
+     "two draft tokens to one target token"),
+    (lambda c, t: (c.update(draft_vocab_size=3), t.update(d2t=torch.tensor([0, 0, 400]))), "outside the target"),
+    (lambda c, t: c.update(draft_vocab_size=3), "missing d2t"),
     (lambda c, t: c.update(num_target_layers=7), "target of 7 layers"),
     (lambda c, t: c["dflash_config"].update(target_layer_ids=[0, 9]), "target layer 9"),
     (lambda c, t: c.update(architectures=["Qwen3ForCausalLM"]), "not a drafter read here"),
@@ -230,6 +270,13 @@ def test_spec_refuses_what_a_feature_drafter_does_not_take(tmp_path):
         parse_spec({**data, "drafter": {"kind": "ngram", "target_layers": [1]}})
     with pytest.raises(SpecError, match="not among"):
         from_spec(parse_spec({**data, "drafter": {"kind": "block", "init": {"seed": 1}, "target_layers": [0, 5]}}))
+    fd.save(tmp_path / "d", fd.seeded_config("block", tiny_config("Qwen3ForCausalLM")), {}, 3)
+    with pytest.raises(SpecError, match="drafter.draft_vocab"):
+        parse_spec({**data, "drafter": {"kind": "block", "checkpoint": str(tmp_path / "d"), "draft_vocab": 50}})
+    with pytest.raises(SpecError, match="drafter.top_k.*vocabulary of 2 tokens"):
+        from_spec(parse_spec({**data, "drafter": {"kind": "block", "init": {"seed": 1}, "draft_vocab": 2, "top_k": 3}}))
+    with pytest.raises(SpecError, match="draft_vocab are a block cost's"):
+        parse_spec({**data, "drafter": {"kind": "replay", "alpha": 0.5, "cost": {"checkpoint": "x", "draft_vocab": 9}}})
 
 
 def _block_batch_loop(cfg, anchors, tokens, valid_len, gamma):
@@ -291,7 +338,8 @@ def compiled(request, tmp_path_factory):
     from tests.conftest import build_spec
     arch = request.param
     kind = "block" if ARCHS.index(arch) % 2 == 0 else "feature"
-    data = _data(arch, kind, block_size=6)
+    # draft vocabularies (seeded: tokens drawn from the seed) for a block and a feature drafter
+    data = _data(arch, kind, block_size=6, **({"draft_vocab": 160} if ARCHS.index(arch) in (2, 3) else {}))
     data["target"]["init"]["round_to"] = "bfloat16"      # W12 holds bf16 values exactly
     hybrid = "gdn-path-recompute" in data["passes"]
     data["passes"] = W12_TWO_LEVEL.replace("{gdn}", "gdn-path-recompute," if hybrid else "")
@@ -379,6 +427,12 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
     cfg, tensors, own = module.feature_drafter()
     assert own == out / "drafter"
     retrained = fd.random_init(cfg, 99)
+    if fd.sliced_head(cfg):     # the build's head rows are of its own vocabulary's tokens
+        fd.save(tmp_path / "vocab", cfg, retrained, len(module.manifest.models["target"]["layer_types"]))
+        monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "vocab"))
+        with pytest.raises(SpecPilotError, match="draft vocabulary differs"):
+            module.feature_drafter()
+        retrained["d2t"] = tensors["d2t"]
     target_layers = module.manifest.features
     fd.save(tmp_path / "same", cfg, retrained, len(module.manifest.models["target"]["layer_types"]), dtype=torch.float32)
     monkeypatch.setenv("SPECPILOT_DRAFTER", str(tmp_path / "same"))
@@ -453,11 +507,53 @@ def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_pa
     assert code != 0 and "--target-layers" in err
 
 
+def test_block_drafters_take_a_draft_vocabulary_in_training_or_after(run_cli, tmp_path):
+    """`drafter train --kind block --draft-vocab N` trains against the head's rows of the target's N most
+    used tokens; `drafter vocab` gives a trained block drafter one (its weight files unchanged); both
+    load, and the reference tree engine with either is stock's tokens."""
+    import yaml
+
+    from specpilot.core.spec import load_spec
+    data = _data("LlamaForCausalLM", "ngram")
+    data["drafter"] = {"kind": "ngram"}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(data))
+    common = ["--seq-len", "40", "--generate", "6", "--device", "cpu"]
+    code, _, err = run_cli("drafter", "train", tmp_path / "t.yaml", "--kind", "block", "--block-size", "4",
+                           "-o", tmp_path / "bv", "--batch", "4", "--steps", "2", "--draft-vocab", "90", *common)
+    assert code == 0, err
+    assert json.loads((tmp_path / "bv" / "config.json").read_text())["draft_vocab_size"] == 90
+    code, _, err = run_cli("drafter", "train", tmp_path / "t.yaml", "--kind", "block", "--block-size", "4",
+                           "-o", tmp_path / "b", "--batch", "4", "--steps", "2", *common)
+    assert code == 0, err
+    code, out, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--size", "100",
+                             "-o", tmp_path / "b100", *common)
+    assert code == 0 and "a vocabulary of 100 tokens" in out, err
+    assert (tmp_path / "b100" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    code, out, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--from", tmp_path / "bv",
+                             "-o", tmp_path / "bfrom")
+    assert code == 0 and "a vocabulary of 90 tokens" in out, err
+    taken, given = (fd.load(tmp_path / d, tiny_config("LlamaForCausalLM"))[1]["d2t"] for d in ("bfrom", "bv"))
+    assert torch.equal(taken, given)
+    code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "-o", tmp_path / "none")
+    assert code != 0 and "--size" in err and "--from" in err
+    for directory in ("bv", "b100", "bfrom"):
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump({**data, "drafter": {"kind": "block", "checkpoint": directory,
+                                                                              "top_k": 3, "draft_len": 3}}))
+        system = from_spec(load_spec(tmp_path / "s.yaml"))
+        assert system.generate("stock-tree", PROMPTS[0], 16).tokens == system.generate("stock", PROMPTS[0], 16).tokens
+    code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b100", "--size", "50",
+                           "-o", tmp_path / "again", *common)
+    assert code != 0 and "a draft vocabulary already" in err
+    code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--size", "301",
+                           "-o", tmp_path / "whole", *common)
+    assert code != 0 and "--size" in err
+
+
 @pytest.mark.parametrize("replay", [False, True])
 def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path, replay):
     """--params seeded: the build carries the drafter's config alone; the engine draws the same weights
-    the spec's seed gives, and its engines are stock's tokens (a block drafter, or one a replay drafter
-    spends the time of)."""
+    the spec's seed gives, and its engines are stock's tokens (a block drafter, or one with a draft
+    vocabulary whose time a replay drafter spends)."""
     from specpilot.compiler.build import BuildRequest, build
     from specpilot.core.spec import load_spec
     from specpilot.core.target import parse_target
@@ -465,7 +561,7 @@ def test_a_seeded_build_draws_its_drafter_from_the_spec_s_seed(tmp_path, replay)
     data = _data("Qwen3ForCausalLM", "block", block_size=5)
     if replay:
         data["drafter"] = {"kind": "replay", "alpha": 0.8, "top_k": 3,
-                           "cost": {"kind": "block", "block_size": 5, "init": {"seed": 4}}}
+                           "cost": {"kind": "block", "block_size": 5, "draft_vocab": 150, "init": {"seed": 4}}}
     full = build_spec(tmp_path, data)
     build(BuildRequest(load_spec(tmp_path / "model.yaml"), parse_target("llvm"), tmp_path / "seeded", params="seeded"))
     assert not (tmp_path / "seeded" / "drafter" / "model.safetensors").exists()
@@ -504,9 +600,10 @@ def test_a_referenced_checkpoint_build_takes_a_retrained_drafter(tmp_path, monke
 # -- block drafters of a batch build: one pool, one call for all their blocks ------------------
 @pytest.fixture(scope="module")
 def batch_build(tmp_path_factory):
-    """A CPU fp32 build of the hybrid with a block drafter and a pool of three sequences."""
+    """A CPU fp32 build of the hybrid with a block drafter (a draft vocabulary of 200 tokens) and a pool
+    of three sequences."""
     from tests.conftest import build_spec
-    data = _data(HYBRID, "block", block_size=5)
+    data = _data(HYBRID, "block", block_size=5, draft_vocab=200)
     data["deployment"]["max_batch"] = 3
     data["passes"] += ",node-budget{nodes=12}"
     return build_spec(tmp_path_factory.mktemp("batch-block"), data)

@@ -1,6 +1,7 @@
 """PyTorch networks of the drafters that read the target's hidden states (`core.feature_drafter`).
 
-Both use the target's token embeddings; the block network also its head.  Norms are plain
+Both use the target's token embeddings; the block network also its head (the rows of its draft
+vocabulary, where it has one: logits of other tokens are -inf).  Norms are plain
 RMSNorm (Llama / Qwen3), attention is grouped-query with rotate-half rotary embeddings.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specpilot.core.feature_drafter import DraftNetConfig
+from specpilot.core.feature_drafter import DraftNetConfig, sliced_head, vocab_ids
 from specpilot.runtime.reference.model import rotate_half
 
 
@@ -28,8 +29,7 @@ class _Net:
                   for k, v in weights.items()}
         self.embed = embed.to(device=self.device, dtype=dtype)
         self.head = head.to(device=self.device, dtype=dtype) if head is not None else None
-        self.identity_vocab = cfg.kind != "feature" or (cfg.draft_vocab_size == cfg.vocab_size
-                                                          and not bool(self.w["d2t"].any()))
+        self.identity_vocab = identity_vocab(cfg, self.w.get("d2t"))
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float, device=self.device) / d))
 
@@ -112,7 +112,8 @@ class BlockNet(_Net):
             self._write_keys(p, x, positions, layer, positions)
             h = h + self._attend(p, x, positions, layer, mask)
             h = h + self._mlp(p, h)
-        return F.linear(plain_rms_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
+        logits = F.linear(plain_rms_norm(h, self.w["norm.weight"], cfg.rms_norm_eps), self.head).float()
+        return scatter_draft_vocab(logits, self.w.get("d2t"), cfg.vocab_size, self.identity_vocab)
 
 
 class FeatureNet(_Net):
@@ -142,12 +143,19 @@ class FeatureNet(_Net):
         return scatter_draft_vocab(draft, self.w["d2t"], self.cfg.vocab_size, self.identity_vocab)
 
 
+def identity_vocab(cfg: DraftNetConfig, d2t: torch.Tensor | None) -> bool:
+    """Whether a drafter's head covers the target's vocabulary in its order (no d2t to apply)."""
+    if cfg.kind == "block":
+        return not sliced_head(cfg)
+    return cfg.draft_vocab_size == cfg.vocab_size and not bool(d2t.any())
+
+
 def scatter_draft_vocab(draft: torch.Tensor, d2t: torch.Tensor, vocab_size: int, identity: bool) -> torch.Tensor:
     """Logits over a draft vocabulary (T, draft vocab) as logits over the target's: draft id i is
     target id i + d2t[i]; other tokens -inf."""
     if identity:
         return draft
-    ids = torch.arange(draft.shape[1], device=draft.device) + d2t.to(draft.device).long()
+    ids = vocab_ids(d2t).to(draft.device)
     out = torch.full((draft.shape[0], vocab_size), float("-inf"), device=draft.device)
     out[:, ids] = draft
     return out
@@ -155,9 +163,12 @@ def scatter_draft_vocab(draft: torch.Tensor, d2t: torch.Tensor, vocab_size: int,
 
 def build_net(cfg: DraftNetConfig, tensors: dict[str, torch.Tensor], target_weights: dict[str, torch.Tensor],
               dtype: torch.dtype, device) -> BlockNet | FeatureNet:
-    """The network of ``cfg`` with the target's embeddings (and, for a block drafter, its head)."""
+    """The network of ``cfg`` with the target's embeddings (and, for a block drafter, its head: the
+    rows of its draft vocabulary where it has one)."""
     embed = target_weights["model.embed_tokens.weight"]
     head = target_weights.get("lm_head.weight", embed)
     if cfg.kind == "block":
+        if sliced_head(cfg):
+            head = head[vocab_ids(tensors["d2t"]).to(head.device)]
         return BlockNet(cfg, tensors, embed, head, dtype, device)
     return FeatureNet(cfg, tensors, embed, None, dtype, device)
