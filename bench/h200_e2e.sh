@@ -46,10 +46,11 @@ unpack() {
   for t in $E/*.txz; do [ -e "$t" ] && [ ! -d $b/$(basename $t .txz) ] && tar xJf $t -C $b; done; true
 }
 # SPECPILOT_DRAFTER for a build whose block / feature drafter is a seeded stand-in: the trained one staged in
-# $E/drafters (a build lowered from a drafter checkpoint keeps its own; empty: none)
+# $E/drafters where there is one (a build lowered from a drafter checkpoint keeps its own; empty: none)
 trained() {
-  python3 -c "import json; d = json.load(open('$b/$1/manifest.json'))['spec']['drafter']
-print('$E/drafters/' + d['kind'] if d['kind'] in ('block', 'feature') and not d.get('checkpoint') else '')"
+  python3 -c "import json, os; d = json.load(open('$b/$1/manifest.json'))['spec']['drafter']
+staged = '$E/drafters/' + d['kind']
+print(staged if d['kind'] in ('block', 'feature') and not d.get('checkpoint') and os.path.isdir(staged) else '')"
 }
 # batch 1 at a 4k context: prompts of 4096 token ids (a seeded model has no tokenizer; any ids will do)
 long_prompts() {

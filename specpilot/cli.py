@@ -609,6 +609,22 @@ def drafter():
     """Drafters: train early-exit adapters, block (DFlash) and feature (EAGLE-3) drafters for a target."""
 
 
+def _continuation_options(verb: str):
+    """--seed, --device, --corpus, --holdout: how the target's own continuations are made."""
+    options = [click.option("--seed", type=click.IntRange(0), default=0, show_default=True),
+               click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto"),
+               click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+                            help="directory of .py files (default: the Python standard library)"),
+               click.option("--holdout", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+                            help=f"JSON list of prompt texts never to {verb} (a benchmark's)")]
+
+    def apply(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return apply
+
+
 @drafter.command("train")
 @click.argument("spec", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--kind", type=click.Choice(["early-exit", "block", "feature"]), default="early-exit", show_default=True)
@@ -635,12 +651,7 @@ def drafter():
 @click.option("--generate", "generated", type=click.IntRange(2), default=2048, show_default=True,
               help="target continuations to generate and train on (half code, half chat for chat models)")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
-@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="directory of .py files (default: the Python standard library)")
-@click.option("--holdout", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="JSON list of prompt texts never to train on (a benchmark's)")
+@_continuation_options("train on")
 @click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
@@ -724,12 +735,7 @@ def _holdout_texts(holdout: Path | None) -> list[str]:
 @click.option("--generate", "generated", type=click.IntRange(2), default=512, show_default=True,
               help="target continuations whose tokens are counted (half code, half chat for chat models)")
 @click.option("--seq-len", type=click.IntRange(16), default=256, show_default=True)
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto")
-@click.option("--corpus", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="directory of .py files (default: the Python standard library)")
-@click.option("--holdout", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="JSON list of prompt texts never to count (a benchmark's)")
+@_continuation_options("count")
 def drafter_vocab(spec, directory, size, source, output, generated, seq_len, seed, device, corpus, holdout):
     """Give a trained block drafter (DIRECTORY, for SPEC's target) a draft vocabulary: its head becomes
     the target head's rows of the SIZE tokens the target's own continuations use most (or of another
@@ -786,6 +792,9 @@ def _counted_vocabulary(target, size: int, options: dict):
     from specpilot.runtime.tokenizer import load_tokenizer
 
     o = options
+    if target.cfg.is_hybrid:
+        raise SpecPilotError("--size: counting runs the target's continuations on attention-only targets (Llama, "
+                             "Qwen2/3); this one has Gated DeltaNet layers (take another drafter's vocabulary: --from)")
     tok = load_tokenizer(target.tokenizer_path, target.cfg.vocab_size)
     weights = {k: v.to(_training_device(o["device"]), torch.float32) for k, v in target.weights.items()}
     sequences = target_sequences(target.cfg, weights, tok, o["generated"], o["seq_len"], stdlib_files(o["corpus"]),

@@ -100,8 +100,8 @@ def sliced_head(cfg: DraftNetConfig) -> bool:
 
 
 def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """The target ids of draft ids 0, 1, .. (target id = draft id + d2t[draft id])."""
-    return torch.arange(d2t.shape[0]) + d2t.long().cpu()
+    """The target ids of draft ids 0, 1, .. (target id = draft id + d2t[draft id]), where d2t is."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
 
 
 def d2t_of(ids: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ def seeded_config(kind: str, target: ModelConfig, layers: int = 1, block_size: i
                   target_layers: tuple[int, ...] | None = None, mask_token_id: int | None = None,
                   draft_vocab: int | None = None) -> DraftNetConfig:
     """A drafter of the target's width (its heads, MLP and rotary base).  ``draft_vocab``: its head's
-    rows (a block drafter's: of the target's head), the target's first tokens until training picks
+    rows (a block drafter's: of the target's head), their tokens `random_init`'s until training picks
     them (d2t); a block drafter of the whole vocabulary has none."""
     if draft_vocab is not None and not 1 <= draft_vocab <= target.vocab_size:
         raise CheckpointError(f"a draft vocabulary of {draft_vocab} tokens; the target has {target.vocab_size}")
@@ -188,12 +188,15 @@ def parameter_shapes(cfg: DraftNetConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_init(cfg: DraftNetConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights: matrices ~ N(0, 1/fan_in), norms near 1; a draft vocabulary of tokens drawn
-    from the seed too (its own generator: the weights are the same with or without one)."""
+    """Seeded weights: matrices ~ N(0, 1/fan_in), norms near 1.  A feature drafter's draft vocabulary
+    is the target's first tokens; a block drafter's, tokens drawn from the seed (its own generator: the
+    weights are the same with or without one)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in sorted(parameter_shapes(cfg).items()):
-        if name == "d2t":
+        if name == "d2t" and cfg.kind == "feature":
+            out[name] = torch.zeros(shape, dtype=torch.long)
+        elif name == "d2t":
             picks = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:shape[0]]
             out[name] = d2t_of(picks.sort().values)
         elif len(shape) == 1:
@@ -316,8 +319,8 @@ def save_with_vocabulary(source: Path, directory: Path, cfg: DraftNetConfig, d2t
 
     from safetensors.torch import save_file
     directory = Path(directory)
-    if directory.resolve() == Path(source).resolve():
-        raise CheckpointError(f"{directory}: the drafter with a vocabulary goes to a new directory")
+    if directory.resolve() == Path(source).resolve() or (directory.is_dir() and any(directory.iterdir())):
+        raise CheckpointError(f"{directory}: the drafter with a vocabulary goes to a new (or empty) directory")
     directory.mkdir(parents=True, exist_ok=True)
     for f in sorted(Path(source).glob("*.safetensors")):
         shutil.copyfile(f, directory / f"{f.name}.tmp")

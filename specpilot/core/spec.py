@@ -197,7 +197,7 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
     given = [k for k in ("checkpoint", "gguf", "architecture", "config", "init") if getattr(d, k) is not None]
     if given:
         raise SpecError(spec.path, f"drafter.{given[0]}", "a replay drafter's network goes under 'cost'")
-    own = [k for k in ("layers", "target_layers") if getattr(d, k) is not None] + \
+    own = [k for k in ("layers", "target_layers", "draft_vocab") if getattr(d, k) is not None] + \
         (["block_size"] if "block_size" in d.model_fields_set else [])
     if own:
         raise SpecError(spec.path, f"drafter.{own[0]}", "a replay drafter's network options go under 'cost'")
@@ -205,7 +205,8 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
         given = [k for k in ("checkpoint", "gguf", "architecture", "config", "tokenizer") if getattr(d.cost, k) is not None]
         if given or d.cost.init is None:
             raise SpecError(spec.path, f"drafter.cost.{given[0] if given else 'init'}", "a replay drafter's block cost "
-                            "is a seeded drafter of the target's width: layers, block_size, target_layers, init: {seed: N}")
+                            "is a seeded drafter of the target's width: layers, block_size, target_layers, draft_vocab, "
+                            "init: {seed: N}")
         if d.cost.init.draw != "host" or d.cost.init.round_to is not None:
             raise SpecError(spec.path, "drafter.cost.init", "a block cost is drawn from its seed alone (no draw or "
                             "round_to)")
@@ -275,6 +276,9 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
     if d.target_layers is not None and d.kind not in ("block", "feature"):
         raise SpecError(spec.path, "drafter.target_layers", f"target layers are read by block and feature drafters, "
                         f"not by kind {d.kind!r}")
+    if d.draft_vocab is not None and d.kind not in ("block", "feature"):
+        raise SpecError(spec.path, "drafter.draft_vocab", f"a draft vocabulary is a block or feature drafter's, not "
+                        f"kind {d.kind!r}'s")
     if d.kind == "early-exit" and d.layers is None:
         raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
     if d.adapter is not None and d.kind != "early-exit":

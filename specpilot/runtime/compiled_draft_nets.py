@@ -74,8 +74,8 @@ class CompiledBlockNet(_Compiled):
         super().__init__(module, cfg, ("drafter_context", "drafter_block", "drafter_cycle"))
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
         # a draft vocabulary: the build's head rows and ranks are draft ids, mapped here to the target's
-        self.d2t = None if identity_vocab(cfg, d2t) else d2t
-        self.ids = None if self.d2t is None else fd.vocab_ids(d2t)
+        self.d2t = None if identity_vocab(cfg, d2t) else d2t.to(self.device)
+        self.ids = None if self.d2t is None else fd.vocab_ids(d2t.cpu())
         rows = cfg.draft_vocab_size if self.ids is not None else cfg.vocab_size
         self.ranks = min(module.manifest.drafter.top_k, rows)   # what drafter_cycle ranks a position
         # the build's pool: max_batch rows where it drafts batches, else a buffer a drafter

@@ -329,7 +329,8 @@ class CompiledModule:
         if differ:
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its {differ[0]} is {getattr(cfg, differ[0])}; this "
                                  f"build lowered a drafter with {getattr(lowered, differ[0])}")
-        if fd.sliced_head(cfg) and not torch.equal(tensors["d2t"], self._own_drafter()[1]["d2t"]):
+        if fd.sliced_head(cfg) and not torch.equal(fd.vocab_ids(tensors["d2t"].cpu()),
+                                                   fd.vocab_ids(self._own_drafter()[1]["d2t"].cpu())):
             raise SpecPilotError(f"SPECPILOT_DRAFTER={override}: its draft vocabulary differs from the one this build's "
                                  "head rows were taken for")
         return cfg, tensors, Path(override)

@@ -225,7 +225,7 @@ def test_a_block_drafter_s_draft_vocabulary_is_the_head_s_rows_of_its_tokens(tmp
     assert (tmp_path / "added" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
     back, read = fd.load(tmp_path / "added", model.cfg, "abc")
     assert back == cfg and set(read) == set(tensors) and all(torch.equal(read[k], tensors[k]) for k in tensors)
-    with pytest.raises(CheckpointError, match="new directory"):
+    with pytest.raises(CheckpointError, match=r"new \(or empty\) directory"):
         fd.save_with_vocabulary(tmp_path / "plain", tmp_path / "plain", cfg, tensors["d2t"], 3, "abc")
 
 
@@ -277,6 +277,11 @@ def test_spec_refuses_what_a_feature_drafter_does_not_take(tmp_path):
         from_spec(parse_spec({**data, "drafter": {"kind": "block", "init": {"seed": 1}, "draft_vocab": 2, "top_k": 3}}))
     with pytest.raises(SpecError, match="draft_vocab are a block cost's"):
         parse_spec({**data, "drafter": {"kind": "replay", "alpha": 0.5, "cost": {"checkpoint": "x", "draft_vocab": 9}}})
+    with pytest.raises(SpecError, match="drafter.draft_vocab.*go under 'cost'"):
+        parse_spec({**data, "drafter": {"kind": "replay", "alpha": 0.5, "draft_vocab": 9,
+                                        "cost": {"kind": "block", "init": {"seed": 1}}}})
+    with pytest.raises(SpecError, match="drafter.draft_vocab.*not kind 'ngram'"):
+        parse_spec({**data, "drafter": {"kind": "ngram", "draft_vocab": 9}})
 
 
 def _block_batch_loop(cfg, anchors, tokens, valid_len, gamma):
@@ -522,6 +527,10 @@ def test_block_drafters_take_a_draft_vocabulary_in_training_or_after(run_cli, tm
                            "-o", tmp_path / "bv", "--batch", "4", "--steps", "2", "--draft-vocab", "90", *common)
     assert code == 0, err
     assert json.loads((tmp_path / "bv" / "config.json").read_text())["draft_vocab_size"] == 90
+    from specpilot.runtime.feature_drafter_training import draft_vocabulary
+    sequences = json.loads((tmp_path / "bv" / "training" / "sequences.json").read_text())["sequences"]
+    trained = fd.load(tmp_path / "bv", tiny_config("LlamaForCausalLM"))[1]["d2t"]
+    assert torch.equal(fd.vocab_ids(trained), draft_vocabulary(sequences, 90))    # the counted tokens
     code, _, err = run_cli("drafter", "train", tmp_path / "t.yaml", "--kind", "block", "--block-size", "4",
                            "-o", tmp_path / "b", "--batch", "4", "--steps", "2", *common)
     assert code == 0, err
@@ -547,6 +556,14 @@ def test_block_drafters_take_a_draft_vocabulary_in_training_or_after(run_cli, tm
     code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--size", "301",
                            "-o", tmp_path / "whole", *common)
     assert code != 0 and "--size" in err
+    for output in ("b", "b100"):          # its own folder, a folder with files: nothing is overwritten
+        code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--from", tmp_path / "bv",
+                               "-o", tmp_path / output)
+        assert code != 0 and "new (or empty) directory" in err
+    feature = fd.seeded_config("feature", tiny_config("LlamaForCausalLM"), draft_vocab=50)
+    fd.save(tmp_path / "f", feature, fd.random_init(feature, 1), 3, dtype=torch.float32)
+    code, _, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "f", "--size", "40", "-o", tmp_path / "fv")
+    assert code != 0 and "a feature drafter" in err
 
 
 @pytest.mark.parametrize("replay", [False, True])
