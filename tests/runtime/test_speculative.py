@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specpilot.runtime.decoding import autoregressive, speculative
-from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
+from specpilot.runtime.drafters import ModelDrafter, NGramDrafter, common_prefix
 from specpilot.runtime.lattice import LatticeRecorder, LatticeReplayer
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
@@ -146,3 +146,23 @@ def test_commits_from_choices_read_at_once_equal_row_by_row():
                             out.gen.accepted, vars(cache)))
         assert records[0] == records[1]
         assert records[0][5] == [3]                  # two drafts and the bonus token
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_common_prefix_equals_a_scan_of_the_two_contexts(seed):
+    """The halving comparison against a position-by-position scan, on fresh random pairs: equal,
+    one a prefix of the other, diverging anywhere (first, last, middle), empty and odd lengths."""
+    import random
+    rng = random.Random(seed)
+
+    def scan(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+    for _ in range(300):
+        a = [rng.randrange(5) for _ in range(rng.randrange(0, 70))]
+        cut = rng.randrange(0, len(a) + 1)
+        b = a[:cut] + [rng.randrange(5) for _ in range(rng.randrange(0, 9))]
+        for x, y in ((a, b), (b, a), (a, list(a)), (a, a[:cut])):
+            assert common_prefix(x, y) == scan(x, y), (x, y)
