@@ -35,11 +35,15 @@ setup() {
 }
 # the GGUF assembled from its parts and checked, the runtime and wheels installed, the builds unpacked to $E/builds
 prepare() {
-  G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
-  [ -f $G ] || cat $E/smolpart.* > $G
-  echo "$(cat $E/sha256)  $G" | sha256sum -c
+  assemble
   setup
   unpack
+}
+# the GGUF from its parts, kept only when its sha256 matches (a part still to come leaves none)
+assemble() {
+  G=$E/SmolLM2-135M-Instruct.Q4_1.gguf
+  [ -f $G ] || cat $E/smolpart.* > $G
+  echo "$(cat $E/sha256)  $G" | sha256sum -c || { rm -f $G; return 1; }
 }
 unpack() {
   b=$E/builds; mkdir -p $b
@@ -186,7 +190,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     for k in ${KINDS:-block feature}; do      # the continuations are generated once and shared
       mkdir -p $d/$k/training; [ -f $d/$k/training/sequences.json ] || cp $d/*/training/sequences.json $d/$k/training/ 2>/dev/null || true
       python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind $k ${options[$k]} -o $d/$k $common \
-        --time-limit ${TIME_LIMIT:-150} 2>&1 | grep -v "e.g." | tail -4
+        --time-limit ${TIME_LIMIT:-150} ${TRAIN_ARGS:-} 2>&1 | grep -v "e.g." | tail -4
     done
     # back in parts of 15 MB (a file coming back holds 16 MiB at most): cat KIND/part.* > model.safetensors
     for k in ${KINDS:-block feature}; do
@@ -215,7 +219,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats 
     # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k (CONTEXT: another); COST_ARGS: more
     # options (--batches 2,4,...: a batch build's cycles in one call against a call each)
     shift; setup; unpack
-    [ -f $E/smolpart.ab ] && { G=$E/SmolLM2-135M-Instruct.Q4_1.gguf; [ -f $G ] || cat $E/smolpart.* > $G; }
+    [ -f $E/smolpart.aa ] && { assemble || echo "the GGUF's parts are not all staged: SmolLM2 builds cannot load"; }
     for build in "$@"; do
       context=1024; grep -q '"num_hidden_layers": 64' $b/$build/manifest.json && context=4096
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -313,21 +314,31 @@ def save(directory: Path, cfg: DraftNetConfig, tensors: dict[str, torch.Tensor],
 
 def save_with_vocabulary(source: Path, directory: Path, cfg: DraftNetConfig, d2t: torch.Tensor,
                          num_target_layers: int, digest: str | None) -> None:
-    """``source``'s drafter with a draft vocabulary, in ``directory``: its weight files copied as they
-    are, d2t in ``vocab.safetensors``, ``cfg`` (with the vocabulary's size) as config.json."""
-    import shutil
-
+    """``source``'s drafter with a draft vocabulary, in ``directory``: its weight files as they are
+    (hard links where the file system allows: every write here replaces a file, never rewrites one in
+    place; else copies), d2t in ``vocab.safetensors``, ``cfg`` (with the vocabulary's size) as config.json."""
     from safetensors.torch import save_file
     directory = Path(directory)
     if directory.resolve() == Path(source).resolve() or (directory.is_dir() and any(directory.iterdir())):
         raise CheckpointError(f"{directory}: the drafter with a vocabulary goes to a new (or empty) directory")
     directory.mkdir(parents=True, exist_ok=True)
     for f in sorted(Path(source).glob("*.safetensors")):
-        shutil.copyfile(f, directory / f"{f.name}.tmp")
-        (directory / f"{f.name}.tmp").replace(directory / f.name)
+        _link_or_copy(f, directory / f.name)
     save_file({"d2t": d2t.long().contiguous()}, str(directory / "vocab.safetensors.tmp"), metadata={"format": "pt"})
     (directory / "vocab.safetensors.tmp").replace(directory / "vocab.safetensors")
     atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    """``source`` at ``dest``, whole or not at all: a hard link, or a copy where links cannot cross."""
+    import shutil
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    tmp.replace(dest)
 
 
 def read_config(directory: Path, target: ModelConfig, digest: str | None = None) -> DraftNetConfig:
@@ -366,6 +377,9 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{where}: cannot read the weights ({e})") from None
     tensors = {k: v for k, v in tensors.items() if k not in ("t2d", "embed_tokens.weight")}   # derived / the target's
+    if cfg.kind == "block" and not sliced_head(cfg) and "d2t" in tensors \
+            and tuple(tensors["d2t"].shape) == (cfg.vocab_size,):
+        _check_d2t(tensors.pop("d2t"), cfg, where)   # a vocabulary of every token: the whole head, in another order
     expected = parameter_shapes(cfg)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -375,14 +389,21 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, the config implies {shape}")
         if name == "d2t":
-            ids = vocab_ids(t)
-            if t.is_floating_point() or bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
-                raise CheckpointError(f"{where}: d2t maps draft tokens outside the target's vocabulary")
-            if len(torch.unique(ids)) < len(ids):
-                raise CheckpointError(f"{where}: d2t maps two draft tokens to one target token")
+            _check_d2t(t, cfg, where)
         elif not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{where}: {name} is not finite floating point")
     return cfg, tensors
+
+
+def _check_d2t(t: torch.Tensor, cfg: DraftNetConfig, where: str) -> None:
+    """d2t maps each draft token to a distinct token of the target's vocabulary."""
+    if t.is_floating_point():
+        raise CheckpointError(f"{where}: d2t is not integer offsets")
+    ids = vocab_ids(t)
+    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
+        raise CheckpointError(f"{where}: d2t maps draft tokens outside the target's vocabulary")
+    if len(torch.unique(ids)) < len(ids):
+        raise CheckpointError(f"{where}: d2t maps two draft tokens to one target token")
 
 
 def for_target(cfg: DraftNetConfig, target: ModelConfig) -> DraftNetConfig:

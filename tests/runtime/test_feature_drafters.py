@@ -225,6 +225,11 @@ def test_a_block_drafter_s_draft_vocabulary_is_the_head_s_rows_of_its_tokens(tmp
     assert (tmp_path / "added" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
     back, read = fd.load(tmp_path / "added", model.cfg, "abc")
     assert back == cfg and set(read) == set(tensors) and all(torch.equal(read[k], tensors[k]) for k in tensors)
+    kept = (tmp_path / "added" / "model.safetensors").read_bytes()     # a link shares no later write
+    fd.save(tmp_path / "plain", plain, {k: v + 1 for k, v in tensors.items() if k != "d2t"}, 3, "abc",
+            dtype=torch.float32)
+    assert (tmp_path / "added" / "model.safetensors").read_bytes() == kept != \
+        (tmp_path / "plain" / "model.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match=r"new \(or empty\) directory"):
         fd.save_with_vocabulary(tmp_path / "plain", tmp_path / "plain", cfg, tensors["d2t"], 3, "abc")
 
@@ -237,6 +242,9 @@ def test_a_block_drafter_s_draft_vocabulary_is_the_head_s_rows_of_its_tokens(tmp
      "two draft tokens to one target token"),
     (lambda c, t: (c.update(draft_vocab_size=3), t.update(d2t=torch.tensor([0, 0, 400]))), "outside the target"),
     (lambda c, t: c.update(draft_vocab_size=3), "missing d2t"),
+    (lambda c, t: (c.update(draft_vocab_size=c["vocab_size"]), t.update(d2t=torch.zeros(c["vocab_size"], dtype=torch.long)
+                                                                     .index_fill_(0, torch.tensor([7]), -3))),
+     "two draft tokens to one target token"),
     (lambda c, t: c.update(num_target_layers=7), "target of 7 layers"),
     (lambda c, t: c["dflash_config"].update(target_layer_ids=[0, 9]), "target layer 9"),
     (lambda c, t: c.update(architectures=["Qwen3ForCausalLM"]), "not a drafter read here"),
@@ -258,6 +266,21 @@ def test_bad_drafter_checkpoints_are_refused(tmp_path, edit, message):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=message):
         fd.load(tmp_path, cfg_t)
+
+
+def test_a_block_drafter_whose_vocabulary_is_every_token_loads_with_the_whole_head(tmp_path):
+    """draft_vocab_size equal to the target's vocabulary, d2t a permutation of it: the whole head."""
+    from safetensors.torch import save_file
+    cfg_t = tiny_config("Qwen3ForCausalLM")
+    cfg = fd.seeded_config("block", cfg_t)
+    tensors = fd.random_init(cfg, 1)
+    order = torch.randperm(cfg_t.vocab_size, generator=torch.Generator().manual_seed(3))
+    config = {**fd.hf_config(cfg, cfg_t.num_hidden_layers), "draft_vocab_size": cfg_t.vocab_size}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({**tensors, "d2t": fd.d2t_of(order)}, str(tmp_path / "model.safetensors"))
+    back, read = fd.load(tmp_path, cfg_t)
+    assert back == cfg and not fd.sliced_head(back) and "d2t" not in read
+    assert all(torch.equal(read[k], tensors[k]) for k in tensors)
 
 
 def test_spec_refuses_what_a_feature_drafter_does_not_take(tmp_path):
