@@ -15,7 +15,8 @@ published projects use.
   ``config.json`` (``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``,
   ``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` with ``fc``,
   ``midlayer.*`` (q/k/v take 2 * hidden inputs), ``norm``, ``lm_head`` over the draft vocabulary
-  and ``d2t`` (target id = draft id + d2t[draft id]); embeddings are the target's.
+  and ``d2t`` (target id = draft id + d2t[draft id]); embeddings are the target's.  Loaded draft ids
+  are renumbered so their target ids ascend (`in_target_order`).
 
 Layer ids name decoder layers whose *output* is read (SGLang's and SpecForge's convention).
 Files written here carry ``specpilot_target_digest`` in config.json; a published checkpoint
@@ -392,7 +393,22 @@ def load(directory: Path, target: ModelConfig, digest: str | None = None) -> tup
             _check_d2t(t, cfg, where)
         elif not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{where}: {name} is not finite floating point")
-    return cfg, tensors
+    return cfg, in_target_order(tensors)
+
+
+def in_target_order(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with draft ids renumbered so their target ids ascend (d2t and a feature drafter's head
+    rows together): every ranking then breaks ties by target id, in the build as in the reference."""
+    if "d2t" not in tensors:
+        return tensors
+    ids = vocab_ids(tensors["d2t"])
+    if bool((ids[1:] > ids[:-1]).all()):
+        return tensors
+    order = torch.argsort(ids)
+    out = {**tensors, "d2t": d2t_of(ids[order]).to(tensors["d2t"].dtype)}
+    if "lm_head.weight" in tensors:
+        out["lm_head.weight"] = tensors["lm_head.weight"][order]
+    return out
 
 
 def _check_d2t(t: torch.Tensor, cfg: DraftNetConfig, where: str) -> None:

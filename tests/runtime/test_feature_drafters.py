@@ -195,6 +195,25 @@ def test_eagle3_draft_vocabulary_maps_to_target_ids(tmp_path):
     assert finite == [4 * i for i in range(50)]
 
 
+def test_a_draft_vocabulary_out_of_order_loads_in_target_order(tmp_path):
+    """A feature drafter whose d2t does not ascend loads with its draft ids renumbered (head rows with
+    them): the same logits over target ids, and ties broken by target id as a build ranks them."""
+    model = _target("LlamaForCausalLM", layers=(0, 1, 2))
+    cfg = fd.seeded_config("feature", model.cfg, target_layers=(0, 1, 2))
+    cfg = fd.DraftNetConfig(**{**cfg.to_dict(), "target_layers": (0, 1, 2), "draft_vocab_size": 40})
+    tensors = fd.random_init(cfg, 2)
+    ids = torch.randperm(model.cfg.vocab_size, generator=torch.Generator().manual_seed(4))[:40]
+    tensors["d2t"] = fd.d2t_of(ids)                    # target ids in no order
+    fd.save(tmp_path / "e", cfg, tensors, 3, dtype=torch.float32)
+    back, read = fd.load(tmp_path / "e", model.cfg)
+    assert fd.vocab_ids(read["d2t"]).tolist() == sorted(ids.tolist())
+    as_saved = build_net(cfg, tensors, model.w, torch.float32, "cpu")
+    loaded = build_net(back, read, model.w, torch.float32, "cpu")
+    h = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(loaded.logits(h), as_saved.logits(h), atol=0, rtol=0)
+    assert fd.in_target_order(read) is read
+
+
 def test_a_block_drafter_s_draft_vocabulary_is_the_head_s_rows_of_its_tokens(tmp_path):
     """A block drafter with a draft vocabulary: its logits are the whole head's at the d2t tokens and
     -inf elsewhere, on fresh random features; the vocabulary travels in the published layout (config's
