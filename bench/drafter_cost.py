@@ -109,13 +109,15 @@ def drafting_cycles(module: CompiledModule, context: int, accepted: int, draft_l
                  if profiled else [])
 
 
-def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: int, reps: int, warmup: int) -> dict:
+def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: int, reps: int, warmup: int,
+                   profiled: int = 0) -> dict:
     """A batch's drafting cycles (see the module docstring): milliseconds a cycle of all ``batch`` drafters
     as one call and as a call each, the share of drafters ranking alike both ways, and the target's
-    batched AR pass over ``batch`` sequences of ``context`` tokens."""
+    batched AR pass over ``batch`` sequences of ``context`` tokens; ``profiled``: that many more one-call
+    cycles under the profiler, their kernels (`kernel_table`)."""
     net = module.draft_net()
     cfg, capacity = net.cfg, module.manifest.capacity
-    n = warmup + reps
+    n = warmup + reps + profiled
     need = context + n * accepted
     if need + cfg.block_size > capacity:
         raise SystemExit(f"--context {context} with {n} cycles of {accepted} needs {need + cfg.block_size} slots; "
@@ -128,23 +130,28 @@ def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: i
     for b, cache in enumerate(caches):
         net.context(cache, features[b, :context], 0)
     one, each, alike, worst = [], [], 0, 0.0
-    for r in range(n):
+
+    def entries(r: int) -> list:
         start = context + (r + 1) * accepted      # both ways cache the same rows: the same state after either
-        entries = [(c, features[b, start - accepted:start], start, tokens[r, b]) for b, c in enumerate(caches)]
+        return [(c, features[b, start - accepted:start], start, tokens[r, b]) for b, c in enumerate(caches)]
+    for r in range(warmup + reps):
+        entries_r = entries(r)
         _sync(net.device)
         t0 = time.perf_counter()
-        together = net.cycle_batch(entries, net.ranks)
+        together = net.cycle_batch(entries_r, net.ranks)
         t1 = time.perf_counter()
-        alone = [net.ranked_cycle(*entry, net.ranks) for entry in entries]
+        alone = [net.ranked_cycle(*entry, net.ranks) for entry in entries_r]
         t2 = time.perf_counter()
         if r >= warmup:
             one.append((t1 - t0) * 1e3)
             each.append((t2 - t1) * 1e3)
         alike += sum(bool(torch.equal(a[0], b[0])) for a, b in zip(together, alone))
         worst = max([worst] + [float((a[1][:, 0] - b[1][:, 0]).abs().max()) for a, b in zip(together, alone)])
+    kernels = kernel_table(lambda: [net.cycle_batch(entries(r), net.ranks) for r in range(warmup + reps, n)],
+                           profiled) if profiled else []
     return {"batch": batch, "one_call": quartiles(one), "a_call_each": quartiles(each),
-            "identical_rankings": alike / (n * batch), "max_top1_logprob_difference": worst,
-            "ar_pass": quartiles(ar_passes(module, context, batch, n)[warmup:])}
+            "identical_rankings": alike / ((warmup + reps) * batch), "max_top1_logprob_difference": worst,
+            "ar_pass": quartiles(ar_passes(module, context, batch, warmup + reps)[warmup:]), "kernels": kernels}
 
 
 def ar_passes(module: CompiledModule, context: int, batch: int, reps: int) -> list[float]:
@@ -246,12 +253,16 @@ def main() -> None:
         result["ranking_check"] = agreement
     batches = [int(v) for v in args.batches.split(",") if v]
     if batches:
-        result["batched"] = [batched_cycles(module, args.context, args.accepted, b, args.reps, args.warmup)
-                             for b in batches]
+        result["batched"] = [batched_cycles(module, args.context, args.accepted, b, args.reps, args.warmup,
+                                            args.profile) for b in batches]
         for row in result["batched"]:
             print(f"batch {row['batch']}: one call {row['one_call']['median_ms']:.3f} ms, a call each "
                   f"{row['a_call_each']['median_ms']:.3f} ms, AR pass {row['ar_pass']['median_ms']:.3f} ms; "
                   f"ranked alike {100 * row['identical_rankings']:.1f} %")
+            if row["kernels"]:
+                print(f"  one call: {row['kernels'][-1]['us']:.0f} us on the device in "
+                      f"{row['kernels'][-1]['launches']:.0f} launches; "
+                      + ", ".join(f"{k['kernel'][:40]} {k['us']:.0f}" for k in row["kernels"][:8]))
     if kernels:       # per step / cycle: what the device ran, against the wall time above
         result["kernels"] = {"ar_step": ar_kernels, "drafting_cycle": kernels}
         for what, table in result["kernels"].items():
