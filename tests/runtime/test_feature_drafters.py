@@ -724,6 +724,24 @@ def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s
         assert calls and max(calls) == 2, (engine, calls)
 
 
+
+def test_a_batch_s_block_chains_are_the_level_walk_s(batch_build, monkeypatch):
+    """A batch's block drafters chain each position's first-ranked token from their one block pass, no
+    level of expansions: the same chains and tokens as walking each expander by first-ranked children."""
+    from specpilot.runtime import batching
+    levels = []
+    expand = batching.expand_across
+    monkeypatch.setattr(batching, "expand_across", lambda *a: levels.append(1) or expand(*a))
+    system = from_build(batch_build)
+    prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)]]
+    lengths = [20, 12, 16]
+    got = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
+    assert not levels
+    monkeypatch.setattr(BlockDrafter, "block_drafter", property(lambda self: None))
+    walked = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
+    assert levels and [g.accepted for g in got] == [w.accepted for w in walked]
+    assert [g.tokens for g in got] == [w.tokens for w in walked]
+
 def test_drafting_blocks_together_gives_each_drafter_what_it_drafts_alone(batch_build):
     """`draft_blocks` over two bound drafters (contexts of different lengths, each within a block of
     new tokens): each one's ranked block equals a fresh drafter's on the same target state drafting
