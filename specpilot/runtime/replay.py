@@ -79,6 +79,7 @@ class ReplayDrafter:
     def __init__(self, cost, oracle: Oracle, plan: dict, top_k: int, vocab_size: int):
         self.cost, self.oracle, self.plan = cost, oracle, plan
         self.top_k, self.vocab_size = top_k, vocab_size
+        self.off_scores = [OFF_PLAN - r for r in range(top_k)]     # the wrong tokens', by rank
         self.reset()
 
     @property
@@ -116,13 +117,14 @@ class ReplayDrafter:
     def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool) -> list[tuple[int, float]]:
         """The top-k at generated ``position``: the continuation's token first where the plan accepts it."""
         right = tokens[position] if position < len(tokens) else None
-        others = [(t, OFF_PLAN - r) for r, t in enumerate(self._wrong_tokens(right, self.top_k))]
         if on_path and right is not None and position not in wrong:
-            return [(right, ON_PLAN)] + others[:self.top_k - 1]
-        return others
+            return [(right, ON_PLAN)] + list(zip(self._wrong_tokens(right, self.top_k - 1), self.off_scores))
+        return list(zip(self._wrong_tokens(right, self.top_k), self.off_scores))
 
     def _wrong_tokens(self, right: int | None, k: int) -> list[int]:
         start = 0 if right is None else right + 1
+        if start + k <= self.vocab_size:
+            return list(range(start, start + k))
         return [(start + j) % self.vocab_size for j in range(k)]
 
     def _rows(self, context: list[int], n: int) -> list[list[tuple[int, float]]]:
@@ -154,11 +156,15 @@ class ReplayDrafter:
         position, tokens, wrong = self._locate(context)
         cost_paths: dict[tuple, list[int]] = {(): []}
         cost_children: dict[tuple, list] = {}
+        built: dict[tuple, list] = {}          # each path's children, built once (the tree asks again)
 
         def children(path: list[int]) -> list[tuple[int, float]]:
-            depth = len(path)
-            on_path = path == tokens[position:position + depth]
-            return self._children(position + depth, tokens, wrong, on_path)
+            key = tuple(path)
+            if key not in built:
+                depth = len(key)
+                on_path = list(key) == tokens[position:position + depth]
+                built[key] = self._children(position + depth, tokens, wrong, on_path)
+            return built[key]
 
         def cost_path(path: tuple) -> list[int] | None:
             if path in cost_paths:
