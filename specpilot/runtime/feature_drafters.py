@@ -101,6 +101,7 @@ class BlockDrafter(_Conditioned):
         same context twice (or one `draft_blocks` drafted) is not drafted again."""
         if self.last is not None and self.last[0] == tuple(context):
             return self.last[1]
+        self.catch_up(context)
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
         tokens = self._block_tokens(context)
@@ -122,6 +123,21 @@ class BlockDrafter(_Conditioned):
 
     def _drafted(self, context: list[int], out) -> None:
         self.consumed, self.last = list(context[:len(context) - 1]), (tuple(context), out)
+
+    def catch_up(self, context: list[int]) -> None:
+        """Cache the committed context's keys/values up to its last block of new tokens (one context
+        call) where it has more than a cycle call takes (a joining request's prompt, a verification that
+        accepted a whole block), so that its block still drafts in one call (`ranked_cycle`) or with the
+        batch's (`draft_blocks`).  Nothing where no cycle call serves this drafter."""
+        serves = getattr(self.net, "serves", None)
+        n = len(context) - 1
+        if serves is None or self.temperature != 1.0 or not serves(1, self.top_k) \
+                or self.target_state is not None and n > self.target_state.length:
+            return
+        keep, cut = common_prefix(self.consumed, context[:n]), n - self.net.cfg.block_size
+        if cut > keep:
+            self.net.context(self.cache, self._features(keep, cut), keep)
+            self.consumed = list(context[:cut])
 
     def cycle_entry(self, context: list[int]):
         """This drafter's part of a batched cycle below ``context`` (cache row, new features, start,
@@ -157,11 +173,14 @@ class BlockDrafter(_Conditioned):
 
 def draft_blocks(drafters: list, contexts: list[list[int]]) -> None:
     """The block drafters among ``drafters`` (a replay drafter's cost too) that share a network draft
-    their blocks below ``contexts`` in one batched call (`CompiledBlockNet.cycle_batch`); each keeps its
-    ranked block for the `block_ranked` of that context.  The others draft alone when asked."""
+    their blocks below ``contexts`` in one batched call (`CompiledBlockNet.cycle_batch`), each caught up
+    to its last block of new tokens first (`BlockDrafter.catch_up`); each keeps its ranked block for the
+    `block_ranked` of that context.  The others draft alone when asked."""
     groups: dict[tuple[int, int], list] = {}
     for drafter, context in zip(drafters, contexts):
         block = getattr(drafter, "block_drafter", None)
+        if block is not None:
+            block.catch_up(context)
         entry = block.cycle_entry(context) if block is not None else None
         if entry is not None:
             groups.setdefault((id(block.net), block.top_k), []).append((block, context, entry))

@@ -725,6 +725,26 @@ def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s
 
 
 
+
+def test_joining_requests_catch_up_and_draft_their_blocks_with_the_batch(batch_build, monkeypatch):
+    """Prompts longer than a block: each joining request's drafter caches its context up to the last
+    block of new tokens (a context call of its own), then drafts with the batch in one call; no block
+    is drafted by the two-call path, and the tokens are stock's."""
+    from specpilot.runtime.compiled_draft_nets import CompiledBlockNet
+    batched, two_call = [], []
+    cycle_batch, block = CompiledBlockNet.cycle_batch, CompiledBlockNet.block
+    monkeypatch.setattr(CompiledBlockNet, "cycle_batch", lambda self, entries, k: batched.append(len(entries))
+                        or cycle_batch(self, entries, k))
+    monkeypatch.setattr(CompiledBlockNet, "block", lambda self, *a: two_call.append(1) or block(self, *a))
+    system = from_build(batch_build)
+    prompts = [[(7 * i + 5 * r) % 301 for i in range(12 + 9 * r)] for r in range(2)]    # 12 and 21 > a block of 5
+    want = [system.generate("stock", p, 14).tokens for p in prompts]
+    for engine in ("compiled-spec", "compiled-tree"):
+        batched.clear(), two_call.clear()
+        got = system.generate_batch(engine, prompts, [14, 14], max_batch=2)
+        assert [g.tokens for g in got] == want, engine
+        assert batched and batched[0] == 2 and not two_call, (engine, batched, two_call)
+
 def test_a_batch_s_block_chains_are_the_level_walk_s(batch_build, monkeypatch):
     """A batch's block drafters chain each position's first-ranked token from their one block pass, no
     level of expansions: the same chains and tokens as walking each expander by first-ranked children."""
