@@ -51,6 +51,21 @@ def build_spec(tmp_path, data: dict, out: str = "b"):
     return tmp_path / out
 
 
+def assert_block_chains_are_the_level_walk_s(system, prompts, lengths, drafter_class, monkeypatch):
+    """A batch's chains from its block drafters' one pass (no level of expansions) against the level walk
+    (taken once ``drafter_class`` has no block drafter): the same acceptance and tokens."""
+    from specpilot.runtime import batching
+    levels = []
+    expand = batching.expand_across
+    monkeypatch.setattr(batching, "expand_across", lambda *a: levels.append(1) or expand(*a))
+    got = system.generate_batch("compiled-spec", prompts, lengths, max_batch=len(prompts))
+    assert not levels
+    monkeypatch.setattr(drafter_class, "block_drafter", property(lambda self: None))
+    walked = system.generate_batch("compiled-spec", prompts, lengths, max_batch=len(prompts))
+    assert levels and [g.accepted for g in got] == [w.accepted for w in walked]
+    assert [g.tokens for g in got] == [w.tokens for w in walked]
+
+
 def tiny_config(arch: str, **overrides):
     return config_from_hf({**TINY_CONFIGS[arch], **overrides}, architecture=arch)
 

@@ -473,7 +473,7 @@ class _Scheduler:
             # a block drafter ranks every position in its one pass: the chain is each position's first
             contexts = [r.prompt + r.out.gen.tokens for r in self.running]
             self._timed("draft_blocks", draft_blocks, drafters, contexts)
-            return [_chain_tree(_first_ranked(d.propose(c, cap))) if cap else Tree()
+            return [_chain_tree(d.propose(c, cap).scored_chain()) if cap else Tree()
                     for d, c, cap in zip(drafters, contexts, caps)]
         own = self._expanders()
         trees = [Tree() for _ in own]
@@ -549,13 +549,6 @@ class _Scheduler:
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen
-
-
-def _first_ranked(lattice) -> list[tuple[int, float]]:
-    """A lattice's first-ranked (token, log-probability) at each position."""
-    if not lattice.positions:
-        return []
-    return list(zip(lattice.tokens[:, 0].tolist(), lattice.logprobs[:, 0].tolist()))
 
 
 def _chain_tree(chain: list[tuple[int, float]]) -> Tree:

@@ -34,6 +34,12 @@ class Lattice:
     def chain(self) -> list[int]:
         return self.tokens[:, 0].tolist() if self.positions else []
 
+    def scored_chain(self) -> list[tuple[int, float]]:
+        """The first-ranked (token, log-probability) at each position."""
+        if not self.positions:
+            return []
+        return list(zip(self.tokens[:, 0].tolist(), self.logprobs[:, 0].tolist()))
+
     def to_record(self, step: int, context_len: int) -> dict:
         return {"step": step, "context_len": context_len, "tokens": self.tokens.tolist(),
                 "logprobs": self.logprobs.tolist()}

@@ -15,7 +15,7 @@ from specpilot.core.errors import SpecError, SpecPilotError
 from specpilot.core.spec import load_spec
 from specpilot.runtime.bench import check_choices, check_tokens
 from specpilot.runtime.systems import from_build, from_spec
-from tests.conftest import TINY_CONFIGS, build_spec
+from tests.conftest import TINY_CONFIGS, assert_block_chains_are_the_level_walk_s, build_spec
 
 DENSE_TARGET = {"architecture": "Qwen3ForCausalLM", "config": TINY_CONFIGS["Qwen3ForCausalLM"], "init": {"seed": 4}}
 COST = {"architecture": "LlamaForCausalLM", "init": {"seed": 9},
@@ -116,27 +116,18 @@ def test_a_replay_spending_a_block_drafter_s_time_drafts_a_batch_in_one_call(tmp
         assert sum(g.mean_accepted for g in got) / 3 > 1.5, engine      # alpha 0.7 replayed
 
 
-
 def test_a_batch_s_replayed_block_chains_are_the_level_walk_s(tmp_path, monkeypatch):
     """Chains of a batch whose drafters' time is a block drafter's come from the one block pass, no
     level of expansions: the same chains (so the same acceptance) as walking each request's expander
     by its first-ranked children, the path taken where no block drafter stands behind the drafter."""
-    from specpilot.runtime import batching
     from specpilot.runtime.replay import ReplayDrafter
-    levels = []
-    expand = batching.expand_across
-    monkeypatch.setattr(batching, "expand_across", lambda *a: levels.append(1) or expand(*a))
     data = _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}")
     data["drafter"]["cost"] = {"kind": "block", "layers": 1, "block_size": 6, "init": {"seed": 9}}
     data["deployment"]["max_batch"] = 3
     system = from_build(build_spec(tmp_path, data))
-    prompts, lengths = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1]], [40, 24, 32]
-    got = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
-    assert not levels
-    monkeypatch.setattr(ReplayDrafter, "block_drafter", property(lambda self: None))
-    walked = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
-    assert levels and [g.accepted for g in got] == [w.accepted for w in walked]
-    assert [g.tokens for g in got] == [w.tokens for w in walked]
+    assert_block_chains_are_the_level_walk_s(system, [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1]],
+                                             [40, 24, 32], ReplayDrafter, monkeypatch)
+
 
 def test_replay_rows_run_once_per_acceptance_plan(run_cli, tmp_path):
     build = build_spec(tmp_path, _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}"))

@@ -26,7 +26,7 @@ from specpilot.runtime.reference.feature_nets import build_net
 from specpilot.runtime.reference.model import ReferenceModel
 from specpilot.runtime.systems import from_build, from_spec
 from specpilot.runtime.tree import Tree
-from tests.conftest import HYBRID, TINY_CONFIGS, tiny_config
+from tests.conftest import HYBRID, TINY_CONFIGS, assert_block_chains_are_the_level_walk_s, tiny_config
 
 ARCHS = sorted(TINY_CONFIGS)
 PROMPTS = [[(7 * i + 5 * r) % 301 for i in range(8 + 5 * r)] for r in range(2)]
@@ -724,8 +724,6 @@ def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s
         assert calls and max(calls) == 2, (engine, calls)
 
 
-
-
 def test_joining_requests_catch_up_and_draft_their_blocks_with_the_batch(batch_build, monkeypatch):
     """Prompts longer than a block: each joining request's drafter caches its context up to the last
     block of new tokens (a context call of its own), then drafts with the batch in one call; no block
@@ -745,22 +743,13 @@ def test_joining_requests_catch_up_and_draft_their_blocks_with_the_batch(batch_b
         assert [g.tokens for g in got] == want, engine
         assert batched and batched[0] == 2 and not two_call, (engine, batched, two_call)
 
+
 def test_a_batch_s_block_chains_are_the_level_walk_s(batch_build, monkeypatch):
     """A batch's block drafters chain each position's first-ranked token from their one block pass, no
     level of expansions: the same chains and tokens as walking each expander by first-ranked children."""
-    from specpilot.runtime import batching
-    levels = []
-    expand = batching.expand_across
-    monkeypatch.setattr(batching, "expand_across", lambda *a: levels.append(1) or expand(*a))
-    system = from_build(batch_build)
     prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)]]
-    lengths = [20, 12, 16]
-    got = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
-    assert not levels
-    monkeypatch.setattr(BlockDrafter, "block_drafter", property(lambda self: None))
-    walked = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
-    assert levels and [g.accepted for g in got] == [w.accepted for w in walked]
-    assert [g.tokens for g in got] == [w.tokens for w in walked]
+    assert_block_chains_are_the_level_walk_s(from_build(batch_build), prompts, [20, 12, 16], BlockDrafter, monkeypatch)
+
 
 def test_drafting_blocks_together_gives_each_drafter_what_it_drafts_alone(batch_build):
     """`draft_blocks` over two bound drafters (contexts of different lengths, each within a block of
