@@ -14,6 +14,7 @@
 #   bash bench/h200_e2e.sh batch-profile BUILD  the host's side of a batched run (cProfile at BATCHES), to $OUT
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
 #   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
+#   bash bench/h200_e2e.sh gdn LIB.so        bench/gdn_recurrence.py run (LIB built here), to $OUT
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
 #   bash bench/h200_e2e.sh train-drafters   distil SmolLM2's block and feature drafters (examples/drafters), to $OUT
 #   bash bench/h200_e2e.sh cost BUILD...     bench/drafter_cost.py on block / feature builds, to $OUT
@@ -64,12 +65,12 @@ r = random.Random(0)
 for _ in range(4):
     print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(4096)]}))" > $E/long.jsonl
 }
-# batched serving: 32 prompts of PROMPT_TOKENS (512) token ids, $E/batch.jsonl
+# batched serving: PROMPTS (32) prompts of PROMPT_TOKENS (512) token ids, $E/batch.jsonl
 batch_prompts() {
   python3 -c "
 import json, random
 r = random.Random(1)
-for _ in range(32):
+for _ in range(${PROMPTS:-32}):
     print(json.dumps({'prompt_ids': [r.randrange(1000, 200000) for _ in range(${PROMPT_TOKENS:-512})]}))" > $E/batch.jsonl
 }
 case "${1:-}" in
@@ -141,13 +142,16 @@ PY
       --tie-tolerance ${TIE:-auto} --breakdown-requests 1 --forced -o $OUT/e2e-27b-full-$1.json 2>&1 | tail -40 ;;
   full-batch)
     # continuous batching: every engine at each batch size, the requests all at once (one per cache row);
-    # speculative engines forced onto the batched AR reference's tokens (the replay drafter follows them)
+    # speculative engines forced onto the batched AR reference's tokens (the replay drafter follows them);
+    # REQUESTS: that many requests at every batch size, at most the batch size running (a saturated load);
+    # TAG: a suffix for the result file's name
     shift; setup; unpack
-    batch_prompts
+    PROMPTS=$(( ${REQUESTS:-32} > 32 ? ${REQUESTS:-32} : 32 )) batch_prompts
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
+      ${REQUESTS:+--requests $REQUESTS} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
       ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} \
-      --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1.json 2>&1 | tail -40 ;;
+      --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -40 ;;
   batch-profile)
     # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats
     # to $OUT (`python -m pstats`); device time shows where the host waits for it (tolist, numpy, cpu)
@@ -167,6 +171,10 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     # bench/skinny_gemm.py on a kernel library built here (the same SKINNY_* as at its build), to $OUT
     shift; setup
     timeout ${SKINNY_S:-300} python3 bench/skinny_gemm.py run $1 --out $OUT 2>&1 | grep -v Warning | tail -80 ;;
+  gdn)
+    # bench/gdn_recurrence.py on a kernel library built here, to $OUT
+    shift; setup
+    timeout ${GDN_S:-200} python3 bench/gdn_recurrence.py run $1 --out $OUT 2>&1 | grep -v Warning | tail -60 ;;
   smol-batch)
     # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
@@ -225,6 +233,6 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats 
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \
         --out $OUT 2>&1 | tail -${TAIL:-8}
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;
 esac

@@ -58,7 +58,7 @@ def _delta_rule(rows: int, parts: int):
 
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
-                     stack: tuple[int, int] | None = None):
+                     stack: tuple[int, int] | None = None, operands: str = "shared"):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
@@ -88,7 +88,14 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     stack it writes (its other layers' slices left to them); layer g > 0 writes its slice in
     place: the kernel then takes the stack after ``parents`` and returns it first
     (``call_tir_inplace`` order: in-place operand, then o and scratch).
+
+    ``operands`` (GPU form): where a token's k and q wait for their step -- ``shared``, loaded once a
+    block into shared memory (each value is read by all ``cols`` threads of its rows), or
+    ``registers``, every thread's own copy of its rows (the form before; bench/gdn_recurrence.py
+    runs both).  Same arithmetic, same bits.
     """
+    if operands not in ("shared", "registers"):
+        raise ValueError(f"operands={operands!r}: expected 'shared' or 'registers'")
     G, gi = stack if stack else (1, 0)
     if stack and not 0 <= gi < G:
         raise ValueError(f"stack={stack}: needs 0 <= g < G")
@@ -179,18 +186,35 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # token in shared memory (tokens past ``cap`` always store).  (Slower on the H200 at 65 rows,
     # docs/bench-log.md: a column's parts on adjacent lanes summed by shuffles, no barriers,
     # 102.5 -> 147 us; a shared buffer per sum and token parity, two barriers a token instead of
-    # TVM's four, 102.5 -> 103.4 us.)
+    # TVM's four, 102.5 -> 103.4 us.)  The k and q of the token at hand and the next wait in shared
+    # memory, loaded by the block's threads together, ordered by the barriers a step already has: in
+    # registers they took 2 x 2 x R of every thread's, and a batch of sequences ran in many waves of
+    # blocks (sm_90: 254 -> 157 registers with the tree form, 200 -> 72 without; H200, 16 sequences of
+    # 9 tokens 124.7 -> 99.7 us, decode 41.9 -> 29.7; bench/README "Gated DeltaNet recurrence").
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
     threads = parts * cols
     cap = 1024
     update = _delta_rule(rows, parts)
+    shared_ops = operands == "shared"
+
+    def kq(p, i):
+        """Index of row i of thread group p's rows in the k / q buffers (shared: the whole d_k)."""
+        return p * rows + i if shared_ops else i
 
     @T.macro
-    def fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t, h, p, j, u):
-        """Token t's operands into buffer u of the registers (t < n)."""
-        for i in T.unroll(rows):
-            kx[u, i] = k[b, t, h, p * rows + i]
-            qx[u, i] = q[b, t, h, p * rows + i]
+    def fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t, h, p, j, lane, u):
+        """Token t's operands into buffer u (t < n): k and q into shared memory, thread ``lane`` of the
+        block taking every ``threads``-th value (or each thread's own rows into its registers), v[j],
+        g, beta and the slot into the thread's registers."""
+        if shared_ops:
+            for r in T.unroll((dk + threads - 1) // threads):
+                if r * threads + lane < dk:
+                    kx[u, r * threads + lane] = k[b, t, h, r * threads + lane]
+                    qx[u, r * threads + lane] = q[b, t, h, r * threads + lane]
+        else:
+            for i in T.unroll(rows):
+                kx[u, i] = k[b, t, h, p * rows + i]
+                qx[u, i] = q[b, t, h, p * rows + i]
         sx[u, 0] = v[b, t, h, j]
         sx[u, 1] = g[b, t, h]
         sx[u, 2] = beta[b, t, h]
@@ -210,7 +234,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     for i in T.unroll(rows):
                         s[i] = ps[i]
         if t + 1 < n:
-            fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, 1 - u)
+            fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, p * cols + jl, 1 - u)
             if tree:
                 if T.Cast("int64", parents[b, t + 1]) != t:
                     if parents[b, t + 1] < 0:
@@ -219,8 +243,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     else:
                         for i in T.unroll(rows):
                             ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
-        update(s, part, acc, red, 0, p, jl, lambda i: kx[u, i], lambda i: qx[u, i], sx[u, 1], sx[u, 0], sx[u, 2],
-               ix[u] >= 0)
+        update(s, part, acc, red, 0, p, jl, lambda i: kx[u, kq(p, i)], lambda i: qx[u, kq(p, i)], sx[u, 1], sx[u, 0],
+               sx[u, 2], ix[u] >= 0)
         red[1, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
         T.tvm_storage_sync("shared")
         if p == 0:
@@ -242,8 +266,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
         ps = T.alloc_buffer((rows,), "float32", scope="local")        # the next token's parent state
-        kx = T.alloc_buffer((2, rows), "float32", scope="local")      # k, q of this token and the next
-        qx = T.alloc_buffer((2, rows), "float32", scope="local")
+        kx = T.alloc_buffer((2, dk if shared_ops else rows), "float32",      # k, q of this token and the next
+                            scope="shared" if shared_ops else "local")
+        qx = T.alloc_buffer((2, dk if shared_ops else rows), "float32", scope="shared" if shared_ops else "local")
         sx = T.alloc_buffer((2, 3), "float32", scope="local")         # v[j], g, beta
         ix = T.alloc_buffer((2,), "int32", scope="local")             # slot
         acc = T.alloc_buffer((2,), "float32", scope="local")
@@ -268,7 +293,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
             s[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
-        fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, 0)
+        fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, p * cols + jl, 0)
+        if shared_ops:
+            T.tvm_storage_sync("shared")
         for t2 in range((n + 1) // 2):
             for u in T.unroll(2):
                 step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t2 * 2 + u, h, p, jl, cb,

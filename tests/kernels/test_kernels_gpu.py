@@ -15,12 +15,17 @@ from tests.kernel_helpers import sm90_source
 def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
     text = gated_delta_rule(3, dk, dv, keep_states=True, gpu=True, tree=True).script()
     assert '"threadIdx.y"' in text and '"threadIdx.x"' in text and '"blockIdx.x"' in text
-    # two barriers a token (in a loop over pairs of tokens, unrolled: fixed registers for the
-    # operands fetched a token ahead), and the tree form's one before it, after the bits of the
-    # states to store
-    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 3
+    # two barriers a token (in a loop over pairs of tokens, unrolled: fixed buffers for the operands
+    # fetched a token ahead), one after the first token's k and q are in shared memory, and the tree
+    # form's one before it, after the bits of the states to store
+    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 4
     assert "T.unroll(2)" in text
-    assert gated_delta_rule(3, dk, dv, keep_states=True, gpu=True).script().count('tvm_storage_sync("shared"') == 2
+    assert gated_delta_rule(3, dk, dv, keep_states=True, gpu=True).script().count('tvm_storage_sync("shared"') == 3
+    # k and q wait in shared memory, the whole d_k of this token and the next; in the registers form
+    # every thread holds its own rows and no barrier waits for them
+    assert f"T.alloc_shared((2, {dk}))" in text
+    old = gated_delta_rule(3, dk, dv, keep_states=True, gpu=True, tree=True, operands="registers").script()
+    assert old.count('tvm_storage_sync("shared"') == 3 and f"T.alloc_shared((2, {dk}))" not in old
     parts = 4 if dk % 4 == 0 else 2 if dk % 2 == 0 else 1
     assert f"T.thread_binding({parts}, thread=\"threadIdx.y\")" in text
     # value columns evolve independently: 27B-class heads (dv = 128) split over 4 blocks of 32
@@ -39,11 +44,17 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
                        "'chain': gated_delta_rule(4, 16, 12, True, True), "
                        "'step': gated_delta_rule(4, 16, 12, False, True), "
                        "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1)), "
+                       "'registers': gated_delta_rule(4, 16, 12, True, True, True, operands='registers'), "
                        "'commit': gdn_commit(3, 4, 16, 12, True), "
                        # fewer threads (4 x 5) than words of store bits (32): a round per 20 words
                        "'narrow': gated_delta_rule(3, 8, 5, True, True, True)}")
-    for name in ("tree", "chain", "step", "stacked", "commit", "narrow"):
+    for name in ("tree", "chain", "step", "stacked", "registers", "commit", "narrow"):
         assert f"{name}_kernel" in text
+
+
+def test_gdn_operands_place_is_checked():
+    with pytest.raises(ValueError, match="operands='global'"):
+        gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, operands="global")
 
 
 @pytest.mark.parametrize("make", ["gdn_conv_verify", "gdn_conv_prefill"])

@@ -1,0 +1,162 @@
+"""The Gated DeltaNet recurrence kernels of a batched pass (`kernels.gdn.gated_delta_rule`, GPU form) on
+the GPU: the decode step's (one token a sequence, final states out) and verification's sequential tree
+form (records out), over B sequences, each form of where a token's operands wait side by side in one
+run, checked against the PyTorch recurrence along every root path and against each other bit for bit.
+
+    python bench/gdn_recurrence.py build LIB.so     # on the CPU machine, with the stub driver
+    python bench/gdn_recurrence.py run LIB.so [--out DIR]
+
+Shapes: the 27B-class hybrid's heads (48 value heads of 128 x 128), its layers stacked as a batch build
+stacks them (this kernel's layer 0 of 2).  Batch 1, 16 and 32; chains of 5, 9 and 17 tokens and a
+branching tree of 9 nodes a sequence (verification), one token (decode).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.tree_verify import DK, DV, HEADS  # noqa: E402  (Qwen3.5-27B's Gated DeltaNet heads)
+
+# name -> gated_delta_rule keyword arguments; the first is the yardstick every other must equal bit for bit
+VARIANTS = {
+    "registers": {"operands": "registers"},
+    "shared k, q": {"operands": "shared"},
+}
+BATCHES = (1, 16, 32)
+TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 5]          # a branching tree of 9 nodes (parents before children)
+SHAPES = {"decode": None, "chain 5": 5, "chain 9": 9, "chain 17": 17, "tree 9": TREE}
+STACK = (2, 0)
+
+
+def symbol(form: str, name: str) -> str:
+    return f"gdn_{form}_" + "".join(ch if ch.isalnum() else "_" for ch in name)
+
+
+def build(out: Path) -> None:
+    import tvm
+
+    from bench._common import export_kernels
+    from specpilot.compiler.build import load_cuda_runtime
+    from specpilot.kernels.gdn import gated_delta_rule
+    if not load_cuda_runtime():
+        sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
+    funcs = {}
+    for name, kwargs in VARIANTS.items():
+        funcs[symbol("verify", name)] = gated_delta_rule(HEADS, DK, DV, True, True, tree=True, stack=STACK, **kwargs)
+        funcs[symbol("decode", name)] = gated_delta_rule(HEADS, DK, DV, False, True, stack=STACK, **kwargs)
+    export_kernels(funcs, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"}), out)
+    (out.parent / (out.name + ".json")).write_text(json.dumps(VARIANTS))
+
+
+def inputs(batch: int, parents: list[int], dev, seed: int = 3):
+    """Seeded float32 operands for ``batch`` sequences of len(parents) tokens (unit q, k rows, q
+    scaled by dk^-1/2, g < 0), the stacked initial states (B, G, H, dk, dv) and slots, parents."""
+    import torch
+    n = len(parents)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(batch, n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(batch, n, HEADS, DK, generator=gen), dim=-1)
+    v = torch.randn(batch, n, HEADS, DV, generator=gen)
+    g = -torch.rand(batch, n, HEADS, generator=gen) * 0.5
+    beta = torch.rand(batch, n, HEADS, generator=gen)
+    s0 = torch.randn(batch, STACK[0], HEADS, DK, DV, generator=gen) * 0.1
+    slots = torch.arange(n, dtype=torch.int32).repeat(batch, 1)
+    par = torch.tensor([parents] * batch, dtype=torch.int32)
+    return [t.to(dev).contiguous() for t in (q, k, v, g, beta, s0, slots, par)]
+
+
+def reference(q, k, v, g, beta, s0, parents):
+    """o (B, T, H, dv): each token's output after the recurrence along its root path from the layer's s0."""
+    import torch
+
+    from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
+    out = torch.empty_like(v)
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            path = [t]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            idx = torch.tensor(path[::-1], device=q.device)
+            o, _, _ = recurrent_gated_delta_rule(q[b, idx], k[b, idx], v[b, idx], g[b, idx], beta[b, idx],
+                                                 s0[b, STACK[1]])
+            out[b, t] = o[-1]
+    return out
+
+
+def case(lib, to_tvm, shape: str, batch: int, dev) -> list[dict]:
+    """Every variant on one (shape, batch): outputs checked, then timed round-robin."""
+    import torch
+
+    from bench._common import timed_interleaved
+    decode = SHAPES[shape] is None
+    parents = [-1] if decode else (SHAPES[shape] if isinstance(SHAPES[shape], list) else
+                                   [t - 1 for t in range(SHAPES[shape])])
+    q, k, v, g, beta, s0, slots, par = inputs(batch, parents, dev)
+    n = len(parents)
+    ref = reference(q, k, v, g, beta, s0, parents)
+    calls, outs = {}, {}
+    for name in VARIANTS:
+        o = torch.full((batch, n, HEADS, DV), float("nan"), device=dev)
+        if decode:
+            st = torch.full_like(s0, float("nan"))
+            extra = [o, st]
+        else:
+            rec = torch.full((batch, n, STACK[0], HEADS, DK + DV + 2), float("nan"), device=dev)
+            st = torch.empty(batch, n, HEADS, DK, DV, device=dev)
+            extra = [o, rec, st]
+        state = s0 if decode else s0[:, STACK[1]].contiguous()     # verification reads one layer's
+        args = [to_tvm(x) for x in (q, k, v, g, beta, state, slots, par, *extra)]
+        fn = lib[symbol("decode" if decode else "verify", name)]
+        fn(*args)
+        torch.cuda.synchronize()
+        outs[name] = (o.clone(), (st[:, STACK[1]].clone() if decode else extra[1][:, :, STACK[1]].clone()))
+        calls[name] = (lambda r, fn=fn, args=args: fn(*args))
+    samples = timed_interleaved(calls, 1, rounds=7, iters=20)
+    base = next(iter(VARIANTS))
+    rows = []
+    for name in VARIANTS:
+        o, kept = outs[name]
+        err = float((o - ref).abs().max() / ref.abs().max())
+        rows.append({"shape": shape, "batch": batch, "tokens": n, "variant": name,
+                     "median_us": statistics.median(samples[name]), "samples_us": samples[name],
+                     "vs_reference": err, "nan_free": bool(torch.isfinite(o).all() and torch.isfinite(kept).all()),
+                     "equal_to_first": bool(torch.equal(o, outs[base][0]) and torch.equal(kept, outs[base][1]))})
+    for r in rows:
+        r["vs_first"] = r["median_us"] / rows[0]["median_us"]
+    return rows
+
+
+def run(lib_path: Path, out_dir: Path | None) -> None:
+    import torch
+
+    from bench._common import load_kernels, write
+    lib, to_tvm = load_kernels(lib_path)
+    dev = torch.device("cuda")
+    rows = []
+    for shape in SHAPES:
+        for batch in BATCHES:
+            for r in case(lib, to_tvm, shape, batch, dev):
+                rows.append(r)
+                print(f"  {shape:9s} B={batch:3d} {r['variant']:28s} {r['median_us']:8.1f} us  x{r['vs_first']:.2f}  "
+                      f"err {r['vs_reference']:.1e}  equal {r['equal_to_first']}", flush=True)
+    ok = all(r["equal_to_first"] and r["nan_free"] and r["vs_reference"] < 1e-4 for r in rows)
+    path = write("gdn-recurrence", {"heads": [HEADS, DK, DV], "stack": list(STACK), "checked": ok,
+                                    "results": rows}, out_dir)
+    print(f"\n{'shape':9s} {'B':>3s} " + " ".join(f"{n[:26]:>26s}" for n in VARIANTS))
+    for shape in SHAPES:
+        for batch in BATCHES:
+            us = [r["median_us"] for r in rows if r["shape"] == shape and r["batch"] == batch]
+            print(f"{shape:9s} {batch:3d} " + " ".join(f"{u:26.1f}" for u in us))
+    print(f"checked: {ok}; wrote {path}")
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    from bench._common import build_or_run
+    build_or_run(build, run)
