@@ -14,7 +14,7 @@ from tests.conftest import TINY_CONFIGS, build_spec
 HYBRID = {"architecture": "Qwen3_5ForCausalLM", "config": TINY_CONFIGS["Qwen3_5ForCausalLM"], "init": {"seed": 4}}
 COST = {"architecture": "LlamaForCausalLM", "init": {"seed": 9},
         "config": {**TINY_CONFIGS["LlamaForCausalLM"], "num_hidden_layers": 1}}
-PASSES = ("tree-verify{budget=8},gdn-path-recompute,draft-length{length=8,min=4,step=2,dynamic=true},"
+PASSES = ("fuse-projections,tree-verify{budget=8},gdn-path-recompute,draft-length{length=8,min=4,step=2,dynamic=true},"
           "node-budget{nodes=12},prompt-admission{chunk=4,passes=16}")
 
 
