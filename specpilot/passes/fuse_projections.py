@@ -63,22 +63,21 @@ def _function_groups(func) -> tuple[list[list[int]], set[int]]:
 
 
 def plan_groups(mod) -> list[tuple[int, ...]]:
-    """Slot groups (ascending) that every function reads the same way, two or more slots each
-    (a slot read in any other way anywhere takes no part)."""
+    """Slot groups (ascending), two or more slots each, whose members every function reads together:
+    two slots share a group when each function that reads either with an activation reads both with
+    the same one -- so where one function reads q, k, v with x and another k, v with y, k and v fuse
+    (one GEMM in each) and q stays apart.  A slot read in any other way anywhere takes no part."""
     functions = [_function_groups(func) for _, func in packed_functions(mod)]
     excluded = set().union(*(other for _, other in functions))
-    seen: dict[int, set] = {}
-    for groups, _ in functions:
-        for slots in groups:
-            group = frozenset(slots) - excluded
-            for slot in group:
-                seen.setdefault(slot, set()).add(group)
-    out = set()
-    for slot, variants in seen.items():
-        group = next(iter(variants))
-        if len(variants) == 1 and len(group) > 1 and all(seen.get(s) == {group} for s in group):
-            out.add(tuple(sorted(group)))
-    return sorted(out)
+    where: dict[int, set] = {}          # slot -> {(function, its group there)}
+    for f, (groups, _) in enumerate(functions):
+        for g, slots in enumerate(groups):
+            for slot in set(slots) - excluded:
+                where.setdefault(slot, set()).add((f, g))
+    by_where: dict[frozenset, list[int]] = {}
+    for slot, places in where.items():
+        by_where.setdefault(frozenset(places), []).append(slot)
+    return sorted(tuple(sorted(slots)) for slots in by_where.values() if len(slots) > 1)
 
 
 @mutator

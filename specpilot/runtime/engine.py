@@ -363,10 +363,14 @@ class CompiledModule:
         its configuration against the build's)."""
         tensors = self.feature_drafter()[1]
         dtype = getattr(torch, self.manifest.dtype)
+        fused = self.manifest.fused or {}
         for name in self.manifest.params:
-            which, _, hf = name.partition(".")
-            if which == "drafter" and hf in tensors and name not in self._aliases:
-                self._stored[name] = tensors[hf].to(device=self._stored[name].device, dtype=dtype)
+            if not name.startswith("drafter.") or name in self._aliases:
+                continue
+            members = [m.partition(".")[2] for m in fused.get(name, [name])]   # fuse-projections' stacks
+            if all(m in tensors for m in members):
+                value = torch.cat([tensors[m] for m in members]) if len(members) > 1 else tensors[members[0]]
+                self._stored[name] = value.to(device=self._stored[name].device, dtype=dtype)
 
     def draft_net(self):
         """The block / feature drafter lowered into this build (`runtime.compiled_draft_nets`)."""

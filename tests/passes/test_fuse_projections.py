@@ -109,6 +109,60 @@ def test_seeded_parameters_keep_names_and_shared_groups_stack_once():
         fuse_params({"target.a": a}, {"target.a+target.z": ["target.a", "target.z"]})
 
 
+@I.ir_module
+class TwoFunctions:
+    """A block drafter's two functions: its block reads q, k, v with one activation, its context
+    only k and v with another."""
+    @R.function
+    def block(x: R.Tensor(("n", 8), "float32"),
+              packed_params: R.Tuple(R.Tensor((6, 8), "float32"), R.Tensor((4, 8), "float32"),
+                                     R.Tensor((4, 8), "float32"))):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            q = R.matmul(x, R.permute_dims(packed_params[0]), out_dtype="float32")
+            k = R.matmul(x, R.permute_dims(packed_params[1]), out_dtype="float32")
+            v = R.matmul(x, R.permute_dims(packed_params[2]), out_dtype="float32")
+            s = (q, k, v)
+            R.output(s)
+        return s
+
+    @R.function
+    def context(y: R.Tensor(("m", 8), "float32"),
+                packed_params: R.Tuple(R.Tensor((6, 8), "float32"), R.Tensor((4, 8), "float32"),
+                                       R.Tensor((4, 8), "float32"))):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            k = R.matmul(y, R.permute_dims(packed_params[1]), out_dtype="float32")
+            v = R.matmul(y, R.permute_dims(packed_params[2]), out_dtype="float32")
+            s = (k, v)
+            R.output(s)
+        return s
+
+
+def test_slots_read_together_in_every_function_fuse_and_the_rest_stays_apart():
+    """k and v go together wherever either is read, q only in one function: k + v is one GEMM in
+    both functions, q its own; every output equal to the unfused module's on fresh inputs."""
+    from specpilot.passes.fuse_projections import plan_groups
+    assert plan_groups(TwoFunctions) == [(1, 2)]
+    g = torch.Generator().manual_seed(3)
+    params = {name: torch.randn(rows, 8, generator=g) for name, rows in (("d.q", 6), ("d.k", 4), ("d.v", 4))}
+    context = PassContext(target_kind="llvm", params=dict(params))
+    after, records = run_pipeline(parse("fuse-projections"), TwoFunctions, context)
+    assert records[0].statistics == {"groups": 1, "matmuls_fused": 4, "parameters_before": 3, "parameters_after": 2}
+    assert list(context.params) == ["d.q", "d.k+d.v"]
+    x, y = torch.randn(5, 8, generator=g), torch.randn(3, 8, generator=g)
+
+    def run(mod, packed):
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+        tup = [tvm.runtime.from_dlpack(t.contiguous()) for t in packed]
+        return ([torch.from_dlpack(o).clone() for o in vm["block"](tvm.runtime.from_dlpack(x), tup)],
+                [torch.from_dlpack(o).clone() for o in vm["context"](tvm.runtime.from_dlpack(y), tup)])
+    want = run(TwoFunctions, list(params.values()))
+    got = run(after, list(context.params.values()))
+    for w, o in zip(want[0] + want[1], got[0] + got[1]):
+        assert torch.equal(w, o)
+
+
 def test_w12_layout_must_come_after_it():
     context = PassContext(target_kind="llvm")
     assert check(parse("w12-layout,fuse-projections"), context) == ["w12-layout must come after fuse-projections"]

@@ -375,12 +375,12 @@ def test_training_init_takes_the_target_s_tensors_where_shapes_match():
 
 
 # -- compiled builds -------------------------------------------------------------------------
-W12_TWO_LEVEL = "w12-layout,nested-int8-view,tree-verify{budget=8},{gdn}two-level-verify"
+W12_TWO_LEVEL = "fuse-projections,w12-layout,nested-int8-view,tree-verify{budget=8},{gdn}two-level-verify"
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def compiled(request, tmp_path_factory):
-    """A CPU fp32 build of each family with W12, the nested view and two-level verification; block
+    """A CPU fp32 build of each family with fused projections, W12, the nested view and two-level verification; block
     drafters for some families, feature drafters for the others."""
     from tests.conftest import build_spec
     arch = request.param
@@ -487,7 +487,18 @@ def test_a_retrained_drafter_replaces_the_build_s_when_it_reads_the_same_layers(
     assert directory == tmp_path / "same"
     assert torch.equal(read["fc.weight"], retrained["fc.weight"])
     swapped = CompiledModule(out).stored_parameters()[0]     # the lowered drafter runs the retrained weights
-    assert all(torch.equal(swapped[f"drafter.{k}"], v) for k, v in retrained.items() if k != "d2t")
+    stacks = {name: members for name, members in module.manifest.fused.items() if name.startswith("drafter.")}
+    assert stacks      # fuse-projections stacked some of the drafter's weights: the swap stacks the retrained ones
+    placed = {m: (name, i) for name, members in stacks.items() for i, m in enumerate(members)}
+    for k, v in retrained.items():
+        if k == "d2t":
+            continue
+        name, i = placed.get(f"drafter.{k}", (f"drafter.{k}", None))
+        if i is None:
+            assert torch.equal(swapped[name], v), name
+        else:
+            start = sum(retrained[m.partition(".")[2]].shape[0] for m in stacks[name][:i])
+            assert torch.equal(swapped[name][start:start + v.shape[0]], v), (name, k)
     n_layers = len(module.manifest.models["target"]["layer_types"])
     elsewhere = next(i for i in range(n_layers) if i not in target_layers)
     other = fd.DraftNetConfig(**{**cfg.to_dict(), "target_layers": (elsewhere,)})
