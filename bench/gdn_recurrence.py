@@ -6,9 +6,12 @@ run, checked against the PyTorch recurrence along every root path and against ea
     python bench/gdn_recurrence.py build LIB.so     # on the CPU machine, with the stub driver
     python bench/gdn_recurrence.py run LIB.so [--out DIR]
 
-Shapes: the 27B-class hybrid's heads (48 value heads of 128 x 128), its layers stacked as a batch build
-stacks them (this kernel's layer 0 of 2).  Batch 1, 16 and 32; chains of 5, 9 and 17 tokens and a
-branching tree of 9 nodes a sequence (verification), one token (decode).
+Heads: the 27B-class hybrid's (48 value heads of 128 x 128) at batch 1, 16 and 32, timed; and two narrow
+ones checked at batch 3 -- 4 heads of 128 x 12 (48 threads a block, fewer than d_k: three rounds of k / q
+loads) and of 16 x 12 (more threads than d_k) -- with the last two tokens of every chain padding (slot -1:
+state kept, output 0).  Layers stacked as a batch build stacks them (this kernel's layer 0 of 2).  Chains of
+5, 9 and 17 tokens and a branching tree of 9 nodes a sequence (verification), one token (decode: its final
+states checked too).
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.tree_verify import DK, DV, HEADS  # noqa: E402  (Qwen3.5-27B's Gated DeltaNet heads)
 
+# name -> ((heads, dk, dv), batch sizes, padded tokens at the end of every chain)
+HEAD_SHAPES = {"27B-class": ((HEADS, DK, DV), (1, 16, 32), 0),
+               "4 x 128 x 12": ((4, 128, 12), (3,), 2),
+               "4 x 16 x 12": ((4, 16, 12), (3,), 2)}
+
 # name -> gated_delta_rule keyword arguments; the first is the yardstick every other must equal bit for bit
 VARIANTS = {
     "registers": {"operands": "registers"},
     "shared k, q": {"operands": "shared"},
 }
-BATCHES = (1, 16, 32)
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 5]          # a branching tree of 9 nodes (parents before children)
 SHAPES = {"decode": None, "chain 5": 5, "chain 9": 9, "chain 17": 17, "tree 9": TREE}
 STACK = (2, 0)
 
 
-def symbol(form: str, name: str) -> str:
-    return f"gdn_{form}_" + "".join(ch if ch.isalnum() else "_" for ch in name)
+def symbol(form: str, heads: str, name: str) -> str:
+    return "_".join(["gdn", form, *("".join(ch if ch.isalnum() else "_" for ch in x) for x in (heads, name))])
 
 
 def build(out: Path) -> None:
@@ -46,72 +53,86 @@ def build(out: Path) -> None:
     if not load_cuda_runtime():
         sys.exit("TVM's CUDA runtime does not load; run with the stub driver (specpilot.compiler.build.cuda_stub_env)")
     funcs = {}
-    for name, kwargs in VARIANTS.items():
-        funcs[symbol("verify", name)] = gated_delta_rule(HEADS, DK, DV, True, True, tree=True, stack=STACK, **kwargs)
-        funcs[symbol("decode", name)] = gated_delta_rule(HEADS, DK, DV, False, True, stack=STACK, **kwargs)
+    for heads, (shape, _, _) in HEAD_SHAPES.items():
+        for name, kwargs in VARIANTS.items():
+            funcs[symbol("verify", heads, name)] = gated_delta_rule(*shape, True, True, tree=True, stack=STACK, **kwargs)
+            funcs[symbol("decode", heads, name)] = gated_delta_rule(*shape, False, True, stack=STACK, **kwargs)
     export_kernels(funcs, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"}), out)
     (out.parent / (out.name + ".json")).write_text(json.dumps(VARIANTS))
 
 
-def inputs(batch: int, parents: list[int], dev, seed: int = 3):
+def inputs(shape: tuple, batch: int, parents: list[int], padded: int, dev, seed: int = 3):
     """Seeded float32 operands for ``batch`` sequences of len(parents) tokens (unit q, k rows, q
-    scaled by dk^-1/2, g < 0), the stacked initial states (B, G, H, dk, dv) and slots, parents."""
+    scaled by dk^-1/2, g < 0), the stacked initial states (B, G, H, dk, dv) and slots (the last
+    ``padded`` tokens -1), parents."""
     import torch
+    heads, dk, dv = shape
     n = len(parents)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(batch, n, HEADS, DK, generator=gen), dim=-1) * DK ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(batch, n, HEADS, DK, generator=gen), dim=-1)
-    v = torch.randn(batch, n, HEADS, DV, generator=gen)
-    g = -torch.rand(batch, n, HEADS, generator=gen) * 0.5
-    beta = torch.rand(batch, n, HEADS, generator=gen)
-    s0 = torch.randn(batch, STACK[0], HEADS, DK, DV, generator=gen) * 0.1
+    q = torch.nn.functional.normalize(torch.randn(batch, n, heads, dk, generator=gen), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(batch, n, heads, dk, generator=gen), dim=-1)
+    v = torch.randn(batch, n, heads, dv, generator=gen)
+    g = -torch.rand(batch, n, heads, generator=gen) * 0.5
+    beta = torch.rand(batch, n, heads, generator=gen)
+    s0 = torch.randn(batch, STACK[0], heads, dk, dv, generator=gen) * 0.1
     slots = torch.arange(n, dtype=torch.int32).repeat(batch, 1)
+    if padded:
+        slots[:, n - padded:] = -1
     par = torch.tensor([parents] * batch, dtype=torch.int32)
     return [t.to(dev).contiguous() for t in (q, k, v, g, beta, s0, slots, par)]
 
 
-def reference(q, k, v, g, beta, s0, parents):
-    """o (B, T, H, dv): each token's output after the recurrence along its root path from the layer's s0."""
+def reference(q, k, v, g, beta, s0, parents, padded: int):
+    """(o (B, T, H, dv), the state after the last real token (B, H, dk, dv)): each token's output
+    after the recurrence along its root path from the layer's s0; padding tokens (the last
+    ``padded``, at the end of a chain) output 0."""
     import torch
 
     from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
-    out = torch.empty_like(v)
+    out = torch.zeros_like(v)
+    final = torch.empty_like(s0[:, STACK[1]])
+    real = q.shape[1] - padded
     for b in range(q.shape[0]):
-        for t in range(q.shape[1]):
+        final[b] = s0[b, STACK[1]]
+        for t in range(real):
             path = [t]
             while parents[path[-1]] >= 0:
                 path.append(parents[path[-1]])
             idx = torch.tensor(path[::-1], device=q.device)
-            o, _, _ = recurrent_gated_delta_rule(q[b, idx], k[b, idx], v[b, idx], g[b, idx], beta[b, idx],
-                                                 s0[b, STACK[1]])
+            o, state, _ = recurrent_gated_delta_rule(q[b, idx], k[b, idx], v[b, idx], g[b, idx], beta[b, idx],
+                                                     s0[b, STACK[1]])
             out[b, t] = o[-1]
-    return out
+            final[b] = state
+    return out, final
 
 
-def case(lib, to_tvm, shape: str, batch: int, dev) -> list[dict]:
-    """Every variant on one (shape, batch): outputs checked, then timed round-robin."""
+def case(lib, to_tvm, heads: str, shape: str, batch: int, dev) -> list[dict]:
+    """Every variant on one (heads, shape, batch): outputs (and decode's final states) checked against
+    the reference and each other, then timed round-robin."""
     import torch
 
     from bench._common import timed_interleaved
+    dims, _, pad = HEAD_SHAPES[heads]
     decode = SHAPES[shape] is None
-    parents = [-1] if decode else (SHAPES[shape] if isinstance(SHAPES[shape], list) else
-                                   [t - 1 for t in range(SHAPES[shape])])
-    q, k, v, g, beta, s0, slots, par = inputs(batch, parents, dev)
+    chain = not decode and not isinstance(SHAPES[shape], list)
+    parents = [-1] if decode else (SHAPES[shape] if not chain else [t - 1 for t in range(SHAPES[shape])])
+    padded = pad if chain else 0
+    q, k, v, g, beta, s0, slots, par = inputs(dims, batch, parents, padded, dev)
     n = len(parents)
-    ref = reference(q, k, v, g, beta, s0, parents)
+    ref, ref_final = reference(q, k, v, g, beta, s0, parents, padded)
     calls, outs = {}, {}
     for name in VARIANTS:
-        o = torch.full((batch, n, HEADS, DV), float("nan"), device=dev)
+        o = torch.full((batch, n, dims[0], dims[2]), float("nan"), device=dev)
         if decode:
             st = torch.full_like(s0, float("nan"))
             extra = [o, st]
         else:
-            rec = torch.full((batch, n, STACK[0], HEADS, DK + DV + 2), float("nan"), device=dev)
-            st = torch.empty(batch, n, HEADS, DK, DV, device=dev)
+            rec = torch.full((batch, n, STACK[0], dims[0], dims[1] + dims[2] + 2), float("nan"), device=dev)
+            st = torch.empty(batch, n, *dims, device=dev)
             extra = [o, rec, st]
         state = s0 if decode else s0[:, STACK[1]].contiguous()     # verification reads one layer's
         args = [to_tvm(x) for x in (q, k, v, g, beta, state, slots, par, *extra)]
-        fn = lib[symbol("decode" if decode else "verify", name)]
+        fn = lib[symbol("decode" if decode else "verify", heads, name)]
         fn(*args)
         torch.cuda.synchronize()
         outs[name] = (o.clone(), (st[:, STACK[1]].clone() if decode else extra[1][:, :, STACK[1]].clone()))
@@ -122,7 +143,9 @@ def case(lib, to_tvm, shape: str, batch: int, dev) -> list[dict]:
     for name in VARIANTS:
         o, kept = outs[name]
         err = float((o - ref).abs().max() / ref.abs().max())
-        rows.append({"shape": shape, "batch": batch, "tokens": n, "variant": name,
+        if decode:
+            err = max(err, float((kept - ref_final).abs().max() / ref_final.abs().max()))
+        rows.append({"heads": heads, "shape": shape, "batch": batch, "tokens": n, "padded": padded, "variant": name,
                      "median_us": statistics.median(samples[name]), "samples_us": samples[name],
                      "vs_reference": err, "nan_free": bool(torch.isfinite(o).all() and torch.isfinite(kept).all()),
                      "equal_to_first": bool(torch.equal(o, outs[base][0]) and torch.equal(kept, outs[base][1]))})
@@ -138,20 +161,22 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     lib, to_tvm = load_kernels(lib_path)
     dev = torch.device("cuda")
     rows = []
-    for shape in SHAPES:
-        for batch in BATCHES:
-            for r in case(lib, to_tvm, shape, batch, dev):
-                rows.append(r)
-                print(f"  {shape:9s} B={batch:3d} {r['variant']:28s} {r['median_us']:8.1f} us  x{r['vs_first']:.2f}  "
-                      f"err {r['vs_reference']:.1e}  equal {r['equal_to_first']}", flush=True)
+    for heads, (_, batches, _) in HEAD_SHAPES.items():
+        for shape in SHAPES:
+            for batch in batches:
+                for r in case(lib, to_tvm, heads, shape, batch, dev):
+                    rows.append(r)
+                    print(f"  {heads:12s} {shape:9s} B={batch:3d} {r['variant']:12s} {r['median_us']:8.1f} us  "
+                          f"x{r['vs_first']:.2f}  err {r['vs_reference']:.1e}  equal {r['equal_to_first']}", flush=True)
     ok = all(r["equal_to_first"] and r["nan_free"] and r["vs_reference"] < 1e-4 for r in rows)
-    path = write("gdn-recurrence", {"heads": [HEADS, DK, DV], "stack": list(STACK), "checked": ok,
-                                    "results": rows}, out_dir)
-    print(f"\n{'shape':9s} {'B':>3s} " + " ".join(f"{n[:26]:>26s}" for n in VARIANTS))
-    for shape in SHAPES:
-        for batch in BATCHES:
-            us = [r["median_us"] for r in rows if r["shape"] == shape and r["batch"] == batch]
-            print(f"{shape:9s} {batch:3d} " + " ".join(f"{u:26.1f}" for u in us))
+    path = write("gdn-recurrence", {"heads": {h: list(d) for h, (d, _, _) in HEAD_SHAPES.items()},
+                                    "stack": list(STACK), "checked": ok, "results": rows}, out_dir)
+    print(f"\n{'heads':12s} {'shape':9s} {'B':>3s} " + " ".join(f"{n[:14]:>14s}" for n in VARIANTS))
+    for heads, (_, batches, _) in HEAD_SHAPES.items():
+        for shape in SHAPES:
+            for batch in batches:
+                us = [r["median_us"] for r in rows if (r["heads"], r["shape"], r["batch"]) == (heads, shape, batch)]
+                print(f"{heads:12s} {shape:9s} {batch:3d} " + " ".join(f"{u:14.1f}" for u in us))
     print(f"checked: {ok}; wrote {path}")
     if not ok:
         sys.exit(1)

@@ -143,12 +143,12 @@ PY
   full-batch)
     # continuous batching: every engine at each batch size, the requests all at once (one per cache row);
     # speculative engines forced onto the batched AR reference's tokens (the replay drafter follows them);
-    # REQUESTS: that many requests at every batch size, at most the batch size running (a saturated load);
+    # BATCH_REQUESTS: that many requests at every batch size, at most the batch size running (a saturated load);
     # TAG: a suffix for the result file's name
     shift; setup; unpack
-    PROMPTS=$(( ${REQUESTS:-32} > 32 ? ${REQUESTS:-32} : 32 )) batch_prompts
+    PROMPTS=$(( ${BATCH_REQUESTS:-32} > 32 ? ${BATCH_REQUESTS:-32} : 32 )) batch_prompts
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
-      ${REQUESTS:+--requests $REQUESTS} \
+      ${BATCH_REQUESTS:+--requests $BATCH_REQUESTS} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
       ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} \
       --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -40 ;;

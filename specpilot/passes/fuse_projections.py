@@ -10,8 +10,10 @@ dot product over the same K values as before, so the results are the same produc
 step launches one GEMM instead of two or three and reads the weights in one wide pass (the
 small k/v projections were the slowest GEMVs of the 8B-shape profile).
 
-When it fires: only on groups that are the same in every function (so one stacked weight serves
-them all), whose weights are 2-D, of one dtype and K, and read by nothing but these matmuls.
+When it fires: on the weights that every function reads together, with one activation each (so one
+stacked weight serves them all: a block drafter's block function reads q, k, v with its hidden states
+and its context function k, v with the context's, so k and v stack and q stays apart), 2-D, of one
+dtype and K, and read by nothing but these matmuls.
 
 Where it sits: before w12-layout (which then converts the stacked weights) and before passes that
 read single projections.
