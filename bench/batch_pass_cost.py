@@ -88,19 +88,28 @@ def kernels(fn, args, top: int, module=None) -> list[dict]:
             t = totals.setdefault(c.name, [0.0, 0])
             t[0] += c.seconds * 1e6
             t[1] += 1
-        copies: dict[str, list[str]] = {}     # a kernel's per-layer copies (name, name1, ...): once a pass each
-        for name, (_, calls) in totals.items():
-            if calls == 1:
-                copies.setdefault(re.sub(r"\d+$", "", name), []).append(name)
-        for base, names in copies.items():
-            if len(names) > 2:      # not two kernels that happen to share a stem
-                totals[base + "*"] = [sum(totals.pop(n)[0] for n in names), len(names)]
     if not totals:
         return []
+    merge_copies(totals)
     whole = sum(t for t, _ in totals.values()) or 1.0
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     return [{"kernel": name[:120], "us": us, "calls": calls, "share": us / whole} for name, (us, calls) in ranked[:top]] \
         + [{"kernel": "(all)", "us": whole, "calls": sum(c for _, c in totals.values()), "share": 1.0}]
+
+
+def merge_copies(totals: dict[str, list]) -> None:
+    """A kernel's per-layer copies under one name: the names launched once a pass that differ only in a
+    number before their end or before ``_kernel`` (`attention_decode3`, `gated_delta_rule82_kernel`)
+    become ``stem*`` with their summed time and their count -- where more than two share the stem (not
+    two kernels that happen to), so a --top list shows each kernel family whole."""
+    copies: dict[str, list[str]] = {}
+    for name, (_, calls) in totals.items():
+        if calls == 1:
+            copies.setdefault(re.sub(r"\d+(_kernel)?$", r"\1", name), []).append(name)
+    for stem, names in copies.items():
+        if len(names) > 2:
+            base = stem[:-len("_kernel")] if stem.endswith("_kernel") else stem
+            totals[base + "*"] = [sum(totals.pop(n)[0] for n in names), len(names)]
 
 
 def passes(model, states, nodes: int, gen) -> dict:

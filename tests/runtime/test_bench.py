@@ -255,6 +255,20 @@ def test_built_in_prompt_sets_are_real_text_for_a_real_tokenizer():
     assert len(ids) == 16 and all(0 <= t < 100 for p in ids for t in p)
 
 
+def test_pass_cost_kernel_lists_merge_per_layer_copies():
+    """CUDA kernel names carry the layer's number before `_kernel`, the CPU's at the end: either way a
+    family of three or more copies launched once each is one row; kernels launched many times, and two
+    that merely share a stem, keep their own rows."""
+    from bench.batch_pass_cost import merge_copies
+    totals = {"gated_delta_rule_kernel": [10.0, 1], "gated_delta_rule7_kernel": [11.0, 1],
+              "gated_delta_rule82_kernel": [12.0, 1], "attention_decode": [1.0, 1], "attention_decode1": [2.0, 1],
+              "attention_decode2": [3.0, 1], "skinny_mma_17408_5120_kernel_5": [70.0, 64], "rms_norm1": [4.0, 1],
+              "rms_norm2": [5.0, 1]}
+    merge_copies(totals)
+    assert totals == {"gated_delta_rule*": [33.0, 3], "attention_decode*": [6.0, 3],
+                      "skinny_mma_17408_5120_kernel_5": [70.0, 64], "rms_norm1": [4.0, 1], "rms_norm2": [5.0, 1]}
+
+
 @pytest.mark.parametrize("passes", ["", "tree-verify{budget=8}"])
 def test_pass_cost_bench_profiles_a_cpu_build_per_kernel(tmp_path, passes):
     """bench/batch_pass_cost.py on a tiny CPU build: per node count, the timed passes, a per-kernel
