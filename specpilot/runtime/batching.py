@@ -518,6 +518,7 @@ class _Scheduler:
         chosen = top2_rows(rows[:len(plans)]) if self.hook is None else rows
         for r, plan, logits in zip(list(self.running), plans, chosen):
             self._commit(r, plan, logits)
+        self.model.settle([r.state for r in self.running])    # the kept paths' states, one call for the batch
 
     def _commit(self, r: _Request, plan, logits) -> None:
         tree, base = plan

@@ -6,10 +6,14 @@ Device state: one KV-cache pool per model with deployment.max_batch sequence row
 place by the step functions); each sequence holds a row while it lives.  For Gated DeltaNet
 layers each sequence also has its conv / recurrent states (values: each call returns new ones).
 A verify pass returns the conv states after every token and the recurrence's per-token
-records; ``truncate`` / ``accept_path`` keep the accepted prefix or path by calling the build's
-``commit`` function (which rebuilds the recurrent state along the kept token's root path).
+records; ``truncate`` / ``accept_path`` keep the accepted prefix or path, and the build's
+``commit`` function rebuilds the recurrent state along the kept token's root path when the
+state is next read -- for a batch's sequences in one call (`CompiledModel.settle`).
 ``forward_batch`` runs several sequences, each at its own length, in one call of the step
-functions (padded to the longest; padding writes nothing).
+functions (padded to the longest; padding writes nothing).  A batch's states are rows of the
+call's (B, ...) outputs, not copies of them, so the next call of the same batch in the same
+order passes those outputs on as they are (at 27B-class shapes a request's recurrent state is
+151 MB: stacking and splitting a batch of 16 copied 4.8 GB a step).
 """
 
 from __future__ import annotations
@@ -417,6 +421,15 @@ class CompiledModule:
 
 
 @dataclass
+class _Batch:
+    """One recorded call's per-token outputs and the states it started from, every sequence's."""
+    conv_states: object       # (B, T, G, C, K-1) on the device
+    rec_records: object       # (B, T, G, H, dk + dv + 2)
+    rec_before: object        # (B, G, H, dk, dv)
+    size: int
+
+
+@dataclass
 class _Pass:
     start: int
     length: int
@@ -425,6 +438,8 @@ class _Pass:
     conv_before: object
     rec_before: object
     parents: np.ndarray       # (T,) on the host: each token's parent in the pass (-1: before it)
+    batch: _Batch | None = None   # the call the pass was row ``index`` of
+    index: int = 0
 
     def path(self, index: int) -> np.ndarray:
         """Token ``index``'s root path in the pass, root first."""
@@ -438,32 +453,40 @@ class _Pass:
 class CompiledState:
     """One sequence: its row of the model's KV pool and its recurrent states (1, G, ...).
 
-    After a recorded verification the states are those after its last token, rebuilt by
-    ``commit`` only when first read: a tree or a rejected draft sets them from another token
-    first (`CompiledModel.accept_path` / `truncate`), and that pass's commit is never run."""
+    After a recorded verification the states are those after one of its tokens (the last, until
+    `CompiledModel.accept_path` / `truncate` pick another), rebuilt by ``commit`` only when first
+    read (`CompiledModel.settle`).  ``stacked``: (conv, rec, b) where the states are row b of a
+    call's (B, ...) outputs."""
 
     def __init__(self, model: "CompiledModel", row: int, capacity: int):
         self.model, self.row, self.capacity, self.length = model, row, capacity, 0
         self.features = None    # a `runtime.features.FeatureStore` when the target returns feature layers
         module, shapes = model.module, model.shapes
         placeholder = module.zeros((1,), "float32")
-        self._pending: _Pass | None = None
+        self._pending: tuple[_Pass, int] | None = None
+        self.stacked: tuple | None = None
         self.set_states(module.zeros((1, *shapes["conv"][0]), shapes["conv"][1]) if "conv" in shapes else placeholder,
                         module.zeros((1, *shapes["rec"][0]), "float32") if "rec" in shapes else placeholder)
         self.history: list[_Pass] = []
         self._release = weakref.finalize(self, model.free_rows.append, row)
 
-    def set_states(self, conv, rec) -> None:
-        self._conv, self._rec, self._pending = conv, rec, None
+    def set_states(self, conv, rec, stacked: tuple | None = None) -> None:
+        self._conv, self._rec, self._pending, self.stacked = conv, rec, None, stacked
 
-    def set_after(self, p: "_Pass") -> None:
-        """The states after recorded pass ``p``'s last token, committed when first read."""
-        self._pending = p
+    def set_after(self, p: "_Pass", index: int | None = None) -> None:
+        """The states after token ``index`` (default: the last) of recorded pass ``p``, committed
+        when first read."""
+        self._pending, self.stacked = (p, p.length - 1 if index is None else index), None
+
+    @property
+    def pending(self) -> tuple["_Pass", int] | None:
+        """(recorded pass, token index) whose states are still to be committed, or None."""
+        return self._pending
 
     def _settle(self) -> None:
         if self._pending is not None:
-            p, self._pending = self._pending, None
-            self._conv, self._rec = self.model._commit_at(p, p.length - 1)
+            p, index = self._pending
+            self.set_states(*self.model._commit_at(p, index))
 
     @property
     def conv(self):
@@ -505,6 +528,8 @@ PREFILL_CHUNK = 2048   # prompt tokens one GPU prefill pass takes at most (`Comp
 
 class CompiledModel:
     """`ReferenceModel`'s interface over a build's ``<which>_*`` functions."""
+
+    REC_ARG = -2     # a step call's arguments end kv, conv, rec, params (`_step_inputs`)
 
     def __init__(self, module: CompiledModule, which: str):
         self.module, self.which = module, which
@@ -611,7 +636,7 @@ class CompiledModel:
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
                 raise SpecPilotError("accept_path: the last pass was not a recorded verification starting at base")
-            state.set_states(*self._commit_at(p, rows[-1]))
+            state.set_after(p, rows[-1])
         if state.features is not None:
             state.features.accept(base, rows)
         state.length = base + len(rows)
@@ -681,7 +706,7 @@ class CompiledModel:
         m = self.module
         rows = np.array([st.row for st in states], "int32")
         if self.has_gdn:
-            conv, rec = (self._stack([getattr(st, k) for st in states]) for k in ("conv", "rec"))
+            conv, rec = self._stacked_states(states)
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
         if record:
@@ -713,18 +738,21 @@ class CompiledModel:
         out = fn(*args)
         logits = self._logits(out[0] if self._tuple else out)
         features = self._host_or_device(out[-1]) if self.feature_layers else None
+        if self.has_gdn:     # each read of a result's field makes another handle: read once, compare by identity
+            conv_out, rec_out = out[1], out[2]
+            batch = _Batch(conv_out, rec_out, args[self.REC_ARG], len(states)) if record else None
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
             if features is not None:
                 st.features.write(start, features[b, :n])
             if self.has_gdn:
                 if record:
-                    p = _Pass(start, n, self._row(out[1], b, n), self._row(out[2], b, n), st.conv, st.rec,
-                              parents[b, :n].copy())
+                    p = _Pass(start, n, self._row(conv_out, b, n), self._row(rec_out, b, n), st.conv, st.rec,
+                              parents[b, :n].copy(), batch, b)
                     st.history.append(p)
                     st.set_after(p)
                 else:
-                    st.set_states(self._row(out[1], b), self._row(out[2], b))
+                    st.set_states(self._row(conv_out, b), self._row(rec_out, b), (conv_out, rec_out, b))
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 
@@ -748,6 +776,44 @@ class CompiledModel:
         return self._commit(p.conv_states, p.rec_records, p.rec_before, *m.tensors(p.path(index),
                                                                                    np.array([index], "int32")))
 
+    def settle(self, states: list[CompiledState]) -> None:
+        """Commit the pending states of ``states`` (`CompiledState.pending`): those from one recorded
+        call in one ``commit`` call over that call's batch (rows no state asks for take an empty path),
+        each state then a row of its (B, ...) outputs; the rest one at a time."""
+        groups: dict[int, list[CompiledState]] = {}
+        for st in states:
+            if st.pending is not None:
+                p = st.pending[0]
+                groups.setdefault(id(p.batch) if p.batch is not None and p.batch.size > 1 else id(st), []).append(st)
+        for group in groups.values():
+            batch = group[0].pending[0].batch
+            if len(group) < 2 or any(st.pending[0].batch is not batch for st in group):
+                for st in group:
+                    st._settle()
+                continue
+            paths = {st.pending[0].index: st.pending[0].path(st.pending[1])[0] for st in group}
+            path = np.full((batch.size, max(len(q) for q in paths.values())), -1, "int32")
+            index = np.zeros(batch.size, "int32")
+            for b, q in paths.items():
+                path[b, :len(q)] = q
+                index[b] = q[-1]
+            conv, rec = self._commit(batch.conv_states, batch.rec_records, batch.rec_before,
+                                     *self.module.tensors(path, index))
+            for st in group:
+                b = st.pending[0].index
+                st.set_states(self._row(conv, b), self._row(rec, b), (conv, rec, b))
+
+    def _stacked_states(self, states: list[CompiledState]):
+        """The sequences' (B, ...) conv and recurrent states: the last call's outputs themselves when
+        ``states`` are its rows in order, else their rows stacked."""
+        self.settle(states)
+        first = states[0].stacked
+        if first is not None and first[0].shape[0] == len(states) and all(
+                st.stacked is not None and st.stacked[0] is first[0] and st.stacked[2] == b
+                for b, st in enumerate(states)):
+            return first[0], first[1]
+        return self._stack([st.conv for st in states]), self._stack([st.rec for st in states])
+
     def _stack(self, arrays):
         """(1, ...) arrays of the sequences -> one (B, ...) array on the device."""
         if len(arrays) == 1:
@@ -755,11 +821,16 @@ class CompiledModel:
         return self.module.tvm.runtime.from_dlpack(torch.cat([torch.from_dlpack(a) for a in arrays]))
 
     def _row(self, array, b: int, n: int | None = None):
-        """Batch entry b of a (B, ...) result (its first n tokens for per-token results), as (1, ...)."""
+        """Batch entry b of a (B, ...) result (its first n tokens for per-token results), as (1, ...):
+        a view of it, or a copy where the view would not be 64-byte aligned (TVM takes no other) or
+        the build replays CUDA graphs (whose buffers a later replay may write)."""
         if array.shape[0] == 1 and (n is None or array.shape[1] == n):
             return array
         view = torch.from_dlpack(array)[b:b + 1]
-        return self.module.tvm.runtime.from_dlpack((view if n is None else view[:, :n]).clone())
+        view = view if n is None else view[:, :n]
+        if view.data_ptr() % 64 or self.module.manifest.cuda_graph:
+            view = view.clone()
+        return self.module.tvm.runtime.from_dlpack(view)
 
     def truncate(self, state: CompiledState, length: int) -> None:
         if length == state.length:
@@ -772,7 +843,7 @@ class CompiledModel:
                     state.set_states(p.conv_before, p.rec_before)
                     break
                 if p.start < length <= p.start + p.length:
-                    state.set_states(*self._commit_at(p, length - p.start - 1))
+                    state.set_after(p, length - p.start - 1)
                     break
             else:
                 raise SpecPilotError(f"recurrent state at length {length} was not recorded; "

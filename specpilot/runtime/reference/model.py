@@ -104,6 +104,10 @@ class ReferenceModel:
         if state.features is not None:
             state.features.accept(base, rows)
 
+    def settle(self, states) -> None:
+        """The compiled engine's batched commit of kept paths (`CompiledModel.settle`): the
+        reference's states are current already."""
+
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """`forward` for several sequences, one after the other (the compiled engine's batched
         interface; the reference keeps one sequence per call)."""
