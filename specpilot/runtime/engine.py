@@ -455,8 +455,9 @@ class CompiledState:
 
     After a recorded verification the states are those after one of its tokens (the last, until
     `CompiledModel.accept_path` / `truncate` pick another), rebuilt by ``commit`` only when first
-    read (`CompiledModel.settle`).  ``stacked``: (conv, rec, b) where the states are row b of a
-    call's (B, ...) outputs."""
+    read (`CompiledModel.settle`), as are the keys / values of an accepted tree path
+    (``kv_moves``).  ``stacked``: (conv, rec, b) where the states are row b of a call's (B, ...)
+    outputs."""
 
     def __init__(self, model: "CompiledModel", row: int, capacity: int):
         self.model, self.row, self.capacity, self.length = model, row, capacity, 0
@@ -465,6 +466,7 @@ class CompiledState:
         placeholder = module.zeros((1,), "float32")
         self._pending: tuple[_Pass, int] | None = None
         self.stacked: tuple | None = None
+        self.kv_moves: list[tuple[int, int]] = []    # (from, to) cache positions an accepted tree path still moves
         self.set_states(module.zeros((1, *shapes["conv"][0]), shapes["conv"][1]) if "conv" in shapes else placeholder,
                         module.zeros((1, *shapes["rec"][0]), "float32") if "rec" in shapes else placeholder)
         self.history: list[_Pass] = []
@@ -609,6 +611,7 @@ class CompiledModel:
             raise SpecPilotError(f"{self.module.dir}: no {self.which}_verify_view; build with nested-int8-view")
         tokens, positions, attn_mask, parents = (host_array(x) for x in (tokens, positions, attn_mask, parents))
         tokens = np.asarray(tokens, dtype="int32").reshape(1, -1)
+        self.settle([state])
         n, start = tokens.shape[1], state.length
         state.check_room(n)
         m = self.module
@@ -628,10 +631,7 @@ class CompiledModel:
             if self._compact_kv is None:
                 raise SpecPilotError(f"{self.module.dir}: this build cannot keep a tree path (no {self.which}_compact_kv); "
                                      "build it with the tree-verify pass")
-            m = self.module
-            src = np.array([[s for s, _ in moves]], "int32")
-            dst = np.array([[d for _, d in moves]], "int32")
-            self._compact_kv(self.kv, *m.tensors(np.array([state.row], "int32"), src, dst))
+            state.kv_moves = moves        # made by `settle`, a batch's in one call
         if self.has_gdn and rows:   # the tree pass's records: the state after the path's last token
             p = state.history[-1] if state.history else None
             if p is None or p.start != base:
@@ -651,6 +651,7 @@ class CompiledModel:
         step while the device runs (`decoding.autoregressive`'s unforced loop)."""
         start = state.length
         state.check_room(1)
+        self.settle([state])
         m = self.module
         slot = np.array([[start]], "int32")
         head = m.tensors(np.zeros((1, 1), "int32"), slot, slot, np.ones((1, 1, start + 1), bool),
@@ -703,6 +704,7 @@ class CompiledModel:
             if par is not None:
                 parents[b, :n] = np.asarray(par, dtype="int32")
         states = [it[1] for it in items]
+        self.settle(states)
         m = self.module
         rows = np.array([st.row for st in states], "int32")
         if self.has_gdn:
@@ -777,9 +779,11 @@ class CompiledModel:
                                                                                    np.array([index], "int32")))
 
     def settle(self, states: list[CompiledState]) -> None:
-        """Commit the pending states of ``states`` (`CompiledState.pending`): those from one recorded
+        """Move the accepted tree paths' keys / values of ``states`` in the pool (one ``compact_kv`` call)
+        and commit their pending recurrent states (`CompiledState.pending`): those from one recorded
         call in one ``commit`` call over that call's batch (rows no state asks for take an empty path),
         each state then a row of its (B, ...) outputs; the rest one at a time."""
+        self._move_kv([st for st in states if st.kv_moves])
         groups: dict[int, list[CompiledState]] = {}
         for st in states:
             if st.pending is not None:
@@ -803,10 +807,20 @@ class CompiledModel:
                 b = st.pending[0].index
                 st.set_states(self._row(conv, b), self._row(rec, b), (conv, rec, b))
 
+    def _move_kv(self, states: list[CompiledState]) -> None:
+        if not states:
+            return
+        src = np.full((len(states), max(len(st.kv_moves) for st in states)), -1, "int32")   # < 0: padding
+        dst = np.zeros_like(src)
+        for i, st in enumerate(states):
+            src[i, :len(st.kv_moves)], dst[i, :len(st.kv_moves)] = zip(*st.kv_moves)
+            st.kv_moves = []
+        rows = np.array([st.row for st in states], "int32")
+        self._compact_kv(self.kv, *self.module.tensors(rows, src, dst))
+
     def _stacked_states(self, states: list[CompiledState]):
         """The sequences' (B, ...) conv and recurrent states: the last call's outputs themselves when
-        ``states`` are its rows in order, else their rows stacked."""
-        self.settle(states)
+        ``states`` are its rows in order, else their rows stacked (``states`` settled)."""
         first = states[0].stacked
         if first is not None and first[0].shape[0] == len(states) and all(
                 st.stacked is not None and st.stacked[0] is first[0] and st.stacked[2] == b

@@ -26,7 +26,7 @@ ARRIVALS = [Arrival(0.0, tuple(p), n) for p, n in zip(PROMPTS, LENGTHS)]      # 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     data = {"target": HYBRID, "passes": "tree-verify{budget=8},gdn-path-recompute",
-            "drafter": {"kind": "replay", "alpha": 0.8, "cost": COST, "top_k": 3},
+            "drafter": {"kind": "replay", "alpha": 0.6, "cost": COST, "top_k": 3},
             "deployment": {"dtype": "float32", "max_seq_len": 96, "max_batch": 3}}
     system = from_build(build_spec(tmp_path_factory.mktemp("states"), data))
     alone = [system.generate("compiled", p, n).tokens for p, n in zip(PROMPTS, LENGTHS)]
@@ -34,11 +34,12 @@ def system(tmp_path_factory):
 
 
 class _Calls:
-    """Counts the engine's stacks of several states (copies) and its commit calls' batch sizes."""
+    """Counts the engine's stacks of several states (copies), its commit calls' batch sizes and its
+    calls moving accepted tree paths' keys / values (their batch sizes)."""
 
     def __init__(self, monkeypatch, model):
-        self.stacks, self.commits = 0, []
-        stack, commit = engine.CompiledModel._stack, model._commit
+        self.stacks, self.commits, self.moves = 0, [], []
+        stack, commit, compact = engine.CompiledModel._stack, model._commit, model._compact_kv
 
         def counted_stack(this, arrays):
             self.stacks += len(arrays) > 1
@@ -47,14 +48,19 @@ class _Calls:
         def counted_commit(*args):
             self.commits.append(args[0].shape[0])
             return commit(*args)
+        def counted_compact(kv, rows, *args):
+            self.moves.append(rows.shape[0])
+            return compact(kv, rows, *args)
         monkeypatch.setattr(engine.CompiledModel, "_stack", counted_stack)
         monkeypatch.setattr(model, "_commit", counted_commit)
+        monkeypatch.setattr(model, "_compact_kv", counted_compact)
 
 
 def _members(run) -> int:
-    """How many times the running set changed size over the run's passes (joins and leaves)."""
+    """How many times the running set changed over the run's passes: joins (each a prefill pass of
+    fresh states) and leaves."""
     sizes = [s.running for s in run.steps if s.running]
-    return sum(a != b for a, b in zip(sizes, sizes[1:]))
+    return sum(a != b for a, b in zip(sizes, sizes[1:])) + sum(s.prefill for s in run.steps)
 
 
 def test_ar_steps_pass_the_batch_s_states_on_without_copies(system, monkeypatch):
@@ -79,6 +85,38 @@ def test_a_verification_s_kept_states_are_committed_in_one_call(system, monkeypa
     assert calls.commits and max(calls.commits) == 3             # the whole batch in one call
     assert len(calls.commits) <= len(passes)                     # never a call per request
     assert calls.stacks <= 2 * _members(run)                     # committed rows are the next pass's input
+    assert len(calls.moves) <= len(passes)                       # a tree pass's path moves in one call
+
+
+def test_accepted_tree_paths_move_in_one_call_and_continue_as_if_fed_alone(system, monkeypatch):
+    """Two sequences verify a tree each in one pass and keep a path that is not a prefix of the
+    pass (root -> the second child): one ``compact_kv`` call moves both, and the next step's logits
+    are those of the same tokens fed to fresh states as plain chains (fp32; other kernels, so to
+    rounding: a key / value left at the wrong slot moves them by far more)."""
+    from specpilot.runtime.decoding import tree_inputs
+    from specpilot.runtime.tree import Tree
+    system, _ = system
+    model = system.engines["compiled-tree"].model
+    calls = _Calls(monkeypatch, model)
+    tree = Tree([7, 9, 3], [-1, -1, 0], [1, 1, 2], [0.0, 0.0, 0.0])    # x, y under the root; z under x
+    states, kept = [model.new_state(96) for _ in PROMPTS[:2]], []
+    model.forward_batch([(p, st) for p, st in zip(PROMPTS, states)])
+    items = []
+    for p, st in zip(PROMPTS, states):
+        tokens, positions, mask, parents = tree_inputs(p[-1], tree, st.length)
+        items.append((tokens, st, positions, mask, parents))
+    model.forward_batch(items, record=True)
+    for (tokens, st, *_), p in zip(items, PROMPTS):
+        base = st.length - len(tokens)
+        model.accept_path(st, base, [0, 2])                   # root, then y (node 2 of the pass)
+        kept.append(p + [tokens[0], tokens[2]])
+    got = model.forward_batch([([5], st) for st in states])
+    for tokens, logits in zip(kept, got):
+        fresh = model.new_state(96)
+        want = model.forward(tokens + [5], fresh)[-1]
+        fresh.close()
+        torch.testing.assert_close(logits[-1], want, rtol=1e-5, atol=1e-5)
+    assert calls.moves == [2]
 
 
 def test_a_row_is_a_view_only_where_tvm_can_take_it():
