@@ -204,8 +204,9 @@ def test_batched_step_equals_single_steps(built):
 
 def test_recorded_pass_is_committed_only_where_kept(built):
     """A recorded verification's recurrent states are committed lazily: truncating into the pass
-    runs one commit (the kept token's), never the pass's last-token commit; a pass kept whole is
-    committed when its states are next read.  Models without Gated DeltaNet layers have no commit."""
+    runs one commit (the kept token's) when the states are next read, never the pass's last-token
+    commit; a pass kept whole is committed when its states are next read.  Models without Gated
+    DeltaNet layers have no commit."""
     out, _ = built
     model = from_build(out).engines["compiled"].model
     if not model.has_gdn:
@@ -218,9 +219,10 @@ def test_recorded_pass_is_committed_only_where_kept(built):
     model.forward([60, 61, 62, 63], a, record=True)
     assert calls == []
     a.truncate(15)
-    assert len(calls) == 1
+    assert calls == []
     model.forward(list(range(40, 53)) + [60, 61], b)        # as if the rejected tokens never came
     torch.testing.assert_close(model.forward([5], a), model.forward([5], b), rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1 and calls[0][-1].numpy().tolist() == [1]    # the kept token's: 15 - 13 - 1
     model.forward([70, 71], a, record=True)
     assert len(calls) == 1
     model.forward([72], a)                                    # reads the states: commits the pass
