@@ -29,6 +29,7 @@ import numpy as np
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
+from specpilot.runtime import heap
 from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
                                         tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
@@ -254,8 +255,9 @@ def run_batch(model, make_drafter, arrivals: list[Arrival], policy: BatchPolicy,
     ranking)."""
     if forces is not None and len(forces) != len(arrivals):
         raise SpecPilotError(f"{len(forces)} forced token lists for {len(arrivals)} requests")
-    return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
-                      [None] * len(arrivals), logits_hook, stop_ids, parts).run()
+    with heap.frozen():      # the loop's small objects collected without walking the loaded system's
+        return _Scheduler(model, make_drafter, arrivals, policy, capacity, clock or StepClock(), forces or
+                          [None] * len(arrivals), logits_hook, stop_ids, parts).run()
 
 
 class _Scheduler:

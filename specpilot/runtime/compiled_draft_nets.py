@@ -11,7 +11,6 @@ and returns torch tensors there (copies: a CUDA graph's outputs are reused by it
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import numpy as np
@@ -19,6 +18,7 @@ import torch
 
 from specpilot.core import feature_drafter as fd
 from specpilot.core.errors import SpecPilotError
+from specpilot.runtime import heap
 from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import identity_vocab, scatter_draft_vocab
 
@@ -93,7 +93,7 @@ class CompiledBlockNet(_Compiled):
         if self._pool is None:
             self._pool, self._free = self._zeros(self.pool_rows), list(range(self.pool_rows - 1, -1, -1))
         if not self._free:
-            gc.collect()        # rows of drafters that went in reference cycles
+            heap.collect()        # rows of drafters that went in reference cycles
         if not self._free:
             raise SpecPilotError(f"all {self.pool_rows} rows of the block drafter's cache pool are in use "
                                  "(deployment.max_batch drafters at once)")

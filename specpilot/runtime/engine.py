@@ -19,7 +19,6 @@ order passes those outputs on as they are (at 27B-class shapes a request's recur
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
 from specpilot.core.weights import file_digest
+from specpilot.runtime import heap
 from specpilot.runtime.features import FeatureStore
 from specpilot.runtime.threads import claim_cores_for_tvm
 
@@ -577,7 +577,7 @@ class CompiledModel:
         if capacity > self.capacity:
             raise SpecPilotError(f"capacity {capacity} exceeds the build's max_seq_len {self.capacity}")
         if not self.free_rows:
-            gc.collect()   # states dropped inside reference cycles give their rows back here
+            heap.collect()   # states dropped inside reference cycles give their rows back here
         if not self.free_rows:
             raise SpecPilotError(f"all {self.max_batch} KV-cache rows of the {self.which} are in use; raise "
                                  "deployment.max_batch in the spec or close finished sequences")
