@@ -145,6 +145,7 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
         step = 2 if model.keeps_tree_paths else 1   # a tree's path: every other node, so keys and values move
         for st, base in zip(states, bases):
             model.accept_path(st, base, [step * i for i in range(accepted + 1)])
+        model.settle(states)      # the kept paths' states and keys / values, one call each for the batch
         _sync()
         if rep:
             choose.append((t1 - t0) * 1e3)

@@ -66,6 +66,9 @@ class TimedModel:
     def accept_path(self, state, *args, **kwargs):
         return self.clock.timed("commit", self.inner.accept_path, state.inner, *args, **kwargs)
 
+    def settle(self, states):
+        return self.clock.timed("commit", self.inner.settle, [s.inner for s in states])
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 

@@ -223,6 +223,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
         last = commit_chain(state, out, draft, rows, base)
+        model.settle([state])        # the kept token's states now, not inside the next verification
         schedule.update(out.gen.accepted[-1] - 1)
     close_state(state)
     out.gen.seconds = time.perf_counter() - start
@@ -271,7 +272,9 @@ def _verify_tree(model, state, out: "Emitter", last: int, tree: Tree) -> int:
     base = state.length
     tokens, positions, mask, parents = tree_inputs(last, tree, base)
     rows = model.forward(tokens, state, positions=positions, attn_mask=mask, record=True, parents=parents)
-    return commit_tree(model, state, out, tree, rows, base)
+    last = commit_tree(model, state, out, tree, rows, base)
+    model.settle([state])
+    return last
 
 
 def commit_tree(model, state, out: "Emitter", tree: Tree, rows, base: int) -> int:

@@ -413,6 +413,7 @@ def expand_across(expands: list, requests: list[list[list[int]]]) -> list[list[l
         else:
             out[r] = [expand(path) for path in paths]
     for members in groups.values():
+        members[0][1].model.settle([plan.state for _, plan in members])    # one commit call, not one a snapshot
         snaps = [plan.state.snapshot() for _, plan in members]
         done = False
         try:

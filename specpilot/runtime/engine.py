@@ -422,7 +422,7 @@ class CompiledModule:
 
 @dataclass
 class _Batch:
-    """One recorded call's per-token outputs and the states it started from, every sequence's."""
+    """One recorded call's per-token outputs and the recurrent states it started from, every sequence's."""
     conv_states: object       # (B, T, G, C, K-1) on the device
     rec_records: object       # (B, T, G, H, dk + dv + 2)
     rec_before: object        # (B, G, H, dk, dv)
@@ -667,8 +667,9 @@ class CompiledModel:
 
     def step_call(self, items, record: bool = False):
         """The step function and its arguments for `forward_batch`'s items, without calling it
-        or moving any state: (function, arguments, tokens per item, states).  Calling it again
-        with the same arguments recomputes the same step (benchmarks time it this way)."""
+        or moving any state past its pending commits (`settle` runs first): (function, arguments,
+        tokens per item, states).  Calling it again with the same arguments recomputes the same step
+        (benchmarks time it this way)."""
         return self._step_inputs(items, record)[:4]
 
     def _step_inputs(self, items, record: bool):
@@ -740,9 +741,11 @@ class CompiledModel:
         out = fn(*args)
         logits = self._logits(out[0] if self._tuple else out)
         features = self._host_or_device(out[-1]) if self.feature_layers else None
+        # a CUDA-graph build's outputs may be a replay's buffers: its rows are copies, nothing passes them on
+        shared = self.has_gdn and not self.module.manifest.cuda_graph
         if self.has_gdn:     # each read of a result's field makes another handle: read once, compare by identity
             conv_out, rec_out = out[1], out[2]
-            batch = _Batch(conv_out, rec_out, args[self.REC_ARG], len(states)) if record else None
+            batch = _Batch(conv_out, rec_out, args[self.REC_ARG], len(states)) if record and shared else None
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
             if features is not None:
@@ -754,7 +757,8 @@ class CompiledModel:
                     st.history.append(p)
                     st.set_after(p)
                 else:
-                    st.set_states(self._row(conv_out, b), self._row(rec_out, b), (conv_out, rec_out, b))
+                    st.set_states(self._row(conv_out, b), self._row(rec_out, b),
+                                  (conv_out, rec_out, b) if shared else None)
             st.length = start + n
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 

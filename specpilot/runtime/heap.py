@@ -25,7 +25,8 @@ def frozen():
 
 
 def collect() -> None:
-    """A full collection, frozen objects included (frozen again after it)."""
+    """A full collection, frozen objects included; inside `frozen`, everything alive after it is frozen
+    until the block ends (the cycles formed later wait for the next call or the block's end)."""
     was_frozen = gc.get_freeze_count() > 0
     if was_frozen:
         gc.unfreeze()

@@ -133,3 +133,53 @@ def test_a_row_is_a_view_only_where_tvm_can_take_it():
             assert torch.equal(got, base[1:2])
             assert (got.data_ptr() == base[1:2].data_ptr()) == (aligned and not graphs), (width, graphs)
 
+
+
+def test_a_cuda_graph_build_s_rows_are_copies_stacked_again(system, monkeypatch):
+    """Where the build replays CUDA graphs (its outputs may be a replay's buffers), each state is a copy
+    of its row and every call of several requests stacks them again; a verification's states commit one
+    request at a time from those copies -- nothing holds on to or passes on a call's outputs."""
+    system, alone = system
+    model = system.engines["compiled-spec"].model
+    monkeypatch.setattr(model.module.manifest, "cuda_graph", True)
+    calls = _Calls(monkeypatch, model)
+    for name in ("compiled", "compiled-spec"):
+        run = system.serve(name, ARRIVALS, system.batch_policy(name, 3), StepClock())
+        assert [g.tokens for g in run.generations] == alone, name
+        multi = [s for s in run.steps if s.running > 1]
+        assert calls.stacks >= 2 * len(multi), name
+    assert calls.commits and max(calls.commits) == 1
+
+
+def test_a_single_sequence_s_commits_are_timed_as_commit(system, monkeypatch):
+    """The lazy commits of a generation's kept tokens run in the decoding loop's commit part (the chain
+    and tree loops settle after each verification), so the bench's cycle breakdown (a timed engine, as
+    `runtime.bench` builds it) charges them to commit, not to the next verification."""
+    from specpilot.runtime.cycle_timing import Clock, TimedDrafter, TimedModel
+    from specpilot.runtime.systems import Engine
+    system, alone = system
+
+    class Noting(Clock):          # the part being timed when the build's commit runs
+        def __init__(self):
+            super().__init__()
+            self.parts = []
+
+        def timed(self, part, fn, *args, **kwargs):
+            self.parts.append(part)
+            try:
+                return super().timed(part, fn, *args, **kwargs)
+            finally:
+                self.parts.pop()
+    for name in ("compiled-spec", "compiled-tree"):
+        engine, clock, seen = system.engines[name], Noting(), []
+        commit = engine.model._commit
+        with monkeypatch.context() as patch:
+            patch.setattr(engine.model, "_commit", lambda *args: seen.append(clock.parts[-1]) or commit(*args))
+            system.engines["timed"] = Engine(TimedModel(engine.model, clock),
+                                             lambda sampling=None: TimedDrafter(engine.drafter(sampling), clock),
+                                             engine.tree_budget, engine.two_level)
+            try:
+                got = system.generate("timed", PROMPTS[0], LENGTHS[0])
+            finally:
+                del system.engines["timed"]
+        assert got.tokens == alone[0] and seen and set(seen) == {"commit"}, (name, seen)
