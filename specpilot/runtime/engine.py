@@ -794,8 +794,8 @@ class CompiledModel:
                 p = st.pending[0]
                 groups.setdefault(id(p.batch) if p.batch is not None and p.batch.size > 1 else id(st), []).append(st)
         for group in groups.values():
-            batch = group[0].pending[0].batch
-            if len(group) < 2 or any(st.pending[0].batch is not batch for st in group):
+            batch = group[0].pending[0].batch     # the group's call (its key), or one state alone
+            if len(group) < 2:
                 for st in group:
                     st._settle()
                 continue

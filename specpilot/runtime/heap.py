@@ -1,7 +1,7 @@
 """The Python heap around a decoding loop.  A loaded system holds some 250k long-lived objects (torch's,
 TVM's, the build's tables) and a batched loop allocates many small ones a pass (tree nodes, paths,
-choices); each time the cyclic collector runs its oldest generation it walks all of them (on the CPU
-machine 3.5 of a tree pass's 8 ms of host work at 16 requests).  `frozen` takes the objects alive at a
+choices); each time the cyclic collector runs its oldest generation it walks all of them, most of a
+batched tree pass's level expansions on the CPU machine.  `frozen` takes the objects alive at a
 loop's start out of the collector's passes while the loop runs (`gc.freeze`) and gives them back after it;
 `collect` reclaims cycles among them too (a cache row that a dropped state in a cycle still holds)."""
 
