@@ -475,7 +475,7 @@ class _Scheduler:
             # a block drafter ranks every position in its one pass: the chain is each position's first
             contexts = [r.prompt + r.out.gen.tokens for r in self.running]
             self._timed("draft_blocks", draft_blocks, drafters, contexts)
-            return [_chain_tree(d.propose(c, cap).scored_chain()) if cap else Tree()
+            return [_chain_tree(d.scored_chain(c, cap)) if cap else Tree()
                     for d, c, cap in zip(drafters, contexts, caps)]
         own = self._expanders()
         trees = [Tree() for _ in own]

@@ -138,31 +138,37 @@ class CompiledBlockNet(_Compiled):
         return self._cycle("drafter_cycle_batch", entries, k)
 
     def _cycle(self, name: str, entries: list, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        K, B, F = self.cfg.block_size, len(entries), entries[0][1].shape[1]
-        padded = torch.zeros((B, K, F), dtype=self.dtype, device=self.device)
-        context = np.zeros((2, B, K), "int32")       # positions, slots of the committed tokens
-        context[1] = -1                               # padding rows write nothing
-        width = max(start for _, _, start, _ in entries) + K
-        block = [np.empty((B, K), "int32"), np.empty((B, K), "int32"), np.zeros((B, K, width), bool),
-                 np.empty(B, "int32")]                # tokens, positions (= slots), mask, rows
-        for b, (cache, features, start, tokens) in enumerate(entries):
-            n = features.shape[0]
-            padded[b, :n] = features.to(device=self.device, dtype=self.dtype)
-            context[:, b, :n] = np.arange(start - n, start)
-            block[0][b] = np.asarray(host_array(tokens), "int32")
-            block[1][b] = np.arange(start, start + K)
-            block[2][b, :, :start + K] = True
-            block[3][b] = cache.row
         m = self.module
-        tokens, positions, mask, rows = block
-        out = self.fns[name](m.tvm.runtime.from_dlpack(padded), *m.tensors(context[0], context[1], tokens, positions,
-                                                                           positions, mask, rows),
-                             entries[0][0].pool, m.params)
+        out = self.fns[name](*self._cycle_inputs(entries), entries[0][0].pool, m.params)
         ranked = torch.from_numpy(out.numpy())[:, :, :k]       # (B, K, k, 2): log-probability, index
         index = ranked[..., 1].long()
         if self.ids is not None:
             index = self.ids[index]
         return [(i, r[..., 0]) for i, r in zip(index, ranked)]
+
+    def _cycle_inputs(self, entries: list) -> list:
+        """A cycle call's inputs for ``entries``, built for the whole batch at once (a copy or array
+        op each, not one per sequence): the new features padded to a block a sequence, the committed
+        tokens' positions and slots (padding slots -1 write nothing), the block's tokens, positions,
+        mask (everything cached and the block) and the pool rows."""
+        K, B, F = self.cfg.block_size, len(entries), entries[0][1].shape[1]
+        counts = np.array([f.shape[0] for _, f, _, _ in entries])
+        starts = np.array([start for _, _, start, _ in entries])
+        col = np.arange(K)
+        new = col < counts[:, None]                              # (B, K): the rows holding new features
+        padded = torch.zeros((B * K, F), dtype=self.dtype, device=self.device)
+        index = torch.from_numpy(np.flatnonzero(new)).to(self.device)
+        padded[index] = torch.cat([f for _, f, _, _ in entries]).to(device=self.device, dtype=self.dtype)
+        committed = starts[:, None] - counts[:, None] + col
+        positions = (starts[:, None] + col).astype("int32")
+        width = int(starts.max()) + K
+        mask = np.broadcast_to(np.arange(width) < (starts + K)[:, None, None], (B, K, width))
+        tokens = np.stack([np.asarray(host_array(t), "int32") for _, _, _, t in entries])
+        rows = np.array([c.row for c, *_ in entries], "int32")
+        return [self.module.tvm.runtime.from_dlpack(padded.view(B, K, F)),
+                *self.module.tensors(np.where(new, committed, 0).astype("int32"),
+                                     np.where(new, committed, -1).astype("int32"), tokens, positions, positions,
+                                     np.ascontiguousarray(mask), rows)]
 
     @staticmethod
     def _block_inputs(tokens: torch.Tensor, start: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -83,6 +83,9 @@ class TimedDrafter:
     def propose(self, context, n):
         return self.clock.timed("draft", self.inner.propose, context, n)
 
+    def scored_chain(self, context, n):
+        return self.clock.timed("draft", self.inner.scored_chain, context, n)
+
     def expander(self, context):
         expand = self.clock.timed("draft", self.inner.expander, context)
 

@@ -161,6 +161,14 @@ class BlockDrafter(_Conditioned):
         indices, values = self.block_ranked(context)
         return Lattice(indices[:n], values[:n])
 
+    def scored_chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
+        """``propose(context, n).scored_chain()`` without the lattice."""
+        n = min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context))
+        if n <= 0:
+            return []
+        indices, values = self.block_ranked(context)
+        return list(zip(indices[:n, 0].tolist(), values[:n, 0].tolist()))
+
     def _expander(self, context: list[int]):
         indices, values = self.block_ranked(context)
         tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]

@@ -80,6 +80,8 @@ class ReplayDrafter:
         self.cost, self.oracle, self.plan = cost, oracle, plan
         self.top_k, self.vocab_size = top_k, vocab_size
         self.off_scores = [OFF_PLAN - r for r in range(top_k)]     # the wrong tokens', by rank
+        # a chain's scores as a lattice holds them (float32), so its nodes score as `propose`'s
+        self.chain_scores = (float(np.float32(ON_PLAN)), float(np.float32(self.off_scores[0])))
         self.reset()
 
     @property
@@ -140,6 +142,20 @@ class ReplayDrafter:
         """The replayed chain of ``n`` tokens below ``context``; ``ran``, the cost network's own chain
         of the same length (`drafters.chain_levels`), was its drafting work."""
         return [row[0] for row in self._rows(context, n)]
+
+    def scored_chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
+        """``propose(context, n).scored_chain()`` without the lattice: the first-ranked (token,
+        log-probability) of each position, for a cost network that drafted its block already
+        (`feature_drafters.draft_blocks`)."""
+        self.cost.scored_chain(context, n)                     # the drafting work, its tokens unused
+        position, tokens, wrong = self._locate(context)
+        chain, on_path = [], True
+        for p in range(position, position + n):          # `_rows`, each row's first entry only
+            right = tokens[p] if p < len(tokens) else None
+            on_path = on_path and right is not None and p not in wrong
+            chain.append((right, self.chain_scores[0]) if on_path
+                         else (self._wrong_tokens(right, 1)[0], self.chain_scores[1]))
+        return chain
 
     def propose(self, context: list[int], n: int) -> Lattice:
         self.cost.propose(context, n)                          # the real drafting work, its tokens unused
