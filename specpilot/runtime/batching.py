@@ -446,8 +446,11 @@ class _Scheduler:
         budget = sum(caps) if self.policy.budget is None else self.policy.budget - reserve
         floor = math.log(self.policy.min_prob) if self.policy.min_prob > 0 else float("-inf")
         depths = [r.out.max_new - len(r.out.gen.tokens) for r in self.running]
+        # levels fetched ahead only where a drafter pass answers many nodes at once (a block drafter's
+        # expansions are lookups in its drafted block: walking levels ahead would be host time for nothing)
+        passes = any(getattr(e, "plan", None) is not None or getattr(e, "batch", None) is not None for e in own)
         expands = prefetch_shared(own, budget, depths, caps, lambda paths: self._level(own, paths), floor) \
-            if budget > 1 else own
+            if budget > 1 and passes else own
         return best_first_shared(expands, budget, depths, caps, floor)
 
     def _expanders(self) -> list:

@@ -116,6 +116,35 @@ def test_a_replay_spending_a_block_drafter_s_time_drafts_a_batch_in_one_call(tmp
         assert sum(g.mean_accepted for g in got) / 3 > 1.5, engine      # alpha 0.7 replayed
 
 
+def test_a_batch_s_block_drafted_trees_walk_no_levels_and_are_the_prefetched_trees(tmp_path, monkeypatch):
+    """A block drafter's tree expansions are lookups in its drafted block: the batched tree engine
+    fetches no levels ahead for them (no `expand_across` call), and its trees -- so its acceptance and
+    tokens -- are those it builds with the levels fetched ahead (expanders given a ``batch``)."""
+    from specpilot.runtime import batching
+    from specpilot.runtime.replay import ReplayDrafter
+    data = _replay_spec(tmp_path, {"alpha": 0.7, "seed": 5}, "tree-verify{budget=10}")
+    data["drafter"]["cost"] = {"kind": "block", "layers": 1, "block_size": 6, "init": {"seed": 9}}
+    data["deployment"]["max_batch"] = 3
+    system = from_build(build_spec(tmp_path, data))
+    prompts, lengths = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1]], [40, 24, 32]
+    levels = []
+    expand_across = batching.expand_across
+    monkeypatch.setattr(batching, "expand_across", lambda *a: levels.append(1) or expand_across(*a))
+    got = system.generate_batch("compiled-tree", prompts, lengths, max_batch=3)
+    assert not levels
+    expander = ReplayDrafter.expander
+
+    def batched(self, context):
+        expand = expander(self, context)
+        expand.batch = lambda paths: [expand(p) for p in paths]
+        return expand
+    monkeypatch.setattr(ReplayDrafter, "expander", batched)
+    fetched = system.generate_batch("compiled-tree", prompts, lengths, max_batch=3)
+    assert levels and [g.accepted for g in got] == [f.accepted for f in fetched]
+    assert [g.tokens for g in got] == [f.tokens for f in fetched] == \
+        [system.generate("compiled", p, n).tokens for p, n in zip(prompts, lengths)]
+
+
 def test_a_batch_s_replayed_block_chains_are_the_level_walk_s(tmp_path, monkeypatch):
     """Chains of a batch whose drafters' time is a block drafter's come from the one block pass, no
     level of expansions: the same chains (so the same acceptance) as walking each request's expander
