@@ -245,8 +245,8 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
                                   "NODES/CHUNK (nodes a pass / prompt-admission chunk), comma-separated (e.g. 256/64)")
 @click.option("--draft-lengths", "draft_lengths",
               help="with --batch: more rows of each speculative engine, each drafting one of other lengths a "
-                   "request and pass: ':' within a set, ',' between sets (e.g. 4,8:6:4); auto: chain "
-                   "engines choose each pass's length by what their passes cost")
+                   "request and pass: ':' within a set, ',' between sets (e.g. 4,8:6:4); auto: each pass's "
+                   "chain length or tree nodes chosen by what the engine's passes cost")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")

@@ -8,7 +8,8 @@ in a batch gives each request at most that many nodes a pass (`runtime.draft_sch
 step, ... >= min (``length=16,min=8,step=4``: 16, 12 or 8) by its recent acceptance and the
 drafter's confidence in its last draft: requests whose drafts keep failing stop paying for long
 drafts.  With ``priced=true`` a batched chain engine also cuts each pass's chains to the length with
-the most expected tokens a second of pass, from its own passes' measured cost (`runtime.pass_cost`).
+the most expected tokens a second of pass, from its own passes' measured cost (`runtime.pass_cost`), and
+a batched tree engine verifies the prefix of its best-first nodes that buys the most (`pass_cost.tree_nodes`).
 Any draft length is lossless -- verification still accepts only the target's own tokens.
 
 Defaults reproduce stock: ``length=0`` means the spec's ``drafter.draft_len`` (with a tree: the tree
@@ -28,7 +29,8 @@ class DraftLength(Pass):
                Option("dynamic", bool, False, "choose each request's length from its recent acceptance"),
                Option("min", int, 1, "shortest dynamic draft"),
                Option("step", int, 1, "the dynamic lengths are length, length - step, ... >= min"),
-               Option("priced", bool, False, "batched chains: each pass's length by its measured cost"))
+               Option("priced", bool, False, "batched passes: each pass's chain length or tree nodes by its "
+                      "measured cost"))
     statistics = ("draft_len", "dynamic")
     manifest_key = "serving"
 
@@ -54,7 +56,7 @@ class DraftLength(Pass):
         if not 1 <= self["step"] <= 64:
             return False, f"step must be in 1..64, got {self['step']}"
         if self["priced"] and context.max_batch < 2:
-            return False, "priced: prices batched chains' passes; needs deployment.max_batch >= 2"
+            return False, "priced: prices batched passes; needs deployment.max_batch >= 2"
         return True, ""
 
     def apply(self, mod, context: PassContext):

@@ -97,18 +97,16 @@ def parse_schedules(text: str | None) -> list[tuple[int, int]]:
     return out
 
 
-AUTO = "auto"       # --draft-lengths' chain length chosen by the pass's measured cost (`runtime.pass_cost`)
+AUTO = "auto"       # --draft-lengths' chain length or tree nodes chosen by the pass's measured cost (`runtime.pass_cost`)
 
 
 def with_lengths(policy: BatchPolicy, lengths: tuple[int, ...] | str, name: str) -> BatchPolicy:
     """``policy`` drafting one of ``lengths`` a request and pass (one: that length fixed), or with
-    ``AUTO`` a chain engine's length chosen by what its passes cost; refused past the longest draft the
-    engine's build verifies."""
+    ``AUTO`` its chain length or tree nodes chosen by what its passes cost; refused past the longest
+    draft the engine's build verifies."""
     if policy.mode == "ar":
         raise SpecPilotError(f"--draft-lengths: {name} drafts nothing")
     if lengths == AUTO:
-        if policy.mode != "chain":
-            raise SpecPilotError(f"--draft-lengths auto: {name} drafts trees (auto chooses chain lengths)")
         return replace(policy, adaptive=True)
     if max(lengths) > policy.nodes:
         raise SpecPilotError(f"--draft-lengths {':'.join(map(str, lengths))}: {name}'s build drafts at most "
@@ -155,7 +153,7 @@ class BatchBench:
         with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
         ``lengths``: draft-length sets, each run as one more row of every drafting engine (the
         runtime's choice; at most the build's own longest draft), or ``AUTO``: one more row of every
-        chain engine choosing its lengths by their cost.
+        drafting engine choosing its chain lengths or tree nodes by their cost.
         ``split``: every row run once more with a synchronisation after each part of a pass, for where
         a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
         self.partial, self.split = partial or (lambda run: None), split
@@ -166,9 +164,8 @@ class BatchBench:
             raise SpecPilotError("--schedules: no engine here runs a batch schedule (node-budget and "
                                  "prompt-admission passes)")
         self.drafting = [n for n in engines if system.engines[n].drafter is not None]
-        self.chaining = [n for n in self.drafting if system.batch_policy(n, 1, queue).mode == "chain"]
-        if AUTO in self.lengths and not self.chaining:
-            raise SpecPilotError("--draft-lengths auto: no engine here drafts chains")
+        if self.lengths and not self.drafting:
+            raise SpecPilotError("--draft-lengths: no engine here drafts")
         for choice in self.lengths:      # refused before anything runs
             for name in self._lengths_engines(choice):
                 with_lengths(system.batch_policy(name, 1, queue), choice, name)
@@ -215,8 +212,8 @@ class BatchBench:
         return len(self.engines) + len(self.schedules) + sum(len(self._lengths_engines(c)) for c in self.lengths)
 
     def _lengths_engines(self, choice) -> list[str]:
-        """The engines a --draft-lengths set runs on: every drafting one, or for auto the chain ones."""
-        return self.chaining if choice == AUTO else self.drafting
+        """The engines a --draft-lengths set runs on: every drafting one."""
+        return self.drafting
 
     def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float,
              schedule: tuple[int, int] | None = None, lengths: tuple[int, ...] | str | None = None) -> BatchResult:

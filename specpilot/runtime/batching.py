@@ -33,11 +33,11 @@ from specpilot.runtime import heap
 from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
                                         tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
-from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length
+from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length, tree_nodes
 from specpilot.runtime.drafters import (bind, catch_up_chains, chain_levels, chain_network, expand_across,
                                         sync_across)
 from specpilot.runtime.feature_drafters import draft_blocks
-from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared
+from specpilot.runtime.tree import Tree, best_first_shared, prefetch_shared, prefix
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ class BatchPolicy:
     prefill: int = 2048             # prompt tokens one join's prefill pass takes (whole prompts, one at least):
                                     # a pass's activations and logits grow with its tokens (as PREFILL_CHUNK)
     passes: int = 4
-    adaptive: bool = False          # chains: the pass's longest chain chosen by its measured cost (`pass_cost`)
+    adaptive: bool = False          # the pass's longest chain, or its tree nodes (a prefix of the best-first
+                                    # order), chosen by its measured cost (`pass_cost`)
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
@@ -143,8 +144,8 @@ class BatchPolicy:
             raise SpecPilotError(f"admission rides a backlog of >= 1 chunks, got {self.passes}")
         if self.prefill < 1:
             raise SpecPilotError(f"a prefill pass takes >= 1 prompt tokens, got {self.prefill}")
-        if self.adaptive and self.mode != "chain":
-            raise SpecPilotError("a chain length chosen by the pass's cost needs chain verification")
+        if self.adaptive and self.mode == "ar":
+            raise SpecPilotError("a pass's drafts chosen by its cost need drafts (chain or tree verification)")
 
     def schedule(self) -> DraftSchedule:
         if self.lengths:
@@ -401,7 +402,7 @@ class _Scheduler:
         if self.policy.mode == "ar":
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
         caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
-        if self.policy.adaptive:
+        if self.policy.adaptive and self.policy.mode == "chain":
             caps = self._priced(caps)
         if self.policy.mode == "chain" and self.policy.budget is not None:
             caps = split_budget(self.policy.budget, caps, len(self.result.steps))
@@ -451,7 +452,23 @@ class _Scheduler:
         passes = any(getattr(e, "plan", None) is not None or getattr(e, "batch", None) is not None for e in own)
         expands = prefetch_shared(own, budget, depths, caps, lambda paths: self._level(own, paths), floor) \
             if budget > 1 and passes else own
-        return best_first_shared(expands, budget, depths, caps, floor)
+        order = [] if self.policy.adaptive else None
+        trees = best_first_shared(expands, budget, depths, caps, floor, order)
+        return trees if order is None else prefix(trees, order, self._priced_nodes(order))
+
+    def _priced_nodes(self, order: list[tuple[int, float, int]]) -> int:
+        """How many nodes of the pass's best-first ``order`` to verify: the most expected tokens a second
+        of pass (`pass_cost.tree_nodes`); while the passes seen cannot price a row yet, every other pass
+        half of them, and then every ``EXPLORE``-th pass a request's node more or fewer a tree."""
+        model = self.cost.model()
+        self.chosen += 1
+        if model is None:
+            return len(order) if self.chosen % 2 else len(order) // 2
+        n = tree_nodes(order, len(self.running), model)
+        if self.chosen % EXPLORE == 0:
+            step = len(self.running)
+            n = min(len(order), n + step) if (self.chosen // EXPLORE) % 2 else max(0, n - step)
+        return n
 
     def _expanders(self) -> list:
         """Every running request's drafter brought to its context in one batched pass, and its expander."""

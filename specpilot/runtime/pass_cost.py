@@ -10,10 +10,16 @@ a + b x rows for the verification and commit, and c + d x K for the drafting.  A
 and the longest chain wins; at batch 16-32 each drafted row costs compute and shorter chains do
 (bench/README "Batched": draft 4 beat the build's 8-16 at batch 8 on the H200).  The choice changes
 how much is drafted, never which tokens are emitted.
+
+A batched tree pass the same way (`tree_nodes`): its nodes are a prefix of the best-first order over
+every request's candidates (`tree.best_first_shared`), so what n nodes buy is, per request, 1 + the
+path probabilities of its nodes among them (each node is accepted exactly when its whole path is), and
+what they cost is the padded verification of B x (1 + the largest request's share) rows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DECAY = 0.97            # an observation's weight a pass later: load and context lengths drift
@@ -88,3 +94,23 @@ def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, 
         if value > best * (1 + 1e-12):
             best, best_k = value, k
     return best_k
+
+
+def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[float, float, float]) -> int:
+    """How many nodes of a shared tree pass's best-first ``order`` ((request, path log-probability,
+    depth) per node, requests numbered below ``running``) give the most expected tokens a second of
+    pass under ``cost`` = (a, b, d): verification of ``running`` x (1 + the largest request's nodes)
+    rows, drafting d x the deepest node's levels; the fewest such nodes on ties."""
+    a, b, d = cost
+    if a + b * running <= 0:        # passes that seem to cost nothing say nothing: the budget stands
+        return len(order)
+    sizes, value, largest, deepest = [0] * running, float(running), 0, 0
+    best, best_n = running / (a + b * running), 0
+    for n, (request, score, depth) in enumerate(order, 1):
+        sizes[request] += 1
+        largest, deepest = max(largest, sizes[request]), max(deepest, depth)
+        value += math.exp(score)
+        seconds = a + b * running * (1 + largest) + d * deepest
+        if value / seconds > best * (1 + 1e-12):
+            best, best_n = value / seconds, n
+    return best_n

@@ -222,8 +222,9 @@ class System:
                                adaptive=self.draft_priced)
         b = e.batch
         if b is None:
-            return BatchPolicy("tree", limit, e.tree_budget, queue=queue)
-        return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue, passes=b.passes)
+            return BatchPolicy("tree", limit, e.tree_budget, queue=queue, adaptive=self.draft_priced)
+        return BatchPolicy("tree", limit, b.nodes, b.budget, b.min_prob, b.lengths, b.chunk, queue, passes=b.passes,
+                           adaptive=self.draft_priced)
 
     def serve(self, engine: str, arrivals: list[Arrival], policy: BatchPolicy, clock=None, forces=None,
               logits_hook=None, sampling: SamplingParams | None = None, parts=None) -> BatchRun:

@@ -78,14 +78,16 @@ def best_first(expand: Expand, budget: int, max_depth: int) -> Tree:
 
 
 def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[int],
-                      caps: list[int] | None = None, min_score: float = float("-inf")) -> list[Tree]:
+                      caps: list[int] | None = None, min_score: float = float("-inf"),
+                      order: list[tuple[int, float, int]] | None = None) -> list[Tree]:
     """One node budget shared by several requests' trees (a batched verification pass): the
     ``budget`` highest-scoring nodes over the union of the requests' candidates, best first, so a
     request may get none.  ``max_depth`` (one, or one per request) and ``caps`` (nodes a request may
     take at most: its cache room) bound each tree; candidates scoring below ``min_score`` (a path
     log-probability) are not taken.  Ties break on (request, depth, parent index, the
     drafter's rank).  With one request it is `best_first`'s tree; each request's tree is
-    `best_first` of its share."""
+    `best_first` of its share.  ``order``, where given, receives (request, score, depth) of every node taken,
+    in the order taken: any prefix of it is the best-first allocation of a smaller budget (`prefix`)."""
     depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(expands)
     caps = caps if caps is not None else [budget] * len(expands)
     trees = [Tree() for _ in expands]
@@ -126,11 +128,22 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
         tree.parents.append(parent)
         tree.depths.append(depth)
         tree.scores.append(-neg)
+        if order is not None:
+            order.append((request, -neg, depth))
         taken += 1
         if taken < budget:
             i = len(tree) - 1
             push_children(request, i, depth + 1, -neg, tree.path_tokens(i))
     return trees
+
+
+def prefix(trees: list[Tree], order: list[tuple[int, float, int]], n: int) -> list[Tree]:
+    """The trees of the first ``n`` nodes of ``order`` (`best_first_shared`'s): each tree's first
+    nodes, in the order taken (parents before children, so every kept node's parent is kept)."""
+    sizes = [0] * len(trees)
+    for request, *_ in order[:n]:
+        sizes[request] += 1
+    return [Tree(t.tokens[:k], t.parents[:k], t.depths[:k], t.scores[:k]) for t, k in zip(trees, sizes)]
 
 
 def prefetch_levels(expand: Expand, budget: int, max_depth: int) -> Expand:

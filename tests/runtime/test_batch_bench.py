@@ -97,18 +97,20 @@ def test_other_draft_lengths_are_rows_of_every_speculative_engine(run_cli, repla
     assert rows["compiled-spec[draft 3]"]["tokens_per_verification"] <= 4
 
 
-def test_auto_lengths_are_a_row_of_each_chain_engine(run_cli, replay_build):
-    """`--draft-lengths auto`: one more row of each chain engine, its lengths chosen by its passes' cost
-    (trees keep theirs), tokens checked."""
+def test_auto_lengths_are_a_row_of_each_drafting_engine(run_cli, replay_build):
+    """`--draft-lengths auto`: one more row of each drafting engine, its chain lengths or tree nodes
+    chosen by its passes' cost, tokens checked."""
     build, _ = replay_build
     code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines",
                                 "compiled,compiled-spec,compiled-tree-sched", "--json", "--warmup", 0, "--requests", 3,
                                 "--max-new-tokens", 12, "--forced", "--breakdown-requests", 0, "--draft-lengths", "auto")
     assert code == 0, err
     rows = {r["engine"]: r for r in json.loads(stdout)["rows"]}
-    assert list(rows) == ["compiled", "compiled-spec", "compiled-tree-sched", "compiled-spec[draft auto]"]
+    assert list(rows) == ["compiled", "compiled-spec", "compiled-tree-sched", "compiled-spec[draft auto]",
+                          "compiled-tree-sched[draft auto]"]
     assert all(r["check"]["passed"] and r["tokens"] == 36 for r in rows.values())
-    assert rows["compiled-spec[draft auto]"]["policy"]["adaptive"] and not rows["compiled-spec"]["policy"]["adaptive"]
+    for engine in ("compiled-spec", "compiled-tree-sched"):
+        assert rows[f"{engine}[draft auto]"]["policy"]["adaptive"] and not rows[engine]["policy"]["adaptive"]
 
 
 @pytest.mark.parametrize("args,message", [(["--batch", "0"], "positive integers"),
@@ -125,7 +127,7 @@ def test_auto_lengths_are_a_row_of_each_chain_engine(run_cli, replay_build):
                                           (["--batch", "2", "--draft-lengths", "4,4"], "4 is given twice"),
                                           (["--batch", "2", "--draft-lengths", ","], "no set of lengths"),
                                           (["--batch", "2", "--draft-lengths", "auto", "--engines",
-                                            "compiled,compiled-tree"], "no engine here drafts chains"),
+                                            "compiled"], "no engine here drafts"),
                                           (["--draft-lengths", "4"], "--draft-lengths needs --batch"),
                                           (["--schedules", "64/8"], "--schedules needs --batch")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):

@@ -6,6 +6,7 @@ are dear, more where they are cheap -- every request's tokens its own greedy one
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from specpilot.runtime.batching import Arrival, BatchPolicy, run_batch
 from specpilot.runtime.decoding import autoregressive
 from specpilot.runtime.draft_schedule import DraftSchedule
 from specpilot.runtime.drafters import ModelDrafter
-from specpilot.runtime.pass_cost import PassCost, chain_length, expected_tokens
+from specpilot.runtime.pass_cost import PassCost, chain_length, expected_tokens, tree_nodes
 from tests.conftest import DENSE, noisy_copy, tiny_model
 
 
@@ -154,12 +155,72 @@ def test_the_scheduler_drafts_less_where_rows_are_dear(pair):
     assert dear < cheap <= fixed and dear < fixed / 2
 
 
-def test_auto_lengths_are_for_chain_engines():
+def test_auto_lengths_are_for_drafting_engines():
     assert parse_lengths("4,auto,8:6:4") == [(4,), "auto", (8, 6, 4)]
     with pytest.raises(SpecPilotError, match="auto is given twice"):
         parse_lengths("auto,auto")
     assert with_lengths(BatchPolicy("chain", 2, 8), "auto", "compiled-spec").adaptive
-    with pytest.raises(SpecPilotError, match="drafts trees"):
-        with_lengths(BatchPolicy("tree", 2, 8), "auto", "compiled-tree")
-    with pytest.raises(SpecPilotError, match="needs chain verification"):
-        BatchPolicy("tree", 2, 8, adaptive=True)
+    assert with_lengths(BatchPolicy("tree", 2, 8, 12), "auto", "compiled-tree-sched").adaptive
+    with pytest.raises(SpecPilotError, match="drafts nothing"):
+        with_lengths(BatchPolicy("ar", 2), "auto", "compiled")
+    with pytest.raises(SpecPilotError, match="need drafts"):
+        BatchPolicy("ar", 2, adaptive=True)
+
+
+def _tree_value(order, running, n, cost):
+    """Expected tokens a second of the first n nodes of ``order``, from their trees as they stand."""
+    a, b, d = cost
+    sizes = [0] * running
+    for request, _, _ in order[:n]:
+        sizes[request] += 1
+    value = running + sum(math.exp(score) for _, score, _ in order[:n])
+    deepest = max((depth for _, _, depth in order[:n]), default=0)
+    return value / (a + b * running * (1 + max(sizes)) + d * deepest)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_chosen_tree_prefix_has_the_most_expected_tokens_a_second(seed):
+    """Random best-first orders (scores falling along each request's nodes) and pass costs: the
+    chosen number of nodes is the fewest of those with the best value, against every prefix."""
+    rng = random.Random(seed)
+    running = rng.randint(1, 6)
+    order, last = [], [0.0] * running
+    for _ in range(rng.randint(0, 40)):
+        r = rng.randrange(running)
+        last[r] -= rng.choice([1e-3, 0.05, 0.7, 3.0])
+        order.append((r, last[r], rng.randint(1, 9)))
+    cost = (rng.uniform(0.005, 0.03), rng.choice([0.0, 1e-5, 1e-4, 1e-3]), rng.choice([0.0, 5e-4]))
+    n = tree_nodes(order, running, cost)
+    values = [_tree_value(order, running, k, cost) for k in range(len(order) + 1)]
+    assert values[n] >= max(values) * (1 - 1e-9)
+    assert all(v < values[n] * (1 + 1e-12) for v in values[:n])
+    assert tree_nodes(order, running, (0.0, 0.0, 0.0)) == len(order)     # a free pass: the budget stands
+
+
+def test_a_tree_pass_prices_its_padded_rows():
+    """Two requests: a sure path of 6 for request 0, of 1 for request 1, then an unlikely node of
+    request 0's.  Rows at 1 ms take the sure nodes, not the unlikely one (a row more for each request);
+    rows at 50 ms take nothing (each of request 0's nodes pads request 1's tree by a row too)."""
+    order = [(0, -1e-3 * (i + 1), i + 1) for i in range(6)] + [(1, -1e-3, 1), (0, -5.0, 7)]
+    assert tree_nodes(order, 2, (0.02, 1e-3, 0.0)) == 7
+    assert tree_nodes(order, 2, (0.02, 0.05, 0.0)) == 0
+
+
+def _trees(pair, per_row, adaptive=True):
+    target, draft, alone = pair
+    clock = _Clock()
+    policy = BatchPolicy("tree", 4, 8, 24, adaptive=adaptive)
+    run = run_batch(_Charged(target, clock, 0.02, per_row), lambda: ModelDrafter(_Charged(draft, clock, 0.0, 0.0), 3, 128),
+                    [Arrival(0.0, tuple(p), n) for p, n in zip(PROMPTS, MAX_NEW)], policy, 128, clock)
+    assert [g.tokens for g in run.generations] == alone
+    steps = [s for s in run.steps if not s.prefill and s.running == 4]
+    return sum(s.drafted for s in steps) / len(steps)
+
+
+def test_the_tree_scheduler_verifies_fewer_nodes_where_rows_are_dear(pair):
+    """4 requests, trees under a shared budget of 24 nodes, a pass 20 ms plus each (padded) row's price:
+    every request's tokens its own greedy ones, fewer nodes a pass the dearer a row."""
+    fixed = _trees(pair, 0.0, adaptive=False)
+    free, dear = _trees(pair, 0.0), _trees(pair, 1e-2)
+    assert free >= 0.8 * fixed
+    assert dear < fixed / 2

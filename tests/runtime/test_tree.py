@@ -15,7 +15,8 @@ import torch
 
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter, catch_up_chains, chain_levels
-from specpilot.runtime.tree import Tree, accept, best_first, best_first_shared, prefetch_shared, replay_acceptance
+from specpilot.runtime.tree import (Tree, accept, best_first, best_first_shared, prefetch_shared, prefix,
+                                    replay_acceptance)
 from tests.conftest import DENSE, HYBRID, noisy_copy, tiny_model
 
 
@@ -406,6 +407,24 @@ def test_a_shared_budget_takes_the_best_nodes_of_the_union_brute_force(seed):
         alone = best_first(expands[r], len(tree), depth) if len(tree) else None
         assert len(tree) == 0 or (alone.tokens, alone.parents) == (tree.tokens, tree.parents)
         assert all(tree.parents[i] < i for i in range(len(tree)))      # parents first
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_prefix_of_the_order_taken_is_the_best_first_trees_of_its_budget(seed):
+    """`tree.prefix` of the order `best_first_shared` took its nodes in, at each length n: the trees
+    a budget of n builds (so a pass verifying fewer nodes still verifies the best first)."""
+    rng = np.random.default_rng(seed)
+    n_requests, k, depth = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+    expands = [_random_lattice(seed * 10 + r, k) for r in range(n_requests)]
+    caps = [int(c) for c in rng.integers(0, 12, n_requests)] if seed % 2 else None
+    budget, order = int(rng.integers(0, 30)), []
+    trees = best_first_shared(expands, budget, depth, caps, order=order)
+    assert len(order) == sum(len(t) for t in trees)
+    assert [(r, s) for r, s, _ in order] == sorted(((r, s) for r, s, _ in order), key=lambda e: -e[1])
+    for n in range(len(order) + 1):
+        cut, want = prefix(trees, order, n), best_first_shared(expands, n, depth, caps)
+        assert [(t.tokens, t.parents, t.depths, t.scores) for t in cut] == \
+            [(t.tokens, t.parents, t.depths, t.scores) for t in want]
 
 
 @pytest.mark.parametrize("seed", range(300))
