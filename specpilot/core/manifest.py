@@ -38,7 +38,7 @@ class Serving(_Strict):
     draft_dynamic: bool = False
     draft_min: int = Field(1, ge=1)
     draft_step: int = Field(1, ge=1)
-    draft_priced: bool = False                    # batched chains: a pass's length by its cost (`runtime.pass_cost`)
+    draft_priced: bool = False                    # batched passes: a chain length / tree nodes by cost (`runtime.pass_cost`)
     draft_nodes: int | None = Field(None, ge=1)   # with a tree: nodes a request takes a pass at most
 
 

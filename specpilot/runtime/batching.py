@@ -401,7 +401,10 @@ class _Scheduler:
                  for r in self.running]
         if self.policy.mode == "ar":
             return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
-        caps = [min(room, r.schedule.next()) for r, room in zip(self.running, rooms)]
+        # priced trees choose their nodes by cost: the dynamic lengths would only learn the cuts back
+        priced_trees = self.policy.adaptive and self.policy.mode == "tree"
+        caps = [min(room, self.policy.nodes if priced_trees else r.schedule.next())
+                for r, room in zip(self.running, rooms)]
         if self.policy.adaptive and self.policy.mode == "chain":
             caps = self._priced(caps)
         if self.policy.mode == "chain" and self.policy.budget is not None:
@@ -464,7 +467,7 @@ class _Scheduler:
         self.chosen += 1
         if model is None:
             return len(order) if self.chosen % 2 else len(order) // 2
-        n = tree_nodes(order, len(self.running), model)
+        n = tree_nodes(order, len(self.running), model, model[2] * self.levels)
         if self.chosen % EXPLORE == 0:
             step = len(self.running)
             n = min(len(order), n + step) if (self.chosen // EXPLORE) % 2 else max(0, n - step)

@@ -96,21 +96,24 @@ def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, 
     return best_k
 
 
-def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[float, float, float]) -> int:
+def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[float, float, float],
+               drafted: float = 0.0) -> int:
     """How many nodes of a shared tree pass's best-first ``order`` ((request, path log-probability,
     depth) per node, requests numbered below ``running``) give the most expected tokens a second of
     pass under ``cost`` = (a, b, d): verification of ``running`` x (1 + the largest request's nodes)
-    rows, drafting d x the deepest node's levels; the fewest such nodes on ties."""
-    a, b, d = cost
+    rows; the pass's drafting (``drafted`` seconds of levels, d x levels) ran for the whole order
+    before the choice, so it is the same whatever is cut.  The fewest such nodes on ties."""
+    a, b, _ = cost
+    a += drafted
     if a + b * running <= 0:        # passes that seem to cost nothing say nothing: the budget stands
         return len(order)
-    sizes, value, largest, deepest = [0] * running, float(running), 0, 0
+    sizes, value, largest = [0] * running, float(running), 0
     best, best_n = running / (a + b * running), 0
-    for n, (request, score, depth) in enumerate(order, 1):
+    for n, (request, score, _) in enumerate(order, 1):
         sizes[request] += 1
-        largest, deepest = max(largest, sizes[request]), max(deepest, depth)
+        largest = max(largest, sizes[request])
         value += math.exp(score)
-        seconds = a + b * running * (1 + largest) + d * deepest
+        seconds = a + b * running * (1 + largest)
         if value / seconds > best * (1 + 1e-12):
             best, best_n = value / seconds, n
     return best_n

@@ -105,7 +105,7 @@ class System:
         self.engines, self.tokenizer, self.capacity = engines, tokenizer, capacity
         self.draft_len, self.eos_ids, self.dtype = draft_len, eos_ids, dtype
         self.draft_min, self.draft_dynamic = draft_min, draft_dynamic   # the draft-length schedule
-        self.draft_step, self.draft_priced = draft_step, draft_priced   # priced: batched chains by cost
+        self.draft_step, self.draft_priced = draft_step, draft_priced   # priced: batched chains / trees by cost
         self.node_budget = node_budget      # a build's drafted tokens a batched pass (`node-budget`), None: no cap
         self.setup, self.draft_reference = setup, draft_reference
         self.drafter_source: dict | None = None   # a block / feature drafter's directory and weights digest

@@ -167,15 +167,15 @@ def test_auto_lengths_are_for_drafting_engines():
         BatchPolicy("ar", 2, adaptive=True)
 
 
-def _tree_value(order, running, n, cost):
-    """Expected tokens a second of the first n nodes of ``order``, from their trees as they stand."""
-    a, b, d = cost
+def _tree_value(order, running, n, cost, drafted):
+    """Expected tokens a second of a pass verifying the first n nodes of ``order`` (its drafting,
+    ``drafted`` seconds, spent whatever n is)."""
+    a, b, _ = cost
     sizes = [0] * running
     for request, _, _ in order[:n]:
         sizes[request] += 1
     value = running + sum(math.exp(score) for _, score, _ in order[:n])
-    deepest = max((depth for _, _, depth in order[:n]), default=0)
-    return value / (a + b * running * (1 + max(sizes)) + d * deepest)
+    return value / (a + drafted + b * running * (1 + max(sizes)))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -190,8 +190,9 @@ def test_the_chosen_tree_prefix_has_the_most_expected_tokens_a_second(seed):
         last[r] -= rng.choice([1e-3, 0.05, 0.7, 3.0])
         order.append((r, last[r], rng.randint(1, 9)))
     cost = (rng.uniform(0.005, 0.03), rng.choice([0.0, 1e-5, 1e-4, 1e-3]), rng.choice([0.0, 5e-4]))
-    n = tree_nodes(order, running, cost)
-    values = [_tree_value(order, running, k, cost) for k in range(len(order) + 1)]
+    drafted = rng.choice([0.0, 0.004])
+    n = tree_nodes(order, running, cost, drafted)
+    values = [_tree_value(order, running, k, cost, drafted) for k in range(len(order) + 1)]
     assert values[n] >= max(values) * (1 - 1e-9)
     assert all(v < values[n] * (1 + 1e-12) for v in values[:n])
     assert tree_nodes(order, running, (0.0, 0.0, 0.0)) == len(order)     # a free pass: the budget stands

@@ -417,12 +417,14 @@ def test_every_prefix_of_the_order_taken_is_the_best_first_trees_of_its_budget(s
     n_requests, k, depth = int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
     expands = [_random_lattice(seed * 10 + r, k) for r in range(n_requests)]
     caps = [int(c) for c in rng.integers(0, 12, n_requests)] if seed % 2 else None
+    depth = [int(d) for d in rng.integers(1, depth + 1, n_requests)] if seed % 3 else depth
+    floor = float(rng.uniform(-6.0, -1.0)) if seed % 4 == 1 else float("-inf")
     budget, order = int(rng.integers(0, 30)), []
-    trees = best_first_shared(expands, budget, depth, caps, order=order)
+    trees = best_first_shared(expands, budget, depth, caps, floor, order=order)
     assert len(order) == sum(len(t) for t in trees)
     assert [(r, s) for r, s, _ in order] == sorted(((r, s) for r, s, _ in order), key=lambda e: -e[1])
     for n in range(len(order) + 1):
-        cut, want = prefix(trees, order, n), best_first_shared(expands, n, depth, caps)
+        cut, want = prefix(trees, order, n), best_first_shared(expands, n, depth, caps, floor)
         assert [(t.tokens, t.parents, t.depths, t.scores) for t in cut] == \
             [(t.tokens, t.parents, t.depths, t.scores) for t in want]
 
