@@ -81,7 +81,7 @@ class ReplayDrafter:
         self.top_k, self.vocab_size = top_k, vocab_size
         self.off_scores = [OFF_PLAN - r for r in range(top_k)]     # the wrong tokens', by rank
         # a chain's scores as a lattice holds them (float32), so its nodes score as `propose`'s
-        self.chain_scores = (float(np.float32(ON_PLAN)), float(np.float32(self.off_scores[0])))
+        self.float32 = {s: float(np.float32(s)) for s in (ON_PLAN, *self.off_scores)}
         self.reset()
 
     @property
@@ -116,12 +116,15 @@ class ReplayDrafter:
         prompt, tokens, wrong = self.run
         return len(context) - len(prompt), tokens, wrong
 
-    def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool) -> list[tuple[int, float]]:
-        """The top-k at generated ``position``: the continuation's token first where the plan accepts it."""
+    def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool,
+                  k: int | None = None) -> list[tuple[int, float]]:
+        """The top-k (``k``: the first k of them) at generated ``position``: the continuation's token
+        first where the plan accepts it."""
+        k = self.top_k if k is None else k
         right = tokens[position] if position < len(tokens) else None
         if on_path and right is not None and position not in wrong:
-            return [(right, ON_PLAN)] + list(zip(self._wrong_tokens(right, self.top_k - 1), self.off_scores))
-        return list(zip(self._wrong_tokens(right, self.top_k), self.off_scores))
+            return [(right, ON_PLAN)] + list(zip(self._wrong_tokens(right, k - 1), self.off_scores))
+        return list(zip(self._wrong_tokens(right, k), self.off_scores))
 
     def _wrong_tokens(self, right: int | None, k: int) -> list[int]:
         start = 0 if right is None else right + 1
@@ -129,33 +132,27 @@ class ReplayDrafter:
             return list(range(start, start + k))
         return [(start + j) % self.vocab_size for j in range(k)]
 
-    def _rows(self, context: list[int], n: int) -> list[list[tuple[int, float]]]:
-        """The top-k at each of the ``n`` positions after ``context`` along the first-ranked path."""
+    def _rows(self, context: list[int], n: int, k: int | None = None) -> list[list[tuple[int, float]]]:
+        """The top-k (``k``: the first k) at each of the ``n`` positions after ``context`` along the
+        first-ranked path."""
         position, tokens, wrong = self._locate(context)
         rows, on_path = [], True
         for i in range(n):
-            rows.append(self._children(position + i, tokens, wrong, on_path))
+            rows.append(self._children(position + i, tokens, wrong, on_path, k))
             on_path = on_path and rows[-1][0][1] == ON_PLAN
         return rows
 
     def chain_from(self, context: list[int], n: int, ran) -> list[tuple[int, float]]:
         """The replayed chain of ``n`` tokens below ``context``; ``ran``, the cost network's own chain
         of the same length (`drafters.chain_levels`), was its drafting work."""
-        return [row[0] for row in self._rows(context, n)]
+        return [row[0] for row in self._rows(context, n, 1)]
 
     def scored_chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
         """``propose(context, n).scored_chain()`` without the lattice: the first-ranked (token,
         log-probability) of each position, for a cost network that drafted its block already
         (`feature_drafters.draft_blocks`)."""
         self.cost.scored_chain(context, n)                     # the drafting work, its tokens unused
-        position, tokens, wrong = self._locate(context)
-        chain, on_path = [], True
-        for p in range(position, position + n):          # `_rows`, each row's first entry only
-            right = tokens[p] if p < len(tokens) else None
-            on_path = on_path and right is not None and p not in wrong
-            chain.append((right, self.chain_scores[0]) if on_path
-                         else (self._wrong_tokens(right, 1)[0], self.chain_scores[1]))
-        return chain
+        return [(token, self.float32[score]) for (token, score), in self._rows(context, n, 1)]
 
     def propose(self, context: list[int], n: int) -> Lattice:
         self.cost.propose(context, n)                          # the real drafting work, its tokens unused
