@@ -144,13 +144,14 @@ PY
     # continuous batching: every engine at each batch size, the requests all at once (one per cache row);
     # speculative engines forced onto the batched AR reference's tokens (the replay drafter follows them);
     # BATCH_REQUESTS: that many requests at every batch size, at most the batch size running (a saturated load);
-    # TAG: a suffix for the result file's name
+    # TAG: a suffix for the result file's name; CONFIDENCE: a profile whose drafter confidences score the replay's
+    # proposals (bench/profiles/smollm2-block-chain-mixed.json: the trained block drafter's)
     shift; setup; unpack
     PROMPTS=$(( ${BATCH_REQUESTS:-32} > 32 ? ${BATCH_REQUESTS:-32} : 32 )) batch_prompts
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/$1 --prompts $E/batch.jsonl --batch ${BATCHES:-1,2,4,8,16,32} \
       ${BATCH_REQUESTS:+--requests $BATCH_REQUESTS} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
-      ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} \
+      ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} ${CONFIDENCE:+--replay-confidence $CONFIDENCE} \
       --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -40 ;;
   batch-profile)
     # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats

@@ -188,15 +188,22 @@ def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[s
     return own + (stock if reference else []), system.hf_engines() if reference else []
 
 
-def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> list:
-    """The acceptance plans of --replay-alpha / --replay-profile (a replay drafter's only)."""
-    from specpilot.core.acceptance_profile import read_profile
+def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...], confidence: Path | None = None) -> list:
+    """The acceptance plans of --replay-alpha / --replay-profile (a replay drafter's only), each scored
+    with --replay-confidence's pools where given (without plans: the build's own plan is)."""
+    from specpilot.core.acceptance_profile import read_confidence, read_profile
     from specpilot.runtime.bench import ReplayPlan
 
-    if not alphas and not profiles:
+    if not alphas and not profiles and not confidence:
         return []
     if system.setup is None or system.setup.kind != "replay":
-        raise SpecPilotError("--replay-alpha / --replay-profile need a replay drafter (drafter: {kind: replay})")
+        raise SpecPilotError("--replay-alpha / --replay-profile / --replay-confidence need a replay drafter "
+                             "(drafter: {kind: replay})")
+    if confidence:
+        pools = read_confidence(confidence)
+        system.setup.replay = {**system.setup.replay, "confidence": pools}
+        return [ReplayPlan(f"{p.name}, confidence={confidence.name}", {**p.plan, "confidence": pools})
+                for p in _replay_plans(system, alphas, profiles)]
     seed = int((system.setup.replay or {}).get("seed", 0))
     plans = []
     for text in (alphas or "").split(","):
@@ -236,6 +243,9 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
                                      "rate, comma-separated (e.g. 0.6,0.7,0.8,0.9)")
 @click.option("--replay-profile", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="replay drafter: run the speculative engines once per recorded acceptance profile (repeatable)")
+@click.option("--replay-confidence", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="replay drafter: score the proposals with the drafter confidences this profile recorded "
+                   "(a real drafter's, instead of the replay's certainty of its own plan)")
 @click.option("--batch", "batches", help="continuous batching at these batch sizes, comma-separated (e.g. "
                                         "1,2,4,8,16,32): throughput and latency per engine")
 @click.option("--arrivals", default="burst", show_default=True,
@@ -252,8 +262,8 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...]) -> lis
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
-          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, batches, arrivals, queue, schedules,
-          draft_lengths, output, plot, as_json, sampling=None):
+          tie_tolerance, record_profile, forced, replay_alpha, replay_profile, replay_confidence, batches, arrivals,
+          queue, schedules, draft_lengths, output, plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -268,17 +278,18 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     if batches:
         if sampling is not None or replay_alpha or replay_profile or record_profile or plot:
             raise SpecPilotError("--batch runs greedy on the build's own drafter plan; leave out sampling, "
-                                 "--replay-*, --record-profile and --plot")
+                                 "--replay-alpha, --replay-profile, --record-profile and --plot")
+        _replay_plans(system, None, (), replay_confidence)     # the build's own plan, scored as given
         _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
                        forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0,
-                       draft_lengths)
+                       draft_lengths, replay_confidence)
         return
     for given, option in ((schedules, "--schedules"), (draft_lengths, "--draft-lengths")):
         if given is not None:
             raise SpecPilotError(f"{option} needs --batch")
     ids = _bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
-    replays = _replay_plans(system, replay_alpha, replay_profile)
+    replays = _replay_plans(system, replay_alpha, replay_profile, replay_confidence)
     if sampling is not None and not engines:
         hf = []       # transformers' sampling draws other tokens; its rows are greedy-only
     console = Console(stderr=True)
@@ -301,7 +312,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
         best = [r for r in run["results"].values() if r.engine == own[-1]][-1]
         if not best.accepted:
             raise SpecPilotError(f"--record-profile: {best.engine} does not decode speculatively")
-        write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}")
+        write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}", best.confidence)
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -310,7 +321,8 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
 
 
 def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
-                   forced, batches, arrivals, queue, output, as_json, schedules=None, split=False, draft_lengths=None):
+                   forced, batches, arrivals, queue, output, as_json, schedules=None, split=False, draft_lengths=None,
+                   replay_confidence=None):
     """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
     from rich.console import Console
     from rich.progress import Progress
@@ -341,7 +353,8 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
     meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts),
             "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
             "dtype": system.dtype, "drafter": system.setup.kind if system.setup else "",
-            "drafter_source": system.drafter_source}
+            "drafter_source": system.drafter_source,
+            "replay_confidence": str(replay_confidence) if replay_confidence else None}
 
     def partial(run: dict) -> None:    # the batch sizes done so far, written as each one ends
         if output:

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from specpilot.core.acceptance_profile import check_accepted, check_confidence
 from specpilot.core.cpu_level import Level
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
@@ -72,7 +73,24 @@ class DrafterInfo(_Strict):
     temperature: float = 1.0
     max_ngram: int
     min_ngram: int
-    replay: dict | None = None         # a replay drafter's plan: {"accepted": [[...], ...]} or {"alpha", "seed"}
+    # a replay drafter's plan: {"accepted": [[...], ...]} or {"alpha", "seed"}, and "confidence" pools
+    replay: dict | None = None
+
+    @field_validator("replay")
+    @classmethod
+    def _plan(cls, plan: dict | None) -> dict | None:
+        if plan is None:
+            return None
+        try:
+            if "accepted" in plan:
+                check_accepted(plan["accepted"], "drafter.replay")
+            elif not isinstance(plan.get("alpha"), (int, float)) or not 0 <= plan["alpha"] <= 1:
+                raise SpecPilotError("a replay plan takes 'accepted' counts or an 'alpha' in [0, 1]")
+            if "confidence" in plan:
+                check_confidence(plan["confidence"], "drafter.replay")
+        except SpecPilotError as e:
+            raise ValueError(str(e)) from None      # pydantic reports the field
+        return plan
 
 
 class Cache(_Strict):

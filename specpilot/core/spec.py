@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specpilot.core.acceptance_profile import read_profile
+from specpilot.core.acceptance_profile import read_confidence, read_profile
 from specpilot.core.config import SUPPORTED_ARCHITECTURES
 from specpilot.core.errors import SpecError, SpecPilotError
 from specpilot.core.hub import cached_snapshot, is_hub_id
@@ -81,6 +81,7 @@ class DrafterSpec(ModelSource):
     # from a real drafter network ``cost`` (a model source, or a seeded block drafter: `CostSource`)
     profile: str | None = None
     alpha: float | None = Field(default=None, ge=0, le=1)
+    confidence: str | None = None     # a profile whose recorded drafter confidences score the proposals
     seed: int = Field(default=0, ge=0)
     cost: CostSource | None = None
 
@@ -216,13 +217,14 @@ def _check_replay(spec: Spec, d: DrafterSpec) -> None:
                         "(cost: {kind: block, ...})")
     else:
         _check_source(spec, d.cost, "drafter.cost", require=True)
-    if d.profile is not None:
-        try:
-            read_profile(spec.resolve(d.profile, "drafter.profile"))
-        except SpecError:
-            raise
-        except SpecPilotError as e:
-            raise SpecError(spec.path, "drafter.profile", str(e)) from None
+    for key, read in (("profile", read_profile), ("confidence", read_confidence)):
+        if getattr(d, key) is not None:
+            try:
+                read(spec.resolve(getattr(d, key), f"drafter.{key}"))
+            except SpecError:
+                raise
+            except SpecPilotError as e:
+                raise SpecError(spec.path, f"drafter.{key}", str(e)) from None
 
 
 def _check_conditioned(spec: Spec, d: DrafterSpec) -> None:
@@ -243,13 +245,16 @@ def _check_conditioned(spec: Spec, d: DrafterSpec) -> None:
 
 
 def replay_plan(spec: Spec) -> dict | None:
-    """A replay drafter's acceptance plan as the build records it: the profile's counts, or alpha + seed."""
+    """A replay drafter's acceptance plan as the build records it: the profile's counts, or alpha + seed;
+    with the confidence pools of ``confidence`` where given."""
     d = spec.drafter
     if d.kind != "replay":
         return None
-    if d.profile is not None:
-        return {"accepted": read_profile(spec.resolve(d.profile, "drafter.profile"))}
-    return {"alpha": d.alpha, "seed": d.seed}
+    plan = {"accepted": read_profile(spec.resolve(d.profile, "drafter.profile"))} if d.profile is not None \
+        else {"alpha": d.alpha, "seed": d.seed}
+    if d.confidence is not None:
+        plan["confidence"] = read_confidence(spec.resolve(d.confidence, "drafter.confidence"))
+    return plan
 
 
 def parse_spec(data: Any, path: Path | None = None) -> Spec:
@@ -281,6 +286,10 @@ def parse_spec(data: Any, path: Path | None = None) -> Spec:
                         f"kind {d.kind!r}'s")
     if d.kind == "early-exit" and d.layers is None:
         raise SpecError(spec.path, "drafter.layers", "missing: early-exit needs the number of target layers it keeps")
+    given = [k for k in ("profile", "alpha", "confidence") if getattr(d, k) is not None]
+    if given and d.kind != "replay":
+        raise SpecError(spec.path, f"drafter.{given[0]}", f"an acceptance plan is a replay drafter's, not kind "
+                        f"{d.kind!r}'s")
     if d.adapter is not None and d.kind != "early-exit":
         raise SpecError(spec.path, "drafter.adapter", f"an adapter follows an early exit; kind {d.kind!r} takes none")
     if d.min_ngram > d.max_ngram:

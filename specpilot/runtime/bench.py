@@ -26,6 +26,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from specpilot.core.acceptance_profile import confidence_pools
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.cycle_timing import Clock, TimedDrafter, TimedModel, breakdown
 from specpilot.runtime.forcing import compare, tolerance_rule
@@ -59,6 +60,8 @@ class EngineResult:
     accepted: list[list[int]] = field(default_factory=list)   # tokens per verification, per request
     cycle: dict | None = None
     replay: str | None = None                    # the acceptance plan a replay row ran under
+    # chain engines: the drafter's confidence pools (`core.acceptance_profile`; for --record-profile, not the JSON)
+    confidence: dict | None = None
     speedup: float | None = None                 # median decode tokens/s over the AR engine's
     end_to_end_speedup: float | None = None      # total wall time of the AR engine over this one's
 
@@ -206,7 +209,9 @@ class Bench:
             sum(verifications) / len(verifications) if speculative and verifications else None,
             (check_choices if self.forced else check_tokens)(ar_runs, runs, tolerance),
             [r.accepted[1:] for r in runs] if speculative else [],
-            self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None, replay)
+            self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None, replay,
+            confidence_pools([r.accepted for r in runs], [[t.tolist() for t in r.draft_scores] for r in runs])
+            if any(r.draft_scores for r in runs) else None)
 
     def _cycle(self, name: str, requests: int) -> dict:
         """The cycle breakdown of ``name`` on the first requests, under a synchronising clock."""
@@ -250,6 +255,7 @@ def report(run: dict, meta: dict) -> dict:
     engines = []
     for r in run["results"].values():
         row = asdict(r)
+        del row["confidence"]
         row["check"] = {**asdict(r.check), "passed": r.check.passed}
         row["decode_tokens_per_s_summary"] = r.summary()
         # speedup per token a verification commits: 1.0 would mean a cycle costs one AR step

@@ -28,6 +28,9 @@ class Generation:
     runner_up: list[int] = field(default_factory=list)  # the system's second-ranked token there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
     off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
+    # chain engines: the drafter's first-ranked log-probabilities of each verification's chain (tensors,
+    # read only when asked: `core.acceptance_profile.confidence_pools`)
+    draft_scores: list = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -219,7 +222,9 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
     out.gen.accepted.append(1)
     while not out.stopped:
         room = min(schedule.next(), out.max_new - len(out.gen.tokens), capacity - state.length - 1)
-        draft = drafter.propose(prompt + out.gen.tokens, room).chain()[:room]
+        lattice = drafter.propose(prompt + out.gen.tokens, room)
+        draft = lattice.chain()[:room]
+        out.gen.draft_scores.append(lattice.logprobs[:room, 0])
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
         last = commit_chain(state, out, draft, rows, base)

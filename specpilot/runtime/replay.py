@@ -9,6 +9,14 @@ them at the running sums t_1, t_1 + t_2, ... -- a chain or tree verification sta
 rejection point then commits exactly t_i tokens, as in the recorded run; a rate alpha makes each
 position a rejection point with probability 1 - alpha (seeded per request and position), so accepted
 runs are geometric.  Drafts past the last planned segment are all wrong.
+
+Scores: by default the replay is certain of its own plan -- its first-ranked token scores ON_PLAN
+where the plan accepts it and OFF_PLAN where it does not -- so whatever ranks by the drafter's
+confidence (best-first trees, a batch's shared budget, dynamic draft lengths) knows the future.  A
+plan with ``confidence`` pools (a real drafter's, `core.acceptance_profile`) scores each position's
+first-ranked token with a probability drawn (seeded per request and position) from the pool of what
+the target made of it: accepted, the first rejected of its chain, or past that; so those schedules
+see what that drafter would have told them.  The other ranks stay OFF_PLAN - r: they are never right.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from specpilot.runtime.lattice import Lattice
 
 ON_PLAN = -1e-3     # log-probability offered for the continuation's token: best-first keeps the path first
 OFF_PLAN = -8.0     # and for the wrong tokens beside it (rank r: OFF_PLAN - r)
+LEAST = -7.0        # a drawn confidence's floor (log): the first rank stays above the others
+DRAWN = 1024        # confidences drawn a pool and run, used cyclically by position
 
 
 class Oracle:
@@ -71,6 +81,22 @@ def rejection_points(plan: dict, request: int, prompt: tuple[int, ...], length: 
     return {i for i in range(1, length) if wrong[i]}
 
 
+def drawn_confidences(plan: dict, prompt: tuple[int, ...]) -> dict[str, list[float]] | None:
+    """Per pool, the first-ranked log-probabilities of positions 0, 1, ... (cyclically) for a plan
+    with ``confidence`` pools, as float32 values (what a lattice holds); None without pools."""
+    pools = plan.get("confidence")
+    if not pools:
+        return None
+    digest = hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).digest()
+    drawn = {}
+    for i, pool in enumerate(("right", "wrong", "beyond")):
+        values = pools[pool] or pools["wrong"]
+        rng = np.random.default_rng([int(plan.get("seed", 0)), int.from_bytes(digest[:8], "little"), 1 + i])
+        logs = np.maximum(np.log(np.asarray(values, dtype=np.float64)[rng.integers(len(values), size=DRAWN)]), LEAST)
+        drawn[pool] = logs.astype(np.float32).tolist()
+    return drawn
+
+
 class ReplayDrafter:
     """Proposes the oracle's continuation up to the next rejection point; runs ``cost`` alongside."""
 
@@ -105,7 +131,7 @@ class ReplayDrafter:
 
     def reset(self) -> None:
         self.cost.reset()
-        self.run = None
+        self.run, self.confidences = None, None
 
     def _locate(self, context: list[int]):
         """(generated index of the next position, continuation, rejection points) for ``context``."""
@@ -113,8 +139,21 @@ class ReplayDrafter:
                 or list(context[len(self.run[0]):]) != self.run[1][:len(context) - len(self.run[0])]:
             index, prompt, tokens = self.oracle.find(context)
             self.run = (prompt, tokens, rejection_points(self.plan, index, prompt, len(tokens) + 1))
+            self.confidences = drawn_confidences(self.plan, prompt)
         prompt, tokens, wrong = self.run
         return len(context) - len(prompt), tokens, wrong
+
+    @staticmethod
+    def _accepts(position: int, tokens: list[int], wrong: set[int], on_path: bool) -> bool:
+        """Whether the plan accepts the first-ranked draft at ``position`` (on the continuation so far)."""
+        return on_path and position < len(tokens) and position not in wrong
+
+    def _first_score(self, position: int, accepted: bool, on_path: bool) -> float:
+        """The first-ranked token's log-probability: the plan's certainty, or a drawn confidence."""
+        if self.confidences is None:
+            return ON_PLAN if accepted else self.off_scores[0]
+        drawn = self.confidences["right" if accepted else "wrong" if on_path else "beyond"]
+        return drawn[position % len(drawn)]
 
     def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool,
                   k: int | None = None) -> list[tuple[int, float]]:
@@ -122,9 +161,12 @@ class ReplayDrafter:
         first where the plan accepts it."""
         k = self.top_k if k is None else k
         right = tokens[position] if position < len(tokens) else None
-        if on_path and right is not None and position not in wrong:
-            return [(right, ON_PLAN)] + list(zip(self._wrong_tokens(right, k - 1), self.off_scores))
-        return list(zip(self._wrong_tokens(right, k), self.off_scores))
+        accepted = self._accepts(position, tokens, wrong, on_path)
+        first = self._first_score(position, accepted, on_path)
+        if accepted:
+            return [(right, first)] + list(zip(self._wrong_tokens(right, k - 1), self.off_scores))
+        others = self._wrong_tokens(right, k)
+        return [(others[0], first)] + list(zip(others[1:], self.off_scores[1:]))
 
     def _wrong_tokens(self, right: int | None, k: int) -> list[int]:
         start = 0 if right is None else right + 1
@@ -139,7 +181,7 @@ class ReplayDrafter:
         rows, on_path = [], True
         for i in range(n):
             rows.append(self._children(position + i, tokens, wrong, on_path, k))
-            on_path = on_path and rows[-1][0][1] == ON_PLAN
+            on_path = self._accepts(position + i, tokens, wrong, on_path)
         return rows
 
     def chain_from(self, context: list[int], n: int, ran) -> list[tuple[int, float]]:
@@ -152,7 +194,7 @@ class ReplayDrafter:
         log-probability) of each position, for a cost network that drafted its block already
         (`feature_drafters.draft_blocks`)."""
         self.cost.scored_chain(context, n)                     # the drafting work, its tokens unused
-        return [(token, self.float32[score]) for (token, score), in self._rows(context, n, 1)]
+        return [(token, self.float32.get(score, score)) for (token, score), in self._rows(context, n, 1)]
 
     def propose(self, context: list[int], n: int) -> Lattice:
         self.cost.propose(context, n)                          # the real drafting work, its tokens unused

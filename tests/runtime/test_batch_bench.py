@@ -133,3 +133,24 @@ def test_auto_lengths_are_a_row_of_each_drafting_engine(run_cli, replay_build):
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err
+
+
+def test_a_real_drafter_s_confidence_reaches_the_batch_schedule(run_cli, replay_build):
+    """`--replay-confidence`: the build's plan scored with recorded pools -- every row's tokens still
+    checked, and the shared budget, ranking by those scores, drafts otherwise than under the replay's
+    certainty of its plan."""
+    from specpilot.core.acceptance_profile import write_profile
+    build, tmp = replay_build
+    write_profile(tmp / "pools.json", [[2, 1]], "test", {"right": [0.9, 0.6, 0.3], "wrong": [0.5, 0.2],
+                                                         "beyond": [0.4]})
+    rows = {}
+    for extra in ((), ("--replay-confidence", tmp / "pools.json")):
+        code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines", "compiled,compiled-tree-sched",
+                                    "--json", "--warmup", 0, "--requests", 3, "--max-new-tokens", 16, "--forced",
+                                    "--breakdown-requests", 0, *extra)
+        assert code == 0, err
+        report = json.loads(stdout)
+        assert report["tokens_checked"] and all(r["check"]["identical"] == 3 for r in report["rows"])
+        rows[bool(extra)] = report["rows"][1]
+    assert report["replay_confidence"] == str(tmp / "pools.json")
+    assert rows[True]["per_pass"] != rows[False]["per_pass"]

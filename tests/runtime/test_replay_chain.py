@@ -26,7 +26,7 @@ class _Cost:
         return []
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_scored_chain_is_the_lattice_s_first_path_on_fresh_contexts(seed):
     rng = random.Random(seed)
     vocab = rng.choice([11, 50, 257])
@@ -37,6 +37,8 @@ def test_scored_chain_is_the_lattice_s_first_path_on_fresh_contexts(seed):
         prompts.append(prompt)
     plan = {"alpha": rng.choice([0.3, 0.8, 0.95]), "seed": seed} if seed % 2 else \
         {"accepted": [[rng.randrange(1, 6) for _ in range(8)]]}
+    if seed >= 3:        # a real drafter's confidences scoring the plan
+        plan["confidence"] = {"right": [rng.random() for _ in range(5)], "wrong": [0.25, 0.5], "beyond": []}
     cost = _Cost()
     drafter = ReplayDrafter(cost, oracle, plan, top_k=rng.choice([1, 3, 8]), vocab_size=vocab)
     for _ in range(40):

@@ -1,0 +1,196 @@
+"""A real drafter's confidence, recorded and replayed: a chain engine's first-ranked probabilities
+pooled by what the target made of them, and a replay drafter scoring its plan with draws from those
+pools -- the plan's acceptance and tokens untouched, only what confidence-ranked schedules see."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import yaml
+
+from specpilot.core.acceptance_profile import (confidence_pools, read_confidence, read_document, read_profile,
+                                               write_profile)
+from specpilot.core.errors import SpecError, SpecPilotError
+from specpilot.core.spec import load_spec
+from specpilot.runtime.lattice import Lattice
+from specpilot.runtime.replay import LEAST, OFF_PLAN, ON_PLAN, Oracle, ReplayDrafter, rejection_points
+from tests.runtime.test_bench import COST, DENSE_TARGET, PROFILE
+
+POOLS = {"right": [0.9, 0.75], "wrong": [0.3], "beyond": [0.05, 0.02]}
+
+
+class _Cost:
+    def reset(self):
+        pass
+
+    def propose(self, context, n):
+        return Lattice.empty(1)
+
+    def scored_chain(self, context, n):
+        return []
+
+    def expander(self, context):
+        return lambda path: []
+
+
+def test_pools_split_each_chain_at_its_first_rejected_draft_and_leave_the_last_verification_out():
+    accepted = [[1, 3, 1, 4, 2], [1, 2]]
+    scores = [[[-0.1, -0.2, -0.3], [-0.5, -0.6], [-0.01, -0.02, -0.03], [-9.0]], [[-0.4]]]
+    pools = confidence_pools(accepted, scores)
+    p = lambda s: float(f"{math.exp(s):.5g}")  # noqa: E731
+    assert pools == {"right": [p(-0.1), p(-0.2), p(-0.01), p(-0.02), p(-0.03)], "wrong": [p(-0.3), p(-0.5)],
+                     "beyond": [p(-0.6)]}
+
+
+def test_a_profile_keeps_its_pools_and_bad_pools_are_refused(tmp_path):
+    write_profile(tmp_path / "p.json", PROFILE, "test", POOLS)
+    assert read_document(tmp_path / "p.json") == {"accepted": PROFILE, "confidence": POOLS}
+    write_profile(tmp_path / "plain.json", PROFILE, "test")
+    assert read_profile(tmp_path / "plain.json") == PROFILE
+    with pytest.raises(SpecPilotError, match="no drafter confidences"):
+        read_confidence(tmp_path / "plain.json")
+    for bad, message in (({**POOLS, "right": [1.5]}, r"confidence.right: probabilities in \(0, 1\]"),
+                         ({**POOLS, "wrong": [0.0]}, "confidence.wrong: probabilities"),
+                         ({**POOLS, "right": []}, "confidence.right is empty"),
+                         ({"right": [0.5], "wrong": [0.5]}, "must map right, wrong, beyond"),
+                         ({**POOLS, "beyond": "x"}, "confidence.beyond")):
+        document = json.loads((tmp_path / "p.json").read_text())
+        (tmp_path / "bad.json").write_text(json.dumps({**document, "confidence": bad}))
+        with pytest.raises(SpecPilotError, match=message):
+            read_confidence(tmp_path / "bad.json")
+
+
+def _drafter(plan, seed, top_k=3):
+    rng = random.Random(seed)
+    vocab = rng.choice([13, 64, 300])
+    oracle = Oracle()
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 7))]
+    run = [rng.randrange(vocab) for _ in range(rng.randrange(20, 60))]
+    oracle.register(prompt, run)
+    return ReplayDrafter(_Cost(), oracle, plan, top_k, vocab), prompt, run, rng
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_confidences_score_the_plan_by_outcome_and_change_nothing_else(seed):
+    plan = {"alpha": 0.7, "seed": seed} if seed % 2 else {"accepted": [[random.Random(seed).randrange(1, 6)
+                                                                          for _ in range(20)]]}
+    certain, prompt, run, rng = _drafter(plan, seed)
+    scored, *_ = _drafter({**plan, "confidence": POOLS}, seed)
+    logs = {pool: {float(np.float32(max(math.log(p), LEAST))) for p in values} for pool, values in POOLS.items()}
+    for _ in range(30):
+        start = rng.randrange(len(run) + 1)
+        context, n = prompt + run[:start], rng.randrange(1, 20)
+        want, got = certain.propose(context, n), scored.propose(context, n)
+        assert torch_equal(want.tokens, got.tokens), "the proposals are the plan's, whatever their scores"
+        assert torch_equal(want.logprobs[:, 1:], got.logprobs[:, 1:]), "the other ranks stay OFF_PLAN - r"
+        first = got.logprobs[:, 0].tolist()
+        on_path = True
+        for i, (score, old) in enumerate(zip(first, want.logprobs[:, 0].tolist())):
+            accepted = abs(old - ON_PLAN) < 1e-6
+            pool = "right" if accepted else "wrong" if on_path else "beyond"
+            assert score in logs[pool], (i, pool)
+            assert abs(old - (ON_PLAN if accepted else OFF_PLAN)) < 1e-6
+            on_path = on_path and accepted
+        assert scored.scored_chain(context, n) == got.scored_chain()
+        again, *_ = _drafter({**plan, "confidence": POOLS}, seed)
+        assert torch_equal(again.propose(context, n).logprobs, got.logprobs), "seeded: the same draws every time"
+
+
+def test_a_tree_scores_its_first_ranked_path_as_the_chain_does():
+    plan = {"alpha": 0.8, "seed": 3, "confidence": POOLS}
+    drafter, prompt, run, _ = _drafter(plan, 3, top_k=2)
+    expand = drafter.expander(prompt + run[:5])
+    chain = drafter.scored_chain(prompt + run[:5], 6)
+    path = []
+    for token, score in chain:
+        first = expand(path)[0]
+        assert first == (token, score)
+        path.append(token)
+
+
+def test_the_drawn_confidences_follow_the_pools_over_many_positions():
+    """Calibration: drawn right / wrong / past-the-rejection first ranks average their pools."""
+    pools = {"right": [0.95, 0.85, 0.6], "wrong": [0.4, 0.2], "beyond": [0.1]}
+    drafter, prompt, run, _ = _drafter({"alpha": 0.75, "seed": 11, "confidence": pools}, 11, top_k=1)
+    wrong = rejection_points(drafter.plan, 0, tuple(prompt), len(run) + 1)
+    by_outcome = {"right": [], "wrong": []}
+    for start in range(len(run) - 1):
+        (token, score), = drafter.scored_chain(prompt + run[:start], 1)
+        by_outcome["wrong" if start in wrong else "right"].append(math.exp(score))
+    for outcome, seen in by_outcome.items():
+        assert seen and set(np.round(seen, 4)) <= set(pools[outcome])
+
+
+def test_a_spec_takes_a_confidence_profile_for_its_replay_only(tmp_path):
+    write_profile(tmp_path / "c.json", PROFILE, "test", POOLS)
+    write_profile(tmp_path / "plain.json", PROFILE, "test")
+    base = {"target": DENSE_TARGET, "deployment": {"max_seq_len": 128}}
+    spec = {**base, "drafter": {"kind": "replay", "alpha": 0.6, "cost": COST, "confidence": "c.json"}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(spec))
+    from specpilot.core.spec import replay_plan
+    assert replay_plan(load_spec(tmp_path / "m.yaml")) == {"alpha": 0.6, "seed": 0, "confidence": POOLS}
+    for drafter, message in (({"kind": "replay", "alpha": 0.6, "cost": COST, "confidence": "plain.json"},
+                              "drafter.confidence: .*no drafter confidences"),
+                             ({"kind": "ngram", "confidence": "c.json"}, "drafter.confidence: an acceptance plan")):
+        (tmp_path / "m.yaml").write_text(yaml.safe_dump({**base, "drafter": drafter}))
+        with pytest.raises(SpecError, match=message):
+            load_spec(tmp_path / "m.yaml")
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def test_a_chain_engine_records_its_drafter_s_confidence_and_a_replay_scores_with_it(run_cli, tmp_path):
+    """Recorded from a real (tiny, seeded) early-exit drafter's chain engine, then replayed: the rows with the
+    drafter's confidence keep the plan's acceptance and AR's tokens, alone and in a batch."""
+    base = {"target": DENSE_TARGET, "deployment": {"dtype": "float32", "max_seq_len": 128, "max_batch": 2}}
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({**base, "drafter": {"kind": "early-exit", "layers": 1, "draft_len": 4}}))
+    code, stdout, err = run_cli("bench", tmp_path / "model.yaml", "--engines", "stock,stock-spec", "--requests", 2,
+                                "--max-new-tokens", 40, "--breakdown-requests", 0, "--json",
+                                "--record-profile", tmp_path / "rec.json")
+    assert code == 0, err
+    chain = json.loads(stdout)["engines"][1]
+    pools = read_confidence(tmp_path / "rec.json")
+    kept = [a for request in chain["accepted"] for a in request[:-1]]       # the last verification left out
+    assert len(pools["right"]) == sum(a - 1 for a in kept)
+    assert len(pools["wrong"]) == sum(a < 5 for a in kept)
+    assert 0 < len(pools["beyond"]) <= sum(4 - a for a in kept if a < 5)      # chains shorten near the end
+    assert "confidence" not in chain
+    replay = {**base, "passes": "tree-verify{budget=8}",
+              "drafter": {"kind": "replay", "alpha": 0.7, "seed": 2, "draft_len": 4, "top_k": 2, "cost": COST}}
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(replay))
+    rows = {}
+    for extra in ((), ("--replay-confidence", tmp_path / "rec.json")):
+        code, stdout, err = run_cli("bench", tmp_path / "replay.yaml", "--engines", "stock,stock-spec,stock-tree",
+                                    "--requests", 2, "--max-new-tokens", 40, "--breakdown-requests", 0, "--json",
+                                    "--replay-alpha", "0.7", *extra)
+        assert code == 0, err
+        report = json.loads(stdout)
+        assert report["tokens_checked"] and all(e["check"]["identical"] == 2 for e in report["engines"])
+        rows.update({(e["engine"], e["replay"]): e["accepted"] for e in report["engines"]})
+    assert rows["stock-spec", "alpha=0.7"] == rows["stock-spec", "alpha=0.7, confidence=rec.json"]
+    code, stdout, err = run_cli("bench", tmp_path / "replay.yaml", "--batch", "2", "--requests", 2, "--max-new-tokens",
+                                24, "--engines", "stock,stock-spec,stock-tree", "--json",
+                                "--replay-confidence", tmp_path / "rec.json")
+    assert code == 0, err
+    batched = json.loads(stdout)
+    assert batched["tokens_checked"] and batched["replay_confidence"] == str(tmp_path / "rec.json")
+    code, _, err = run_cli("bench", tmp_path / "model.yaml", "--requests", 1, "--replay-confidence", tmp_path / "rec.json")
+    assert code != 0 and "need a replay drafter" in err
+
+
+def test_a_build_s_replay_plan_is_checked_when_read():
+    from pydantic import ValidationError
+
+    from specpilot.core.manifest import DrafterInfo
+    info = {"kind": "replay", "draft_len": 4, "top_k": 2, "max_ngram": 4, "min_ngram": 1}
+    assert DrafterInfo.model_validate({**info, "replay": {"alpha": 0.8, "seed": 0, "confidence": POOLS}}).replay
+    for plan, message in (({"alpha": 0.8, "confidence": {**POOLS, "wrong": [7]}}, "confidence.wrong"),
+                          ({"alpha": 2}, "'alpha' in \\[0, 1\\]"), ({"accepted": [[0]]}, "integers in 1..1025")):
+        with pytest.raises(ValidationError, match=message):
+            DrafterInfo.model_validate({**info, "replay": plan})
