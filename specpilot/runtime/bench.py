@@ -210,8 +210,8 @@ class Bench:
             (check_choices if self.forced else check_tokens)(ar_runs, runs, tolerance),
             [r.accepted[1:] for r in runs] if speculative else [],
             self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None, replay,
-            confidence_pools([r.accepted for r in runs], [[t.tolist() for t in r.draft_scores] for r in runs])
-            if any(r.draft_scores for r in runs) else None)
+            confidence_pools([r.accepted for r in runs], [[(p.tolist(), t.tolist(), last) for p, t, last in r.drafts]
+                                                          for r in runs]) if any(r.drafts for r in runs) else None)
 
     def _cycle(self, name: str, requests: int) -> dict:
         """The cycle breakdown of ``name`` on the first requests, under a synchronising clock."""

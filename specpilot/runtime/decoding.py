@@ -28,9 +28,10 @@ class Generation:
     runner_up: list[int] = field(default_factory=list)  # the system's second-ranked token there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
     off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
-    # chain engines: the drafter's first-ranked log-probabilities of each verification's chain (tensors,
-    # read only when asked: `core.acceptance_profile.confidence_pools`)
-    draft_scores: list = field(default_factory=list)
+    # chain engines, a verification each: the drafter's (log-probabilities, tokens) rows of its chain as
+    # tensors (read only when asked: `core.acceptance_profile.confidence_pools`) and the target's token
+    # after the accepted drafts
+    drafts: list = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -224,10 +225,10 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
         room = min(schedule.next(), out.max_new - len(out.gen.tokens), capacity - state.length - 1)
         lattice = drafter.propose(prompt + out.gen.tokens, room)
         draft = lattice.chain()[:room]
-        out.gen.draft_scores.append(lattice.logprobs[:room, 0])
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
         last = commit_chain(state, out, draft, rows, base)
+        out.gen.drafts.append((lattice.logprobs[:room], lattice.tokens[:room], last))
         model.settle([state])        # the kept token's states now, not inside the next verification
         schedule.update(out.gen.accepted[-1] - 1)
     close_state(state)

@@ -11,12 +11,15 @@ position a rejection point with probability 1 - alpha (seeded per request and po
 runs are geometric.  Drafts past the last planned segment are all wrong.
 
 Scores: by default the replay is certain of its own plan -- its first-ranked token scores ON_PLAN
-where the plan accepts it and OFF_PLAN where it does not -- so whatever ranks by the drafter's
-confidence (best-first trees, a batch's shared budget, dynamic draft lengths) knows the future.  A
-plan with ``confidence`` pools (a real drafter's, `core.acceptance_profile`) scores each position's
-first-ranked token with a probability drawn (seeded per request and position) from the pool of what
-the target made of it: accepted, the first rejected of its chain, or past that; so those schedules
-see what that drafter would have told them.  The other ranks stay OFF_PLAN - r: they are never right.
+where the plan accepts it and OFF_PLAN where it does not, the other ranks OFF_PLAN - r and never
+right -- so whatever ranks by the drafter's confidence (best-first trees, a batch's shared budget,
+dynamic draft lengths) knows the future.  A plan with ``confidence`` pools (a real drafter's ranked
+rows, `core.acceptance_profile`) scores each position with a row drawn (seeded per request and
+position) from the pool of what the target made of it: accepted, the first rejected of its chain, or
+past that; at a rejection point of a rate plan the continuation's token then sits at the rank where
+that drafter offered the target's token (a tree that holds it goes on, as a real drafter's does; a
+chain, on the first ranks, accepts as planned).  A recorded profile's counts stay exact: its rejection
+points offer no right token.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from specpilot.runtime.lattice import Lattice
 ON_PLAN = -1e-3     # log-probability offered for the continuation's token: best-first keeps the path first
 OFF_PLAN = -8.0     # and for the wrong tokens beside it (rank r: OFF_PLAN - r)
 LEAST = -7.0        # a drawn confidence's floor (log): the first rank stays above the others
-DRAWN = 1024        # confidences drawn a pool and run, used cyclically by position
+DRAWN = 1024        # rows drawn a pool and run, used cyclically by position
 
 
 class Oracle:
@@ -81,19 +84,30 @@ def rejection_points(plan: dict, request: int, prompt: tuple[int, ...], length: 
     return {i for i in range(1, length) if wrong[i]}
 
 
-def drawn_confidences(plan: dict, prompt: tuple[int, ...]) -> dict[str, list[float]] | None:
-    """Per pool, the first-ranked log-probabilities of positions 0, 1, ... (cyclically) for a plan
-    with ``confidence`` pools, as float32 values (what a lattice holds); None without pools."""
-    pools = plan.get("confidence")
-    if not pools:
+def score_rows(confidence: dict | None, top_k: int) -> dict | None:
+    """A plan's confidence pools (`core.acceptance_profile`) as rows of ``top_k`` float32 log-probabilities
+    (what a lattice holds; the first rank floored at LEAST, rows narrower than ``top_k`` padded below
+    OFF_PLAN), with the wrong rows' ranks of the target's token (None beyond ``top_k``); None without."""
+    if not confidence:
         return None
+
+    def row(probabilities: list[float]) -> list[float]:
+        logs = np.log(np.asarray(probabilities[:top_k], dtype=np.float64))
+        logs[0] = max(logs[0], LEAST)
+        pad = min(float(logs[-1]), OFF_PLAN) - np.arange(1, top_k - len(logs) + 1)
+        return np.concatenate([logs, pad]).astype(np.float32).tolist()
+
+    rows = {pool: [row(r) for r in confidence[pool] or confidence["wrong"]] for pool in ("right", "wrong", "beyond")}
+    return {**rows, "ranks": [r if r is not None and r < top_k else None for r in confidence["ranks"]]}
+
+
+def picks(plan: dict, prompt: tuple[int, ...], pools: dict) -> dict[str, np.ndarray]:
+    """Per pool, the row each position draws (position p: entry p % DRAWN), seeded per request."""
     digest = hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).digest()
     drawn = {}
     for i, pool in enumerate(("right", "wrong", "beyond")):
-        values = pools[pool] or pools["wrong"]
         rng = np.random.default_rng([int(plan.get("seed", 0)), int.from_bytes(digest[:8], "little"), 1 + i])
-        logs = np.maximum(np.log(np.asarray(values, dtype=np.float64)[rng.integers(len(values), size=DRAWN)]), LEAST)
-        drawn[pool] = logs.astype(np.float32).tolist()
+        drawn[pool] = rng.integers(len(pools[pool]), size=DRAWN).tolist()
     return drawn
 
 
@@ -108,6 +122,7 @@ class ReplayDrafter:
         self.off_scores = [OFF_PLAN - r for r in range(top_k)]     # the wrong tokens', by rank
         # a chain's scores as a lattice holds them (float32), so its nodes score as `propose`'s
         self.float32 = {s: float(np.float32(s)) for s in (ON_PLAN, *self.off_scores)}
+        self.pools = score_rows(plan.get("confidence"), top_k)     # a real drafter's rows, or None
         self.reset()
 
     @property
@@ -131,7 +146,7 @@ class ReplayDrafter:
 
     def reset(self) -> None:
         self.cost.reset()
-        self.run, self.confidences = None, None
+        self.run, self.drawn = None, None
 
     def _locate(self, context: list[int]):
         """(generated index of the next position, continuation, rejection points) for ``context``."""
@@ -139,7 +154,7 @@ class ReplayDrafter:
                 or list(context[len(self.run[0]):]) != self.run[1][:len(context) - len(self.run[0])]:
             index, prompt, tokens = self.oracle.find(context)
             self.run = (prompt, tokens, rejection_points(self.plan, index, prompt, len(tokens) + 1))
-            self.confidences = drawn_confidences(self.plan, prompt)
+            self.drawn = picks(self.plan, prompt, self.pools) if self.pools is not None else None
         prompt, tokens, wrong = self.run
         return len(context) - len(prompt), tokens, wrong
 
@@ -148,13 +163,6 @@ class ReplayDrafter:
         """Whether the plan accepts the first-ranked draft at ``position`` (on the continuation so far)."""
         return on_path and position < len(tokens) and position not in wrong
 
-    def _first_score(self, position: int, accepted: bool, on_path: bool) -> float:
-        """The first-ranked token's log-probability: the plan's certainty, or a drawn confidence."""
-        if self.confidences is None:
-            return ON_PLAN if accepted else self.off_scores[0]
-        drawn = self.confidences["right" if accepted else "wrong" if on_path else "beyond"]
-        return drawn[position % len(drawn)]
-
     def _children(self, position: int, tokens: list[int], wrong: set[int], on_path: bool,
                   k: int | None = None) -> list[tuple[int, float]]:
         """The top-k (``k``: the first k of them) at generated ``position``: the continuation's token
@@ -162,11 +170,26 @@ class ReplayDrafter:
         k = self.top_k if k is None else k
         right = tokens[position] if position < len(tokens) else None
         accepted = self._accepts(position, tokens, wrong, on_path)
-        first = self._first_score(position, accepted, on_path)
+        if self.pools is not None:
+            return self._drawn_children(position, right, accepted, on_path, k)
         if accepted:
-            return [(right, first)] + list(zip(self._wrong_tokens(right, k - 1), self.off_scores))
+            return [(right, ON_PLAN)] + list(zip(self._wrong_tokens(right, k - 1), self.off_scores))
+        return list(zip(self._wrong_tokens(right, k), self.off_scores))
+
+    def _drawn_children(self, position: int, right: int | None, accepted: bool, on_path: bool,
+                        k: int) -> list[tuple[int, float]]:
+        """The top-k scored by a recorded drafter's row for this outcome; at a rejection point of a
+        rate plan the continuation's token sits where that drafter offered the target's (if it did)."""
+        pool = "right" if accepted else "wrong" if on_path else "beyond"
+        index = self.drawn[pool][position % DRAWN]
+        scores = self.pools[pool][index]
+        if accepted:
+            return list(zip([right] + self._wrong_tokens(right, k - 1), scores))
         others = self._wrong_tokens(right, k)
-        return [(others[0], first)] + list(zip(others[1:], self.off_scores[1:]))
+        rank = self.pools["ranks"][index] if pool == "wrong" and right is not None and "alpha" in self.plan else None
+        if rank is not None and rank < k:
+            others = others[:rank] + [right] + others[rank:k - 1]
+        return list(zip(others, scores))
 
     def _wrong_tokens(self, right: int | None, k: int) -> list[int]:
         start = 0 if right is None else right + 1

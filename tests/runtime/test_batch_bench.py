@@ -141,8 +141,9 @@ def test_a_real_drafter_s_confidence_reaches_the_batch_schedule(run_cli, replay_
     certainty of its plan."""
     from specpilot.core.acceptance_profile import write_profile
     build, tmp = replay_build
-    write_profile(tmp / "pools.json", [[2, 1]], "test", {"right": [0.9, 0.6, 0.3], "wrong": [0.5, 0.2],
-                                                         "beyond": [0.4]})
+    write_profile(tmp / "pools.json", [[2, 1]], "test", {"right": [[0.9, 0.05], [0.6, 0.3], [0.3, 0.2]],
+                                                         "wrong": [[0.5, 0.4], [0.2, 0.1]], "ranks": [1, None],
+                                                         "beyond": [[0.4, 0.3]]})
     rows = {}
     for extra in ((), ("--replay-confidence", tmp / "pools.json")):
         code, stdout, err = run_cli("bench", build, "--batch", "3", "--engines", "compiled,compiled-tree-sched",

@@ -38,7 +38,8 @@ def test_scored_chain_is_the_lattice_s_first_path_on_fresh_contexts(seed):
     plan = {"alpha": rng.choice([0.3, 0.8, 0.95]), "seed": seed} if seed % 2 else \
         {"accepted": [[rng.randrange(1, 6) for _ in range(8)]]}
     if seed >= 3:        # a real drafter's confidences scoring the plan
-        plan["confidence"] = {"right": [rng.random() for _ in range(5)], "wrong": [0.25, 0.5], "beyond": []}
+        plan["confidence"] = {"right": [[rng.random() + 1e-3, 1e-3] for _ in range(5)], "wrong": [[0.25], [0.5, 0.1]],
+                              "ranks": [None, 1], "beyond": []}
     cost = _Cost()
     drafter = ReplayDrafter(cost, oracle, plan, top_k=rng.choice([1, 3, 8]), vocab_size=vocab)
     for _ in range(40):

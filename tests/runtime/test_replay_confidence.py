@@ -20,7 +20,8 @@ from specpilot.runtime.lattice import Lattice
 from specpilot.runtime.replay import LEAST, OFF_PLAN, ON_PLAN, Oracle, ReplayDrafter, rejection_points
 from tests.runtime.test_bench import COST, DENSE_TARGET, PROFILE
 
-POOLS = {"right": [0.9, 0.75], "wrong": [0.3], "beyond": [0.05, 0.02]}
+POOLS = {"right": [[0.9, 0.05, 0.01], [0.75, 0.2]], "wrong": [[0.3, 0.25, 0.1], [0.5, 0.3, 0.1], [0.4, 0.1, 0.05]],
+         "ranks": [2, None, 1], "beyond": [[0.05, 0.04, 0.03], [0.02, 0.01, 0.001]]}
 
 
 class _Cost:
@@ -39,11 +40,15 @@ class _Cost:
 
 def test_pools_split_each_chain_at_its_first_rejected_draft_and_leave_the_last_verification_out():
     accepted = [[1, 3, 1, 4, 2], [1, 2]]
-    scores = [[[-0.1, -0.2, -0.3], [-0.5, -0.6], [-0.01, -0.02, -0.03], [-9.0]], [[-0.4]]]
-    pools = confidence_pools(accepted, scores)
-    p = lambda s: float(f"{math.exp(s):.5g}")  # noqa: E731
+    rows = lambda *firsts: [[f, -3.0] for f in firsts]  # noqa: E731
+    drafts = [[(rows(-0.1, -0.2, -0.3), [[1, 2], [3, 4], [5, 6]], 6), (rows(-0.5, -0.6), [[7, 8], [9, 10]], 9),
+               (rows(-0.01, -0.02, -0.03), [[1, 2]] * 3, 3), (rows(-9.0), [[1, 2]], 1)], [(rows(-0.4), [[1, 2]], 2)]]
+    pools = confidence_pools(accepted, drafts)
+    p = lambda s: [float(f"{math.exp(s):.4g}"), float(f"{math.exp(-3.0):.4g}")]  # noqa: E731
     assert pools == {"right": [p(-0.1), p(-0.2), p(-0.01), p(-0.02), p(-0.03)], "wrong": [p(-0.3), p(-0.5)],
-                     "beyond": [p(-0.6)]}
+                     "ranks": [1, None], "beyond": [p(-0.6)]}
+    many = confidence_pools([[1] + [2] * 40], [[(rows(-0.1, -0.2), [[1, 2], [3, 4]], 4)] * 40], cap=8)
+    assert len(many["right"]) == 8 and len(many["wrong"]) == len(many["ranks"]) == 8 and many["ranks"] == [1] * 8
 
 
 def test_a_profile_keeps_its_pools_and_bad_pools_are_refused(tmp_path):
@@ -53,11 +58,14 @@ def test_a_profile_keeps_its_pools_and_bad_pools_are_refused(tmp_path):
     assert read_profile(tmp_path / "plain.json") == PROFILE
     with pytest.raises(SpecPilotError, match="no drafter confidences"):
         read_confidence(tmp_path / "plain.json")
-    for bad, message in (({**POOLS, "right": [1.5]}, r"confidence.right: probabilities in \(0, 1\]"),
-                         ({**POOLS, "wrong": [0.0]}, "confidence.wrong: probabilities"),
+    for bad, message in (({**POOLS, "right": [[1.5]]}, r"confidence.right: rows of probabilities in \(0, 1\]"),
+                         ({**POOLS, "wrong": [[0.0]] * 3}, "confidence.wrong: rows of probabilities"),
                          ({**POOLS, "right": []}, "confidence.right is empty"),
-                         ({"right": [0.5], "wrong": [0.5]}, "must map right, wrong, beyond"),
-                         ({**POOLS, "beyond": "x"}, "confidence.beyond")):
+                         ({**POOLS, "beyond": [[]]}, "confidence.beyond: rows"),
+                         ({**POOLS, "ranks": [2, None]}, "confidence.ranks: one per wrong row"),
+                         ({**POOLS, "ranks": [3, None, 1]}, "confidence.ranks"),
+                         ({**POOLS, "ranks": [0, None, 1]}, "confidence.ranks"),
+                         ({"right": [[0.5]], "wrong": [[0.5]], "beyond": []}, "must map right, wrong, beyond")):
         document = json.loads((tmp_path / "p.json").read_text())
         (tmp_path / "bad.json").write_text(json.dumps({**document, "confidence": bad}))
         with pytest.raises(SpecPilotError, match=message):
@@ -74,55 +82,72 @@ def _drafter(plan, seed, top_k=3):
     return ReplayDrafter(_Cost(), oracle, plan, top_k, vocab), prompt, run, rng
 
 
+def _logs(rows, top_k):
+    return [np.asarray([max(math.log(r[0]), LEAST)] + [math.log(p) for p in r[1:top_k]], dtype=np.float32).tolist()
+            for r in rows]
+
+
 @pytest.mark.parametrize("seed", range(8))
-def test_confidences_score_the_plan_by_outcome_and_change_nothing_else(seed):
-    plan = {"alpha": 0.7, "seed": seed} if seed % 2 else {"accepted": [[random.Random(seed).randrange(1, 6)
-                                                                          for _ in range(20)]]}
+def test_recorded_rows_score_the_plan_by_outcome_and_the_chain_stays_the_plan_s(seed):
+    alpha = seed % 2 == 1
+    plan = {"alpha": 0.7, "seed": seed} if alpha else {"accepted": [[random.Random(seed).randrange(1, 6)
+                                                                       for _ in range(20)]]}
     certain, prompt, run, rng = _drafter(plan, seed)
     scored, *_ = _drafter({**plan, "confidence": POOLS}, seed)
-    logs = {pool: {float(np.float32(max(math.log(p), LEAST))) for p in values} for pool, values in POOLS.items()}
+    rows = {pool: _logs(POOLS[pool], 3) for pool in ("right", "wrong", "beyond")}
+    rows["right"][1].append(float(np.float32(min(math.log(0.2), OFF_PLAN) - 1)))      # padded to top_k 3
     for _ in range(30):
         start = rng.randrange(len(run) + 1)
         context, n = prompt + run[:start], rng.randrange(1, 20)
         want, got = certain.propose(context, n), scored.propose(context, n)
-        assert torch_equal(want.tokens, got.tokens), "the proposals are the plan's, whatever their scores"
-        assert torch_equal(want.logprobs[:, 1:], got.logprobs[:, 1:]), "the other ranks stay OFF_PLAN - r"
-        first = got.logprobs[:, 0].tolist()
+        assert want.tokens[:, 0].tolist() == got.tokens[:, 0].tolist(), "the chain is the plan's"
         on_path = True
-        for i, (score, old) in enumerate(zip(first, want.logprobs[:, 0].tolist())):
-            accepted = abs(old - ON_PLAN) < 1e-6
+        for i in range(n):
+            old, new = want.logprobs[i].tolist(), got.logprobs[i].tolist()
+            accepted = abs(old[0] - ON_PLAN) < 1e-6
             pool = "right" if accepted else "wrong" if on_path else "beyond"
-            assert score in logs[pool], (i, pool)
-            assert abs(old - (ON_PLAN if accepted else OFF_PLAN)) < 1e-6
+            assert new in rows[pool], (i, pool)
+            right = run[start + i] if start + i < len(run) else None
+            offered = got.tokens[i].tolist()
+            if pool == "wrong" and alpha and right is not None:
+                rank = POOLS["ranks"][rows["wrong"].index(new)]
+                assert offered.index(right) == rank if rank is not None else right not in offered
+            elif not accepted:
+                assert right not in offered, "a recorded profile's rejection points offer no right token"
             on_path = on_path and accepted
         assert scored.scored_chain(context, n) == got.scored_chain()
         again, *_ = _drafter({**plan, "confidence": POOLS}, seed)
         assert torch_equal(again.propose(context, n).logprobs, got.logprobs), "seeded: the same draws every time"
 
 
-def test_a_tree_scores_its_first_ranked_path_as_the_chain_does():
-    plan = {"alpha": 0.8, "seed": 3, "confidence": POOLS}
+def test_a_tree_scores_its_first_ranked_path_as_the_chain_does_and_goes_on_below_a_sibling_hit():
+    plan = {"alpha": 0.6, "seed": 3, "confidence": {**POOLS, "ranks": [1, 1, 1]}}     # every miss offered at rank 1
     drafter, prompt, run, _ = _drafter(plan, 3, top_k=2)
-    expand = drafter.expander(prompt + run[:5])
-    chain = drafter.scored_chain(prompt + run[:5], 6)
+    wrong = sorted(rejection_points(plan, 0, tuple(prompt), len(run) + 1))
+    context = prompt + run[:wrong[0] - 1]
+    expand = drafter.expander(context)
+    chain = drafter.scored_chain(context, 4)
     path = []
     for token, score in chain:
-        first = expand(path)[0]
-        assert first == (token, score)
+        assert expand(path)[0] == (token, score)
         path.append(token)
+    below = expand([run[wrong[0] - 1]])           # the rejection point: the continuation's token second
+    assert below[1][0] == run[wrong[0]] and below[0][0] != run[wrong[0]]
+    assert expand([run[wrong[0] - 1], run[wrong[0]]])[0][1] in {r[0] for r in _logs(POOLS["right"], 2)} | \
+        {r[0] for r in _logs(POOLS["wrong"], 2)}, "on the continuation again below the sibling"
 
 
-def test_the_drawn_confidences_follow_the_pools_over_many_positions():
-    """Calibration: drawn right / wrong / past-the-rejection first ranks average their pools."""
-    pools = {"right": [0.95, 0.85, 0.6], "wrong": [0.4, 0.2], "beyond": [0.1]}
-    drafter, prompt, run, _ = _drafter({"alpha": 0.75, "seed": 11, "confidence": pools}, 11, top_k=1)
+def test_the_drawn_rows_cover_their_pools_over_many_positions():
+    oracle, prompt, run = Oracle(), [3, 1], [random.Random(11).randrange(64) for _ in range(400)]
+    oracle.register(prompt, run)
+    drafter = ReplayDrafter(_Cost(), oracle, {"alpha": 0.75, "seed": 11, "confidence": POOLS}, 1, 64)
     wrong = rejection_points(drafter.plan, 0, tuple(prompt), len(run) + 1)
-    by_outcome = {"right": [], "wrong": []}
+    seen = {"right": set(), "wrong": set()}
     for start in range(len(run) - 1):
         (token, score), = drafter.scored_chain(prompt + run[:start], 1)
-        by_outcome["wrong" if start in wrong else "right"].append(math.exp(score))
-    for outcome, seen in by_outcome.items():
-        assert seen and set(np.round(seen, 4)) <= set(pools[outcome])
+        seen["wrong" if start in wrong else "right"].add(score)
+    for outcome in seen:
+        assert seen[outcome] == {r[0] for r in _logs(POOLS[outcome], 1)}
 
 
 def test_a_spec_takes_a_confidence_profile_for_its_replay_only(tmp_path):
