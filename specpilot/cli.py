@@ -189,8 +189,9 @@ def _bench_engines(engines: str | None, system, reference: bool) -> tuple[list[s
 
 
 def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...], confidence: Path | None = None) -> list:
-    """The acceptance plans of --replay-alpha / --replay-profile (a replay drafter's only), each scored
-    with --replay-confidence's pools where given (without plans: the build's own plan is)."""
+    """The acceptance plans of --replay-alpha / --replay-profile (a replay drafter's only), each scored with
+    --replay-confidence's drafter confidence, else the build's own where it has one.  --replay-confidence
+    also scores the build's own plan (the rows without plans, and --batch)."""
     from specpilot.core.acceptance_profile import read_confidence, read_profile
     from specpilot.runtime.bench import ReplayPlan
 
@@ -199,12 +200,12 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...], confid
     if system.setup is None or system.setup.kind != "replay":
         raise SpecPilotError("--replay-alpha / --replay-profile / --replay-confidence need a replay drafter "
                              "(drafter: {kind: replay})")
+    own = system.setup.replay or {}
+    pools = read_confidence(confidence) if confidence else own.get("confidence")
     if confidence:
-        pools = read_confidence(confidence)
-        system.setup.replay = {**system.setup.replay, "confidence": pools}
-        return [ReplayPlan(f"{p.name}, confidence={confidence.name}", {**p.plan, "confidence": pools})
-                for p in _replay_plans(system, alphas, profiles)]
-    seed = int((system.setup.replay or {}).get("seed", 0))
+        system.setup.replay = {**own, "confidence": pools}
+    scored, suffix = ({"confidence": pools} if pools else {}), (f", confidence={confidence.name}" if confidence else "")
+    seed = int(own.get("seed", 0))
     plans = []
     for text in (alphas or "").split(","):
         if not text.strip():
@@ -215,9 +216,30 @@ def _replay_plans(system, alphas: str | None, profiles: tuple[Path, ...], confid
             raise SpecPilotError(f"--replay-alpha: {text.strip()!r} is not a number") from None
         if not 0 <= alpha <= 1:
             raise SpecPilotError(f"--replay-alpha: {alpha} is not a rate in [0, 1]")
-        plans.append(ReplayPlan(f"alpha={alpha:g}", {"alpha": alpha, "seed": seed}))
-    plans += [ReplayPlan(f"profile={p.name}", {"accepted": read_profile(p)}) for p in profiles]
-    return plans
+        plans.append(ReplayPlan(f"alpha={alpha:g}{suffix}", {"alpha": alpha, "seed": seed, **scored}))
+    return plans + [ReplayPlan(f"profile={p.name}{suffix}", {"accepted": read_profile(p), **scored}) for p in profiles]
+
+
+def _confidence_source(system, given: Path | None) -> str | None:
+    """What scores a replay drafter's proposals: the --replay-confidence file, the build's own
+    recorded confidence ("build"), or None (the replay's certainty of its plan)."""
+    if given:
+        return str(given)
+    plan = system.setup.replay if system.setup is not None else None
+    return "build" if plan and plan.get("confidence") else None
+
+
+def _recorded_confidence(best, path: Path, console) -> dict | None:
+    """The pools --record-profile writes: the chain engine's, unless its runs gave too few to score with."""
+    from specpilot.core.acceptance_profile import check_confidence
+
+    if best.confidence is None:
+        return None
+    try:
+        return check_confidence(best.confidence, str(path))
+    except SpecPilotError as e:
+        console.print(f"[yellow]--record-profile: the acceptance counts only, no drafter confidence ({e})")
+        return None
 
 
 @cli.command()
@@ -297,11 +319,11 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
         task = progress.add_task("bench", total=len(ids) * (1 + (len(own) - 1) * max(1, len(replays)) + len(hf)))
         run = Bench(system, ids, max_new_tokens, warmup, lambda m, advance=0: progress.update(
-            task, description=m, advance=advance), kind, tie_tolerance, sampling, forced).run(
-                own, hf, breakdown_requests, replays)
+            task, description=m, advance=advance), kind, tie_tolerance, sampling, forced,
+            record_confidence=record_profile is not None).run(own, hf, breakdown_requests, replays)
     meta = {"environment": environment(), "system": str(spec_or_build), "prompts": str(prompts), "requests": len(ids),
             "max_new_tokens": max_new_tokens, "warmup": warmup, "dtype": system.dtype, "drafter": kind,
-            "drafter_source": system.drafter_source,
+            "drafter_source": system.drafter_source, "replay_confidence": _confidence_source(system, replay_confidence),
             "sampling": sampling.model_dump() if sampling else None}
     result = bench_report(run, meta)
     if output:
@@ -312,7 +334,8 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
         best = [r for r in run["results"].values() if r.engine == own[-1]][-1]
         if not best.accepted:
             raise SpecPilotError(f"--record-profile: {best.engine} does not decode speculatively")
-        write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}", best.confidence)
+        write_profile(record_profile, best.accepted, f"{spec_or_build} {best.engine} on {prompts}",
+                      _recorded_confidence(best, record_profile, console))
     if as_json:
         click.echo(json.dumps(result))
     else:
@@ -354,7 +377,7 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
             "arrivals": str(arrivals), "queue": queue, "max_new_tokens": max_new_tokens, "warmup": warmup,
             "dtype": system.dtype, "drafter": system.setup.kind if system.setup else "",
             "drafter_source": system.drafter_source,
-            "replay_confidence": str(replay_confidence) if replay_confidence else None}
+            "replay_confidence": _confidence_source(system, replay_confidence)}
 
     def partial(run: dict) -> None:    # the batch sizes done so far, written as each one ends
         if output:

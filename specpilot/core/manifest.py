@@ -82,10 +82,13 @@ class DrafterInfo(_Strict):
         if plan is None:
             return None
         try:
+            alpha = plan.get("alpha")
+            if ("accepted" in plan) == ("alpha" in plan):
+                raise SpecPilotError("a replay plan takes one of 'accepted' counts or an 'alpha' in [0, 1]")
             if "accepted" in plan:
                 check_accepted(plan["accepted"], "drafter.replay")
-            elif not isinstance(plan.get("alpha"), (int, float)) or not 0 <= plan["alpha"] <= 1:
-                raise SpecPilotError("a replay plan takes 'accepted' counts or an 'alpha' in [0, 1]")
+            elif not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+                raise SpecPilotError("a replay plan's 'alpha' is a rate in [0, 1]")
             if "confidence" in plan:
                 check_confidence(plan["confidence"], "drafter.replay")
         except SpecPilotError as e:

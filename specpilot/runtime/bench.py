@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from specpilot.core.acceptance_profile import confidence_pools
 from specpilot.core.errors import SpecPilotError
@@ -60,7 +60,7 @@ class EngineResult:
     accepted: list[list[int]] = field(default_factory=list)   # tokens per verification, per request
     cycle: dict | None = None
     replay: str | None = None                    # the acceptance plan a replay row ran under
-    # chain engines: the drafter's confidence pools (`core.acceptance_profile`; for --record-profile, not the JSON)
+    # chain engines, when asked: the drafter's confidence pools (`core.acceptance_profile`; not in the JSON)
     confidence: dict | None = None
     speedup: float | None = None                 # median decode tokens/s over the AR engine's
     end_to_end_speedup: float | None = None      # total wall time of the AR engine over this one's
@@ -128,7 +128,8 @@ class Bench:
     """One benchmark run over a loaded `System`."""
 
     def __init__(self, system, prompts: list[list[int]], max_new: int, warmup: int = 1, progress=None,
-                 drafter_kind: str = "", tie_tolerance="auto", sampling=None, forced: bool = False):
+                 drafter_kind: str = "", tie_tolerance="auto", sampling=None, forced: bool = False,
+                 record_confidence: bool = False):
         for prompt in prompts:
             system.check_prompt(prompt)
             if len(prompt) + max_new > system.capacity:
@@ -139,6 +140,7 @@ class Bench:
         self.drafter_kind, self.tie_tolerance = drafter_kind, tie_tolerance
         self.sampling = sampling      # core.sampling.SamplingParams, or None: greedy
         self.forced = forced
+        self.record_confidence = record_confidence     # chain engines' drafter confidence (--record-profile)
         self.ar_tokens: dict[tuple[int, ...], list[int]] = {}    # per prompt, for forced runs
 
     def run(self, engines: list[str], hf: list[str] = (), breakdown_requests: int = 2,
@@ -210,8 +212,16 @@ class Bench:
             (check_choices if self.forced else check_tokens)(ar_runs, runs, tolerance),
             [r.accepted[1:] for r in runs] if speculative else [],
             self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None, replay,
-            confidence_pools([r.accepted for r in runs], [[(p.tolist(), t.tolist(), last) for p, t, last in r.drafts]
-                                                          for r in runs]) if any(r.drafts for r in runs) else None)
+            self._confidence(runs) if self.record_confidence else None)
+
+    @staticmethod
+    def _confidence(runs) -> dict | None:
+        """A chain engine's confidence pools (`core.acceptance_profile`), or None for other engines."""
+        if not any(r.drafts for r in runs):
+            return None
+        drafts = [[(lattice.logprobs[:n].tolist(), lattice.tokens[:n].tolist(), last) for lattice, n, last in r.drafts]
+                  for r in runs]
+        return confidence_pools([r.accepted for r in runs], drafts)
 
     def _cycle(self, name: str, requests: int) -> dict:
         """The cycle breakdown of ``name`` on the first requests, under a synchronising clock."""
@@ -254,7 +264,7 @@ def report(run: dict, meta: dict) -> dict:
     """The JSON a bench run writes (schema ``FORMAT`` / ``VERSION``)."""
     engines = []
     for r in run["results"].values():
-        row = asdict(r)
+        row = asdict(replace(r, confidence=None))
         del row["confidence"]
         row["check"] = {**asdict(r.check), "passed": r.check.passed}
         row["decode_tokens_per_s_summary"] = r.summary()

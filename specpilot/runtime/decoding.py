@@ -28,9 +28,8 @@ class Generation:
     runner_up: list[int] = field(default_factory=list)  # the system's second-ranked token there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
     off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
-    # chain engines, a verification each: the drafter's (log-probabilities, tokens) rows of its chain as
-    # tensors (read only when asked: `core.acceptance_profile.confidence_pools`) and the target's token
-    # after the accepted drafts
+    # chain engines, a verification each: (the drafter's lattice, the chain's length in it, the target's
+    # token after the accepted drafts); read only when asked (`runtime.bench`, --record-profile)
     drafts: list = field(default_factory=list)
     seconds: float = 0.0
 
@@ -228,7 +227,7 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
         last = commit_chain(state, out, draft, rows, base)
-        out.gen.drafts.append((lattice.logprobs[:room], lattice.tokens[:room], last))
+        out.gen.drafts.append((lattice, len(draft), last))
         model.settle([state])        # the kept token's states now, not inside the next verification
         schedule.update(out.gen.accepted[-1] - 1)
     close_state(state)

@@ -98,7 +98,23 @@ def score_rows(confidence: dict | None, top_k: int) -> dict | None:
         return np.concatenate([logs, pad]).astype(np.float32).tolist()
 
     rows = {pool: [row(r) for r in confidence[pool] or confidence["wrong"]] for pool in ("right", "wrong", "beyond")}
-    return {**rows, "ranks": [r if r is not None and r < top_k else None for r in confidence["ranks"]]}
+    return {**rows, "ranks": [r if r is not None and 1 <= r < top_k else None for r in confidence["ranks"]]}
+
+
+_SCORED: dict[tuple[int, int], tuple[dict, dict]] = {}     # (id(confidence), top_k) -> (confidence, rows)
+
+
+def scored_pools(confidence: dict | None, top_k: int) -> dict | None:
+    """`score_rows`, computed once a plan's pools and width (a batch makes a drafter a request, on its clock)."""
+    if not confidence:
+        return None
+    key = (id(confidence), top_k)
+    hit = _SCORED.get(key)
+    if hit is None or hit[0] is not confidence:      # the pools are held, so their id is not reused while cached
+        if len(_SCORED) >= 16:
+            _SCORED.clear()
+        hit = _SCORED[key] = (confidence, score_rows(confidence, top_k))
+    return hit[1]
 
 
 def picks(plan: dict, prompt: tuple[int, ...], pools: dict) -> dict[str, np.ndarray]:
@@ -122,7 +138,7 @@ class ReplayDrafter:
         self.off_scores = [OFF_PLAN - r for r in range(top_k)]     # the wrong tokens', by rank
         # a chain's scores as a lattice holds them (float32), so its nodes score as `propose`'s
         self.float32 = {s: float(np.float32(s)) for s in (ON_PLAN, *self.off_scores)}
-        self.pools = score_rows(plan.get("confidence"), top_k)     # a real drafter's rows, or None
+        self.pools = scored_pools(plan.get("confidence"), top_k)     # a real drafter's rows, or None
         self.reset()
 
     @property
@@ -186,7 +202,8 @@ class ReplayDrafter:
         if accepted:
             return list(zip([right] + self._wrong_tokens(right, k - 1), scores))
         others = self._wrong_tokens(right, k)
-        rank = self.pools["ranks"][index] if pool == "wrong" and right is not None and "alpha" in self.plan else None
+        rate = "accepted" not in self.plan            # a recorded profile's counts stay exact
+        rank = self.pools["ranks"][index] if pool == "wrong" and right is not None and rate else None
         if rank is not None and rank < k:
             others = others[:rank] + [right] + others[rank:k - 1]
         return list(zip(others, scores))

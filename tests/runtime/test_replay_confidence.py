@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specpilot.core.acceptance_profile import (confidence_pools, read_confidence, read_document, read_profile,
-                                               write_profile)
+                                               round_probability, write_profile)
 from specpilot.core.errors import SpecError, SpecPilotError
 from specpilot.core.spec import load_spec
 from specpilot.runtime.lattice import Lattice
@@ -47,8 +47,14 @@ def test_pools_split_each_chain_at_its_first_rejected_draft_and_leave_the_last_v
     p = lambda s: [float(f"{math.exp(s):.4g}"), float(f"{math.exp(-3.0):.4g}")]  # noqa: E731
     assert pools == {"right": [p(-0.1), p(-0.2), p(-0.01), p(-0.02), p(-0.03)], "wrong": [p(-0.3), p(-0.5)],
                      "ranks": [1, None], "beyond": [p(-0.6)]}
-    many = confidence_pools([[1] + [2] * 40], [[(rows(-0.1, -0.2), [[1, 2], [3, 4]], 4)] * 40], cap=8)
-    assert len(many["right"]) == 8 and len(many["wrong"]) == len(many["ranks"]) == 8 and many["ranks"] == [1] * 8
+    # over the cap: a seeded sample, each wrong row still beside its own rank
+    drafts = [([[-0.1, -3.0], [-0.01 * i, -0.02 * i, -0.03 * i]], [[1, 2], [9, 4, 5]], 3 + i % 3) for i in range(40)]
+    many = confidence_pools([[1] + [2] * 40], [drafts], cap=8)
+    assert len(many["right"]) == len(many["wrong"]) == len(many["ranks"]) == 8
+    for row, rank in zip(many["wrong"], many["ranks"]):
+        i = next(i for i in range(39) if [round_probability(math.exp(-0.01 * i))] == row[:1])
+        assert rank == (None if i % 3 == 0 else i % 3)
+    assert many == confidence_pools([[1] + [2] * 40], [drafts], cap=8)
 
 
 def test_a_profile_keeps_its_pools_and_bad_pools_are_refused(tmp_path):
@@ -120,6 +126,15 @@ def test_recorded_rows_score_the_plan_by_outcome_and_the_chain_stays_the_plan_s(
         assert torch_equal(again.propose(context, n).logprobs, got.logprobs), "seeded: the same draws every time"
 
 
+def test_each_request_draws_its_own_rows():
+    oracle, prompts = Oracle(), ([1, 2, 3], [4, 5])
+    for prompt in prompts:
+        oracle.register(prompt, [7] * 200)
+    drafter = ReplayDrafter(_Cost(), oracle, {"alpha": 1.0, "seed": 0, "confidence": POOLS}, 1, 64)
+    scores = [[s for _, s in drafter.scored_chain(prompt, 120)] for prompt in prompts]
+    assert scores[0] != scores[1]
+
+
 def test_a_tree_scores_its_first_ranked_path_as_the_chain_does_and_goes_on_below_a_sibling_hit():
     plan = {"alpha": 0.6, "seed": 3, "confidence": {**POOLS, "ranks": [1, 1, 1]}}     # every miss offered at rank 1
     drafter, prompt, run, _ = _drafter(plan, 3, top_k=2)
@@ -189,16 +204,24 @@ def test_a_chain_engine_records_its_drafter_s_confidence_and_a_replay_scores_wit
     replay = {**base, "passes": "tree-verify{budget=8}",
               "drafter": {"kind": "replay", "alpha": 0.7, "seed": 2, "draft_len": 4, "top_k": 2, "cost": COST}}
     (tmp_path / "replay.yaml").write_text(yaml.safe_dump(replay))
-    rows = {}
-    for extra in ((), ("--replay-confidence", tmp_path / "rec.json")):
-        code, stdout, err = run_cli("bench", tmp_path / "replay.yaml", "--engines", "stock,stock-spec,stock-tree",
+    (tmp_path / "scored.yaml").write_text(yaml.safe_dump({**replay, "drafter": {**replay["drafter"],
+                                                                                 "confidence": "rec.json"}}))
+    rows, sources = {}, []
+    for spec, extra in (("replay", ()), ("replay", ("--replay-confidence", tmp_path / "rec.json")), ("scored", ())):
+        code, stdout, err = run_cli("bench", tmp_path / f"{spec}.yaml", "--engines", "stock,stock-spec,stock-tree",
                                     "--requests", 2, "--max-new-tokens", 40, "--breakdown-requests", 0, "--json",
                                     "--replay-alpha", "0.7", *extra)
         assert code == 0, err
         report = json.loads(stdout)
         assert report["tokens_checked"] and all(e["check"]["identical"] == 2 for e in report["engines"])
-        rows.update({(e["engine"], e["replay"]): e["accepted"] for e in report["engines"]})
-    assert rows["stock-spec", "alpha=0.7"] == rows["stock-spec", "alpha=0.7, confidence=rec.json"]
+        rows.update({(spec, e["engine"], e["replay"]): e["accepted"] for e in report["engines"]})
+        sources.append(report["replay_confidence"])
+    assert sources == [None, str(tmp_path / "rec.json"), "build"]
+    chain = [rows["replay", "stock-spec", "alpha=0.7"], rows["replay", "stock-spec", "alpha=0.7, confidence=rec.json"]]
+    assert chain[0] == chain[1], "a chain accepts as planned"
+    tree = [rows["replay", "stock-tree", "alpha=0.7"], rows["replay", "stock-tree", "alpha=0.7, confidence=rec.json"]]
+    assert tree[0] != tree[1], "the drafter's scores shape the tree, its siblings may hold the target's token"
+    assert rows["scored", "stock-tree", "alpha=0.7"] == tree[1], "the spec's own confidence scores --replay-alpha's"
     code, stdout, err = run_cli("bench", tmp_path / "replay.yaml", "--batch", "2", "--requests", 2, "--max-new-tokens",
                                 24, "--engines", "stock,stock-spec,stock-tree", "--json",
                                 "--replay-confidence", tmp_path / "rec.json")
@@ -207,6 +230,10 @@ def test_a_chain_engine_records_its_drafter_s_confidence_and_a_replay_scores_wit
     assert batched["tokens_checked"] and batched["replay_confidence"] == str(tmp_path / "rec.json")
     code, _, err = run_cli("bench", tmp_path / "model.yaml", "--requests", 1, "--replay-confidence", tmp_path / "rec.json")
     assert code != 0 and "need a replay drafter" in err
+    # a run with nothing to pool (one verification a request, always left out) records its counts alone
+    code, _, err = run_cli("bench", tmp_path / "model.yaml", "--engines", "stock,stock-spec", "--requests", 1,
+                           "--max-new-tokens", 3, "--breakdown-requests", 0, "--record-profile", tmp_path / "short.json")
+    assert code == 0 and "no drafter confidence" in err and read_document(tmp_path / "short.json")["confidence"] is None
 
 
 def test_a_build_s_replay_plan_is_checked_when_read():
@@ -216,6 +243,8 @@ def test_a_build_s_replay_plan_is_checked_when_read():
     info = {"kind": "replay", "draft_len": 4, "top_k": 2, "max_ngram": 4, "min_ngram": 1}
     assert DrafterInfo.model_validate({**info, "replay": {"alpha": 0.8, "seed": 0, "confidence": POOLS}}).replay
     for plan, message in (({"alpha": 0.8, "confidence": {**POOLS, "wrong": [7]}}, "confidence.wrong"),
-                          ({"alpha": 2}, "'alpha' in \\[0, 1\\]"), ({"accepted": [[0]]}, "integers in 1..1025")):
+                          ({"alpha": 2}, "'alpha' is a rate"), ({"alpha": True}, "'alpha' is a rate"),
+                          ({"alpha": 0.5, "accepted": [[1]]}, "one of 'accepted'"),
+                          ({"accepted": [[0]]}, "integers in 1..1025")):
         with pytest.raises(ValidationError, match=message):
             DrafterInfo.model_validate({**info, "replay": plan})
