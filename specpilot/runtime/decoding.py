@@ -9,7 +9,7 @@ stock's tokens everywhere.  ``logits_hook(position, logits)`` lets a test inject
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -32,6 +32,10 @@ class Generation:
     # token after the accepted drafts); read only when asked (`runtime.bench`, --record-profile)
     drafts: list = field(default_factory=list)
     seconds: float = 0.0
+
+    def record(self) -> dict:
+        """The generation as JSON-ready fields (`Generation(**record)` rebuilds it), without the drafts."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "drafts"}
 
     @property
     def mean_accepted(self) -> float:
