@@ -117,7 +117,7 @@ def scored_pools(confidence: dict | None, top_k: int) -> dict | None:
     return hit[1]
 
 
-def picks(plan: dict, prompt: tuple[int, ...], pools: dict) -> dict[str, np.ndarray]:
+def picks(plan: dict, prompt: tuple[int, ...], pools: dict) -> dict[str, list[int]]:
     """Per pool, the row each position draws (position p: entry p % DRAWN), seeded per request."""
     digest = hashlib.sha256(np.asarray(prompt, dtype=np.int64).tobytes()).digest()
     drawn = {}
