@@ -277,6 +277,8 @@ class Search:
         if not pipeline:
             return self.log.add("sealed", pipeline=pipeline, passed=False, adopted=False,
                                 reason="no change over stock was adopted")
+        from dataclasses import asdict
+
         from specpilot.runtime.decoding import Generation
         system = self.lab.system(pipeline)
         engine = engine_for(pipeline, "compiled-spec" in system.engines)
@@ -287,7 +289,7 @@ class Search:
                 ref = system.generate("stock", p, self.sealed_tokens)
                 run = system.generate(engine, p, self.sealed_tokens, force=ref.tokens)
                 rec = self.log.add("sealed_request", pipeline=pipeline, request=i, tokens=self.sealed_tokens,
-                                   stock=ref.record(), run=run.record())
+                                   stock=asdict(ref), run=asdict(run))
             stock.append(Generation(**rec["stock"]))
             runs.append(Generation(**rec["run"]))
         forcing = force_requests(stock, runs, *tolerance_rule(system, self.sealed, stock))

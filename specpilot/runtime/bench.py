@@ -30,6 +30,7 @@ from specpilot.core.acceptance_profile import confidence_pools
 from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.cycle_timing import Clock, TimedDrafter, TimedModel, breakdown
 from specpilot.runtime.forcing import compare, tolerance_rule
+from specpilot.runtime.lattice import LatticeKeeper
 from specpilot.runtime.systems import Engine
 
 FORMAT = "specpilot-bench"
@@ -197,9 +198,11 @@ class Bench:
                 replay: str | None = None) -> EngineResult:
         for _ in range(self.warmup):
             self._timed(name, self.prompts[0], min(16, self.max_new))
-        runs, ttft = [], []
+        runs, ttft, kept = [], [], []
         for prompt in self.prompts:
-            runs.append(self._timed(name, prompt, self.max_new))
+            with self._keeping(name) as lattices:
+                runs.append(self._timed(name, prompt, self.max_new))
+            kept.append(lattices)
             ttft.append(self._timed(name, prompt, 1).seconds)
             self.progress(f"{name}: request {len(runs)}/{len(self.prompts)}", advance=1)
         verifications = [a for run in runs for a in run.accepted[1:]]
@@ -212,15 +215,35 @@ class Bench:
             (check_choices if self.forced else check_tokens)(ar_runs, runs, tolerance),
             [r.accepted[1:] for r in runs] if speculative else [],
             self._cycle(name, breakdown_requests) if speculative and breakdown_requests else None, replay,
-            self._confidence(runs) if self.record_confidence else None)
+            self._confidence(runs, kept) if any(kept) else None)
 
-    @staticmethod
-    def _confidence(runs) -> dict | None:
-        """A chain engine's confidence pools (`core.acceptance_profile`), or None for other engines."""
-        if not any(r.drafts for r in runs):
-            return None
-        drafts = [[(lattice.logprobs[:n].tolist(), lattice.tokens[:n].tolist(), last) for lattice, n, last in r.drafts]
-                  for r in runs]
+    @contextlib.contextmanager
+    def _keeping(self, name: str):
+        """With --record-profile, a chain engine's run under ``name`` keeps its drafter's lattices (yielded,
+        as (context length, lattice) per verification); otherwise the engine as it is, nothing kept."""
+        engine, kept = self.system.engines[name], []
+        if not self.record_confidence or engine.drafter is None or engine.tree_budget:
+            yield kept
+            return
+        self.system.engines[name] = Engine(engine.model, lambda sampling=None: LatticeKeeper(engine.drafter(sampling),
+                                                                                              kept),
+                                           engine.tree_budget, engine.two_level, host_threads=engine.host_threads)
+        try:
+            yield kept
+        finally:
+            self.system.engines[name] = engine
+
+    def _confidence(self, runs, kept) -> dict:
+        """A chain engine's confidence pools (`core.acceptance_profile`): each verification's lattice and
+        the target's token after its accepted drafts (the run's own token there)."""
+        drafts = []
+        for prompt, run, lattices in zip(self.prompts, runs, kept):
+            rows = []
+            for (context, lattice), committed in zip(lattices, run.accepted[1:]):
+                at = context - len(prompt) + committed - 1
+                rows.append((lattice.logprobs.tolist(), lattice.tokens.tolist(),
+                             run.tokens[at] if at < len(run.tokens) else None))
+            drafts.append(rows)
         return confidence_pools([r.accepted for r in runs], drafts)
 
     def _cycle(self, name: str, requests: int) -> dict:

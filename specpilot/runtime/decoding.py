@@ -9,7 +9,7 @@ stock's tokens everywhere.  ``logits_hook(position, logits)`` lets a test inject
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,14 +28,7 @@ class Generation:
     runner_up: list[int] = field(default_factory=list)  # the system's second-ranked token there
     accepted: list[int] = field(default_factory=list)  # tokens committed per verification pass
     off_first_rank: int = 0           # tree verifications whose accepted path left the first-ranked child
-    # chain engines, a verification each: (the drafter's lattice, the chain's length in it, the target's
-    # token after the accepted drafts); read only when asked (`runtime.bench`, --record-profile)
-    drafts: list = field(default_factory=list)
     seconds: float = 0.0
-
-    def record(self) -> dict:
-        """The generation as JSON-ready fields (`Generation(**record)` rebuilds it), without the drafts."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "drafts"}
 
     @property
     def mean_accepted(self) -> float:
@@ -226,12 +219,10 @@ def speculative(model, drafter, prompt: list[int], max_new: int, draft_len, capa
     out.gen.accepted.append(1)
     while not out.stopped:
         room = min(schedule.next(), out.max_new - len(out.gen.tokens), capacity - state.length - 1)
-        lattice = drafter.propose(prompt + out.gen.tokens, room)
-        draft = lattice.chain()[:room]
+        draft = drafter.propose(prompt + out.gen.tokens, room).chain()[:room]
         base = state.length
         rows = model.forward([last] + draft, state, record=True)   # row i: target after draft[:i]
         last = commit_chain(state, out, draft, rows, base)
-        out.gen.drafts.append((lattice, len(draft), last))
         model.settle([state])        # the kept token's states now, not inside the next verification
         schedule.update(out.gen.accepted[-1] - 1)
     close_state(state)

@@ -77,6 +77,22 @@ class LatticeRecorder:
         self.file.close()
 
 
+class LatticeKeeper:
+    """Wraps a drafter and keeps every lattice it proposes, with its context's length, in ``kept``
+    (in memory: a bench's timed run records its drafter's confidence without writing in the loop)."""
+
+    def __init__(self, drafter, kept: list):
+        self.drafter, self.name, self.kept = drafter, drafter.name, kept
+
+    def propose(self, context: list[int], n: int) -> Lattice:
+        lattice = self.drafter.propose(context, n)
+        self.kept.append((len(context), lattice))
+        return lattice
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+
 class LatticeReplayer:
     """Hands back recorded lattices in order; refuses to go on if the run has diverged."""
 
