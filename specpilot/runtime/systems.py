@@ -19,7 +19,8 @@ from specpilot.core.pipeline_text import tree_budget
 from specpilot.core.sampling import MASKED, SamplingParams
 from specpilot.core.spec import conditioned_source, replay_plan
 from specpilot.runtime.batching import Arrival, BatchPolicy, BatchRun, StepClock, run_batch
-from specpilot.runtime.decoding import Generation, autoregressive, speculative, speculative_tree, speculative_two_level
+from specpilot.runtime.decoding import (Generation, autoregressive, speculative, speculative_tree,
+                                        speculative_two_level, teacher_forced)
 from specpilot.runtime.drafters import ModelDrafter, NGramDrafter
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
 from specpilot.runtime.reference.feature_nets import build_net
@@ -40,6 +41,21 @@ CUT = abs(MASKED) / 2      # a score this far out is a token top-k / top-p cut, 
 def near_tie_budget(positions: int, unresolved: int) -> int:
     """The most excused near-ties a correct low-precision build is allowed (`System.derived_near_ties`)."""
     return max(4 * unresolved + 8, positions // 50)
+
+
+def margin_error(run: Generation, pos: int, logits: torch.Tensor) -> float | None:
+    """How far ``run``'s margin at ``pos`` (its top 2's difference) is from the same two tokens'
+    difference in ``logits`` (float32 scores of that position).  Sampled runs: a runner-up both
+    precisions cut is a decision both resolve (0); one only one precision cuts (top-k / top-p at its
+    boundary) is open (None: it sets no tolerance)."""
+    first, second = run.choices[pos], run.runner_up[pos]
+    a, b, margin = float(logits[first].float()), float(logits[second].float()), run.margins[pos]
+    cut_here, cut_there = margin >= CUT, abs(b) >= CUT or abs(a) >= CUT
+    if cut_here and cut_there:
+        return 0.0
+    if cut_here or cut_there:
+        return None
+    return abs(margin - (a - b))
 
 
 class Deferred:
@@ -164,7 +180,7 @@ class System:
         requests.  Where stock's margin is below it, stock's own choice is not resolved by its
         precision, so a system choosing the runner-up there is excused (and listed).  0 in fp32.
         Stock's margins and top-2 tokens come from ``stock_runs`` (unforced stock runs); only the
-        float32 model runs again."""
+        float32 model runs again, teacher-forced on each run's tokens (`decoding.teacher_forced`)."""
         return self.derived_near_ties(prompts, stock_runs)[0]
 
     def derived_near_ties(self, prompts: list[list[int]], stock_runs: list[Generation],
@@ -183,18 +199,8 @@ class System:
         for prompt, run in zip(prompts, stock_runs):
             if run.choices != run.tokens or len(run.runner_up) != len(run.tokens):
                 raise SpecPilotError("the tie tolerance is derived from stock's own unforced runs")
-            errors = []
-
-            def hook(pos, logits, run=run, errors=errors):     # the float32 margin at stock's top 2, kept as a number
-                first, second = run.choices[pos], run.runner_up[pos]
-                a, b, margin = float(logits[first].float()), float(logits[second].float()), run.margins[pos]
-                # sampled: a runner-up both precisions cut is a decision both resolve (no error); one that
-                # only one precision cuts (top-k / top-p at its boundary) is open -- and sets no tolerance
-                cut_here, cut_there = margin >= CUT, abs(b) >= CUT or abs(a) >= CUT
-                errors.append(0.0 if cut_here and cut_there else None if cut_here or cut_there
-                              else abs(margin - (a - b)))
-                return logits
-            autoregressive(exact, prompt, len(run.tokens), self.capacity, force=run.tokens, logits_hook=hook)
+            rows = teacher_forced(exact, prompt, run.tokens, self.capacity)
+            errors = [margin_error(run, pos, row) for pos, row in enumerate(rows)]
             worst = max([worst, *(e for e in errors if e is not None)])
             unresolved += sum(e is None or m < e for m, e in zip(run.margins, errors))
             positions += len(errors)

@@ -121,7 +121,8 @@ def _bf16_spec(arch="Qwen3ForCausalLM", seed=1):
 
 def test_derived_tolerance_reads_stocks_own_run_and_equals_rerunning_it():
     """The tolerance takes stock's margins and top-2 tokens from its unforced runs and runs only
-    float32 again: the same number as re-running stock forced onto its own tokens.  The float32
+    float32 again (teacher-forced, a few passes a run): the same number, to float32 rounding, as
+    re-running both forced onto stock's tokens one token at a time.  The float32
     reference is built on first use only; a forced (not stock's own) run is refused."""
     from specpilot.core.errors import SpecPilotError
     from specpilot.runtime.decoding import top2
@@ -144,7 +145,7 @@ def test_derived_tolerance_reads_stocks_own_run_and_equals_rerunning_it():
         for low, high in zip(rows["stock"], rows["stock-fp32"]):
             a, b = top2(low)[1::2]
             worst = max(worst, abs(float(low[a] - low[b]) - float(high[a] - high[b])))
-    assert 0 < tolerance == pytest.approx(worst, rel=1e-6, abs=1e-6)
+    assert 0 < tolerance == pytest.approx(worst, rel=1e-4, abs=1e-4)
     forced = system.generate("stock", prompts[0], 37, force=[(t + 1) % system.vocab_size for t in runs[0].tokens])
     with pytest.raises(SpecPilotError, match="unforced"):
         system.derived_tie_tolerance(prompts[:1], [forced])

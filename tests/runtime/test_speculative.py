@@ -166,3 +166,25 @@ def test_common_prefix_equals_a_scan_of_the_two_contexts(seed):
         b = a[:cut] + [rng.randrange(5) for _ in range(rng.randrange(0, 9))]
         for x, y in ((a, b), (b, a), (a, list(a)), (a, a[:cut])):
             assert common_prefix(x, y) == scan(x, y), (x, y)
+
+
+@pytest.mark.parametrize("arch", [DENSE, HYBRID, "Qwen3NextForCausalLM"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_teacher_forced_rows_are_the_forced_autoregressive_rows(arch, chunk):
+    """One logits row a position, the forced tokens fed before it, from passes of ``chunk`` tokens
+    (across the prompt's end too): the rows of a forced token-by-token run, to float32 rounding."""
+    import torch
+
+    from specpilot.runtime.decoding import teacher_forced
+    target = tiny_model(arch, seed=4)
+    gen = torch.Generator().manual_seed(chunk)
+    forced = torch.randint(0, target.vocab_size, (23,), generator=gen).tolist()
+    seen = []
+    autoregressive(target, PROMPT, len(forced), 256, force=forced,
+                   logits_hook=lambda pos, logits: seen.append(logits.clone()) or logits)
+    rows = list(teacher_forced(target, PROMPT, forced, 256, chunk=chunk))
+    assert len(rows) == len(seen) == len(forced)
+    for want, got in zip(seen, rows):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)    # a prompt in one pass or several
+    with pytest.raises(ValueError, match="prompt"):
+        list(teacher_forced(target, [], forced, 256))
