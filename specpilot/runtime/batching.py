@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -106,7 +107,10 @@ class BatchPolicy:
     drafted tokens a step (chain length, tree nodes); ``budget``: a pass's drafted nodes in all -- a
     tree pass's best first over every request's, a chain pass's split evenly (`split_budget`); None:
     ``nodes`` for each request; ``lengths``: the dynamic draft lengths (None: ``nodes``
-    fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass)."""
+    fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass).  A batched
+    pass computes every request's rows up to its longest item's; with ``fill`` the drafts shorter than
+    that take their next-best nodes into those rows where that needs no drafter pass, so the budget and
+    lengths choose the pass's rows and the rows carry as many candidates as they hold."""
     mode: str = "ar"
     max_batch: int = 1
     nodes: int = 0
@@ -120,6 +124,7 @@ class BatchPolicy:
     passes: int = 4
     adaptive: bool = False          # the pass's longest chain, or its tree nodes (a prefix of the best-first
                                     # order), chosen by its measured cost (`pass_cost`)
+    fill: bool = True               # drafts grown into the rows the padded pass computes anyway (`_Drafts`)
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
@@ -370,10 +375,8 @@ class _Scheduler:
         """One target pass: every running request's draft (or last token), plus admitted chunks."""
         self.levels, self.riding = 0, self._rides()
         started = self.clock.now()
-        items, plans = self._timed("draft", self._drafts)
+        items, plans, chunks = self._timed("draft", self._drafts)
         drafted = sum(len(p[0]) for p in plans)
-        chunks = self._chunks(drafted) if self.riding else []
-        items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
         speculative = self.policy.mode != "ar"
         drafting = self.clock.now()
         rows = self._timed("verify", self.model.forward_batch, items, record=speculative)
@@ -393,14 +396,28 @@ class _Scheduler:
         self._tick(Step(len(plans), drafted, sum(n for _, n in chunks),
                         len(items) * max(len(it[0]) for it in items), levels=self.levels))
 
-    def _drafts(self) -> tuple[list, list]:
-        """The pass's items for the running requests and what each drafted: (tree or chain, base)."""
-        if not self.running:
-            return [], []
+    def _drafts(self) -> tuple[list, list, list]:
+        """The pass's items -- every running request's draft (or last token), grown into the rows the
+        pass pads it to anyway (`_grown`), then the admitted prompt chunks -- with what each request
+        drafted, (tree or chain, base), and the chunks, (request, tokens)."""
         rooms = [max(0, min(self.capacity - r.state.length - 1, r.out.max_new - len(r.out.gen.tokens)))
                  for r in self.running]
-        if self.policy.mode == "ar":
-            return [([r.last], r.state) for r in self.running], [(Tree(), r.state.length) for r in self.running]
+        drafts = _Drafts([Tree() for _ in self.running]) if self.policy.mode == "ar" else self._planned(rooms)
+        chunks = self._chunks(sum(len(t) for t in drafts.trees)) if self.riding else []
+        items, plans = [], []
+        for r, tree in zip(self.running, self._grown(drafts, rooms, chunks)):
+            base = r.state.length
+            if self.policy.mode != "tree":     # causal rows; rejected drafts are cut off, no KV moves
+                items.append(([r.last] + tree.tokens, r.state))
+            else:
+                tokens, positions, mask, parents = tree_inputs(r.last, tree, base)
+                items.append((tokens, r.state, positions, mask, parents))
+            plans.append((tree, base))
+        items += [(r.prompt[r.fed:r.fed + n], r.state) for r, n in chunks]
+        return items, plans, chunks
+
+    def _planned(self, rooms: list[int]) -> "_Drafts":
+        """The running requests' chains or trees under the pass's caps and budget."""
         # priced trees choose their nodes by cost: the dynamic lengths would only learn the cuts back
         priced_trees = self.policy.adaptive and self.policy.mode == "tree"
         caps = [min(room, self.policy.nodes if priced_trees else r.schedule.next())
@@ -409,18 +426,19 @@ class _Scheduler:
             caps = self._priced(caps)
         if self.policy.mode == "chain" and self.policy.budget is not None:
             caps = split_budget(self.policy.budget, caps, len(self.result.steps))
-        reserve = self._reserve()
-        trees = self._chains(caps) if self.policy.mode == "chain" else self._trees(caps, reserve)
-        items, plans = [], []
-        for r, tree in zip(self.running, trees):
-            base = r.state.length
-            if self.policy.mode == "chain":     # causal rows; rejected drafts are cut off, no KV moves
-                items.append(([r.last] + tree.tokens, r.state))
-            else:
-                tokens, positions, mask, parents = tree_inputs(r.last, tree, base)
-                items.append((tokens, r.state, positions, mask, parents))
-            plans.append((tree, base))
-        return items, plans
+        return self._chains(caps) if self.policy.mode == "chain" else self._trees(caps, self._reserve())
+
+    def _grown(self, drafts: "_Drafts", rooms: list[int], chunks: list) -> list[Tree]:
+        """The drafts, each grown (where growing needs no drafter pass) to the pass's longest item: its
+        rows are computed for every request whatever it holds, so the shorter drafts' fill with their
+        next-best nodes instead of padding.  Cache room still bounds each."""
+        if drafts.grow is None or not self.policy.fill:
+            return drafts.trees
+        longest = max([len(t) for t in drafts.trees] + [n - 1 for _, n in chunks])     # nodes; a chunk's rows
+        caps = [min(longest, room) for room in rooms]
+        if all(len(t) >= cap for t, cap in zip(drafts.trees, caps)):
+            return drafts.trees
+        return drafts.grow(caps)
 
     def _priced(self, caps: list[int]) -> list[int]:
         """``caps`` cut to the chain length with the most expected tokens a second of pass; while the
@@ -443,7 +461,7 @@ class _Scheduler:
             return 0
         return min(self.chunk, max(1, self.policy.budget // 2))
 
-    def _trees(self, caps: list[int], reserve: int = 0) -> list[Tree]:
+    def _trees(self, caps: list[int], reserve: int = 0) -> "_Drafts":
         """The running requests' trees from the pass's budget; the drafter network runs once for all
         of them to catch up on accepted tokens, then once a tree level (`drafters.expand_across`)."""
         own = self._expanders()
@@ -457,7 +475,9 @@ class _Scheduler:
             if budget > 1 and passes else own
         order = [] if self.policy.adaptive else None
         trees = best_first_shared(expands, budget, depths, caps, floor, order)
-        return trees if order is None else prefix(trees, order, self._priced_nodes(order))
+        trees = trees if order is None else prefix(trees, order, self._priced_nodes(order))
+        # grown best first without the floor: a request's first nodes are the ones it was given
+        return _Drafts(trees, None if passes else lambda more: best_first_shared(expands, sum(more), depths, more))
 
     def _priced_nodes(self, order: list[tuple[int, float, int]]) -> int:
         """How many nodes of the pass's best-first ``order`` to verify: the most expected tokens a second
@@ -481,7 +501,7 @@ class _Scheduler:
         self._timed("draft_blocks", draft_blocks, drafters, contexts)
         return [d.expander(c) for d, c in zip(drafters, contexts)]
 
-    def _chains(self, caps: list[int]) -> list[Tree]:
+    def _chains(self, caps: list[int]) -> "_Drafts":
         """The running requests' chains, each its drafter's first-ranked path (up to its cap), one
         batched drafter pass a chain position for all of them; nodes scored by the path's cumulative
         log-probability.  Drafter networks that can (`drafters.chain_network`) feed their chosen
@@ -493,13 +513,15 @@ class _Scheduler:
             groups = self._timed("draft_sync", catch_up_chains, networks, contexts, caps)
             ran, passes = self._timed("draft_levels", chain_levels, groups, len(drafters))
             self.levels += passes
-            return [_chain_tree(d.chain_from(c, cap, own)) for d, c, cap, own in zip(drafters, contexts, caps, ran)]
+            return _Drafts([_chain_tree(d.chain_from(c, cap, own)) for d, c, cap, own in zip(drafters, contexts, caps, ran)])
         if all(getattr(d, "block_drafter", None) is not None for d in drafters):
             # a block drafter ranks every position in its one pass: the chain is each position's first
             contexts = [r.prompt + r.out.gen.tokens for r in self.running]
             self._timed("draft_blocks", draft_blocks, drafters, contexts)
-            return [_chain_tree(d.scored_chain(c, cap)) if cap else Tree()
-                    for d, c, cap in zip(drafters, contexts, caps)]
+
+            def chains(caps: list[int]) -> list[Tree]:
+                return [_chain_tree(d.scored_chain(c, cap)) if cap else Tree() for d, c, cap in zip(drafters, contexts, caps)]
+            return _Drafts(chains(caps), chains)
         own = self._expanders()
         trees = [Tree() for _ in own]
         children = [expand([]) if cap else [] for expand, cap in zip(own, caps)]
@@ -515,7 +537,7 @@ class _Scheduler:
                     grown.add(r)
             paths = [[list(trees[r].tokens)] if r in grown and len(trees[r]) < caps[r] else [] for r in range(len(own))]
             if not any(paths):
-                return trees
+                return _Drafts(trees)
             children = [found[0] if found else [] for found in self._level(own, paths)]
 
     def _level(self, expands, paths):
@@ -575,6 +597,16 @@ class _Scheduler:
             r.out.gen.seconds = now - self.result.timings[r.index].arrival
             self.result.timings[r.index].done = now
             self.result.generations[r.index] = r.out.gen
+
+
+@dataclass
+class _Drafts:
+    """A pass's drafts: each running request's tree (a chain is one) and, where drafting more is a
+    lookup in what the drafter computed already (a block drafter's ranked block; not a drafter pass a
+    level), ``grow(caps)``: the drafts again with at most caps[r] nodes each, their first nodes
+    the ones these have."""
+    trees: list[Tree]
+    grow: Callable[[list[int]], list[Tree]] | None = None
 
 
 def _chain_tree(chain: list[tuple[int, float]]) -> Tree:

@@ -799,3 +799,26 @@ def test_the_drafter_cost_bench_times_a_batch_s_cycles_both_ways_alike(batch_bui
     row = batched_cycles(CompiledModule(batch_build), context=9, accepted=2, batch=3, reps=3, warmup=1)
     assert row["batch"] == 3 and row["identical_rankings"] == 1.0 and row["max_top1_logprob_difference"] < 1e-4
     assert all(row[k]["samples"] == 3 and row[k]["median_ms"] > 0 for k in ("one_call", "a_call_each", "ar_pass"))
+
+
+def test_a_batch_s_block_drafts_fill_the_rows_its_pass_pads():
+    """A batched pass computes every request's rows up to its longest item.  Trees under a shared
+    budget with a block drafter (expansions are lookups in the drafted block) grow into those rows
+    (`BatchPolicy.fill`): the first pass verifies more nodes in the same rows, every row a node or a
+    request's last token; without fill the budget's nodes alone.  Each request's stock tokens either way."""
+    from dataclasses import replace
+
+    from specpilot.runtime.batching import Arrival, StepClock
+    system = from_spec(parse_spec(_data(HYBRID, "block")))
+    prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)]]
+    want = [system.generate("stock", p, 30).tokens for p in prompts]
+    shared = replace(system.batch_policy("stock-tree", 3), budget=7)     # 7 nodes for 3 requests: unequal trees
+    first = {}
+    for fill in (False, True):
+        run = system.serve("stock-tree", [Arrival(0.0, tuple(p), 30) for p in prompts], replace(shared, fill=fill),
+                           StepClock())
+        assert [g.tokens for g in run.generations] == want
+        first[fill] = next(s for s in run.steps if not s.prefill)
+        assert all(s.drafted <= 7 for s in run.steps) or fill
+    assert first[False].drafted == 7 and first[True].rows == first[False].rows
+    assert first[True].drafted == first[True].rows - first[True].running > 7

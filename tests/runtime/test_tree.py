@@ -535,3 +535,27 @@ def test_siblings_pushed_one_at_a_time_build_the_trees_of_pushing_them_all(seed)
     want = _best_first_eager(expands, budget, depths, caps, floor)
     assert [(t.tokens, t.parents, t.depths, t.scores) for t in got] == \
         [(t.tokens, t.parents, t.depths, t.scores) for t in want]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_request_s_share_grown_under_a_larger_cap_starts_with_the_nodes_it_was_given(seed):
+    """A batched pass grows each request's tree into the rows its longest item pads it to
+    (`batching`, ``fill``): best first again with larger caps and no floor.  Each grown tree's first
+    nodes are the tree the shared budget gave it -- same tokens, parents and scores, in order -- so
+    the rows already drafted keep their places, and the growth is that request's best-first tree."""
+    rng = np.random.default_rng(500 + seed)
+    n_requests, k = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+    depths = [int(d) for d in rng.integers(1, 6, n_requests)]
+    caps = [int(c) for c in rng.integers(0, 10, n_requests)]
+    floor = float(rng.choice([float("-inf"), -3.0, -6.0]))
+    expands = [_random_lattice(seed * 10 + r, k) for r in range(n_requests)]
+    trees = best_first_shared(expands, int(rng.integers(0, 30)), depths, caps, floor)
+    more = [len(t) + int(rng.integers(0, 6)) for t in trees]
+    grown = best_first_shared(expands, sum(more), depths, more)
+    for r, (tree, big) in enumerate(zip(trees, grown)):
+        n = len(tree)
+        assert (big.tokens[:n], big.parents[:n], big.depths[:n], big.scores[:n]) == \
+            (tree.tokens, tree.parents, tree.depths, tree.scores)
+        alone = best_first(expands[r], len(big), depths[r]) if len(big) else None
+        assert len(big) == 0 or (alone.tokens, alone.parents) == (big.tokens, big.parents)
+        assert len(big) <= more[r]
