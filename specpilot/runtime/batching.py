@@ -430,7 +430,7 @@ class _Scheduler:
 
     def _grown(self, drafts: "_Drafts", rooms: list[int], chunks: list) -> list[Tree]:
         """The drafts, each grown (where growing needs no drafter pass) to the pass's longest item: its
-        rows are computed for every request whatever it holds, so the shorter drafts' fill with their
+        rows are computed for every request whatever it holds, so the shorter drafts fill them with their
         next-best nodes instead of padding.  Cache room still bounds each."""
         if drafts.grow is None or not self.policy.fill:
             return drafts.trees
