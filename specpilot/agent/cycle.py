@@ -21,6 +21,7 @@ resumes (builds, forcing results and verdicts already there are reused).  The re
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from specpilot.agent.adjudicate import Interval, noise_level
@@ -277,8 +278,6 @@ class Search:
         if not pipeline:
             return self.log.add("sealed", pipeline=pipeline, passed=False, adopted=False,
                                 reason="no change over stock was adopted")
-        from dataclasses import asdict
-
         from specpilot.runtime.decoding import Generation
         system = self.lab.system(pipeline)
         engine = engine_for(pipeline, "compiled-spec" in system.engines)

@@ -225,9 +225,8 @@ class Bench:
         if not self.record_confidence or engine.drafter is None or engine.tree_budget:
             yield kept
             return
-        self.system.engines[name] = Engine(engine.model, lambda sampling=None: LatticeKeeper(engine.drafter(sampling),
-                                                                                              kept),
-                                           engine.tree_budget, engine.two_level, host_threads=engine.host_threads)
+        self.system.engines[name] = replace(engine, drafter=lambda sampling=None: LatticeKeeper(engine.drafter(sampling),
+                                                                                                kept))
         try:
             yield kept
         finally:
