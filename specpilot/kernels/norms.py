@@ -180,9 +180,10 @@ def round_to(dtype: str, v, spelled: bool):
     ``weight * h.to(bf16)``), so there (``spelled``) the rounding to nearest even is written out
     on the bits (a NaN becomes bf16's 0x7FC0).  That form names ``v`` three times (the
     fewest it can: the NaN test, the bits, their lowest kept bit) and these roundings nest, so a
-    nest's expression grows as 3^depth (4^depth with the NaN's own bits kept) -- most of TVM's CPU
-    build time of the q / k norm and rotary kernels in bf16; LLVM shares the repeats, nvcc did not
-    (a 130 us gated norm), hence the GPU's casts."""
+    nest's expression grows as 3^depth (4^depth with the NaN's own bits kept): the heads kernel
+    stages its norm (`_staged`; a ``Let`` would bind ``v`` once, but TVM's bf16 legalization does
+    not rewrite the loads inside a ``Let``'s value).  LLVM shares the repeats, nvcc did not (a
+    130 us gated norm), hence the GPU's casts."""
     from tvm import tirx
     if dtype == "float32":
         return v
