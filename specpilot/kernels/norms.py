@@ -105,8 +105,8 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
 def _staged(value, shape):
     """``value`` (float32, over ``shape``) computed into a buffer of its own and read from it: the
     spelled roundings name their operand three times (`round_to`), so rotary's roundings over the
-    norm's, written out in place, grew the heads kernel's expression as 3^4 (20x the CPU build time
-    of a bf16 model); read back, the float32 values are the same bits."""
+    norm's, written out in place, grew the heads kernel's expression as 3^4 (most of a bf16 model's
+    CPU build time); read back, the float32 values are the same bits."""
     from tvm import te, tirx
     stage = te.compute(shape, value, name="heads_normed")
 
