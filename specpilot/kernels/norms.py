@@ -83,7 +83,7 @@ def attention_heads_te(dtype: str, rot: int, n_q: int, n_kv: int, eps: float | N
             def normed(b, t, h, j):
                 w = tirx.Select(h < n_q, wq[j], wk[j])
                 return r(rms_scaled(x(b, t, h, j), squares[b, t, h], n, w, eps, zero_centered, dtype, spelled))
-            if spelled and dtype != "float32":
+            if spelled and dtype == "bfloat16":     # where `round_to` writes the rounding on the bits
                 normed = _staged(normed, (B, T, normed_heads, n))
         else:
             normed = x
