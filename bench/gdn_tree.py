@@ -62,7 +62,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
     import torch
 
     from bench._common import load_kernels, write
-    from bench.tree_verify import _root_path, _row, _timed, gdn_inputs, make_tree
+    from bench.tree_verify import root_path, result_row, timed, gdn_inputs, make_tree
     from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
     lib, to_tvm = load_kernels(lib_path)
     built = json.loads((lib_path.parent / (lib_path.name + ".json")).read_text())
@@ -77,7 +77,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
         scratch = torch.empty(1, n, HEADS, DK, DV, device=dev)   # the sequential form's; the chunked forms' signature
         ref = torch.zeros(1, n, HEADS, DV, device=dev)
         for t in range(n):
-            idx = torch.tensor(_root_path(parents, t), device=dev)
+            idx = torch.tensor(root_path(parents, t), device=dev)
             out, _, _ = recurrent_gated_delta_rule(q[0, idx], k[0, idx], v[0, idx], g[0, idx], beta[0, idx], s0[0])
             ref[0, t] = out[-1]
         base_rec = None
@@ -96,7 +96,7 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             err = float((o - ref).abs().max() / ref.abs().max())
             if name == "substitution":
                 base_rec = rec.clone()
-            row = _row(f"{tname}: {name}", _timed(lambda fn=fn, args=args: fn(*args)), tree=tname, variant=name,
+            row = result_row(f"{tname}: {name}", timed(lambda fn=fn, args=args: fn(*args)), tree=tname, variant=name,
                        tokens=n, vs_reference_out=err, nan_free=bool(torch.isfinite(o).all()),
                        records_equal_substitution=bool(torch.equal(rec, base_rec)) if base_rec is not None else None)
             if marks is not None:

@@ -75,8 +75,8 @@ def bench_matmuls(lib_path: Path) -> list[dict]:
                 fn(*args)
                 torch.cuda.synchronize()
                 row[f"{label}_rel_err"] = float((y - want).abs().max() / want.abs().max())
-                row[f"{label}_us"] = statistics.median(_timed(lambda fn=fn, args=args: fn(*args), iters=5, rounds=5))
-            row["cublas_us"] = statistics.median(_timed(lambda: torch.nn.functional.linear(x, w), iters=5, rounds=5))
+                row[f"{label}_us"] = statistics.median(timed(lambda fn=fn, args=args: fn(*args), iters=5, rounds=5))
+            row["cublas_us"] = statistics.median(timed(lambda: torch.nn.functional.linear(x, w), iters=5, rounds=5))
             row["median_us"] = row["tc_us"]
             row["tc_vs_cublas"] = row["cublas_us"] / row["tc_us"]
             row["tc_vs_cuda_cores"] = row["cc_us"] / row["tc_us"]
@@ -114,7 +114,7 @@ def build(out: Path) -> None:
     print(f"wrote {out}")
 
 
-def _timed(fn, iters: int = 20, rounds: int = 7) -> list[float]:
+def timed(fn, iters: int = 20, rounds: int = 7) -> list[float]:
     """Microseconds per call of ``fn`` (CUDA events around ``iters`` calls), ``rounds`` samples."""
     import torch
     fn()
@@ -131,7 +131,7 @@ def _timed(fn, iters: int = 20, rounds: int = 7) -> list[float]:
     return out
 
 
-def _row(name: str, samples: list[float], **extra) -> dict:
+def result_row(name: str, samples: list[float], **extra) -> dict:
     return {"case": name, "median_us": statistics.median(samples), "min_us": min(samples),
             "max_us": max(samples), **extra}
 
@@ -149,7 +149,7 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
     prompt = torch.randint(0, model.vocab_size, (max(context, 1024),), generator=gen).tolist()
     rows = []
     fn, args, _, _ = model.step_call([(prompt[:1024], state)], False)   # a 1024-token prefill chunk
-    rows.append(_row("prefill (1024 tokens)", _timed(lambda: fn(*args), iters=5), context=0, tokens=1024))
+    rows.append(result_row("prefill (1024 tokens)", timed(lambda: fn(*args), iters=5), context=0, tokens=1024))
     print(f"  {'prefill (1024 tokens)':34s} {rows[-1]['median_us'] / 1e3:8.3f} ms", flush=True)
     for i in range(0, context, 1024):                 # prefill in chunks
         model.forward(prompt[i:i + 1024], state)
@@ -168,8 +168,8 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
     }
     for name, (item, record) in items.items():
         fn, args, _, _ = model.step_call([item], record)
-        samples = _timed(lambda fn=fn, args=args: fn(*args))
-        rows.append(_row(name, samples, context=context, tokens=len(item[0])))
+        samples = timed(lambda fn=fn, args=args: fn(*args))
+        rows.append(result_row(name, samples, context=context, tokens=len(item[0])))
         print(f"  {name:34s} {rows[-1]['median_us'] / 1e3:8.3f} ms", flush=True)
     from specpilot.runtime.profile import AnyKernel, profiling
     for name in ("AR step (1 token)", f"tree verify ({n} nodes + root)"):
@@ -191,7 +191,7 @@ def bench_steps(build_dir: Path, context: int, tree) -> list[dict]:
     return rows
 
 
-def _root_path(parents: list[int], t: int) -> list[int]:
+def root_path(parents: list[int], t: int) -> list[int]:
     """Rows from the root down to row t."""
     path = []
     while t >= 0:
@@ -240,9 +240,9 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     # every node's state as commit rebuilds it from the tree kernel's records (root path, root first)
     st_tree = torch.zeros(1, n, HEADS, DK, DV, device=dev)
     commit_args = [[to_tvm(rec), to_tvm(s0[:, None]),
-                    to_tvm(torch.tensor([_root_path(parents, t)], dtype=torch.int32, device=dev)),
+                    to_tvm(torch.tensor([root_path(parents, t)], dtype=torch.int32, device=dev)),
                     to_tvm(st_tree[:, t:t + 1])] for t in range(n)]
-    deepest = max(range(n), key=lambda t: len(_root_path(parents, t)))
+    deepest = max(range(n), key=lambda t: len(root_path(parents, t)))
 
     # (a) node by node: one launch per row, from its parent's saved state
     o_node = torch.zeros(1, n, HEADS, DV, device=dev)
@@ -257,7 +257,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     # (b) each row's root path walked from the root (its last token's output and final state)
     path_args, o_path, st_path = [], torch.zeros(1, n, HEADS, DV, device=dev), torch.zeros(n, 1, HEADS, DK, DV, device=dev)
     for t in range(n):
-        idx = torch.tensor(_root_path(parents, t), device=dev)
+        idx = torch.tensor(root_path(parents, t), device=dev)
         gathered = [x[:, idx].contiguous() for x in (q, k, v, g, beta)]
         o_buf = torch.zeros(1, len(idx), HEADS, DV, device=dev)
         path_args.append(([to_tvm(x) for x in gathered] + [to_tvm(s0), to_tvm(slots[:, :len(idx)].contiguous()),
@@ -292,7 +292,7 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
     from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
     ref_o, ref_st = torch.zeros_like(o_tree), torch.zeros_like(st_tree)
     for t in range(n):
-        idx = torch.tensor(_root_path(parents, t), device=dev)
+        idx = torch.tensor(root_path(parents, t), device=dev)
         out, after, _ = recurrent_gated_delta_rule(q[0, idx], k[0, idx], v[0, idx], g[0, idx], beta[0, idx], s0[0])
         ref_o[0, t], ref_st[0, t] = out[-1], after
     errors = {"vs_reference_out": float((o_tree - ref_o).abs().max() / ref_o.abs().max()),
@@ -305,13 +305,13 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
               "chunked_records_equal": bool(torch.equal(rec_chunk, rec)),
               "chunked_vs_reference_out": float((o_chunk - ref_o).abs().max() / ref_o.abs().max())}
     print(f"  GDN agreement (max relative): {errors}", flush=True)
-    rows = [_row(f"GDN path recompute, one launch ({n} rows)", _timed(run_tree)),
-            _row(f"GDN path recompute, chunked ({n} rows)", _timed(run_chunked)),
-            _row(f"GDN node by node ({n} launches)", _timed(run_nodes, iters=5)),
-            _row(f"GDN root paths walked ({n} launches, {sum(o.shape[1] for _, o in path_args)} token steps)",
-                 _timed(run_paths, iters=5)),
-            _row(f"GDN commit: the state at depth {len(_root_path(parents, deepest))} rebuilt (1 launch)",
-                 _timed(run_commit))]
+    rows = [result_row(f"GDN path recompute, one launch ({n} rows)", timed(run_tree)),
+            result_row(f"GDN path recompute, chunked ({n} rows)", timed(run_chunked)),
+            result_row(f"GDN node by node ({n} launches)", timed(run_nodes, iters=5)),
+            result_row(f"GDN root paths walked ({n} launches, {sum(o.shape[1] for _, o in path_args)} token steps)",
+                 timed(run_paths, iters=5)),
+            result_row(f"GDN commit: the state at depth {len(root_path(parents, deepest))} rebuilt (1 launch)",
+                 timed(run_commit))]
     fast = rows[0]["median_us"]
     for r in rows:
         r["vs_path_recompute"] = r["median_us"] / fast

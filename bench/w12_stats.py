@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write  # noqa: E402
-from specpilot.cli import _model_weights  # noqa: E402
+from specpilot.core.loader import model_weights  # noqa: E402
 from specpilot.core import w12  # noqa: E402
 
 
@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("spec_or_checkpoint")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    result = w12.stats(_model_weights(args.spec_or_checkpoint))
+    result = w12.stats(model_weights(args.spec_or_checkpoint))
     path = write("w12-stats", {"model": args.spec_or_checkpoint, **result}, args.out)
     print(f"{args.spec_or_checkpoint}: {result['bytes_ratio']:.4f} of bf16 bytes, escape rate "
           f"{100 * result['escape_rate']:.4f}%, bit-exact {result['bit_exact']} -> {path}")

@@ -602,18 +602,6 @@ def _sampling_arguments(sampling) -> dict:
     return sampling.model_dump()
 
 
-def _model_weights(spec_or_checkpoint: str) -> dict:
-    """The target's weights from a model.yaml or a Hugging Face checkpoint directory."""
-    path = Path(spec_or_checkpoint)
-    if path.is_dir():
-        from specpilot.core.weights import load_checkpoint
-        return load_checkpoint(path)[1]
-    from specpilot.core.loader import load_source
-    from specpilot.core.spec import load_spec
-    spec = load_spec(path)
-    return load_source(spec, spec.target, "target").weights
-
-
 @cli.group()
 def w12():
     """The W12 lossless 12-bit weight layout."""
@@ -625,8 +613,9 @@ def w12():
 def w12_stats(spec_or_checkpoint, as_json):
     """Bytes ratio (metadata and escapes included), escape rate, and a bit-exact round trip."""
     from specpilot.core import w12 as codec
+    from specpilot.core.loader import model_weights
 
-    result = codec.stats(_model_weights(spec_or_checkpoint))
+    result = codec.stats(model_weights(spec_or_checkpoint))
     if as_json:
         click.echo(json.dumps(result))
     else:

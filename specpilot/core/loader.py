@@ -9,7 +9,7 @@ import torch
 
 from specpilot.core.adapter import attach as attach_adapter
 from specpilot.core.config import ModelConfig, config_from_hf
-from specpilot.core.spec import ModelSource, Spec, conditioned_source
+from specpilot.core.spec import ModelSource, Spec, conditioned_source, load_spec
 from specpilot.core.weights import gguf_to_checkpoint, load_checkpoint, random_weights
 from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 
@@ -153,3 +153,11 @@ def load_referenced(reference: dict, override: Path | None = None) -> LoadedMode
     cfg, weights = load_checkpoint(directory)
     return LoadedModel(cfg, weights, directory, str(path))
 
+
+def model_weights(spec_or_checkpoint: str | Path) -> dict:
+    """The target's weights from a model.yaml or a Hugging Face checkpoint directory."""
+    path = Path(spec_or_checkpoint)
+    if path.is_dir():
+        return load_checkpoint(path)[1]
+    spec = load_spec(path)
+    return load_source(spec, spec.target, "target").weights
