@@ -8,6 +8,9 @@
 #   bash bench/h200_e2e.sh full-check       the counter-based seeded draw on the GPU equals the CPU's
 #   bash bench/h200_e2e.sh full-ref BUILD   full-depth 27B-class: compiled AR vs transformers eager / torch.compile
 #   bash bench/h200_e2e.sh full-sweep BUILD full-depth 27B-class, replay drafter: ALPHAS and PROFILES, every engine
+#   bash bench/h200_e2e.sh exact-batch BUILD...  small seeded builds of the 27B batch plan (bench/specs/mid-hybrid-batch-*):
+#                                           every batched engine forced onto batched AR at BATCHES, `auto` tolerance
+#                                           (float32: none), to $OUT
 #   bash bench/h200_e2e.sh full-batch BUILD full-depth 27B-class, continuous batching at BATCHES, every engine
 #                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES, every
 #                                           speculative one under each set of DRAFT_LENGTHS)
@@ -153,6 +156,21 @@ PY
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
       ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} ${CONFIDENCE:+--replay-confidence $CONFIDENCE} \
       --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -40 ;;
+  exact-batch)
+    # the batch plan's engines on the GPU against batched AR, forced, at the tolerance derived for each build
+    # (float32 builds: no tolerance); prompts of PROMPT_TOKENS ids drawn below the build's vocabulary
+    shift; setup; unpack
+    for build in "$@"; do
+      python3 -c "
+import json, random
+vocab = json.load(open('$b/$build/manifest.json'))['spec']['target']['config']['vocab_size']
+r = random.Random(1)
+for _ in range(32):
+    print(json.dumps({'prompt_ids': [r.randrange(10, vocab) for _ in range(${PROMPT_TOKENS:-64})]}))" > $E/exact.jsonl
+      timeout ${EXACT_S:-240} python3 -m specpilot.cli bench $b/$build --prompts $E/exact.jsonl --batch ${BATCHES:-16,32} \
+        --max-new-tokens ${TOKENS:-128} --engines ${ENGINES:-compiled,compiled-spec,compiled-tree,compiled-tree-sched} \
+        --tie-tolerance ${TIE:-auto} --forced -o $OUT/batch-exact-$build.json 2>&1 | tail -${TAIL:-16}
+    done ;;
   batch-profile)
     # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats
     # to $OUT (`python -m pstats`); device time shows where the host waits for it (tolist, numpy, cpu)
@@ -234,6 +252,6 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats 
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \
         --out $OUT 2>&1 | tail -${TAIL:-8}
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | batch-profile BUILD | pass-cost BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | exact-batch BUILD... | batch-profile BUILD | pass-cost BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;
 esac

@@ -110,7 +110,10 @@ class BatchPolicy:
     fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass).  A batched
     pass computes every request's rows up to its longest item's; with ``fill`` the drafts shorter than
     that take their next-best nodes into those rows where that needs no drafter pass, so the budget and
-    lengths choose the pass's rows and the rows carry as many candidates as they hold."""
+    lengths choose the pass's rows and the rows carry as many candidates as they hold.  Off by default:
+    on the H200 (27B-class hybrid, batch 16) it raised the batch schedule's tokens a verification 7 % but
+    its host time (the trees grown by a second best-first over the union) and longer verification cost
+    more (docs/bench-log.md, 2026-12-06 late morning)."""
     mode: str = "ar"
     max_batch: int = 1
     nodes: int = 0
@@ -124,7 +127,7 @@ class BatchPolicy:
     passes: int = 4
     adaptive: bool = False          # the pass's longest chain, or its tree nodes (a prefix of the best-first
                                     # order), chosen by its measured cost (`pass_cost`)
-    fill: bool = True               # drafts grown into the rows the padded pass computes anyway (`_Drafts`)
+    fill: bool = False              # drafts grown into the rows the padded pass computes anyway (`_Drafts`)
 
     def __post_init__(self):
         if self.mode not in ("ar", "chain", "tree"):
