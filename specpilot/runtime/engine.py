@@ -35,7 +35,7 @@ from specpilot.core.config import ModelConfig, cache_shapes
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
 from specpilot.core.weights import file_digest
-from specpilot.runtime import heap
+from specpilot.runtime import cuda_errors, heap
 from specpilot.runtime.features import FeatureStore
 from specpilot.runtime.threads import claim_cores_for_tvm
 
@@ -159,6 +159,9 @@ class CompiledModule:
         self._references: dict[str, dict[str, torch.Tensor]] = {}
         self.params = self._load_params()
         self.functions = {name: self.vm[name] for name in self.manifest.functions}
+        last = cuda_errors.last_error() if gpu else None
+        if last is not None:        # a recovered allocation's error must not reach torch's next launch check
+            self.functions = {name: last.wrap(name, fn) for name, fn in self.functions.items()}
         self._models: dict[str, CompiledModel] = {}
 
     def stored_parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
