@@ -97,8 +97,9 @@ def run(lib_path: Path, out_dir: Path | None) -> None:
             if name == "substitution":
                 base_rec = rec.clone()
             row = result_row(f"{tname}: {name}", timed(lambda fn=fn, args=args: fn(*args)), tree=tname, variant=name,
-                       tokens=n, vs_reference_out=err, nan_free=bool(torch.isfinite(o).all()),
-                       records_equal_substitution=bool(torch.equal(rec, base_rec)) if base_rec is not None else None)
+                             tokens=n, vs_reference_out=err, nan_free=bool(torch.isfinite(o).all()),
+                             records_equal_substitution=(bool(torch.equal(rec, base_rec))
+                                                         if base_rec is not None else None))
             if marks is not None:
                 fn(*args)
                 torch.cuda.synchronize()

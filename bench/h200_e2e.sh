@@ -162,14 +162,17 @@ PY
     shift; setup; unpack
     for build in "$@"; do
       python3 -c "
-import json, random
-vocab = json.load(open('$b/$build/manifest.json'))['spec']['target']['config']['vocab_size']
+import json, random, sys
+vocab = json.load(open(sys.argv[1]))['spec']['target']['config']['vocab_size']
 r = random.Random(1)
 for _ in range(32):
-    print(json.dumps({'prompt_ids': [r.randrange(10, vocab) for _ in range(${PROMPT_TOKENS:-64})]}))" > $E/exact.jsonl
-      timeout ${EXACT_S:-240} python3 -m specpilot.cli bench $b/$build --prompts $E/exact.jsonl --batch ${BATCHES:-16,32} \
+    print(json.dumps({'prompt_ids': [r.randrange(10, vocab) for _ in range(int(sys.argv[2]))]}))" \
+        "$b/$build/manifest.json" ${PROMPT_TOKENS:-64} > $E/exact.jsonl
+      # a failing build is reported and the next one still runs
+      timeout ${EXACT_S:-240} python3 -m specpilot.cli bench "$b/$build" --prompts $E/exact.jsonl --batch ${BATCHES:-16,32} \
         --max-new-tokens ${TOKENS:-128} --engines ${ENGINES:-compiled,compiled-spec,compiled-tree,compiled-tree-sched} \
-        --tie-tolerance ${TIE:-auto} --forced -o $OUT/batch-exact-$build.json 2>&1 | tail -${TAIL:-16}
+        --tie-tolerance ${TIE:-auto} --forced -o "$OUT/batch-exact-$(basename "$build").json" 2>&1 | tail -${TAIL:-16} \
+        || echo "exact-batch $build: failed (exit ${PIPESTATUS[0]})"
     done ;;
   batch-profile)
     # the host's side of a batched run: cProfile of the batch bench at BATCHES (PROFILE_ENGINES), the stats

@@ -309,9 +309,9 @@ def bench_gdn(lib_path: Path, tree) -> list[dict]:
             result_row(f"GDN path recompute, chunked ({n} rows)", timed(run_chunked)),
             result_row(f"GDN node by node ({n} launches)", timed(run_nodes, iters=5)),
             result_row(f"GDN root paths walked ({n} launches, {sum(o.shape[1] for _, o in path_args)} token steps)",
-                 timed(run_paths, iters=5)),
+                       timed(run_paths, iters=5)),
             result_row(f"GDN commit: the state at depth {len(root_path(parents, deepest))} rebuilt (1 launch)",
-                 timed(run_commit))]
+                       timed(run_commit))]
     fast = rows[0]["median_us"]
     for r in rows:
         r["vs_path_recompute"] = r["median_us"] / fast

@@ -279,13 +279,15 @@ def _recorded_confidence(best, path: Path, console) -> dict | None:
               help="with --batch: more rows of each speculative engine, each drafting one of other lengths a "
                    "request and pass: ':' within a set, ',' between sets (e.g. 4,8:6:4); auto: each pass's "
                    "chain length or tree nodes chosen by what the engine's passes cost")
+@click.option("--fill", is_flag=True, help="with --batch: drafts shorter than a pass's longest grown into the rows "
+                                          "the pass pads them to, where that needs no drafter pass")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="write the JSON here")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="tokens/s and cycle breakdown, PNG")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON instead of the table")
 @sampling_options
 def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, no_reference, breakdown_requests,
           tie_tolerance, record_profile, forced, replay_alpha, replay_profile, replay_confidence, batches, arrivals,
-          queue, schedules, draft_lengths, output, plot, as_json, sampling=None):
+          queue, schedules, draft_lengths, fill, output, plot, as_json, sampling=None):
     """The lossless speedup over autoregressive decoding, wall clock, tokens checked, in one run."""
     from rich.console import Console
     from rich.progress import Progress
@@ -304,9 +306,9 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
         _replay_plans(system, None, (), replay_confidence)     # the build's own plan, scored as given
         _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
                        forced, batches, arrivals, queue, output, as_json, schedules, breakdown_requests > 0,
-                       draft_lengths, replay_confidence)
+                       draft_lengths, replay_confidence, fill)
         return
-    for given, option in ((schedules, "--schedules"), (draft_lengths, "--draft-lengths")):
+    for given, option in ((schedules, "--schedules"), (draft_lengths, "--draft-lengths"), (fill or None, "--fill")):
         if given is not None:
             raise SpecPilotError(f"{option} needs --batch")
     ids = _bench_prompts(prompts, system, n_requests)
@@ -345,7 +347,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
 
 def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, tie_tolerance,
                    forced, batches, arrivals, queue, output, as_json, schedules=None, split=False, draft_lengths=None,
-                   replay_confidence=None):
+                   replay_confidence=None, fill=False):
     """`bench --batch`: `runtime.batch_bench` at each batch size, one JSON."""
     from rich.console import Console
     from rich.progress import Progress
@@ -387,7 +389,7 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
     with Progress(console=console, transient=True, disable=as_json or OUTPUT["quiet"]) as progress:
         bench = BatchBench(system, names, sizes, make, tie_tolerance, forced, warmup,
                            lambda m, advance=0: progress.update(task, description=m, advance=advance), queue,
-                           partial, extra, split, lengths)
+                           partial, extra, split, lengths, fill)
         task = progress.add_task("bench", total=len(sizes) * bench.rows_per_batch())
         run = bench.run()
     result = {**batch_report(run, meta), "complete": True}

@@ -147,7 +147,7 @@ class BatchBench:
     def __init__(self, system, engines: list[str], batches: list[int], make_arrivals, tie_tolerance="auto",
                  forced: bool = False, warmup: int = 1, progress=None, queue: int | None = None, partial=None,
                  schedules: list[tuple[int, int]] = (), split: bool = False,
-                 lengths: list[tuple[int, ...] | str] = ()):
+                 lengths: list[tuple[int, ...] | str] = (), fill: bool = False):
         """``partial(run)``: hears the run so far after each batch size (a long run's results survive it).
         ``schedules``: (nodes a pass, admission chunk) pairs, each run as one more row of the last engine
         with a batch schedule (the runtime's choice for this batch size, the build's draft lengths kept).
@@ -155,8 +155,9 @@ class BatchBench:
         runtime's choice; at most the build's own longest draft), or ``AUTO``: one more row of every
         drafting engine choosing its chain lengths or tree nodes by their cost.
         ``split``: every row run once more with a synchronisation after each part of a pass, for where
-        a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run)."""
-        self.partial, self.split = partial or (lambda run: None), split
+        a pass's time goes (the synchronisations cost time: the row's own numbers come from the first run).
+        ``fill``: every row's drafts grown into the rows its passes pad them to (`BatchPolicy.fill`)."""
+        self.partial, self.split, self.fill = partial or (lambda run: None), split, fill
         self.schedules, self.lengths = list(schedules), list(lengths)
         self.scheduled = next((n for n in reversed(engines) if getattr(system.engines[n], "batch", None) is not None
                                and system.engines[n].batch.chunk is not None), None)
@@ -217,7 +218,7 @@ class BatchBench:
 
     def _row(self, name: str, batch: int, arrivals: list[Arrival], tolerance: float,
              schedule: tuple[int, int] | None = None, lengths: tuple[int, ...] | str | None = None) -> BatchResult:
-        policy = self.system.batch_policy(name, batch, self.queue)
+        policy = replace(self.system.batch_policy(name, batch, self.queue), fill=self.fill)
         if schedule is not None:
             policy = replace(policy, budget=schedule[0], chunk=schedule[1])
         if lengths is not None:

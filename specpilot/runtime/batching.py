@@ -110,10 +110,9 @@ class BatchPolicy:
     fixed); ``chunk``: prompt admission's chunk (None: joins by their own prefill pass).  A batched
     pass computes every request's rows up to its longest item's; with ``fill`` the drafts shorter than
     that take their next-best nodes into those rows where that needs no drafter pass, so the budget and
-    lengths choose the pass's rows and the rows carry as many candidates as they hold.  Off by default:
-    on the H200 (27B-class hybrid, batch 16) it raised the batch schedule's tokens a verification 7 % but
-    its host time (the trees grown by a second best-first over the union) and longer verification cost
-    more (docs/bench-log.md, 2026-12-06 late morning)."""
+    lengths choose the pass's rows and the rows carry as many candidates as they hold.  Off by default
+    (`bench --fill`): growing trees runs best first over the union again, host time that cost more than
+    the tokens it added (docs/bench-log.md)."""
     mode: str = "ar"
     max_batch: int = 1
     nodes: int = 0

@@ -54,21 +54,33 @@ class LastError:
 
 
 def loaded_cudart(maps: str | None = None) -> str | None:
-    """The path of the libcudart this process has loaded (from /proc/self/maps), or None."""
+    """The path of the libcudart this process has loaded (from /proc/self/maps: the sixth field
+    on, spaces kept, a deleted file's suffix dropped), or None."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
         except OSError:
             return None
     for line in maps.splitlines():
-        path = line.split()[-1] if line.split() else ""
+        fields = line.split(None, 5)
+        path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
         if Path(path).name.startswith("libcudart.so"):
             return path
     return None
 
 
 @lru_cache(maxsize=1)
+def _found(path: str) -> LastError | None:
+    try:
+        return LastError(ctypes.CDLL(path))
+    except (OSError, AttributeError) as e:
+        log.warning("%s: cannot read CUDA's last error there (%s); allocation errors TVM recovers from may "
+                    "reach torch", path, e)
+        return None
+
+
 def last_error() -> LastError | None:
-    """The process's libcudart's last error (None where none is loaded: a CPU process)."""
+    """The loaded libcudart's last error (one reader a library; None where none is loaded: a CPU
+    process, or a GPU one before its runtime loads)."""
     path = loaded_cudart()
-    return LastError(ctypes.CDLL(path)) if path else None
+    return _found(path) if path else None

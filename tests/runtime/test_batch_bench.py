@@ -76,6 +76,18 @@ def test_batched_bench_without_the_split(run_cli, replay_build):
     assert [r["split"] for r in json.loads(stdout)["rows"]] == [None, None]
 
 
+def test_fill_reaches_every_row_s_policy(run_cli, replay_build):
+    """`--fill`: every row's drafts grow into the rows its passes pad them to (off without it); tokens checked."""
+    build, _ = replay_build
+    for extra, want in (([], False), (["--fill"], True)):
+        code, stdout, err = run_cli("bench", build, "--batch", "2", "--engines", "compiled,compiled-tree-sched", "--json",
+                                    "--warmup", 0, "--requests", 2, "--max-new-tokens", 4, "--breakdown-requests", 0,
+                                    "--forced", *extra)
+        assert code == 0, err
+        rows = json.loads(stdout)["rows"]
+        assert [r["policy"]["fill"] for r in rows] == [want, want] and all(r["check"]["passed"] for r in rows)
+
+
 def test_other_draft_lengths_are_rows_of_every_speculative_engine(run_cli, replay_build):
     """`--draft-lengths`: one row per set and speculative engine, drafting at most the set's longest a
     request and pass (fixed for one length, chosen by acceptance for several), tokens checked."""
@@ -129,7 +141,8 @@ def test_auto_lengths_are_a_row_of_each_drafting_engine(run_cli, replay_build):
                                           (["--batch", "2", "--draft-lengths", "auto", "--engines",
                                             "compiled"], "no engine here drafts"),
                                           (["--draft-lengths", "4"], "--draft-lengths needs --batch"),
-                                          (["--schedules", "64/8"], "--schedules needs --batch")])
+                                          (["--schedules", "64/8"], "--schedules needs --batch"),
+                                          (["--fill"], "--fill needs --batch")])
 def test_bad_batch_options_are_refused(run_cli, replay_build, args, message):
     code, _, err = run_cli("bench", replay_build[0], *args)
     assert code == 2 and message in err

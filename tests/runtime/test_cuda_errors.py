@@ -47,4 +47,5 @@ def test_the_loaded_libcudart_is_found_in_the_process_maps():
     ])
     assert loaded_cudart(maps) == "/opt/py/nvidia/cu13/lib/libcudart.so.13"
     assert loaded_cudart(maps.rsplit("\n", 1)[0]) is None
-    assert loaded_cudart("") is None
+    spaced = "7f0000004000-7f0000005000 r-xp 00000000 08:01 2 /opt/my env/lib/libcudart.so.12 (deleted)"
+    assert loaded_cudart(spaced) == "/opt/my env/lib/libcudart.so.12"
