@@ -216,7 +216,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     printf 'target:\n  gguf: %s\ndrafter:\n  kind: ngram\ndeployment:\n  dtype: float32\n' $G > $E/smollm2.yaml
     python3 -c "import json; from specpilot.runtime.prompt_sets import CODE, CHAT; json.dump(CODE + CHAT, open('$E/holdout.json', 'w'))"
     common="--steps ${STEPS:-20000} --batch ${BATCH:-32} --seq-len 256 --generate ${GENERATE:-2048} --holdout $E/holdout.json"
-    declare -A options=([block]="--layers 2 --block-size 8" [feature]="--ttt 3 --draft-vocab 8192")
+    declare -A options=([block]="--layers ${LAYERS:-2} --block-size 8" [feature]="--ttt 3 --draft-vocab 8192")
     for k in ${KINDS:-block feature}; do      # the continuations are generated once and shared
       mkdir -p $d/$k/training; [ -f $d/$k/training/sequences.json ] || cp $d/*/training/sequences.json $d/$k/training/ 2>/dev/null || true
       python3 -m specpilot.cli drafter train $E/smollm2.yaml --kind $k ${options[$k]} -o $d/$k $common \

@@ -209,6 +209,14 @@ def block_batch(cfg, anchors: list[list[int]], tokens: torch.Tensor, valid_len: 
     return q_tok.to(device), q_pos.to(device), mask.to(device), tuple(t.to(device) for t in labels)
 
 
+def loss_curve(losses: list[float], points: int = 20) -> list[float]:
+    """The mean loss of each of ``points`` equal spans of the run (fewer for short runs): whether a run
+    still learned at its end, in a report small enough to read."""
+    n = min(points, len(losses))
+    edges = [round(i * len(losses) / n) for i in range(n + 1)] if n else []
+    return [round(sum(losses[a:b]) / (b - a), 4) for a, b in zip(edges, edges[1:])]
+
+
 def _kl(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(student.float(), -1)
     per = (teacher.exp() * (teacher - logp)).sum(-1)
@@ -369,7 +377,7 @@ class Trainer:
                 "seconds": round(time.perf_counter() - started, 1), "device": o.device, "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name() if o.device != "cpu" else None, "target_digest": self.digest,
                 "first_loss": self.losses[0] if self.losses else None, "last_loss": self.losses[-1] if self.losses else None,
-                "heldout": self.evaluate(heldout)}
+                "loss_curve": loss_curve(self.losses), "heldout": self.evaluate(heldout)}
 
     @torch.no_grad()
     def evaluate(self, sequences: list[list[int]], batch: int = 16) -> dict:

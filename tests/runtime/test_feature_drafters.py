@@ -19,7 +19,7 @@ from specpilot.core.weights import random_weights
 from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, tree_inputs
 from specpilot.runtime.drafters import ranked
 from specpilot.runtime.feature_drafter_training import (block_batch, block_forward, feature_forward, init_tensors,
-                                                         sample_anchors)
+                                                         loss_curve, sample_anchors)
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.reference.feature_nets import build_net
@@ -542,6 +542,22 @@ def test_continuous_batches_with_either_drafter_are_stock_s_tokens(kind):
         assert [g.tokens for g in got] == want, engine
 
 
+@pytest.mark.parametrize("n", [1, 7, 20, 41, 1003])
+def test_loss_curve_is_the_mean_of_equal_spans(n):
+    rng = random.Random(n)
+    losses = [rng.uniform(0, 9) for _ in range(n)]
+    curve = loss_curve(losses)
+    spans = min(20, n)
+    assert len(curve) == spans
+    # every loss in exactly one span, spans of sizes differing by at most one
+    sizes = [round((i + 1) * n / spans) - round(i * n / spans) for i in range(spans)]
+    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+    starts = [sum(sizes[:i]) for i in range(spans)]
+    want = [sum(losses[a:a + k]) / k for a, k in zip(starts, sizes)]
+    assert curve == pytest.approx(want, abs=1e-4)
+    assert loss_curve([]) == []
+
+
 def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_path):
     import yaml
     data = _data("LlamaForCausalLM", "ngram")
@@ -553,6 +569,7 @@ def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_pa
     assert code == 0, err
     report = json.loads((tmp_path / "d" / "training.json").read_text())
     assert report["steps"] == 3 and report["config"]["draft_vocab_size"] == 120
+    assert len(report["loss_curve"]) == 3 and report["loss_curve"][0] == pytest.approx(report["first_loss"], abs=1e-4)
     code, _, err = run_cli(*args, "--steps", "5")
     assert code == 0 and "resumed at step 3" in err, err
     assert json.loads((tmp_path / "d" / "training.json").read_text())["steps"] == 5
