@@ -176,6 +176,7 @@ class BlockDrafter(_Conditioned):
         def expand(path: list[int]) -> list[tuple[int, float]]:
             d = len(path)
             return tops[d] if d < len(tops) and len(context) + d < self.capacity else []
+        expand.by_depth = True      # a node's expansion depends on its depth alone (`replay` reads this)
         return expand
 
 

@@ -251,15 +251,24 @@ class ReplayDrafter:
         position, tokens, wrong = self._locate(context)
         cost_paths: dict[tuple, list[int]] = {(): []}
         cost_children: dict[tuple, list] = {}
-        built: dict[tuple, list] = {}          # each path's children, built once (the tree asks again)
+        # a node's children depend on its position and whether its path is the continuation's: built
+        # once for each, shared by every node with them (the tree asks again, and best_first_shared
+        # reads a shared list's order once)
+        built: dict[tuple[int, bool], list] = {}
 
         def children(path: list[int]) -> list[tuple[int, float]]:
-            key = tuple(path)
-            if key not in built:
-                depth = len(key)
-                on_path = list(key) == tokens[position:position + depth]
-                built[key] = self._children(position + depth, tokens, wrong, on_path)
-            return built[key]
+            at = (position + len(path), list(path) == tokens[position:position + len(path)])
+            if at not in built:
+                built[at] = self._children(at[0], tokens, wrong, at[1])
+            return built[at]
+
+        if getattr(cost_expand, "by_depth", False):
+            # a block drafter's expansion is its drafted block's row at the node's depth: the lookup at
+            # the replayed node's depth is the host work that drafter does for the node
+            def by_depth(path: list[int]) -> list[tuple[int, float]]:
+                cost_expand(path)
+                return children(path)
+            return by_depth
 
         def cost_path(path: tuple) -> list[int] | None:
             if path in cost_paths:

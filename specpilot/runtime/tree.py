@@ -91,7 +91,10 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
     depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(expands)
     caps = caps if caps is not None else [budget] * len(expands)
     trees = [Tree() for _ in expands]
+    paths: list[list[tuple]] = [[] for _ in expands]     # each node's root path (tokens), by tree and index
     heap: list[tuple] = []
+    ordered: dict[int, tuple[list, bool]] = {}            # id -> (children list, listed best first); the
+                                                          # list is held so that its id is not reused
 
     def offer(request: int, parent: int, depth: int, score: float, children: list, rank: int, lazy: bool) -> None:
         """Push children[rank] (the first of them a score can take, from rank on) and, unless ``lazy``,
@@ -107,15 +110,17 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
             if lazy:
                 return
 
-    def push_children(request: int, parent: int, depth: int, score: float, path: list[int]) -> None:
+    def push_children(request: int, parent: int, depth: int, score: float, path: tuple) -> None:
         if depth > depths[request] or len(trees[request]) >= caps[request]:
             return
-        children = expands[request](path)
-        lazy = all(a[1] >= b[1] for a, b in zip(children, children[1:]))
-        offer(request, parent, depth, score, children, 0, lazy)
+        children = expands[request](list(path))
+        known = ordered.get(id(children))
+        if known is None or known[0] is not children:
+            known = ordered[id(children)] = (children, all(a[1] >= b[1] for a, b in zip(children, children[1:])))
+        offer(request, parent, depth, score, children, 0, known[1])
 
     for request in range(len(expands)):
-        push_children(request, -1, 1, 0.0, [])
+        push_children(request, -1, 1, 0.0, ())
     taken = 0
     while heap and taken < budget:
         neg, request, depth, parent, rank, token, siblings, parent_score = heapq.heappop(heap)
@@ -131,9 +136,10 @@ def best_first_shared(expands: list[Expand], budget: int, max_depth: int | list[
         if order is not None:
             order.append((request, -neg, depth))
         taken += 1
+        path = (paths[request][parent] if parent >= 0 else ()) + (token,)
+        paths[request].append(path)
         if taken < budget:
-            i = len(tree) - 1
-            push_children(request, i, depth + 1, -neg, tree.path_tokens(i))
+            push_children(request, len(tree) - 1, depth + 1, -neg, path)
     return trees
 
 
