@@ -200,7 +200,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
     from specpilot.passes.legality import require_legal
     from specpilot.passes.pipeline import parse
     from specpilot.passes.runner import run_pipeline
-    from specpilot.passes.tree_verify import fixed_tokens
+    from specpilot.passes.tree_verify import fixed_tokens, packed_verify
 
     say = say or (lambda message: None)
     text = spec.passes if passes is None else passes
@@ -226,7 +226,7 @@ def lower_and_apply(spec: Spec, target: TargetSpec, passes: str | None = None, p
                                   target.is_gpu, drafter_own=drf.own if drf else None,
                                   n_rows=spec.deployment.max_batch,
                                   draft=net[0] if net else None, verify_tokens=fixed_tokens(pipeline),
-                                  draft_ranks=spec.drafter.top_k)
+                                  draft_ranks=spec.drafter.top_k, packed_verify=packed_verify(pipeline))
     # seeded builds know their parameters' names, not their values (passes that convert weights
     # plan by name and shape; the engine converts what it redraws, see the manifest's "w12")
     draft = drf or (packing_view(*net, tgt.weights) if net and params != "seeded" else None)

@@ -91,6 +91,23 @@ class StepInputs:
     parents: Tensor | None = None   # (B, T), verify only: token t's parent among the new tokens
     counters: Tensor | None = None  # (B * KV heads,) int32 zeros, GPU decode: `kernels.attention_decode`'s counters
     few_rows: bool = False          # a few query rows over a long cache (drafter passes): split the keys as verify does
+    # packed verification (`target_verify_packed`): the linear layers see only the batch's N real tokens,
+    # ``pack`` (N,) their flat indices in (B*T); ``unpack`` (B*T,) each padded position's row among them
+    pack: Tensor | None = None
+    unpack: Tensor | None = None
+
+    def expand(self, x: Tensor) -> Tensor:
+        """Rows of the real tokens (N, ...) -> (B*T, ...), a padding position a copy of a real row (its
+        outputs are dropped, its keys written nowhere); unpacked rows are returned as they are."""
+        if self.unpack is None:
+            return x
+        return wrap_nested(rx.op.take(x._expr, self.unpack._expr, axis=0, mode="clip"), "unpacked")
+
+    def compact(self, x: Tensor) -> Tensor:
+        """(B*T, ...) -> the real tokens' rows (N, ...); unpacked rows are returned as they are."""
+        if self.pack is None:
+            return x
+        return wrap_nested(rx.op.take(x._expr, self.pack._expr, axis=0, mode="clip"), "packed")
 
     def cos_sin(self) -> tuple[Tensor, Tensor]:
         """The layer's own slices of ``rotary``: cos, sin (B, T, rot)."""
@@ -134,17 +151,18 @@ class Attention(nn.Module):
             "attention_heads", [q, k, v, *norm, *s.cos_sin()], attrs={"op_pattern": 2})
 
     def forward(self, x: Tensor, s: StepInputs, kv: Tensor, layer: int):
-        """x (B*T, hidden) -> (B*T, hidden); writes the new keys/values into the pool."""
+        """x (B*T, hidden) -> (B*T, hidden) (packed: the real tokens' rows, `StepInputs.pack`); writes the
+        new keys/values into the pool."""
         cfg = self.cfg
         B, T_, d, nh, nkv = s.batch, s.tokens, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        q = self.q_proj(x)
+        q = s.expand(self.q_proj(x))
         gate = None
         if cfg.attn_output_gate:
             qg = op.reshape(q, (B, T_, nh, 2 * d))
             q, gate = slice_axis(qg, 3, 0, d, "q"), op.reshape(slice_axis(qg, 3, d, 2 * d, "gate"), (B * T_, nh * d))
         q = op.reshape(q, (B, T_, nh, d))
-        k = op.reshape(self.k_proj(x), (B, T_, nkv, d))
-        v = op.reshape(self.v_proj(x), (B, T_, nkv, d))
+        k = op.reshape(s.expand(self.k_proj(x)), (B, T_, nkv, d))
+        v = op.reshape(s.expand(self.v_proj(x)), (B, T_, nkv, d))
         heads = self._heads(q, k, v, s)      # queries, keys, values: (B, T, nh + 2 nkv, d)
         decode = isinstance(T_, int) and T_ == 1
         if decode and self.gpu:     # the decode kernel writes the new keys / values into the pool itself
@@ -158,7 +176,7 @@ class Attention(nn.Module):
                 self._attend_gathered(slice_axis(heads, 2, 0, nh, "q"), s, kv, layer)
         if gate is not None:
             out = out * op.sigmoid(gate)
-        return self.o_proj(out), kv
+        return self.o_proj(s.compact(out)), kv
 
     def _attend_in_place(self, heads: Tensor, s: StepInputs, kv: Tensor, layer: int) -> tuple[Tensor, Tensor]:
         """Attention read straight from the pool, split over the keys (flash decoding): one query
@@ -269,7 +287,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, s: StepInputs, conv_state: Tensor, rec_state: Tensor, keep_states: bool,
                 stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
                 stacked_conv: Tensor | None = None):
-        """x (B*T, hidden), conv_state (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` and
+        """x (B*T, hidden) (packed: the real tokens' rows, `StepInputs.pack`; so is ``out``), conv_state
+        (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` and
         without ``keep_states`` all G layers' (B, G, H, dk, dv) -> out (B*T, hidden), and the new
         states: final (B, ...) or, with ``keep_states``, the conv state after every token and every
         token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).  ``stack`` = (G, g):
@@ -280,7 +299,8 @@ class GatedDeltaNet(nn.Module):
         B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
         C = self.conv_dim
-        mixed, z, b, a = self._projections(x)
+        mixed, z, b, a = self._projections(x)      # packed: the real tokens' rows (z stays so)
+        mixed, b, a = (s.expand(t) for t in (mixed, b, a))
         mixed = op.reshape(mixed, (B, T_, C))
         # a decode step runs verify's conv kernel on its one token: no window concatenated and
         # transposed, and its state goes into the layers' stack (dlight's schedule of the Relax conv
@@ -343,9 +363,10 @@ class GatedDeltaNet(nn.Module):
                                                      [state_type, o_type])
             else:
                 o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, state_type])
+        o = s.compact(op.reshape(o, (B * T_, nv, dv)))
         o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
-                              [op.reshape(o, (B * T_, nv, dv)), self.norm.weight, z], attrs={"op_pattern": 2})
-        return self.out_proj(op.reshape(o, (B * T_, nv * dv))), new_conv, new_rec
+                              [o, self.norm.weight, z], attrs={"op_pattern": 2})
+        return self.out_proj(op.reshape(o, (o.shape[0], nv * dv))), new_conv, new_rec
 
 
 class DecoderLayer(nn.Module):

@@ -78,15 +78,20 @@ class CausalLM(nn.Module):
     def n_gdn(self) -> int:
         return self.cfg.layer_types.count("linear_attention")
 
-    def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool, parents=None):
+    def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool, parents=None,
+             pack=None, unpack=None):
+        """``pack`` (N,) / ``unpack`` (B, T): the linear layers and the head run over the batch's N real
+        tokens only (`StepInputs.pack`); the outputs are the padded batch's as without them."""
         cfg = self.cfg
         B, T_ = tokens.shape
         s = StepInputs(B, T_, slots, mask, rows, op.tensor_expr_op(rotary_te(self.dtype), "rotary",
                                                                    [positions, self.rope_inv_freq]), parents)
+        if pack is not None:
+            s.pack, s.unpack = pack, op.reshape(unpack, (B * T_,))
         if self.gpu and self.n_attn and isinstance(T_, int) and T_ == 1:   # one zeroing a step, for every layer
             s.counters = op.zeros((B * cfg.num_key_value_heads,), "int32")
-        h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, op.reshape(tokens, (B * T_,))._expr,
-                                   axis=0, mode="clip"), "embed")                          # (B*T, hidden)
+        h = wrap_nested(rx.op.take(self.model.embed_tokens.weight._expr, s.compact(op.reshape(tokens, (B * T_,)))._expr,
+                                   axis=0, mode="clip"), "embed")                          # (B*T or N, hidden)
         convs, recs, a, g = [], [], 0, 0
         kept: dict[int, Tensor] = {}
         for i, (layer, kind) in enumerate(zip(self.model.layers, cfg.layer_types)):
@@ -109,7 +114,7 @@ class CausalLM(nn.Module):
                 kept[i] = h
         h = self.model.norm(h)
         head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
-        logits = op.reshape(op.astype(matmul(h, op.permute_dims(head)), "float32"), (B, T_, cfg.vocab_size))
+        logits = op.reshape(op.astype(s.expand(matmul(h, op.permute_dims(head))), "float32"), (B, T_, cfg.vocab_size))
         outputs = [logits]
         if self.n_gdn:
             # per-token states / records (B, T, G, ...) and final recurrent states (B, G, ...): the layers
@@ -122,7 +127,7 @@ class CausalLM(nn.Module):
                 conv_out = op.concat([op.unsqueeze(c, 1) for c in convs], dim=1)
             outputs += [conv_out, recs[-1]]
         if self.feature_layers:
-            features = op.concat([kept[i] for i in self.feature_layers], dim=-1)
+            features = s.expand(op.concat([kept[i] for i in self.feature_layers], dim=-1))
             outputs.append(op.reshape(features, (B, T_, len(self.feature_layers) * cfg.hidden_size)))
         return tuple(outputs) if len(outputs) > 1 else logits
 
@@ -149,8 +154,9 @@ class CausalLM(nn.Module):
     def prefill(self, tokens, positions, slots, mask, rows, kv, conv, rec):
         return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=False)
 
-    def verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
-        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=True, parents=parents)
+    def verify(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec, pack=None, unpack=None):
+        return self.step(tokens, positions, slots, mask, rows, kv, conv, rec, keep_states=True, parents=parents,
+                         pack=pack, unpack=unpack)
 
 
 class Deployment(nn.Module):
@@ -176,6 +182,9 @@ class Deployment(nn.Module):
 
     def target_verify_tree(self, tokens, positions, slots, mask, rows, parents, kv, conv, rec):
         return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec)
+
+    def target_verify_packed(self, tokens, positions, slots, mask, rows, parents, pack, unpack, kv, conv, rec):
+        return self.target.verify(tokens, positions, slots, mask, rows, parents, kv, conv, rec, pack, unpack)
 
     def target_commit(self, conv_states, rec_records, rec_state, path, index):
         return self.target.commit(conv_states, rec_records, rec_state, path, index)
@@ -247,7 +256,7 @@ def _share_parameters(drafter: CausalLM, target: CausalLM, own: frozenset[str]) 
 
 
 def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens, batch="batch",
-               parents: bool = False) -> dict:
+               parents: bool = False, packed: bool = False) -> dict:
     caches = cache_shapes(cfg, capacity, n_rows, dtype)
     absent = nn.spec.Tensor([1], "float32")   # a model without such layers takes a placeholder
     per_sequence = lambda name: nn.spec.Tensor([batch, *caches[name][0]], caches[name][1])  # noqa: E731
@@ -258,6 +267,8 @@ def _step_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str, tokens,
         "mask": nn.spec.Tensor([batch, tokens, "kv_len"], "bool"),
         "rows": nn.spec.Tensor([batch], "int32"),
         **({"parents": nn.spec.Tensor([batch, tokens], "int32")} if parents else {}),
+        **({"pack": nn.spec.Tensor(["real"], "int32"), "unpack": nn.spec.Tensor([batch, tokens], "int32")}
+           if packed else {}),
         "kv": nn.spec.Tensor(*caches["kv"]) if "kv" in caches else absent,
         "conv": per_sequence("conv") if "conv" in caches else absent,
         "rec": per_sequence("rec") if "rec" in caches else absent,
@@ -291,7 +302,7 @@ def _commit_spec(cfg: ModelConfig, capacity: int, n_rows: int, dtype: str) -> di
 def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, dtype: str, capacity: int,
                      gpu: bool, drafter_own: frozenset[str] | None = None, n_rows: int = 1,
                      pool_rows: bool | None = None, draft: DraftNetConfig | None = None,
-                     verify_tokens: int | None = None, draft_ranks: int = 4):
+                     verify_tokens: int | None = None, draft_ranks: int = 4, packed_verify: bool = False):
     """-> (IRModule, [parameter names in packed order]).  Parameter names are ``target.<HF name>``,
     ``drafter.<HF name>`` and ``<model>.rope_inv_freq``; shared drafter weights appear once.
     ``n_rows``: sequences the KV-cache pool holds (deployment.max_batch).  ``drafter_own``: for a
@@ -303,7 +314,9 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
     steps also return the layers it reads, and its functions join the module (`compiler.lower_drafter`).
     ``verify_tokens``: also ``target_verify_tree``, the target's verification of one sequence of exactly
     this many tokens (static shapes; `passes.tree_verify`'s ``fixed``).  ``draft_ranks``: a block
-    drafter's proposals a position, ranked in its cycle (the spec's top_k)."""
+    drafter's proposals a position, ranked in its cycle (the spec's top_k).  ``packed_verify``: also
+    ``target_verify_packed``, the target's batched verification whose linear layers and head run over
+    the batch's real tokens only (`passes.tree_verify`'s ``packed``)."""
     target = CausalLM(target_cfg, dtype, gpu, capacity, n_rows, pool_rows, draft.target_layers if draft else ())
     drafter = CausalLM(drafter_cfg, dtype, gpu, capacity, n_rows, pool_rows) if drafter_cfg is not None else None
     if drafter is not None and drafter_own is not None:
@@ -324,6 +337,8 @@ def lower_deployment(target_cfg: ModelConfig, drafter_cfg: ModelConfig | None, d
         spec[f"{prefix}_verify"] = _step_spec(cfg, capacity, n_rows, dtype, "n", parents=True)
         if prefix == "target" and verify_tokens:
             spec["target_verify_tree"] = _step_spec(cfg, capacity, n_rows, dtype, verify_tokens, batch=1, parents=True)
+        if prefix == "target" and packed_verify:
+            spec["target_verify_packed"] = _step_spec(cfg, capacity, n_rows, dtype, "n", parents=True, packed=True)
         if model.n_gdn:
             spec[f"{prefix}_commit"] = _commit_spec(cfg, capacity, n_rows, dtype)
     spec["sample_scores"] = _sampling_spec(target_cfg)

@@ -59,6 +59,7 @@ class Admission(_Strict):
 class TreeVerify(_Strict):
     budget: int = Field(ge=1)          # nodes a verification takes (`tree-verify`)
     fixed_tokens: int | None = Field(None, ge=2)   # tokens of target_verify_tree (`tree-verify{fixed=true}`)
+    packed: bool = False               # target_verify_packed (`tree-verify{packed=true}`)
 
 
 class GdnVerify(_Strict):

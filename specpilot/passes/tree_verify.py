@@ -12,7 +12,11 @@ sequence of exactly budget + 1 tokens, which every pass rewrites as it does ``ta
 Its shapes are static but for the KV length, so a ``kernel-schedule{graph=true}`` build replays
 its weight and activation kernels as CUDA graphs (verification otherwise launches every kernel);
 the engine pads a smaller tree or chain to it (padding tokens are written nowhere, their rows
-dropped).
+dropped).  ``packed=true`` has the lowering add ``target_verify_packed``: ``target_verify`` with
+the batch's real tokens' flat indices (``pack``) and each padded position's row among them
+(``unpack``), whose embedding, linear layers and head run over those rows only -- a batched pass
+pads every request's draft to the longest, and a shared node budget gives uneven ones; the
+attention and Gated DeltaNet kernels read the padded layout as before.
 
 When it is legal: any target; on a hybrid target (Gated DeltaNet layers) only together with
 ``gdn-path-recompute``, since each node's recurrent state depends on its root path.
@@ -35,14 +39,17 @@ class TreeVerify(Pass):
     doc = "verify a best-first draft tree of up to `budget` nodes per target pass; adds target_compact_kv"
     options = (Option("budget", int, TREE_BUDGET_DEFAULT, "tree nodes drafted per verification (1..1024)"),
                Option("fixed", bool, False, "also add target_verify_tree: one sequence's verification of exactly "
-                      "budget + 1 tokens (static shapes: CUDA graphs with kernel-schedule{graph=true})"))
+                      "budget + 1 tokens (static shapes: CUDA graphs with kernel-schedule{graph=true})"),
+               Option("packed", bool, False, "also add target_verify_packed: a batch's verification whose linear "
+                      "layers and head skip the rows that pad its shorter drafts"))
     after = ("w12-layout", "nested-int8-view")
     needs_when = (("hybrid", "gdn-path-recompute"),)   # each node's Gated DeltaNet state follows its root path
     statistics = ("functions_added", "budget")
     manifest_key = "tree"
 
     def manifest_entry(self, context: PassContext) -> dict:
-        return {"budget": self["budget"], **({"fixed_tokens": self["budget"] + 1} if self["fixed"] else {})}
+        return {"budget": self["budget"], **({"fixed_tokens": self["budget"] + 1} if self["fixed"] else {}),
+                **({"packed": True} if self["packed"] else {})}
 
     def legal(self, context: PassContext) -> tuple[bool, str]:
         if not 1 <= self["budget"] <= 1024:
@@ -53,6 +60,9 @@ class TreeVerify(Pass):
         names = [gv.name_hint for gv in mod.get_global_vars()]
         if "target_verify" not in names:
             raise SpecPilotError("tree-verify: the module has no target_verify function")
+        if self["packed"] and "target_verify_packed" not in names:
+            raise SpecPilotError("tree-verify{packed=true}: the module has no target_verify_packed (lowering adds it "
+                                 "for a pipeline with this pass: `compiler.build.lower_and_apply`)")
         if self["fixed"] and "target_verify_tree" not in names:
             raise SpecPilotError("tree-verify{fixed=true}: the module has no target_verify_tree (lowering adds it "
                                  "for a pipeline with this pass: `compiler.build.lower_and_apply`)")
@@ -73,6 +83,12 @@ class TreeVerify(Pass):
             bb.emit_func_output(out)
         context.statistics[self.name].update(functions_added=1, budget=self["budget"])
         return bb.get()
+
+
+def packed_verify(pipeline) -> bool:
+    """Whether a pipeline asks the lowering for the packed batched verification."""
+    tree = next((p for p in pipeline if p.name == TreeVerify.name), None)
+    return tree is not None and tree["packed"]
 
 
 def fixed_tokens(pipeline) -> int | None:

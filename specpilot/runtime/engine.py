@@ -531,6 +531,20 @@ class CompiledState:
 PREFILL_CHUNK = 2048   # prompt tokens one GPU prefill pass takes at most (`CompiledModel.forward`)
 
 
+def packed_rows(toks: list, T: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``target_verify_packed``'s ``pack`` (N,): the flat indices in (B*T) of a batch's real tokens
+    (``toks``: each sequence's, padded to T), and ``unpack`` (B, T): each position's row among them (a
+    padding position: its sequence's first row); None where nothing pads."""
+    lengths = np.array([len(t) for t in toks])
+    if lengths.sum() == len(toks) * T:
+        return None
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pack = np.concatenate([b * T + np.arange(n) for b, n in enumerate(lengths)]).astype("int32")
+    within = np.arange(T)[None, :]
+    unpack = (starts[:, None] + np.where(within < lengths[:, None], within, 0)).astype("int32")
+    return pack, unpack
+
+
 class CompiledModel:
     """`ReferenceModel`'s interface over a build's ``<which>_*`` functions."""
 
@@ -556,6 +570,8 @@ class CompiledModel:
         self._verify_fixed = fns.get(f"{which}_verify_tree")
         tree = module.manifest.tree
         self.fixed_verify_tokens = tree.fixed_tokens if tree and self._verify_fixed is not None else None
+        # tree-verify{packed=true}: a padded batch's verification over its real tokens' rows
+        self._verify_packed = fns.get(f"{which}_verify_packed")
         self.path_recompute = module.manifest.gdn_verify is not None   # every GDN verify kernel, drafter too
         # tokens a recording (verify) pass may take: the chunked GDN tree form holds a fixed number
         limit = (module.manifest.gdn_verify.max_tokens if module.manifest.gdn_verify else None) if self.has_gdn else None
@@ -715,7 +731,10 @@ class CompiledModel:
             conv, rec = self._stacked_states(states)
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        if record:
+        packing = record and not fixed and self._verify_packed is not None and packed_rows(toks, T)
+        if packing:
+            head = m.tensors(tokens, positions, slots, mask, rows, parents, *packing)
+        elif record:
             head = m.tensors(tokens, positions, slots, mask, rows, parents)
         else:
             head = m.tensors(tokens, positions, slots, mask, rows)
@@ -725,7 +744,7 @@ class CompiledModel:
                 kept = torch.nn.functional.pad(kept, (0, T - kept.shape[1]))
             head[0] = m.tvm.runtime.from_dlpack(kept.contiguous())
         if record:
-            fn = self._verify_fixed if fixed else self._verify
+            fn = self._verify_fixed if fixed else self._verify_packed if packing else self._verify
             return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
         fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
         return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents

@@ -60,6 +60,11 @@ def test_tree_verify_raises_without_a_verify_function():
         run_pipeline(parse("tree-verify"), NoVerify, PassContext())
 
 
+def test_packed_tree_verify_raises_where_the_lowering_added_no_packed_function():
+    with pytest.raises(SpecPilotError, match="no target_verify_packed"):
+        run_pipeline(parse("tree-verify{budget=8,packed=true}"), Verify, PassContext(target_kind="llvm"))
+
+
 def _gdn_module(keep_states: bool):
     """A module holding a chain-form verify recurrence (keep_states: it records) and conv kernel."""
     bb = relax.BlockBuilder()
