@@ -68,7 +68,7 @@ def _twins(model: CompiledModel, rng: random.Random, n: int):
     """Two models over the build -- one verifying packed, one padded -- whose sequences have the same
     random prompts prefilled."""
     packed, padded = CompiledModel(model.module, "target"), CompiledModel(model.module, "target")
-    padded._verify_packed = None
+    padded.pack_verify = False
     prompts = [[rng.randrange(model.cfg.vocab_size) for _ in range(rng.randint(1, 9))] for _ in range(n)]
     pairs = []
     for p in prompts:

@@ -1,0 +1,136 @@
+"""A batched verification padded against packed (`tree-verify{packed=true}`), side by side on one build.
+
+    python bench/packed_verify.py BUILD_DIR [--batches 16,32] [--sizes 16,12,8,6,4,2,1,0] [--context 512]
+                                  [--reps 20] [--seed 0] [--out DIR]
+
+B requests are prefilled with --context random token ids each; each gets a random draft tree whose node
+count cycles through --sizes (the uneven trees a shared node budget gives: the batch engines pad every
+request's to the longest).  The same pass (`CompiledModel.step_call`: calls do not move the states) is
+timed through ``target_verify`` (padded: B x (1 + the largest tree) rows through every layer) and
+``target_verify_packed`` (the linear layers and head over the real rows only), round-robin after a
+second of calls of each, synchronised, medians and quartiles.  Their logits at the real rows are
+compared: equal bit for bit on the CPU (float32 builds); on a GPU the two row counts may take different
+GEMM configurations, so the largest difference and the rows whose argmax differs are recorded.  JSON to
+--out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench._common import write  # noqa: E402
+from bench.batch_pass_cost import WARMUP_S, _sync  # noqa: E402
+from specpilot.runtime.decoding import close_state, tree_inputs  # noqa: E402
+from specpilot.runtime.engine import CompiledModule  # noqa: E402
+from specpilot.runtime.tree import Tree  # noqa: E402
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
+    """A tree of ``n`` nodes, each below a random earlier node (or the root)."""
+    tree = Tree()
+    for i in range(n):
+        parent = rng.randint(-1, i - 1)
+        tree.tokens.append(rng.randrange(vocab))
+        tree.parents.append(parent)
+        tree.depths.append(1 if parent < 0 else tree.depths[parent] + 1)
+        tree.scores.append(0.0)
+    return tree
+
+
+def interleaved(calls: dict, reps: int) -> dict:
+    """Milliseconds per call of each ``calls`` entry (name -> (fn, args)), round-robin after ``WARMUP_S``
+    seconds of calls of each: median and quartiles."""
+    for fn, args in calls.values():
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            fn(*args)
+            _sync()
+    ms = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, (fn, args) in calls.items():
+            _sync()
+            t0 = time.perf_counter()
+            fn(*args)
+            _sync()
+            ms[name].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    for name, samples in ms.items():
+        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        out[name] = {"median_ms": statistics.median(samples), "q1_ms": q[0], "q3_ms": q[2], "samples": len(samples)}
+    return out
+
+
+def logits_of(result) -> torch.Tensor:
+    """A step's logits (B, T, vocab) as a float32 host copy."""
+    out = result[0] if not hasattr(result, "shape") else result
+    return torch.from_dlpack(out).float().cpu().clone()
+
+
+def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: random.Random) -> dict:
+    vocab = model.vocab_size
+    states = [model.new_state(model.capacity) for _ in range(B)]
+    model.forward_batch([([rng.randrange(vocab) for _ in range(context)], st) for st in states])
+    items = []
+    for b, st in enumerate(states):
+        tree = random_tree(rng, sizes[b % len(sizes)], vocab)
+        tokens, positions, mask, parents = tree_inputs(rng.randrange(vocab), tree, st.length)
+        items.append((tokens, st, positions, mask, parents))
+    calls = {"packed": model.step_call(items, record=True)[:2]}
+    model.pack_verify = False
+    calls["padded"] = model.step_call(items, record=True)[:2]
+    model.pack_verify = True
+    lengths = [len(it[0]) for it in items]
+    T = max(lengths)
+    results = {name: logits_of(fn(*args)) for name, (fn, args) in calls.items()}
+    real = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
+    a = torch.stack([results["packed"][b, t] for b, t in real])
+    p = torch.stack([results["padded"][b, t] for b, t in real])
+    times = interleaved(calls, reps)
+    for st in states:
+        close_state(st)
+    return {"batch": B, "real_rows": len(real), "padded_rows": B * T, "context": context, "tree_sizes": [n - 1 for n in lengths],
+            "identical": bool(torch.equal(a, p)), "max_abs_diff": float((a - p).abs().max()),
+            "argmax_differs": int((a.argmax(-1) != p.argmax(-1)).sum()), **times,
+            "speedup": times["padded"]["median_ms"] / times["packed"]["median_ms"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build", type=Path)
+    ap.add_argument("--batches", default="16,32")
+    ap.add_argument("--sizes", default="16,12,8,6,4,2,1,0", help="tree nodes a request, cycled over the batch")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model = CompiledModule(args.build).model("target")
+    if not model.pack_verify:
+        sys.exit(f"{args.build}: no target_verify_packed (build it with tree-verify{{packed=true}})")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rng = random.Random(args.seed)
+    rows = []
+    for B in (int(b) for b in args.batches.split(",")):
+        row = one_batch(model, B, sizes, args.context, args.reps, rng)
+        rows.append(row)
+        print(f"batch {B}: {row['real_rows']} real of {row['padded_rows']} rows: padded "
+              f"{row['padded']['median_ms']:.2f} ms, packed {row['packed']['median_ms']:.2f} ms "
+              f"({row['speedup']:.2f}x); logits identical {row['identical']}, max diff {row['max_abs_diff']:.3g}, "
+              f"argmax differs at {row['argmax_differs']}", flush=True)
+    path = write("packed-verify-" + args.build.name, {"build": str(args.build), "sizes": sizes, "seed": args.seed,
+                                                      "rows": rows}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
