@@ -16,6 +16,7 @@
 #                                           speculative one under each set of DRAFT_LENGTHS)
 #   bash bench/h200_e2e.sh batch-profile BUILD  the host's side of a batched run (cProfile at BATCHES), to $OUT
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
+#   bash bench/h200_e2e.sh packed-verify BUILD  bench/packed_verify.py: padded against packed verification, to $OUT
 #   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
 #   bash bench/h200_e2e.sh gdn LIB.so        bench/gdn_recurrence.py run (LIB built here), to $OUT
 #   bash bench/h200_e2e.sh smol-batch BUILD  SmolLM2, continuous batching at BATCHES, every engine (GGUF staged)
@@ -244,6 +245,11 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
       --engines ${PROFILE_ENGINES:-compiled,compiled-tree} -o $OUT/fd-profile-$1.json 2>&1 | tail -4
     python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25)
 s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats | cut -c1-150 ;;
+  packed-verify)
+    # bench/packed_verify.py: a batch build's verification padded against packed (tree-verify{packed=true}),
+    # PV_ARGS: its options, to $OUT
+    shift; setup; unpack
+    timeout ${PV_S:-200} python3 bench/packed_verify.py $b/$1 ${PV_ARGS:-} --out $OUT 2>&1 | tail -${TAIL:-6} ;;
   cost)
     # a drafting cycle beside an AR step of the same build (bench/drafter_cost.py): SmolLM2's (--params load:
     # the GGUF staged) at a 1k context, the 27B-class one (seeded) at 4k (CONTEXT: another); COST_ARGS: more
@@ -255,6 +261,6 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats 
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \
         --out $OUT 2>&1 | tail -${TAIL:-8}
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | exact-batch BUILD... | batch-profile BUILD | pass-cost BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | exact-batch BUILD... | batch-profile BUILD | pass-cost BUILD | packed-verify BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;
 esac
