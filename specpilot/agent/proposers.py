@@ -15,7 +15,8 @@ from the cheapest evidence there is:
 - overhead direction: fewer calls per token (shorter drafts); on CUDA, graphs
   (``kernel-schedule{graph=true}``: half the time outside kernels) and then, for one sequence,
   a fixed-size verification (``tree-verify{fixed=true}``: a quarter of it).
-- batch deployments (``deployment.max_batch`` > 1, with trees): the batch schedule --
+- batch deployments (``deployment.max_batch`` > 1, with trees): packed verification
+  (``tree-verify{packed=true}``, under a shared node budget: half the padded rows it skips) and the batch schedule --
   ``node-budget`` (half the rows of B trees of the budget each), ``draft-length`` (the budget, 3/4
   and 1/2 of it, by acceptance) and ``prompt-admission`` -- estimated from the replayed acceptance
   at the nodes a request gets on average, against the rows a pass no longer verifies (a batched
@@ -208,7 +209,7 @@ class BuiltinProposer:
         """Other schedule sets, stacked projections and W12, from the kernels' distance to their bounds;
         the batch schedule, from the verification rows it saves."""
         return [*self._schedule_sets(f), *self._fused_projections(f), *self._w12(f), *self._batch_schedule(f),
-                *self._priced_chains(f)]
+                *self._packed_verify(f), *self._priced_chains(f)]
 
     def _batch_schedule(self, f: Facts) -> list[Proposal]:
         tree = next((p for p in f.current.passes if p.name == "tree-verify"), None)
@@ -230,6 +231,24 @@ class BuiltinProposer:
                  f"batch {batch}: {nodes} nodes a pass shared best first instead of {batch} x {budget} verifies "
                  f"{rows:.2f}x fewer rows (counted as time: compute-bound batched verification), replayed "
                  f"acceptance {shared:.2f} at {share} nodes a request vs {now:.2f} at {budget}", ())]
+
+    def _packed_verify(self, f: Facts) -> list[Proposal]:
+        """A shared node budget gives the requests uneven trees, and a batched verification pads each to the
+        longest: ``tree-verify{packed=true}`` runs the linear layers and head over the real rows only.  At
+        most B x (budget + 1) rows against B + nodes are real; half that gap is the estimate (the largest
+        tree usually stays under its cap), rows counted as time (a compute-bound batched verification)."""
+        tree = next((p for p in f.current.passes if p.name == "tree-verify"), None)
+        shared = next((p for p in f.current.passes if p.name == "node-budget"), None)
+        batch = f.context.max_batch
+        if tree is None or shared is None or tree["packed"] or batch < 2:
+            return []
+        padded, real = batch * (tree["budget"] + 1), batch + shared["nodes"]
+        if padded <= real:
+            return []
+        return [("kernel", [REGISTRY["tree-verify"](**{**tree.values, "packed": True})], 0.5 * (padded / real - 1),
+                 f"batch {batch}: {shared['nodes']} nodes shared over {batch} trees of up to {tree['budget']} verify "
+                 f"{real} real rows of up to {padded} padded; packed verification skips the padding in the linear "
+                 "layers and head", ())]
 
     def _priced_chains(self, f: Facts) -> list[Proposal]:
         """Batch deployments served by chains: each pass's chains cut to the length with the most expected

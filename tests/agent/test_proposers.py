@@ -150,6 +150,27 @@ def test_batch_deployments_are_offered_the_batch_schedule_with_its_estimate(batc
     assert mine[0].estimated_gain == pytest.approx((3.1 / 3.6) * (8 * 17 / 72) - 1)
 
 
+@pytest.mark.parametrize("pipeline,batch,offered", [
+    ("tree-verify{budget=16},gdn-path-recompute,node-budget{nodes=64}", 8, True),
+    ("tree-verify{budget=16},gdn-path-recompute,node-budget{nodes=64}", 1, False),
+    ("tree-verify{budget=16},gdn-path-recompute", 8, False),                              # even trees: nothing pads
+    ("tree-verify{budget=16,packed=true},gdn-path-recompute,node-budget{nodes=64}", 8, False)])
+def test_a_shared_budget_is_offered_packed_verification_with_its_estimate(pipeline, batch, offered):
+    """8 requests, trees of up to 16 sharing 64 nodes: at most 8 x 17 = 136 rows padded, 8 + 64 = 72 real;
+    half the gap, 0.5 x (136 / 72 - 1), is the estimate.  Not at batch 1, not without a shared budget, not twice."""
+    report = _report([], wall=1.0, kernel_seconds=0.8, factors={"kernel": 2.0, "acceptance": 1.2, "overhead": 1.1},
+                     engine="compiled-tree", tree_acceptance={"8": 3.1, "16": 3.6})
+    now = parse(pipeline)
+    cands = BuiltinProposer().propose(report, now, PassContext(hybrid=True, max_batch=batch), 5, [], set())
+    mine = [c for c in cands if "packed=true" in c.pipeline and "packed=true" not in pipeline]
+    if not offered:
+        assert not mine
+        return
+    assert len(mine) == 1 and mine[0].direction == "kernel"
+    assert mine[0].pipeline == "tree-verify{budget=16,packed=true},gdn-path-recompute,node-budget"   # 64: the default
+    assert mine[0].estimated_gain == pytest.approx(0.5 * (136 / 72 - 1))
+
+
 def _chain_lattice(reference: list[int], wrong: int) -> dict:
     """At every position the drafter's chain starts with the reference token, then goes wrong."""
     return {str(p): [[[], [[reference[p], -0.1]]], [[reference[p]], [[wrong, -0.2]]]]
