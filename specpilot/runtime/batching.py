@@ -34,7 +34,7 @@ from specpilot.runtime import heap
 from specpilot.runtime.decoding import (Emitter, Generation, close_state, commit_chain, commit_tree, top2_rows,
                                         tree_inputs)
 from specpilot.runtime.draft_schedule import DraftSchedule
-from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length, tree_nodes
+from specpilot.runtime.pass_cost import EXPLORE, PassCost, chain_length, tree_nodes, verified_rows
 from specpilot.runtime.drafters import (bind, catch_up_chains, chain_levels, chain_network, expand_across,
                                         sync_across)
 from specpilot.runtime.feature_drafters import draft_blocks
@@ -273,6 +273,8 @@ class _Scheduler:
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
         self.parts, self.levels, self.riding = parts, 0, False
         self.cost, self.chosen = PassCost(), 0
+        # a packed verification (`tree-verify{packed=true}`) costs its real rows, not the padded ones
+        self.packed = bool(getattr(model, "pack_verify", False))
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))
@@ -386,7 +388,7 @@ class _Scheduler:
         # both parts end reading the device's results on the host, so their wall times are theirs; a pass
         # carrying prompt chunks has rows no chain length explains
         if self.policy.adaptive and not chunks:
-            self.cost.observe(len(items) * max(len(it[0]) for it in items), self.clock.now() - drafting,
+            self.cost.observe(verified_rows([len(it[0]) - 1 for it in items], self.packed), self.clock.now() - drafting,
                               self.levels, drafting - started)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
@@ -450,7 +452,7 @@ class _Scheduler:
         self.chosen += 1
         if model is None:
             return caps if self.chosen % 2 else [c // 2 for c in caps]
-        k = chain_length([r.schedule.rate() for r in self.running], caps, model)
+        k = chain_length([r.schedule.rate() for r in self.running], caps, model, self.packed)
         if self.chosen % EXPLORE == 0:
             k = k + 1 if (self.chosen // EXPLORE) % 2 else max(0, k - 1)
         return [min(c, k) for c in caps]
@@ -489,7 +491,7 @@ class _Scheduler:
         self.chosen += 1
         if model is None:
             return len(order) if self.chosen % 2 else len(order) // 2
-        n = tree_nodes(order, len(self.running), model, model[2] * self.levels)
+        n = tree_nodes(order, len(self.running), model, model[2] * self.levels, self.packed)
         if self.chosen % EXPLORE == 0:
             step = len(self.running)
             n = min(len(order), n + step) if (self.chosen // EXPLORE) % 2 else max(0, n - step)

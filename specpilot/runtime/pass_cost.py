@@ -15,6 +15,10 @@ A batched tree pass the same way (`tree_nodes`): its nodes are a prefix of the b
 every request's candidates (`tree.best_first_shared`), so what n nodes buy is, per request, 1 + the
 path probabilities of its nodes among them (each node is accepted exactly when its whole path is), and
 what they cost is the padded verification of B x (1 + the largest request's share) rows.
+
+A build that packs its verification (`tree-verify{packed=true}`) runs the linear layers and head over
+the real rows only: with ``packed``, a pass is priced (and its cost fitted) by its real rows, B + the
+drafted tokens.
 """
 
 from __future__ import annotations
@@ -79,9 +83,16 @@ def expected_tokens(rate: float, k: int) -> float:
     return sum(rate ** i for i in range(k + 1))
 
 
-def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, float]) -> int:
+def verified_rows(sizes: list[int], packed: bool) -> int:
+    """Rows a batched pass verifies for requests drafting ``sizes`` tokens each: every request's last
+    token and drafts, padded to the longest unless the build packs."""
+    return len(sizes) + sum(sizes) if packed else len(sizes) * (1 + max(sizes, default=0))
+
+
+def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, float], packed: bool = False) -> int:
     """The longest chain K (request r drafting min(K, caps[r])) with the most expected tokens a
-    second of pass under ``cost`` = (a, b, d); the shortest such K on ties."""
+    second of pass under ``cost`` = (a, b, d), rows counted as `verified_rows`; the shortest such K on
+    ties."""
     a, b, d = cost
     if a + b * len(caps) <= 0:      # passes that seem to cost nothing say nothing: the caps stand
         return max(caps, default=0)
@@ -89,7 +100,7 @@ def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, 
     for k in range(max(caps, default=0) + 1):
         drafts = [min(k, c) for c in caps]
         longest = max(drafts, default=0)
-        seconds = a + b * len(caps) * (longest + 1) + d * longest
+        seconds = a + b * verified_rows(drafts, packed) + d * longest
         value = sum(expected_tokens(r, n) for r, n in zip(rates, drafts)) / seconds
         if value > best * (1 + 1e-12):
             best, best_k = value, k
@@ -97,11 +108,11 @@ def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, 
 
 
 def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[float, float, float],
-               drafted: float = 0.0) -> int:
+               drafted: float = 0.0, packed: bool = False) -> int:
     """How many nodes of a shared tree pass's best-first ``order`` ((request, path log-probability,
     depth) per node, requests numbered below ``running``) give the most expected tokens a second of
     pass under ``cost`` = (a, b, d): verification of ``running`` x (1 + the largest request's nodes)
-    rows; the pass's drafting (``drafted`` seconds of levels, d x levels) ran for the whole order
+    rows (packed: ``running`` + the nodes); the pass's drafting (``drafted`` seconds of levels, d x levels) ran for the whole order
     before the choice, so it is the same whatever is cut.  The fewest such nodes on ties."""
     a, b, _ = cost
     a += drafted
@@ -113,7 +124,7 @@ def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[fl
         sizes[request] += 1
         largest = max(largest, sizes[request])
         value += math.exp(score)
-        seconds = a + b * running * (1 + largest)
+        seconds = a + b * (running + n if packed else running * (1 + largest))
         if value / seconds > best * (1 + 1e-12):
             best, best_n = value / seconds, n
     return best_n

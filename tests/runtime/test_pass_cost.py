@@ -44,7 +44,7 @@ def test_a_falling_line_is_priced_flat_not_negative():
     assert b == 0.0 and a > 0 and d == 0.0
 
 
-def _closed_form(rates, caps, cost):
+def _closed_form(rates, caps, cost, packed=False):
     """The best K by the geometric sums' closed form, searched independently."""
     a, b, d = cost
     values = []
@@ -52,7 +52,8 @@ def _closed_form(rates, caps, cost):
         drafts = [min(k, c) for c in caps]
         longest = max(drafts)
         tokens = sum((1 - r ** (n + 1)) / (1 - r) if r != 1 else n + 1 for r, n in zip(rates, drafts))
-        values.append(tokens / (a + b * len(caps) * (longest + 1) + d * longest))
+        rows = len(caps) + sum(drafts) if packed else len(caps) * (longest + 1)
+        values.append(tokens / (a + b * rows + d * longest))
     best = max(values)
     return next(k for k, v in enumerate(values) if v >= best * (1 - 1e-9))
 
@@ -66,7 +67,8 @@ def test_the_chosen_length_has_the_most_expected_tokens_a_second():
         if not max(caps):
             continue
         cost = (rng.uniform(0.001, 0.03), rng.choice([0.0, rng.uniform(1e-6, 1e-3)]), rng.uniform(0, 2e-3))
-        assert chain_length(rates, caps, cost) == _closed_form(rates, caps, cost)
+        packed = rng.random() < 0.5
+        assert chain_length(rates, caps, cost, packed) == _closed_form(rates, caps, cost, packed)
 
 
 def test_rows_that_cost_nothing_keep_the_caps_and_dear_rows_draft_nothing():
@@ -167,7 +169,7 @@ def test_auto_lengths_are_for_drafting_engines():
         BatchPolicy("ar", 2, adaptive=True)
 
 
-def _tree_value(order, running, n, cost, drafted):
+def _tree_value(order, running, n, cost, drafted, packed=False):
     """Expected tokens a second of a pass verifying the first n nodes of ``order`` (its drafting,
     ``drafted`` seconds, spent whatever n is)."""
     a, b, _ = cost
@@ -175,7 +177,7 @@ def _tree_value(order, running, n, cost, drafted):
     for request, _, _ in order[:n]:
         sizes[request] += 1
     value = running + sum(math.exp(score) for _, score, _ in order[:n])
-    return value / (a + drafted + b * running * (1 + max(sizes)))
+    return value / (a + drafted + b * (running + n if packed else running * (1 + max(sizes))))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -191,8 +193,9 @@ def test_the_chosen_tree_prefix_has_the_most_expected_tokens_a_second(seed):
         order.append((r, last[r], rng.randint(1, 9)))
     cost = (rng.uniform(0.005, 0.03), rng.choice([0.0, 1e-5, 1e-4, 1e-3]), rng.choice([0.0, 5e-4]))
     drafted = rng.choice([0.0, 0.004])
-    n = tree_nodes(order, running, cost, drafted)
-    values = [_tree_value(order, running, k, cost, drafted) for k in range(len(order) + 1)]
+    packed = seed % 2 == 1
+    n = tree_nodes(order, running, cost, drafted, packed)
+    values = [_tree_value(order, running, k, cost, drafted, packed) for k in range(len(order) + 1)]
     assert values[n] >= max(values) * (1 - 1e-9)
     assert all(v < values[n] * (1 + 1e-12) for v in values[:n])
     assert tree_nodes(order, running, (0.0, 0.0, 0.0)) == len(order)     # a free pass: the budget stands
@@ -205,6 +208,10 @@ def test_a_tree_pass_prices_its_padded_rows():
     order = [(0, -1e-3 * (i + 1), i + 1) for i in range(6)] + [(1, -1e-3, 1), (0, -5.0, 7)]
     assert tree_nodes(order, 2, (0.02, 1e-3, 0.0)) == 7
     assert tree_nodes(order, 2, (0.02, 0.05, 0.0)) == 0
+    # rows at 20 ms: packed, the 7 sure nodes verify 9 rows (8.98 tokens for 200 ms against 2 for 60 ms: they
+    # pay, the unlikely one not); padded, request 0's 6 pad request 1's tree to 14 rows (8.98 for 300 ms: not)
+    assert tree_nodes(order, 2, (0.02, 0.02, 0.0), packed=True) == 7
+    assert tree_nodes(order, 2, (0.02, 0.02, 0.0)) == 0
 
 
 def _trees(pair, per_row, adaptive=True):
