@@ -732,7 +732,8 @@ class CompiledModel:
             conv, rec = self._stacked_states(states)
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        packing = record and not fixed and self.pack_verify and packed_rows(toks, T)
+        packing = record and not fixed and self.pack_verify and self._verify_packed is not None and \
+            packed_rows(toks, T)
         if packing:
             head = m.tensors(tokens, positions, slots, mask, rows, parents, *packing)
         elif record:
