@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.packed_verify import random_tree
 from specpilot.runtime.engine import CompiledModel, packed_rows
 from specpilot.runtime.systems import from_build
 from specpilot.runtime.tree import Tree
@@ -53,17 +54,6 @@ def built(request, tmp_path_factory):
     return from_build(build_spec(tmp_path_factory.mktemp("packed"), data))
 
 
-def _random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
-    tree = Tree()
-    for i in range(n):
-        parent = rng.randint(-1, i - 1)
-        tree.tokens.append(rng.randrange(vocab))
-        tree.parents.append(parent)
-        tree.depths.append(1 if parent < 0 else tree.depths[parent] + 1)
-        tree.scores.append(0.0)
-    return tree
-
-
 def _twins(model: CompiledModel, rng: random.Random, n: int):
     """Two models over the build -- one verifying packed, one padded -- whose sequences have the same
     random prompts prefilled."""
@@ -90,7 +80,7 @@ def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, monkeypa
         items, trees = {"a": [], "b": []}, []
         for a, b in pairs:
             n = rng.choice([0, 1, 2, 5, 7, 8])
-            tree = _random_tree(rng, n, built.cfg.vocab_size) if rng.random() < 0.6 or not n \
+            tree = random_tree(rng, n, built.cfg.vocab_size) if rng.random() < 0.6 or not n \
                 else Tree.chain([rng.randrange(built.cfg.vocab_size) for _ in range(n)])
             trees.append(tree)
             last = rng.randrange(built.cfg.vocab_size)
@@ -112,8 +102,7 @@ def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, monkeypa
             assert a.length == b.length
             if built.has_gdn:
                 assert np.array_equal(a.conv.numpy(), b.conv.numpy()) and np.array_equal(a.rec.numpy(), b.rec.numpy())
-    lengths_differ = bool(calls)
-    assert lengths_differ, "no pass padded: the packed function was never called"
+    assert calls, "no pass padded: the packed function was never called"
     # the next decode steps read the keys / values both verifications wrote
     for a, b in pairs:
         token = [rng.randrange(built.cfg.vocab_size)]
