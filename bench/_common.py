@@ -11,6 +11,13 @@ from specpilot.runtime.environment import environment
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (a timer's edge); nothing on a CPU run."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | None = None) -> Path:
     """Write ``payload`` with the environment to bench/results/NAME-DATE.json (or to ``path``,
     to update a file written earlier in the same run)."""

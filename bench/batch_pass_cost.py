@@ -33,13 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import write  # noqa: E402
+from bench._common import sync, write  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 WARMUP_S = 1.0     # calls before the timed ones: a shared CPU's first second of a pass ran ~15 % slow
@@ -50,15 +45,15 @@ def timed(fn, args, reps: int) -> dict:
     start = time.perf_counter()
     while True:
         fn(*args)
-        _sync()
+        sync()
         if time.perf_counter() - start >= WARMUP_S:
             break
     ms = []
     for _ in range(reps):
-        _sync()
+        sync()
         t0 = time.perf_counter()
         fn(*args)
-        _sync()
+        sync()
         ms.append((time.perf_counter() - t0) * 1e3)
     q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
     return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
@@ -71,10 +66,10 @@ def kernels(fn, args, top: int, module=None) -> list[dict]:
     totals: dict[str, list] = {}
     if torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile
-        _sync()
+        sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn(*args)
-            _sync()
+            sync()
         for e in prof.events():
             if str(e.device_type).endswith("CUDA"):     # a kernel (or copy) on the device: its own span
                 t = totals.setdefault(e.name, [0.0, 0])
@@ -133,20 +128,20 @@ def commit_cost(model, states, nodes: int, accepted: int, reps: int, gen) -> dic
         items = [(torch.randint(0, model.vocab_size, (nodes + 1,), generator=gen).tolist(), st) for st in states]
         bases = [st.length for st in states]
         rows = model.forward_batch(items, record=True)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         for logits in rows:
             for r in range(accepted + 1):
                 best, at, second, runner = top2(logits[r])
                 torch.stack([best, second]).float().tolist()
                 torch.stack([at, runner]).tolist()
-        _sync()
+        sync()
         t1 = time.perf_counter()
         step = 2 if model.keeps_tree_paths else 1   # a tree's path: every other node, so keys and values move
         for st, base in zip(states, bases):
             model.accept_path(st, base, [step * i for i in range(accepted + 1)])
         model.settle(states)      # the kept paths' states and keys / values, one call each for the batch
-        _sync()
+        sync()
         if rep:
             choose.append((t1 - t0) * 1e3)
             commit.append((time.perf_counter() - t1) * 1e3)

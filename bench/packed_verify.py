@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import write  # noqa: E402
-from bench.batch_pass_cost import WARMUP_S, _sync  # noqa: E402
+from bench._common import sync, write  # noqa: E402
+from bench.batch_pass_cost import WARMUP_S  # noqa: E402
 from specpilot.runtime.decoding import close_state, tree_inputs  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 from specpilot.runtime.tree import Tree  # noqa: E402
@@ -53,14 +53,14 @@ def interleaved(calls: dict, reps: int) -> dict:
         start = time.perf_counter()
         while time.perf_counter() - start < WARMUP_S:
             fn(*args)
-            _sync()
+            sync()
     ms = {name: [] for name in calls}
     for _ in range(reps):
         for name, (fn, args) in calls.items():
-            _sync()
+            sync()
             t0 = time.perf_counter()
             fn(*args)
-            _sync()
+            sync()
             ms[name].append((time.perf_counter() - t0) * 1e3)
     out = {}
     for name, samples in ms.items():

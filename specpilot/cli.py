@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specpilot.core.errors import SpecPilotError
+from specpilot.core.files import atomic_write_text
 from specpilot.core.schedule_sets import SCHEDULES
 
 DEFAULT_PROMPTS = (
@@ -293,7 +294,6 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     from rich.progress import Progress
 
     from specpilot.core.acceptance_profile import write_profile
-    from specpilot.core.files import atomic_write_text
     from specpilot.runtime.bench import Bench, report as bench_report
     from specpilot.runtime.bench_report import plot as draw, table
     from specpilot.runtime.environment import environment
@@ -352,7 +352,6 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
     from rich.console import Console
     from rich.progress import Progress
 
-    from specpilot.core.files import atomic_write_text
     from specpilot.runtime.batch_bench import (BatchBench, arrivals_for, parse_lengths, parse_schedules,
                                                report as batch_report, table)
     from specpilot.runtime.batching import read_trace
@@ -723,7 +722,7 @@ def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, dr
                                    "last_loss": r.losses[-1] if r.losses else None})
         click.echo(f"{path}: held-out top-1 {r.heldout['top1']:.3f} (no adapter {r.heldout['top1_no_adapter']:.3f}), "
                    f"top-4 {r.heldout['top4']:.3f}")
-    (output / "training.json").write_text(json.dumps(report, indent=2))
+    atomic_write_text(output / "training.json", json.dumps(report, indent=2))
 
 
 def _training_device(device: str) -> str:
@@ -840,7 +839,6 @@ def _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specpilot.core import feature_drafter as fd
-    from specpilot.core.files import atomic_write_text
     from specpilot.runtime.feature_drafter_training import Options, Trainer
 
     if len(exits) > 1:
@@ -1091,7 +1089,7 @@ def memory_export(memory_path, output):
     with Memory(memory_path, create=False) as mem:
         text = json.dumps(mem.export(), indent=2)
     if output:
-        output.write_text(text)
+        atomic_write_text(output, text)
     else:
         click.echo(text)
 

@@ -1,7 +1,7 @@
 """The floors of `specpilot/` and their import rules, checked on every import statement (function-local
 ones included): cli -> agent -> memory -> compiler -> passes -> schedules -> kernels -> core, each
 floor importing only floors below it; runtime imports core alone; serve (the HTTP server) imports
-runtime and core, and only cli imports it; no module imports another's
+runtime and core, and only cli imports it; no module imports or uses another's
 private name."""
 
 from __future__ import annotations
@@ -89,7 +89,50 @@ def test_no_private_names_across_modules(path):
     own = module_name(path)
     private = [f"line {line}: {module}.{name}" for module, names, line in imports(path) if module != own
                for name in names if name.startswith("_")]
-    assert not private, f"{path.relative_to(PACKAGE)} imports private names: {private}"
+    private += private_attributes(path)
+    assert not private, f"{path.relative_to(PACKAGE)} uses private names of other modules: {private}"
+
+
+def is_module(dotted: str) -> bool:
+    base = PACKAGE.parent.joinpath(*dotted.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def module_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> specpilot module for every import that binds a module (``import specpilot.a.b as m``,
+    ``from specpilot.a import b``)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("specpilot.") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("specpilot"):
+            for a in node.names:
+                if is_module(f"{node.module}.{a.name}"):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+def private_attributes(path: Path) -> list[str]:
+    return private_uses(path.read_text(), module_name(path))
+
+
+def private_uses(source: str, own: str) -> list[str]:
+    """``m._name`` where ``m`` is another specpilot module bound by an import in ``source``."""
+    tree = ast.parse(source)
+    aliases = module_aliases(tree)
+    return [f"line {n.lineno}: {aliases[n.value.id]}.{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+            and aliases[n.value.id] != own and n.attr.startswith("_") and not n.attr.startswith("__")]
+
+
+def test_private_attributes_are_found():
+    source = ("from specpilot.runtime import engine\nimport specpilot.core.files as f\n"
+              "engine._x(); f._umask(); engine.__name__; f.atomic_write_text\n")
+    assert private_uses(source, "specpilot.runtime.batching") == [
+        "line 3: specpilot.runtime.engine._x", "line 3: specpilot.core.files._umask"]
+    assert private_uses(source, "specpilot.core.files") == ["line 3: specpilot.runtime.engine._x"]
 
 
 def test_rules_reject_what_they_should():

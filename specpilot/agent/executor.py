@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpilot.core.files import atomic_write_text
+
 
 @dataclass
 class JobResult:
@@ -168,7 +170,7 @@ def main() -> None:
         die_with_parent(int(sys.argv[2]))
     job = json.loads(job_file.read_text())
     result = run_job_safely(job)
-    (job_file.parent / "result.json").write_text(json.dumps(result))
+    atomic_write_text(job_file.parent / "result.json", json.dumps(result))
 
 
 if __name__ == "__main__":

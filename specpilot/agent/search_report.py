@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 from datetime import datetime, timezone
+
+from specpilot.core.files import atomic_write_text, copy_tree_atomic
 
 
 def write_report(search, current: str, final: str, sealed: dict, history: list, reused: list, seconds: float) -> dict:
     final_dir = search.out / "final"
-    if final_dir.exists():
-        shutil.rmtree(final_dir)
-    shutil.copytree(search.lab.build_dir(final), final_dir)
+    copy_tree_atomic(search.lab.build_dir(final), final_dir)
     builds = [e["pipeline"] for e in search.log.events if e["event"] == "built" and e["pipeline"]]
     to_result = builds.index(final) + 1 if final in builds else 0
     vs_stock = search.log.find("sealed_speed", base="", candidate=final) if final else None
@@ -26,8 +25,8 @@ def write_report(search, current: str, final: str, sealed: dict, history: list, 
         "memory": [e.id for e in search.memory.entries() if e.spec_path == str(search.spec_path)],
         "events": len(search.log.events), "final_build": str(final_dir),
     }
-    (search.out / "report.json").write_text(json.dumps(report, indent=2))
-    (search.out / "report.md").write_text(render_markdown(report))
+    atomic_write_text(search.out / "report.json", json.dumps(report, indent=2))
+    atomic_write_text(search.out / "report.md", render_markdown(report))
     return report
 
 

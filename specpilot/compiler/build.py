@@ -42,6 +42,7 @@ from specpilot.core.spec import Spec, conditioned_source, replay_plan
 from specpilot.compiler.launch_check import launch_check
 from specpilot.core.target import STATIC_SHARED, TargetSpec, compile_arch
 from specpilot.core.errors import SpecError, SpecPilotError
+from specpilot.core.files import swap_in_dir
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0]}
@@ -443,7 +444,7 @@ def build(request: BuildRequest, progress=None) -> Manifest:
         manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
                              time.perf_counter() - started, launch)
         write_manifest(staging, manifest)
-        _swap_in(staging, out_dir)
+        swap_in_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -463,13 +464,3 @@ def _staging_dir(out_dir: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
 
 
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Put the finished build in place: a build killed before this leaves the previous one whole."""
-    os.chmod(staging, 0o755)
-    if not out_dir.exists():
-        os.rename(staging, out_dir)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.rename(out_dir, old / "build")
-    os.rename(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)

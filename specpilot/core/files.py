@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,3 +33,27 @@ def _umask() -> int:
 
 def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode())
+
+
+def swap_in_dir(staging: Path, out_dir: Path) -> None:
+    """Put a finished directory in place: a process killed before this leaves the previous one whole."""
+    os.chmod(staging, 0o755)
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.rename(out_dir, old / "previous")
+    os.rename(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_tree_atomic(source: Path, out_dir: Path) -> None:
+    """Copy the directory ``source`` to ``out_dir`` through a staging directory beside it (`swap_in_dir`)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        shutil.copytree(source, staging, dirs_exist_ok=True)
+        swap_in_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

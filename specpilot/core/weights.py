@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from specpilot.core.config import ModelConfig, config_from_hf
 from specpilot.core.errors import CheckpointError, SpecPilotError
+from specpilot.core.files import swap_in_dir
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -273,14 +276,19 @@ def gguf_to_checkpoint(path: Path) -> Path:
     except Exception as e:  # transformers raises many kinds for unreadable or unsupported files
         raise CheckpointError(f"{path}: cannot dequantize GGUF ({type(e).__name__}: {e})") from None
     model.hf_quantizer = None
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    cfg_path = tmp / "config.json"
-    hf = json.loads(cfg_path.read_text())
-    hf.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(hf, indent=2))
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))   # a name of its own per process
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        cfg_path = tmp / "config.json"
+        hf = json.loads(cfg_path.read_text())
+        hf.pop("quantization_config", None)
+        cfg_path.write_text(json.dumps(hf, indent=2))
+        swap_in_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 

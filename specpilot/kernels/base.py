@@ -9,8 +9,8 @@ from specpilot.kernels.fast_frames import quick_stack
 
 def memo(factory):
     """Kernels are immutable IR: make each (factory, arguments) once per process (a lowering
-    asks for the same kernels per layer), parsed under `quick_stack` (TVMScript's own
-    ``inspect.stack`` calls were most of the ~0.15 s a kernel took)."""
+    asks for the same kernels per layer), parsed under `quick_stack` (which spares TVMScript's own
+    ``inspect.stack`` calls, most of a kernel's parse time)."""
     cache: dict = {}
 
     @functools.wraps(factory)

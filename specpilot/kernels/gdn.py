@@ -183,14 +183,11 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # and, in the tree form, its parent's state when that is not the one in registers (tokens
     # go two at a time, so the double buffers have fixed register indices).  The records are
     # written before the loop, and which tokens' states go to scratch is found once: a bit per
-    # token in shared memory (tokens past ``cap`` always store).  (Slower on the H200 at 65 rows,
-    # docs/bench-log.md: a column's parts on adjacent lanes summed by shuffles, no barriers,
-    # 102.5 -> 147 us; a shared buffer per sum and token parity, two barriers a token instead of
-    # TVM's four, 102.5 -> 103.4 us.)  The k and q of the token at hand and the next wait in shared
-    # memory, loaded by the block's threads together, ordered by the barriers a step already has: in
-    # registers they took 2 x 2 x R of every thread's, and a batch of sequences ran in many waves of
-    # blocks (sm_90: 254 -> 157 registers with the tree form, 200 -> 72 without; H200, 16 sequences of
-    # 9 tokens 124.7 -> 99.7 us, decode 41.9 -> 29.7; bench/README "Gated DeltaNet recurrence").
+    # token in shared memory (tokens past ``cap`` always store).  The k and q of the token at hand
+    # and the next wait in shared memory, loaded by the block's threads together, ordered by the
+    # barriers a step already has: held in registers they would take 2 x 2 x R of every thread's and
+    # leave a batch of sequences to many waves of blocks (the alternatives measured: docs/bench-log.md;
+    # bench/README "Gated DeltaNet recurrence").
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
     threads = parts * cols
     cap = 1024

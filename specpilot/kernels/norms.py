@@ -120,8 +120,8 @@ def rotary_te(dtype: str):
     [2, B, T, 2 h] in ``dtype``, [0] the cos and [1] the sin of float32(position) x inv_freq[i mod h]
     -- the angles of the operators it stands for (positions times the inverse frequencies as a
     one-term float32 matmul, concatenated with themselves), each rounded once to ``dtype``.  One
-    kernel a step where those were four (the matmul, the concatenation, cos, sin: every attention
-    layer reads them, so FuseOps fused none into a layer); each layer's heads kernel reads its
+    kernel a step for the matmul, the concatenation, cos and sin (every attention layer reads
+    them, so FuseOps would fuse none of them into a layer); each layer's heads kernel reads its
     slices."""
     from tvm import te, tirx
 

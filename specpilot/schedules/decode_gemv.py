@@ -7,7 +7,7 @@ Qwen3-8B-shape step (8 layers), ~35 us of GPU time plus their launch gaps on the
 docs/bench-log.md).  dlight's GEMV rule cannot take a reduction before its own.  Here the norm is
 the kernel's prologue: each block reads the row of x (8 KB at hidden 4096, from L2), sums its
 squares (float32, a fixed order: each thread's pieces, then a warp butterfly, then the warps in
-order), and writes the normalized row -- `lower`'s own RMSNorm expression (`lower._rms_scaled`, the
+order), and writes the normalized row -- the build's own RMSNorm expression (`kernels.norms.rms_scaled`, the
 same roundings) -- to shared memory, while the block's first weight loads are already in flight.
 The order of the float32 sum of squares is not the standalone norm kernel's, so a fused build may
 differ from an unfused one in the last bit of a norm's scale; token forcing is the check

@@ -309,7 +309,7 @@ def choose(ranges, fits) -> list[tuple[int | None, Config]] | None:
     return out
 
 
-SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks stopped paying
+SPLIT_K_MIN = 2048   # k per block below which splitting K over more blocks costs more than it saves
 
 
 def with_splits(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from specpilot.core.files import atomic_write_bytes, atomic_write_text
+from specpilot.core.files import atomic_write_bytes, atomic_write_text, copy_tree_atomic
 
 
 def test_replaces_whole_and_keeps_ordinary_permissions(tmp_path):
@@ -53,3 +53,26 @@ def test_caches_a_crashed_writer_left_are_rebuilt_not_fatal(tmp_path, monkeypatc
     monkeypatch.setattr(costs, "measure_cpu_peaks", lambda: (3.0, 5.0))
     assert costs._cpu_peaks_cached(str(peaks)) == (3.0, 5.0)
     assert json.loads(peaks.read_text()) == {"flops": 3.0, "bandwidth": 5.0}
+
+
+def test_a_tree_copy_replaces_the_old_tree_whole(tmp_path):
+    first, second, out = tmp_path / "a", tmp_path / "b", tmp_path / "out" / "final"
+    (first / "params").mkdir(parents=True)
+    (first / "params" / "w.bin").write_bytes(b"1")
+    (first / "stale.txt").write_text("only in the first")
+    (second / "params").mkdir(parents=True)
+    (second / "params" / "w.bin").write_bytes(b"2")
+    copy_tree_atomic(first, out)
+    copy_tree_atomic(second, out)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["params", "params/w.bin"]
+    assert (out / "params" / "w.bin").read_bytes() == b"2" and os.listdir(out.parent) == ["final"]
+
+
+def test_a_failed_tree_copy_leaves_the_old_tree_and_no_staging(tmp_path):
+    good, out = tmp_path / "good", tmp_path / "final"
+    good.mkdir()
+    (good / "manifest.json").write_text("{}")
+    copy_tree_atomic(good, out)
+    with pytest.raises(FileNotFoundError):
+        copy_tree_atomic(tmp_path / "missing", out)
+    assert (out / "manifest.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["final", "good"]
