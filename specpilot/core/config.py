@@ -189,6 +189,29 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
 
     ``where`` prefixes error messages so they name the file or spec key.
     """
+    arch, hf = _architecture(hf, where, architecture)
+    c = {**_DEFAULTS[arch], **hf}
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    _expect(isinstance(rope, dict), where, f"rope_parameters: expected a mapping, got {_short(rope)}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _expect(rope_type == "default", where,
+            f"rope type {rope_type!r} is not supported yet; supported: 'default'")
+    _check_sizes(c, where)
+    common = _common_fields(arch, c, rope, where)
+    if arch == "LlamaForCausalLM":
+        bias = bool(c.get("attention_bias", False))
+        return ModelConfig(**common, attention_bias=bias, qkv_bias=bias, o_bias=bias,
+                           mlp_bias=bool(c.get("mlp_bias", False)))
+    if arch == "Qwen2ForCausalLM":
+        return ModelConfig(**common, qkv_bias=True)
+    if arch == "Qwen3ForCausalLM":
+        bias = bool(c.get("attention_bias", False))
+        return ModelConfig(**common, attention_bias=bias, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return _hybrid_config(arch, c, common, where)
+
+
+def _architecture(hf: dict, where: str, architecture: str | None) -> tuple[str, dict]:
+    """(the supported architecture, the config of its text model)."""
     arch = architecture or (hf.get("architectures") or [None])[0]
     if arch is None:
         raise SpecPilotError(f"{where}: no 'architectures' entry; expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -197,12 +220,11 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     if "text_config" in hf and "hidden_size" not in hf:  # a multimodal wrapper's config: use its text part
         _expect(isinstance(hf["text_config"], dict), where, "text_config: expected a mapping")
         hf = {**hf["text_config"], "architectures": [arch]}
-    c = {**_DEFAULTS[arch], **hf}
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    _expect(isinstance(rope, dict), where, f"rope_parameters: expected a mapping, got {_short(rope)}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _expect(rope_type == "default", where,
-            f"rope type {rope_type!r} is not supported yet; supported: 'default'")
+    return arch, hf
+
+
+def _check_sizes(c: dict, where: str) -> None:
+    """Required and optional sizes, expert counts and the MLP-only layer list are well formed."""
     for key in REQUIRED_KEYS:
         _expect(key in c, where, f"missing key {key!r} (required: {', '.join(REQUIRED_KEYS)})")
         _size(c, key, where)
@@ -215,6 +237,10 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     only = c.get("mlp_only_layers") or []
     _expect(isinstance(only, list) and all(isinstance(i, int) for i in only), where,
             f"mlp_only_layers: expected a list of layer indices, got {_short(only)}")
+
+
+def _common_fields(arch: str, c: dict, rope: dict, where: str) -> dict:
+    """The ModelConfig fields every architecture has, checked."""
     n_heads = c["num_attention_heads"]
     n_kv = c.get("num_key_value_heads") or n_heads
     _expect(n_heads % n_kv == 0, where,
@@ -229,7 +255,7 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     _expect(all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < c["vocab_size"] for t in eos_ids), where,
             f"eos_token_id: expected token ids below vocab_size, got {_short(eos)}")
-    common = dict(
+    return dict(
         architecture=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
         num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
@@ -242,16 +268,10 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
         bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
         layer_types=("full_attention",) * c["num_hidden_layers"],
     )
-    if arch == "LlamaForCausalLM":
-        bias = bool(c.get("attention_bias", False))
-        return ModelConfig(**common, attention_bias=bias, qkv_bias=bias, o_bias=bias,
-                           mlp_bias=bool(c.get("mlp_bias", False)))
-    if arch == "Qwen2ForCausalLM":
-        return ModelConfig(**common, qkv_bias=True)
-    if arch == "Qwen3ForCausalLM":
-        bias = bool(c.get("attention_bias", False))
-        return ModelConfig(**common, attention_bias=bias, qkv_bias=bias, o_bias=bias, qk_norm=True)
-    # the two hybrids: Gated DeltaNet layers with gated full attention, zero-centred norms
+
+
+def _hybrid_config(arch: str, c: dict, common: dict, where: str) -> ModelConfig:
+    """The two hybrids: Gated DeltaNet layers with gated full attention, zero-centred norms."""
     if arch == "Qwen3NextForCausalLM":
         mlp_only = set(c.get("mlp_only_layers") or [])
         moe_layers = [i for i in range(c["num_hidden_layers"])
@@ -275,10 +295,9 @@ def config_from_hf(hf: dict, where: str = "config", architecture: str | None = N
     _expect(nv % nk == 0, where,
             f"linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads ({nk})")
     bias = bool(c.get("attention_bias", False))
-    common["layer_types"] = tuple(layer_types)
     return ModelConfig(
-        **common, attention_bias=bias, qkv_bias=bias, o_bias=bias, qk_norm=True,
-        attn_output_gate=True, zero_centered_norm=True,
+        **{**common, "layer_types": tuple(layer_types)}, attention_bias=bias, qkv_bias=bias, o_bias=bias,
+        qk_norm=True, attn_output_gate=True, zero_centered_norm=True,
         linear_conv_kernel_dim=c["linear_conv_kernel_dim"],
         linear_key_head_dim=c["linear_key_head_dim"], linear_value_head_dim=c["linear_value_head_dim"],
         linear_num_key_heads=nk, linear_num_value_heads=nv,
