@@ -291,17 +291,21 @@ def _adapter_logits(cfg, w, params, L, hidden, valid):
     return head(cfg, w, h, layer["model.norm.weight"])
 
 
+def lr_factor(step: int, steps: int, elapsed: float = 0.0, budget: float | None = None) -> float:
+    """The learning rate's factor at ``step``: a linear warm-up over the first 5 % of the steps (at most
+    100), then a cosine over the run's progress -- steps done or the share of the time ``budget`` spent,
+    whichever is further, so a run stopped by its time limit still ends annealed."""
+    warm = max(1, min(steps // 20, 100))
+    done = step / steps if budget is None else max(step / steps, elapsed / budget)
+    return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+
+
 def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int], *, steps: int, batch: int,
                    seq_len: int, generated: int, device: str = "cpu", lr: float = 3e-4, seed: int = 0,
                    holdout: list[str] = (), corpus: Path | None = None, max_new: int = 96,
                    time_limit: float | None = None, log=print) -> tuple[list[AdapterResult], dict]:
     """Distil one adapter per exit layer in ``layers`` (all from the same target passes)."""
-    if cfg.is_hybrid:
-        raise SpecPilotError("adapter training runs attention-only targets (Llama, Qwen2/3); this target has "
-                             "Gated DeltaNet layers")
-    bad = [L for L in layers if not 1 <= L < cfg.num_hidden_layers]
-    if bad:
-        raise SpecPilotError(f"exit layer {bad[0]} is not in 1..{cfg.num_hidden_layers - 1}")
+    _check_exits(cfg, layers)
     started = time.perf_counter()
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -317,58 +321,24 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
     params = {L: _init_adapter(cfg, weights, L, device) for L in layers}
     opts = {L: torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0) for L, p in params.items()}
     results = {L: AdapterResult(L, {}) for L in layers}
-    # cosine decay over the run's progress: steps done, or the share of the time limit spent
-    # training, whichever is further (a run stopped by its time limit still ends annealed)
-    warm = max(1, min(steps // 20, 100))
     train_start = time.perf_counter()
-    train_budget = None if time_limit is None else max(time_limit - (train_start - started), 1e-3)
-
-    def progress(step: int) -> float:
-        p = step / steps
-        if train_budget is not None:
-            p = max(p, (time.perf_counter() - train_start) / train_budget)
-        return min(p, 1.0)
-
-    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device != "cpu" else torch.autocast(
-        device_type="cpu", enabled=False)
+    budget = None if time_limit is None else max(time_limit - (train_start - started), 1e-3)
     done, factor, next_log = 0, 0.0, 0.0
     for step in range(steps):
-        p = progress(step)
-        if p >= 1.0:
+        elapsed = time.perf_counter() - train_start
+        if budget is not None and elapsed >= budget:
             log(f"time limit: stopped after {step} steps")
             break
-        factor = min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * p))
+        factor = lr_factor(step, steps, elapsed, budget)
         rows = [next(windows) if i % 2 == 0 or not train_seqs else train_seqs[rng.randrange(len(train_seqs))]
                 for i in range(batch)]
-        tokens, valid = pad_rows(rows, device)
-        with torch.no_grad():
-            logits, hidden = forward(cfg, w, tokens, valid, exits=set(layers))
-            teacher = torch.log_softmax(logits.float(), -1)
-        keep = valid.reshape(-1)
-        for L in layers:
-            for g in opts[L].param_groups:
-                g["lr"] = lr * factor
-            with autocast:
-                student = _adapter_logits(cfg, w, params[L], L, hidden[L], valid)
-            logp = torch.log_softmax(student.float(), -1).reshape(-1, student.shape[-1])[keep]
-            t = teacher.reshape(-1, teacher.shape[-1])[keep]
-            loss = F.kl_div(logp, t, log_target=True, reduction="batchmean")
-            opts[L].zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(params[L].values()), 1.0)
-            opts[L].step()
-            results[L].losses.append(float(loss.detach()))
+        for L, loss in _adapter_step(cfg, w, params, opts, rows, device, lr * factor).items():
+            results[L].losses.append(loss)
         done = step + 1
-        if p >= next_log or step == steps - 1:
+        if max(step / steps, 0.0 if budget is None else elapsed / budget) >= next_log or step == steps - 1:
             next_log += 0.1
             log(f"step {step}: " + ", ".join(f"L{L} KL {results[L].losses[-1]:.3f}" for L in layers))
-
-    for L in layers:
-        results[L].heldout = evaluate(cfg, w, {k: v.detach() for k, v in params[L].items()}, L, heldout, device)
-        results[L].tensors = {k: v.detach().to("cpu", torch.float32) for k, v in params[L].items()}
-        log(f"L{L}: held-out top-1 agreement {results[L].heldout['top1']:.3f} "
-            f"(early exit without adapter {results[L].heldout['top1_no_adapter']:.3f}), "
-            f"target's token in top 4 {results[L].heldout['top4']:.3f}")
+    _evaluate_adapters(cfg, w, params, results, heldout, device, log)
     info = {"steps": done, "batch": batch, "seq_len": seq_len, "lr": lr, "last_lr": lr * factor, "seed": seed,
             "generated_sequences": len(sequences), "heldout_sequences": len(heldout),
             "generation_seconds": round(gen_seconds, 1), "seconds": round(time.perf_counter() - started, 1),
@@ -376,6 +346,51 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
             "gpu": torch.cuda.get_device_name() if device != "cpu" else None, "teacher_dtype": str(dtype).split(".")[1],
             "target_digest": target_digest(weights)}
     return [results[L] for L in layers], info
+
+
+def _check_exits(cfg: ModelConfig, layers: list[int]) -> None:
+    if cfg.is_hybrid:
+        raise SpecPilotError("adapter training runs attention-only targets (Llama, Qwen2/3); this target has "
+                             "Gated DeltaNet layers")
+    bad = [L for L in layers if not 1 <= L < cfg.num_hidden_layers]
+    if bad:
+        raise SpecPilotError(f"exit layer {bad[0]} is not in 1..{cfg.num_hidden_layers - 1}")
+
+
+def _adapter_step(cfg, w, params: dict, opts: dict, rows, device: str, lr: float) -> dict[int, float]:
+    """One optimizer step of every adapter on the target's own distribution over ``rows`` (one target pass,
+    its exits' hidden states shared); exit layer -> the KL divergence before the step."""
+    tokens, valid = pad_rows(rows, device)
+    with torch.no_grad():
+        logits, hidden = forward(cfg, w, tokens, valid, exits=set(params))
+        teacher = torch.log_softmax(logits.float(), -1)
+    keep = valid.reshape(-1)
+    t = teacher.reshape(-1, teacher.shape[-1])[keep]
+    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device != "cpu" else torch.autocast(
+        device_type="cpu", enabled=False)
+    losses = {}
+    for L, opt in opts.items():
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with autocast:
+            student = _adapter_logits(cfg, w, params[L], L, hidden[L], valid)
+        logp = torch.log_softmax(student.float(), -1).reshape(-1, student.shape[-1])[keep]
+        loss = F.kl_div(logp, t, log_target=True, reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params[L].values()), 1.0)
+        opt.step()
+        losses[L] = float(loss.detach())
+    return losses
+
+
+def _evaluate_adapters(cfg, w, params: dict, results: dict, heldout, device: str, log) -> None:
+    for L, p in params.items():
+        results[L].heldout = evaluate(cfg, w, {k: v.detach() for k, v in p.items()}, L, heldout, device)
+        results[L].tensors = {k: v.detach().to("cpu", torch.float32) for k, v in p.items()}
+        log(f"L{L}: held-out top-1 agreement {results[L].heldout['top1']:.3f} "
+            f"(early exit without adapter {results[L].heldout['top1_no_adapter']:.3f}), "
+            f"target's token in top 4 {results[L].heldout['top4']:.3f}")
 
 
 @torch.no_grad()

@@ -20,7 +20,6 @@ directory: state.safetensors (weights and optimizer moments, no pickles) and sta
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,8 @@ from specpilot.core.adapter import target_digest
 from specpilot.core.config import ModelConfig
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_write_text
-from specpilot.runtime.drafter_training import code_windows, forward, pad_rows, stdlib_files, target_sequences
+from specpilot.runtime.drafter_training import (code_windows, forward, lr_factor, pad_rows, stdlib_files,
+                                                 target_sequences)
 from specpilot.runtime.reference.feature_nets import plain_rms_norm
 from specpilot.runtime.reference.model import rotate_half
 
@@ -346,17 +346,13 @@ class Trainer:
         n_held = max(1, len(seqs) // 10)
         heldout, train = seqs[:n_held], seqs[n_held:] or seqs
         windows = code_windows(stdlib_files(o.corpus), self.tokenizer, self.rng, o.seq_len)
-        warm = max(1, min(o.steps // 20, 100))
         while self.step < o.steps:
-            if o.time_limit is not None and time.perf_counter() - started > o.time_limit:
+            elapsed = time.perf_counter() - started
+            if o.time_limit is not None and elapsed > o.time_limit:
                 self.log(f"time limit: stopped after step {self.step}")
                 break
-            # cosine over the run's progress: steps done or the time limit's share spent, whichever is further
-            done = self.step / o.steps if o.time_limit is None else \
-                max(self.step / o.steps, (time.perf_counter() - started) / o.time_limit)
-            factor = min(1.0, (self.step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
             for g in self.opt.param_groups:
-                g["lr"] = o.lr * factor
+                g["lr"] = o.lr * lr_factor(self.step, o.steps, elapsed, o.time_limit)
             rows = [next(windows) if i % 4 == 3 else train[self.rng.randrange(len(train))] for i in range(o.batch)]
             with self.autocast():
                 loss = self.loss(rows)

@@ -5,6 +5,7 @@ build with an adapter drafter is lossless and stores the shared weights once."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 
@@ -122,6 +123,16 @@ def test_time_limited_training_ends_annealed(tmp_path):
     assert info["last_lr"] < 0.05 * 1e-3, info
     _, info = dt.train_adapters(cfg, w, ByteTokenizer(cfg.vocab_size), [1], steps=30, **kw)
     assert info["steps"] == 30 and info["last_lr"] < 0.01 * 1e-3, info
+
+
+def test_the_learning_rate_warms_up_then_follows_the_further_of_steps_and_time():
+    assert dt.lr_factor(0, 1000) == pytest.approx(1 / 50)              # warm-up: 5 % of the steps
+    assert dt.lr_factor(49, 1000) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.049)))
+    assert dt.lr_factor(500, 1000) == pytest.approx(0.5)               # half way: the cosine's middle
+    assert dt.lr_factor(500, 1000, elapsed=9.0, budget=10.0) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))
+    assert dt.lr_factor(900, 1000, elapsed=1.0, budget=10.0) == pytest.approx(0.5 * (1 + math.cos(0.9 * math.pi)))
+    assert dt.lr_factor(10, 1000, elapsed=20.0, budget=10.0) == pytest.approx(0.0, abs=1e-12)
+    assert dt.lr_factor(5000, 10**6) == pytest.approx(1.0, abs=1e-4)   # warm-up capped at 100 steps
 
 
 def test_the_drafter_is_what_was_trained(trained):
