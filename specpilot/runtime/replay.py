@@ -247,69 +247,87 @@ class ReplayDrafter:
     def expander(self, context: list[int]):
         """A tree drafter's expansion; each node also expands the cost drafter's node of the same
         shape (the same ranks down the same depth), so the cost network does a real tree's work."""
-        cost_expand = self.cost.expander(context)
         position, tokens, wrong = self._locate(context)
-        cost_paths: dict[tuple, list[int]] = {(): []}
-        cost_children: dict[tuple, list] = {}
-        # a node's children depend on its position and whether its path is the continuation's: built
-        # once for each, shared by every node with them (the tree asks again, and best_first_shared
-        # reads a shared list's order once)
-        built: dict[tuple[int, bool], list] = {}
+        expansion = ReplayExpansion(self.cost.expander(context),
+                                    lambda at, on_path: self._children(at, tokens, wrong, on_path),
+                                    lambda path: list(path) == tokens[position:position + len(path)], position)
+        return expansion.callable()
 
-        def children(path: list[int]) -> list[tuple[int, float]]:
-            at = (position + len(path), list(path) == tokens[position:position + len(path)])
-            if at not in built:
-                built[at] = self._children(at[0], tokens, wrong, at[1])
-            return built[at]
 
-        if getattr(cost_expand, "by_depth", False):
-            # a block drafter's expansion is its drafted block's row at the node's depth: the lookup at
-            # the replayed node's depth is the host work that drafter does for the node
-            def by_depth(path: list[int]) -> list[tuple[int, float]]:
-                cost_expand(path)
-                return children(path)
-            return by_depth
+class ReplayExpansion:
+    """The replay's expansion of one context beside its cost drafter's: ``children_at(position,
+    on_path)`` gives the replayed children, ``on_path(path)`` whether a path is the continuation's.
+    A node's children depend only on those two, so they are built once for each and shared by every
+    node with them (the tree asks again, and `tree.best_first_shared` reads a shared list's order once)."""
 
-        def cost_path(path: tuple) -> list[int] | None:
-            if path in cost_paths:
-                return cost_paths[path]
-            parent = cost_path(path[:-1])
-            if parent is None or path[:-1] not in cost_children:
-                return None
-            rank = [t for t, _ in children(list(path[:-1]))].index(path[-1])
-            below = cost_children[path[:-1]]
-            cost_paths[path] = parent + [below[rank][0]] if rank < len(below) else None
-            return cost_paths[path]
+    def __init__(self, cost_expand, children_at, on_path, position: int):
+        self.cost_expand, self.children_at, self.on_path, self.position = cost_expand, children_at, on_path, position
+        self.built: dict[tuple[int, bool], list] = {}
+        self.cost_paths: dict[tuple, list[int] | None] = {(): []}
+        self.cost_children: dict[tuple, list] = {}
 
-        def expand(path: list[int]) -> list[tuple[int, float]]:
-            mapped = cost_path(tuple(path))
-            if mapped is not None:
-                cost_children[tuple(path)] = cost_expand(mapped)
-            return children(path)
+    def callable(self):
+        """``expand(path)``, with ``batch`` / ``plan`` where the cost drafter batches its nodes; over a
+        block drafter (``by_depth``), a lookup of its drafted block's row at the node's depth -- the host
+        work that drafter does for the node."""
+        if getattr(self.cost_expand, "by_depth", False):
+            return self.by_depth
+        if getattr(self.cost_expand, "batch", None) is None:
+            return self.expand
 
-        if getattr(cost_expand, "batch", None) is not None:
-            def known(paths: list[list[int]]) -> list[tuple[tuple, list[int]]]:
-                mapped = [(tuple(p), cost_path(tuple(p))) for p in paths]
-                return [(key, m) for key, m in mapped if m is not None]
-
-            def batch(paths: list[list[int]]) -> list[list[tuple[int, float]]]:
-                found = known(paths)
-                for (key, _), below in zip(found, cost_expand.batch([m for _, m in found]) if found else []):
-                    cost_children[key] = below
-                return [children(p) for p in paths]
-
-            def plan(paths: list[list[int]]):
-                """The cost network's tree pass for these paths, answering with the replayed expansions
-                (`drafters.expand_across` runs many requests' in one batched pass)."""
-                found = known(paths)
-                inner = cost_expand.plan([m for _, m in found]) if found else None
-                if inner is None:
-                    return None
-
-                def finish(tops):
-                    for (key, _), below in zip(found, inner.finish(tops)):
-                        cost_children[key] = below
-                    return [children(p) for p in paths]
-                return replace(inner, finish=finish)
-            expand.batch, expand.plan = batch, plan
+        def expand(path: list[int]) -> list[tuple[int, float]]:     # a function: it carries batch and plan
+            return self.expand(path)
+        expand.batch, expand.plan = self.batch, self.plan
         return expand
+
+    def children(self, path: list[int]) -> list[tuple[int, float]]:
+        at = (self.position + len(path), self.on_path(path))
+        if at not in self.built:
+            self.built[at] = self.children_at(*at)
+        return self.built[at]
+
+    def by_depth(self, path: list[int]) -> list[tuple[int, float]]:
+        self.cost_expand(path)
+        return self.children(path)
+
+    def cost_path(self, path: tuple) -> list[int] | None:
+        """The cost drafter's node of the same ranks down the same depth (None past its tree)."""
+        if path in self.cost_paths:
+            return self.cost_paths[path]
+        parent = self.cost_path(path[:-1])
+        if parent is None or path[:-1] not in self.cost_children:
+            return None
+        rank = [t for t, _ in self.children(list(path[:-1]))].index(path[-1])
+        below = self.cost_children[path[:-1]]
+        self.cost_paths[path] = parent + [below[rank][0]] if rank < len(below) else None
+        return self.cost_paths[path]
+
+    def expand(self, path: list[int]) -> list[tuple[int, float]]:
+        mapped = self.cost_path(tuple(path))
+        if mapped is not None:
+            self.cost_children[tuple(path)] = self.cost_expand(mapped)
+        return self.children(path)
+
+    def known(self, paths: list[list[int]]) -> list[tuple[tuple, list[int]]]:
+        mapped = [(tuple(p), self.cost_path(tuple(p))) for p in paths]
+        return [(key, m) for key, m in mapped if m is not None]
+
+    def batch(self, paths: list[list[int]]) -> list[list[tuple[int, float]]]:
+        found = self.known(paths)
+        for (key, _), below in zip(found, self.cost_expand.batch([m for _, m in found]) if found else []):
+            self.cost_children[key] = below
+        return [self.children(p) for p in paths]
+
+    def plan(self, paths: list[list[int]]):
+        """The cost network's tree pass for these paths, answering with the replayed expansions
+        (`drafters.expand_across` runs many requests' in one batched pass)."""
+        found = self.known(paths)
+        inner = self.cost_expand.plan([m for _, m in found]) if found else None
+        if inner is None:
+            return None
+
+        def finish(tops):
+            for (key, _), below in zip(found, inner.finish(tops)):
+                self.cost_children[key] = below
+            return [self.children(p) for p in paths]
+        return replace(inner, finish=finish)

@@ -146,6 +146,13 @@ def create_app(server: Server) -> FastAPI:
     async def refused(_, e: ServeError):
         return _error_response(e)
 
+    _service_routes(app, server)
+    _generation_routes(app, server)
+    return app
+
+
+def _service_routes(app: FastAPI, server: Server) -> None:
+    """Health, metrics and the model list."""
     @app.get("/health")
     async def health():
         alive = server.scheduler.worker.is_alive()
@@ -160,6 +167,9 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "specpilot", "max_model_len": server.system.capacity}]}
 
+
+def _generation_routes(app: FastAPI, server: Server) -> None:
+    """The OpenAI-compatible completions and chat completions, whole or streamed."""
     @app.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest, http: Request):
         server.check_model(req.model)
@@ -194,5 +204,3 @@ def create_app(server: Server) -> FastAPI:
             return StreamingResponse(_stream(job, chunk), media_type="text/event-stream")
         text, tokens, finish, _ = await _collect(job, http)
         return protocol.chat(rid, server.model_name, text, finish, tokens, len(prompt), req.return_token_ids)
-
-    return app
