@@ -295,13 +295,23 @@ class GatedDeltaNet(nn.Module):
         the per-token records and conv states (a decode step's: its one token's), or the final
         recurrent states, go into slice g of the tensors of all G layers (``stacked`` /
         ``stacked_conv``, made by layer 0), returned in their place."""
-        cfg = self.cfg
-        B, T_, nk, nv = s.batch, s.tokens, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-        C = self.conv_dim
+        nv, dv = self.cfg.linear_num_value_heads, self.cfg.linear_value_head_dim
+        B, T_ = s.batch, s.tokens
         mixed, z, b, a = self._projections(x)      # packed: the real tokens' rows (z stays so)
         mixed, b, a = (s.expand(t) for t in (mixed, b, a))
-        mixed = op.reshape(mixed, (B, T_, C))
+        conv, new_conv = self._conv(op.reshape(mixed, (B, T_, self.conv_dim)), s, conv_state, keep_states, stack,
+                                    stacked_conv)
+        q, k, v = self._heads(op.silu(conv), B, T_)                                            # (B, T, H, d)
+        beta, g = self._gates(b, a, B, T_)
+        o, new_rec = self._recurrence(q, k, v, g, beta, rec_state, s, keep_states, stack, stacked)
+        o = s.compact(op.reshape(o, (B * T_, nv, dv)))
+        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
+                              [o, self.norm.weight, z], attrs={"op_pattern": 2})
+        return self.out_proj(op.reshape(o, (o.shape[0], nv * dv))), new_conv, new_rec
+
+    def _conv(self, mixed: Tensor, s: StepInputs, conv_state: Tensor, keep_states: bool, stack, stacked_conv):
+        """The causal conv over (B, T, C) -> (its output in the layer's dtype, the new conv states)."""
+        B, T_, C, K = s.batch, s.tokens, self.conv_dim, self.cfg.linear_conv_kernel_dim
         # a decode step runs verify's conv kernel on its one token: no window concatenated and
         # transposed, and its state goes into the layers' stack (dlight's schedule of the Relax conv
         # over the window takes 100 us a layer at 16 sequences on the H200)
@@ -321,8 +331,13 @@ class GatedDeltaNet(nn.Module):
                                              [conv_state, mixed, self.conv1d.weight, s.slots],
                                              [Tensor.placeholder((B, T_, C), "float32"),
                                               Tensor.placeholder((B, C, K - 1), self.dtype)])
-        conv = conv if self.dtype == "float32" else op.astype(conv, self.dtype)
-        mixed = op.silu(conv)                                                                # (B, T, C)
+        return (conv if self.dtype == "float32" else op.astype(conv, self.dtype)), new_conv
+
+    def _heads(self, mixed: Tensor, B, T_) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (L2-normed, q scaled, repeated to the value heads) and v, float32 (B, T, H, d)."""
+        cfg = self.cfg
+        nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+            cfg.linear_value_head_dim
         if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
             # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
             heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
@@ -332,17 +347,28 @@ class GatedDeltaNet(nn.Module):
         else:
             q = op.astype(op.reshape(slice_axis(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
             k = op.astype(op.reshape(slice_axis(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
-            v = op.astype(op.reshape(slice_axis(mixed, 2, 2 * nk * dk, C, "v"), (B, T_, nv, dv)), "float32")
+            v = op.astype(op.reshape(slice_axis(mixed, 2, 2 * nk * dk, self.conv_dim, "v"), (B, T_, nv, dv)), "float32")
         # one kernel each, the slice and cast that make q and k fused in (injective), over the nk key
         # heads; then repeated for the value heads (a repeated head's norm is its head's, bit for bit)
         q = op.tensor_expr_op(l2norm_te(dk ** -0.5), "l2norm", [q], attrs={"op_pattern": 2})
         k = op.tensor_expr_op(l2norm_te(None), "l2norm", [k], attrs={"op_pattern": 2})
         if nv != nk:
             q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
+        return q, k, v
+
+    def _gates(self, b: Tensor, a: Tensor, B, T_) -> tuple[Tensor, Tensor]:
+        """beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias), float32 (B, T, H)."""
+        nv = self.cfg.linear_num_value_heads
         beta = op.reshape(op.sigmoid(op.astype(b, "float32")), (B, T_, nv))
         g = op.negative(op.exp(op.astype(self.A_log, "float32"))) * \
             op.softplus(op.astype(a, "float32") + op.astype(self.dt_bias, "float32"))
-        g = op.reshape(g, (B, T_, nv))
+        return beta, op.reshape(g, (B, T_, nv))
+
+    def _recurrence(self, q, k, v, g, beta, rec_state, s: StepInputs, keep_states: bool, stack, stacked):
+        """The gated delta rule -> (o (B, T, H, dv), the new recurrent states or per-token records)."""
+        cfg = self.cfg
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        B, T_ = s.batch, s.tokens
         kernel = kernels.gated_delta_rule(nv, dk, dv, keep_states, self.gpu, stack=stack)
         # prefill / decode follow the previous token: parents is not read there
         args = [q, k, v, g, beta, rec_state, s.slots, s.parents if keep_states else s.slots]
@@ -356,17 +382,14 @@ class GatedDeltaNet(nn.Module):
                                                         [len(args), -1, -1], [rec_type, o_type, scratch])
             else:
                 o, new_rec, _ = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, rec_type, scratch])
+            return o, new_rec
+        state_type = Tensor.placeholder((B, stack[0], nv, dk, dv) if stack else (B, nv, dk, dv), "float32")
+        if stack and stack[1] > 0:
+            new_rec, o = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked], [len(args), -1],
+                                                 [state_type, o_type])
         else:
-            state_type = Tensor.placeholder((B, stack[0], nv, dk, dv) if stack else (B, nv, dk, dv), "float32")
-            if stack and stack[1] > 0:
-                new_rec, o = op.tensor_ir_inplace_op(kernel, "gated_delta_rule", [*args, stacked], [len(args), -1],
-                                                     [state_type, o_type])
-            else:
-                o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, state_type])
-        o = s.compact(op.reshape(o, (B * T_, nv, dv)))
-        o = op.tensor_expr_op(gated_norm_te(self.norm.eps, self.dtype, not self.gpu), "gated_norm",
-                              [o, self.norm.weight, z], attrs={"op_pattern": 2})
-        return self.out_proj(op.reshape(o, (o.shape[0], nv * dv))), new_conv, new_rec
+            o, new_rec = op.tensor_ir_op(kernel, "gated_delta_rule", args, [o_type, state_type])
+        return o, new_rec
 
 
 class DecoderLayer(nn.Module):
