@@ -105,14 +105,7 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
     table = KernelTable(build_dir)
     peaks = device_peaks(m.target)
     module = system.engines["compiled"].model.module
-    say("warm-up")
-    system.generate(engine, prompts[0], min(8, max_new))          # warm-up
-    runs, wall = [], 0.0
-    for i, p in enumerate(prompts):
-        say(f"timing request {i + 1}/{len(prompts)}")
-        start = time.perf_counter()
-        runs.append(system.generate(engine, p, max_new))
-        wall += time.perf_counter() - start
+    runs, wall = _timed_runs(system, engine, prompts, max_new, say)
     steps = sum(len(g.accepted) - 1 for g in runs)                 # verifications (the first entry is prefill)
     tokens = sum(len(g.tokens) for g in runs)
     with profiling(module, set(table.kernels)) as prof:
@@ -120,19 +113,7 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
             say(f"profiling kernels, request {i + 1}/{len(prompts)}")
             system.generate(engine, p, max_new)
     ctx = context or int(sum(len(p) for p in prompts) / len(prompts) + max_new / 2)
-    kernels: dict[str, dict] = {}
-    for call in prof.calls:
-        cost = table.cost(call.name, call.shapes, ctx)
-        k = kernels.setdefault(call.name, {"name": call.name, "calls": 0, "seconds": 0.0, "bound_seconds": 0.0,
-                                           "flops": 0.0, "bytes": 0.0})
-        k["calls"] += 1
-        k["seconds"] += call.seconds
-        k["bound_seconds"] += cost.bound(peaks["flops"], peaks["bandwidth"])
-        k["flops"] += cost.flops
-        k["bytes"] += cost.bytes
-    rows = sorted(kernels.values(), key=lambda k: -k["seconds"])
-    for k in rows:
-        k["ratio"] = k["seconds"] / k["bound_seconds"] if k["bound_seconds"] else float("inf")
+    rows = _kernel_rows(prof.calls, table, peaks, ctx)
     kernel_seconds = prof.kernel_seconds
     bound_seconds = sum(k["bound_seconds"] for k in rows)
     current = sum(sum(g.accepted[1:]) for g in runs) / steps if steps else 1.0
@@ -158,6 +139,38 @@ def explain(build_dir: Path, prompts: list[list[int]], max_new: int, engine: str
         "best_budget": best_budget, "factors": factors, "bottleneck": bottleneck,
         "kernels": rows, "lattices": lattices,
     }
+
+
+def _timed_runs(system, engine: str, prompts: list[list[int]], max_new: int, say) -> tuple[list, float]:
+    """One warm-up, then every prompt generated and timed: (the generations, wall seconds)."""
+    say("warm-up")
+    system.generate(engine, prompts[0], min(8, max_new))
+    runs, wall = [], 0.0
+    for i, p in enumerate(prompts):
+        say(f"timing request {i + 1}/{len(prompts)}")
+        start = time.perf_counter()
+        runs.append(system.generate(engine, p, max_new))
+        wall += time.perf_counter() - start
+    return runs, wall
+
+
+def _kernel_rows(calls, table, peaks: dict, ctx: int) -> list[dict]:
+    """Per kernel: calls, measured seconds, the roofline's bound at ``ctx``, FLOPs and bytes, and the
+    ratio of the two times; slowest first."""
+    kernels: dict[str, dict] = {}
+    for call in calls:
+        cost = table.cost(call.name, call.shapes, ctx)
+        k = kernels.setdefault(call.name, {"name": call.name, "calls": 0, "seconds": 0.0, "bound_seconds": 0.0,
+                                           "flops": 0.0, "bytes": 0.0})
+        k["calls"] += 1
+        k["seconds"] += call.seconds
+        k["bound_seconds"] += cost.bound(peaks["flops"], peaks["bandwidth"])
+        k["flops"] += cost.flops
+        k["bytes"] += cost.bytes
+    rows = sorted(kernels.values(), key=lambda k: -k["seconds"])
+    for k in rows:
+        k["ratio"] = k["seconds"] / k["bound_seconds"] if k["bound_seconds"] else float("inf")
+    return rows
 
 
 def plot(report: dict, path: Path, label: int = 5) -> None:
