@@ -127,3 +127,24 @@ def loads_out_of_bounds(func) -> list[str]:
 
     stmt(func.body)
     return found
+
+
+def random_parents(n: int, max_depth: int, rng) -> list[int]:
+    """A random tree of n nodes as parent indices (-1: the root's child), no path deeper than max_depth."""
+    parents, depth = [], []
+    for i in range(n):
+        options = [-1] + [j for j in range(i) if depth[j] < max_depth]
+        p = int(rng.choice(options))
+        parents.append(p)
+        depth.append(1 if p < 0 else depth[p] + 1)
+    assert max(depth) <= max_depth
+    return parents
+
+
+def root_path(parents, i):
+    """Node i's path from the root, itself last."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]

@@ -20,8 +20,7 @@ from specpilot.passes.pipeline import parse
 from specpilot.passes.runner import run_pipeline
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
 from tests.conftest import HYBRID, tiny_config
-from tests.kernel_helpers import gdn_inputs, run_cpu, sm90_source
-from tests.passes.test_gdn_path_recompute import _path, _random_tree
+from tests.kernel_helpers import gdn_inputs, random_parents, root_path, run_cpu, sm90_source
 
 
 def _case(rng, B, n, H, dk, dv, parents):
@@ -33,7 +32,7 @@ def _case(rng, B, n, H, dk, dv, parents):
 def _reference(q, k, v, g, beta, s0, slots, parents, b, i):
     """Node i of sequence b: its root path walked alone, padding tokens skipped (they leave the
     state as it is); its output (0 for padding) and the state after it."""
-    path = [t for t in _path(list(parents[b]), i) if slots[b, t] >= 0]
+    path = [t for t in root_path(list(parents[b]), i) if slots[b, t] >= 0]
     if not path:
         return np.zeros(v.shape[-2:], "float32"), s0[b]
     t = lambda x: torch.from_numpy(x[b, path])   # noqa: E731
@@ -54,7 +53,7 @@ def test_chunked_tree_form_matches_walking_every_path(seed, n, max_depth, H, dk,
     if max_depth >= n:
         parents = np.tile(np.arange(-1, n - 1), (B, 1))
     else:
-        parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)])
+        parents = np.stack([random_parents(n, max_depth, rng) for _ in range(B)])
     q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, parents)
     slots = np.zeros((B, n), "int32")
     slots[1, rng.choice(n, size=max(1, n // 8), replace=False)] = -1     # padding inside sequence 1's tree
@@ -74,8 +73,8 @@ def test_chunked_tree_form_matches_walking_every_path(seed, n, max_depth, H, dk,
             np.testing.assert_allclose(o[b, i], ref_o, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{b} {i}")
     assert (o[1][slots[1] < 0] == 0).all()
     # commit rebuilds a deep node's state from these records (no padding in sequence 0)
-    deepest = max(range(n), key=lambda i: len(_path(list(parents[0]), i)))
-    path = np.array([_path(list(parents[0]), deepest)], "int32")
+    deepest = max(range(n), key=lambda i: len(root_path(list(parents[0]), i)))
+    path = np.array([root_path(list(parents[0]), deepest)], "int32")
     (state,) = run_cpu(kernels.gdn_commit(1, H, dk, dv, gpu=False), [rec[:1, :, None], s0[:1, None], path],
                        [((1, 1, H, dk, dv), "float32")])
     _, ref_s = _reference(q, k, v, g, beta, s0, slots, parents, 0, deepest)
@@ -85,7 +84,7 @@ def test_chunked_tree_form_matches_walking_every_path(seed, n, max_depth, H, dk,
 def test_stacked_records_go_to_their_layer_in_place():
     rng = np.random.default_rng(5)
     B, n, H, dk, dv, G = 1, 12, 2, 8, 4, 3
-    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, [_random_tree(n, 5, rng)])
+    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, [random_parents(n, 5, rng)])
     W = kernels.record_width(dk, dv)
     import tvm
     lib = tvm.compile(gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, stack=(G, 1)).with_attr("global_symbol", "k"),

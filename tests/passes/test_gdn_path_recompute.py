@@ -20,26 +20,7 @@ from specpilot.runtime.decoding import speculative_tree
 from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
 from specpilot.runtime.systems import from_build
 from tests.conftest import DENSE, HYBRID, TINY_CONFIGS, build_spec, tiny_config
-from tests.kernel_helpers import run_cpu as _run
-
-
-def _random_tree(n: int, max_depth: int, rng) -> list[int]:
-    parents, depth = [], []
-    for i in range(n):
-        options = [-1] + [j for j in range(i) if depth[j] < max_depth]
-        p = int(rng.choice(options))
-        parents.append(p)
-        depth.append(1 if p < 0 else depth[p] + 1)
-    assert max(depth) <= max_depth
-    return parents
-
-
-def _path(parents, i):
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
+from tests.kernel_helpers import random_parents, root_path, run_cpu as _run
 
 
 @pytest.mark.parametrize("seed,n,max_depth", [(0, 64, 16), (1, 64, 4), (2, 17, 16)])
@@ -49,7 +30,7 @@ def test_tree_recurrence_and_commit_match_walking_every_path(seed, n, max_depth)
     NaN: a state read back that the kernel did not store would poison the outputs."""
     rng = np.random.default_rng(seed)
     B, H, dk, dv = 2, 3, 8, 5
-    parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)]).astype("int32")
+    parents = np.stack([random_parents(n, max_depth, rng) for _ in range(B)]).astype("int32")
     q, k = (rng.standard_normal((B, n, H, dk)).astype("float32") for _ in range(2))
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((B, n, H, dv)).astype("float32")
@@ -72,7 +53,7 @@ def test_tree_recurrence_and_commit_match_walking_every_path(seed, n, max_depth)
     # commit: every node of both sequences at once (paths padded with -1 to the longest)
     commit = kernels.gdn_commit(1, H, dk, dv, gpu=False)
     for i in range(n):
-        paths = [_path(list(parents[b]), i) for b in range(B)]
+        paths = [root_path(list(parents[b]), i) for b in range(B)]
         depth = max(len(p) for p in paths)
         padded = np.array([[-1] * (depth - len(p)) + p for p in paths], "int32")
         (state,) = _run(commit, [rec[:, :, None], s0[:, None], padded], [((B, 1, H, dk, dv), "float32")])
@@ -108,7 +89,7 @@ def test_commit_keeps_each_layers_state_apart():
 def _conv_case(seed: int, B: int, C: int, n: int, K: int, max_depth: int):
     """A random tree per sequence and the conv kernel's inputs, with the unstacked kernel's outputs."""
     rng = np.random.default_rng(seed)
-    parents = np.stack([_random_tree(n, max_depth, rng) for _ in range(B)]).astype("int32")
+    parents = np.stack([random_parents(n, max_depth, rng) for _ in range(B)]).astype("int32")
     state = rng.standard_normal((B, C, K - 1)).astype("float32")
     x = rng.standard_normal((B, n, C)).astype("float32")
     w = rng.standard_normal((C, 1, K)).astype("float32")
@@ -123,7 +104,7 @@ def test_tree_conv_windows_follow_ancestors(K):
     (state, x, w, parents), out, states, _ = _conv_case(K, B, C, n, K, 16)
     for b in range(B):
         for i in range(n):
-            seq = np.concatenate([state[b], x[b][_path(list(parents[b]), i)].T], axis=1)   # (C, K-1+depth)
+            seq = np.concatenate([state[b], x[b][root_path(list(parents[b]), i)].T], axis=1)   # (C, K-1+depth)
             np.testing.assert_allclose(out[b, i], (seq[:, -K:] * w[:, 0]).sum(1), rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(states[b, i], seq[:, -(K - 1):])
 
