@@ -270,14 +270,11 @@ class ReplayExpansion:
         """``expand(path)``, with ``batch`` / ``plan`` where the cost drafter batches its nodes; over a
         block drafter (``by_depth``), a lookup of its drafted block's row at the node's depth -- the host
         work that drafter does for the node."""
-        if getattr(self.cost_expand, "by_depth", False):
-            return self.by_depth
-        if getattr(self.cost_expand, "batch", None) is None:
-            return self.expand
-
-        def expand(path: list[int]) -> list[tuple[int, float]]:     # a function: it carries batch and plan
-            return self.expand(path)
-        expand.batch, expand.plan = self.batch, self.plan
+        def expand(path: list[int]) -> list[tuple[int, float]]:     # a function: callers may set attributes on it
+            return (self.by_depth if by_depth else self.expand)(path)
+        by_depth = getattr(self.cost_expand, "by_depth", False)
+        if not by_depth and getattr(self.cost_expand, "batch", None) is not None:
+            expand.batch, expand.plan = self.batch, self.plan
         return expand
 
     def children(self, path: list[int]) -> list[tuple[int, float]]:
