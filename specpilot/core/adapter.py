@@ -22,6 +22,7 @@ import torch
 from specpilot.core.config import ModelConfig
 from specpilot.core.weights import parameter_shapes
 from specpilot.core.errors import CheckpointError
+from specpilot.core.files import atomic_save_tensors
 
 FORMAT = "specpilot-early-exit-adapter/1"
 
@@ -53,15 +54,10 @@ def target_digest(weights: dict[str, torch.Tensor]) -> str:
 
 
 def save(path: Path, tensors: dict[str, torch.Tensor], layers: int, digest: str, extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
     meta = {"format": FORMAT, "layers": str(layers), "target_digest": digest}
     if extra:
         meta["training"] = json.dumps(extra, sort_keys=True)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in sorted(tensors.items())}, str(tmp), metadata=meta)
-    tmp.replace(path)
+    atomic_save_tensors(path, {k: v.detach().to("cpu").contiguous() for k, v in sorted(tensors.items())}, meta)
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -35,7 +35,7 @@ import torch
 
 from specpilot.core.config import ModelConfig
 from specpilot.core.errors import CheckpointError
-from specpilot.core.files import atomic_write_text
+from specpilot.core.files import atomic_save_tensors, atomic_write_text
 
 KINDS = ("block", "feature")
 ARCHITECTURES = {"block": "DFlashDraftModel", "feature": "LlamaForCausalLMEagle3"}
@@ -302,14 +302,12 @@ def save(directory: Path, cfg: DraftNetConfig, tensors: dict[str, torch.Tensor],
          digest: str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
     """Write a drafter in its published layout (config.json + model.safetensors), each file atomically;
     no tensors: the config alone (a seeded build's drafter, drawn again from its seed where it runs)."""
-    from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if tensors:
-        tmp = directory / "model.safetensors.tmp"
-        save_file({k: (v if not v.is_floating_point() else v.to(dtype)).detach().cpu().contiguous()
-                   for k, v in sorted(tensors.items())}, str(tmp), metadata={"format": "pt"})
-        tmp.replace(directory / "model.safetensors")
+        atomic_save_tensors(directory / "model.safetensors",
+                            {k: (v if not v.is_floating_point() else v.to(dtype)).detach().cpu().contiguous()
+                             for k, v in sorted(tensors.items())}, {"format": "pt"})
     atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
 
 
@@ -318,15 +316,13 @@ def save_with_vocabulary(source: Path, directory: Path, cfg: DraftNetConfig, d2t
     """``source``'s drafter with a draft vocabulary, in ``directory``: its weight files as they are
     (hard links where the file system allows: every write here replaces a file, never rewrites one in
     place; else copies), d2t in ``vocab.safetensors``, ``cfg`` (with the vocabulary's size) as config.json."""
-    from safetensors.torch import save_file
     directory = Path(directory)
     if directory.resolve() == Path(source).resolve() or (directory.is_dir() and any(directory.iterdir())):
         raise CheckpointError(f"{directory}: the drafter with a vocabulary goes to a new (or empty) directory")
     directory.mkdir(parents=True, exist_ok=True)
     for f in sorted(Path(source).glob("*.safetensors")):
         _link_or_copy(f, directory / f.name)
-    save_file({"d2t": d2t.long().contiguous()}, str(directory / "vocab.safetensors.tmp"), metadata={"format": "pt"})
-    (directory / "vocab.safetensors.tmp").replace(directory / "vocab.safetensors")
+    atomic_save_tensors(directory / "vocab.safetensors", {"d2t": d2t.long().contiguous()}, {"format": "pt"})
     atomic_write_text(directory / "config.json", json.dumps(hf_config(cfg, num_target_layers, digest), indent=2))
 
 

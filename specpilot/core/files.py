@@ -35,6 +35,22 @@ def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def atomic_save_tensors(path: Path | str, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file`` into a temporary file beside ``path``, then renamed over it."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        os.close(fd)
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def swap_in_dir(staging: Path, out_dir: Path) -> None:
     """Put a finished directory in place: a process killed before this leaves the previous one whole."""
     os.chmod(staging, 0o755)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specpilot.core.config import ModelConfig, config_from_hf
 from specpilot.core.errors import CheckpointError, SpecPilotError
-from specpilot.core.files import swap_in_dir
+from specpilot.core.files import atomic_save_tensors, atomic_write_text, swap_in_dir
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -236,11 +236,10 @@ def load_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 
 def save_checkpoint(directory: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    atomic_write_text(directory / "config.json", json.dumps(cfg.to_hf_dict(), indent=2))
     tensors = {k: v.contiguous() for k, v in weights.items()
                if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    atomic_save_tensors(directory / "model.safetensors", tensors, {"format": "pt"})
 
 
 def cache_dir() -> Path:

@@ -32,7 +32,7 @@ from specpilot.core import feature_drafter as fd
 from specpilot.core.adapter import target_digest
 from specpilot.core.config import ModelConfig
 from specpilot.core.errors import SpecPilotError
-from specpilot.core.files import atomic_write_text
+from specpilot.core.files import atomic_save_tensors, atomic_write_text
 from specpilot.runtime.drafter_training import (code_windows, forward, lr_factor, pad_rows, stdlib_files,
                                                  target_sequences)
 from specpilot.runtime.reference.feature_nets import plain_rms_norm
@@ -272,16 +272,12 @@ class Trainer:
         self.log(f"resumed at step {self.step}")
 
     def save_state(self) -> None:
-        from safetensors.torch import save_file
         tensors = {f"w.{n}": p.detach() for n, p in self.params.items()}
         for i, n in enumerate(self.params):
             st = self.opt.state.get(self.params[n])
             if st:
                 tensors[f"m.{n}"], tensors[f"v.{n}"] = st["exp_avg"], st["exp_avg_sq"]
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / "state.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        tmp.replace(self.out / "state.safetensors")
+        atomic_save_tensors(self.out / "state.safetensors", {k: v.contiguous() for k, v in tensors.items()})
         atomic_write_text(self.out / "state.json", json.dumps({"step": self.step, "target_digest": self.digest,
                                                                "config": self.cfg.to_dict(), "losses": self.losses}))
 

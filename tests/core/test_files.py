@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from specpilot.core.files import atomic_write_bytes, atomic_write_text, copy_tree_atomic
+from specpilot.core.files import atomic_save_tensors, atomic_write_bytes, atomic_write_text, copy_tree_atomic
 
 
 def test_replaces_whole_and_keeps_ordinary_permissions(tmp_path):
@@ -76,3 +76,15 @@ def test_a_failed_tree_copy_leaves_the_old_tree_and_no_staging(tmp_path):
     with pytest.raises(FileNotFoundError):
         copy_tree_atomic(tmp_path / "missing", out)
     assert (out / "manifest.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["final", "good"]
+
+
+def test_tensors_are_saved_whole_or_the_old_file_stays(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    path = tmp_path / "model.safetensors"
+    atomic_save_tensors(path, {"w": torch.arange(6.0).reshape(2, 3)}, {"format": "pt"})
+    atomic_save_tensors(path, {"w": torch.ones(2, 3)}, {"format": "pt"})
+    assert torch.equal(load_file(path)["w"], torch.ones(2, 3)) and os.listdir(tmp_path) == ["model.safetensors"]
+    with pytest.raises(Exception):
+        atomic_save_tensors(path, {"w": "not a tensor"})
+    assert torch.equal(load_file(path)["w"], torch.ones(2, 3)) and os.listdir(tmp_path) == ["model.safetensors"]
