@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import sync, write  # noqa: E402
-from bench.batch_pass_cost import WARMUP_S  # noqa: E402
+from bench._common import timed_calls, write  # noqa: E402
 from specpilot.runtime.decoding import close_state, tree_inputs  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 from specpilot.runtime.tree import Tree  # noqa: E402
@@ -44,29 +41,6 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
         tree.depths.append(1 if parent < 0 else tree.depths[parent] + 1)
         tree.scores.append(0.0)
     return tree
-
-
-def interleaved(calls: dict, reps: int) -> dict:
-    """Milliseconds per call of each ``calls`` entry (name -> (fn, args)), round-robin after ``WARMUP_S``
-    seconds of calls of each: median and quartiles."""
-    for fn, args in calls.values():
-        start = time.perf_counter()
-        while time.perf_counter() - start < WARMUP_S:
-            fn(*args)
-            sync()
-    ms = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, (fn, args) in calls.items():
-            sync()
-            t0 = time.perf_counter()
-            fn(*args)
-            sync()
-            ms[name].append((time.perf_counter() - t0) * 1e3)
-    out = {}
-    for name, samples in ms.items():
-        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
-        out[name] = {"median_ms": statistics.median(samples), "q1_ms": q[0], "q3_ms": q[2], "samples": len(samples)}
-    return out
 
 
 def logits_of(result) -> torch.Tensor:
@@ -95,7 +69,7 @@ def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: ran
     real = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
     a = torch.stack([results["packed"][b, t] for b, t in real])
     p = torch.stack([results["padded"][b, t] for b, t in real])
-    times = interleaved(calls, reps)
+    times = timed_calls(calls, reps)
     for st in states:
         close_state(st)
     return {"batch": B, "real_rows": len(real), "padded_rows": B * T, "context": context, "tree_sizes": [n - 1 for n in lengths],
@@ -116,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model = CompiledModule(args.build).model("target")
-    if not model.pack_verify:
+    if not model.packs_verification:
         sys.exit(f"{args.build}: no target_verify_packed (build it with tree-verify{{packed=true}})")
     sizes = [int(s) for s in args.sizes.split(",")]
     rng = random.Random(args.seed)

@@ -274,7 +274,7 @@ class _Scheduler:
         self.parts, self.levels, self.riding = parts, 0, False
         self.cost, self.chosen = PassCost(), 0
         # a packed verification (`tree-verify{packed=true}`) costs its real rows, not the padded ones
-        self.packed = bool(getattr(model, "pack_verify", False))
+        self.packed = bool(getattr(model, "packs_verification", False))
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
         self.pending = deque(sorted(range(len(arrivals)), key=lambda i: arrivals[i].at))

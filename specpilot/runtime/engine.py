@@ -589,6 +589,12 @@ class CompiledModel:
         return self.cfg.vocab_size
 
     @property
+    def packs_verification(self) -> bool:
+        """Whether a padded batched verification runs packed: the build has ``target_verify_packed`` and
+        ``pack_verify`` (a benchmark's switch) is on."""
+        return self.pack_verify and self._verify_packed is not None
+
+    @property
     def keeps_tree_paths(self) -> bool:
         """Whether `accept_path` can keep a path other than a prefix of the pass (tree-verify builds)."""
         return self._compact_kv is not None
@@ -732,8 +738,7 @@ class CompiledModel:
             conv, rec = self._stacked_states(states)
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        packing = record and not fixed and self.pack_verify and self._verify_packed is not None and \
-            packed_rows(toks, T)
+        packing = record and not fixed and self.packs_verification and packed_rows(toks, T)
         if packing:
             head = m.tensors(tokens, positions, slots, mask, rows, parents, *packing)
         elif record:

@@ -270,9 +270,11 @@ class ReplayExpansion:
         """``expand(path)``, with ``batch`` / ``plan`` where the cost drafter batches its nodes; over a
         block drafter (``by_depth``), a lookup of its drafted block's row at the node's depth -- the host
         work that drafter does for the node."""
-        def expand(path: list[int]) -> list[tuple[int, float]]:     # a function: callers may set attributes on it
-            return (self.by_depth if by_depth else self.expand)(path)
         by_depth = getattr(self.cost_expand, "by_depth", False)
+        inner = self.by_depth if by_depth else self.expand
+
+        def expand(path: list[int]) -> list[tuple[int, float]]:     # a function: callers may set attributes on it
+            return inner(path)
         if not by_depth and getattr(self.cost_expand, "batch", None) is not None:
             expand.batch, expand.plan = self.batch, self.plan
         return expand
