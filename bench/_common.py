@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from specpilot.runtime.environment import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+WARMUP_S = 1.0     # calls before the timed ones: a shared CPU's first second of a pass ran ~15 % slow
 
 
 def sync() -> None:
@@ -26,6 +31,31 @@ def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | No
     path = path or out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
     return path
+
+
+def quartiles(ms: list[float]) -> dict:
+    """Median and quartiles of millisecond samples."""
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
+
+
+def timed_calls(calls: dict, reps: int) -> dict:
+    """Milliseconds per call of each ``calls`` entry (name -> (fn, args)), synchronised, round-robin
+    after ``WARMUP_S`` seconds of calls of each: name -> `quartiles`."""
+    for fn, args in calls.values():
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARMUP_S:
+            fn(*args)
+            sync()
+    ms = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, (fn, args) in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            fn(*args)
+            sync()
+            ms[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: quartiles(samples) for name, samples in ms.items()}
 
 
 def timed_rotating(fn, rotations: int, rounds: int = 7, iters: int = 20) -> list[float]:

@@ -33,30 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import sync, write  # noqa: E402
+from bench._common import sync, timed_calls, write  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
-
-
-WARMUP_S = 1.0     # calls before the timed ones: a shared CPU's first second of a pass ran ~15 % slow
 
 
 def timed(fn, args, reps: int) -> dict:
     """Milliseconds per call, synchronised, after ``WARMUP_S`` seconds of calls; median and quartiles."""
-    start = time.perf_counter()
-    while True:
-        fn(*args)
-        sync()
-        if time.perf_counter() - start >= WARMUP_S:
-            break
-    ms = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn(*args)
-        sync()
-        ms.append((time.perf_counter() - t0) * 1e3)
-    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
-    return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
+    return timed_calls({"call": (fn, args)}, reps)["call"]
 
 
 def kernels(fn, args, top: int, module=None) -> list[dict]:

@@ -22,7 +22,6 @@ and how alike the two ways rank (their kernels differ: with bf16, near-ties may 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import write  # noqa: E402
+from bench._common import quartiles, write  # noqa: E402
 from specpilot.core import feature_drafter as fd  # noqa: E402
 from specpilot.runtime.drafters import ranked  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
@@ -42,11 +41,6 @@ from specpilot.runtime.features import FeatureStore  # noqa: E402
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def quartiles(ms: list[float]) -> dict:
-    q = statistics.quantiles(ms, n=4)
-    return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "samples": len(ms)}
 
 
 def ar_steps(module: CompiledModule, context: int, reps: int, profiled: int = 0) -> tuple[list[float], list[dict]]:
