@@ -199,7 +199,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     shift; setup
     timeout ${GDN_S:-200} python3 bench/gdn_recurrence.py run $1 --out $OUT 2>&1 | grep -v Warning | tail -60 ;;
   smol-batch)
-    # continuous batching on SmolLM2-135M bf16 (bench/specs/smollm2-l12-batch-bf16.yaml): every engine at each
+    # continuous batching on SmolLM2-135M bf16 (a batched SmolLM2 build: bench/specs/smollm2-block-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
     # (TIE: a fixed tie tolerance; `auto` runs stock PyTorch on every prompt first, minutes at 32)
     # (a block / feature drafter's build drafts with the trained drafter staged in $E/drafters)
