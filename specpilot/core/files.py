@@ -5,24 +5,32 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+@contextmanager
+def _replacing(path: Path | str):
+    """(fd, name) of a temporary file beside ``path`` with the permissions open() would give it (not
+    mkstemp's 0600), renamed over ``path`` when the block ends and removed when it raises."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())       # what open() would have made, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, 0o666 & ~_umask())
+        yield fd, tmp
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    with _replacing(path) as (fd, _), os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _umask() -> int:
@@ -38,17 +46,9 @@ def atomic_write_text(path: Path | str, text: str) -> None:
 def atomic_save_tensors(path: Path | str, tensors: dict, metadata: dict[str, str] | None = None) -> None:
     """safetensors' ``save_file`` into a temporary file beside ``path``, then renamed over it."""
     from safetensors.torch import save_file
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
+    with _replacing(path) as (fd, tmp):
         os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def swap_in_dir(staging: Path, out_dir: Path) -> None:
