@@ -328,3 +328,42 @@ def test_pass_cost_bench_profiles_a_cpu_build_per_kernel(tmp_path, passes):
         assert row["commit"]["accepted"] == min(2, row["nodes"] // 2 if passes else row["nodes"])
         assert row["context"] == 12         # every node count at the prefilled context
         assert row["verify"]["median_ms"] > 0 and row["commit"]["accept_path_ms"] >= 0
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3_5ForCausalLM"])
+def test_block_agreement_drafts_what_the_engine_s_block_drafter_drafts(arch):
+    """bench/block_agreement.py's teacher-forced blocks are the engine's: at every position its top-1 drafts
+    equal `BlockDrafter.block_ranked`'s first ranks for the same context."""
+    import torch
+
+    from bench.block_agreement import forced_blocks
+    from specpilot.core import feature_drafter as fd
+    from specpilot.core.weights import random_weights
+    from specpilot.runtime.decoding import autoregressive
+    from specpilot.runtime.feature_drafters import BlockDrafter
+    from specpilot.runtime.reference.feature_nets import build_net
+    from specpilot.runtime.reference.model import ReferenceModel
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(arch)
+    model = ReferenceModel(cfg, random_weights(cfg, 3), feature_layers=(0, 2))
+    dcfg = fd.seeded_config("block", cfg, block_size=5, target_layers=(0, 2))
+    net = build_net(dcfg, fd.random_init(dcfg, 6), model.w, torch.float32, "cpu")
+    prompt = [(7 * i + 3) % 301 for i in range(11)]
+    seq = prompt + autoregressive(model, prompt, 9, 64).tokens
+    blocks = forced_blocks(net, model, seq, len(prompt), 64)
+    assert len(blocks) == len(seq) - 1 - len(prompt)
+    for n, drafts in enumerate(blocks, start=len(prompt)):
+        state = model.new_state(64)
+        model.forward(seq[:n], state)
+        drafter = BlockDrafter(net, top_k=1, capacity=64)
+        drafter.bind(state)
+        assert drafts == drafter.block_ranked(seq[:n + 1])[0][:, 0].tolist()
+
+
+def test_block_hits_counts_agreement_by_position_and_the_matching_prefix():
+    from bench.block_agreement import block_hits
+    seq = [1, 2, 3, 4, 5, 6]
+    # positions 2 and 3 (the target consumed seq[:n]); drafts for the tokens after seq[n]
+    hits, accepted = block_hits([[4, 9, 6], [5, 6]], seq, 2)
+    assert hits == {1: [1, 1], 2: [0, 1], 3: [1]} and accepted == [1, 2]
