@@ -22,6 +22,7 @@ import math
 import random
 import re
 import sysconfig
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,9 +166,10 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     return files
 
 
-def code_prompts(files: list[Path], rng: random.Random, n: int, max_chars: int = 160) -> list[str]:
-    """Starts of function and class definitions, cut after ``max_chars`` (as many per file as
-    ``n`` needs over all files, at least 3)."""
+def code_prompts(files: list[Path], rng: random.Random, n: int, max_chars: int = 160, max_lines: int = 4) -> list[str]:
+    """Starts of function and class definitions, dedented: the first 1 to ``max_lines`` whole lines
+    (at most ``max_chars``), so the target continues from bare signatures as well as from longer
+    starts (as many per file as ``n`` needs over all files, at least 3)."""
     out = []
     per_file = max(3, -(-3 * n // max(len(files), 1)))
     for path in rng.sample(files, len(files)):
@@ -177,8 +179,9 @@ def code_prompts(files: list[Path], rng: random.Random, n: int, max_chars: int =
             continue
         starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*(?:def|class) ", text)]
         for i in rng.sample(starts, min(per_file, len(starts))):
-            chunk = text[i:i + max_chars]
-            out.append(chunk[:chunk.rfind("\n") + 1] if "\n" in chunk[40:] else chunk)
+            lines = text[i:i + max_chars].splitlines(keepends=True)
+            whole = [line for line in lines if line.endswith("\n")] or lines
+            out.append(textwrap.dedent("".join(whole[:rng.randint(1, max_lines)])))
             if len(out) == n:
                 return out
     return out

@@ -92,6 +92,22 @@ def _corpus(tmp_path):
     return d
 
 
+def test_code_prompts_are_dedented_starts_of_whole_lines(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    body = "".join(f"class K{j}:\n    def m{j}(self, a):\n        b = a + {j}\n        c = b * 2\n        return c - 1\n\n"
+                   for j in range(40))
+    (d / "k.py").write_text(body)
+    prompts = dt.code_prompts(dt.stdlib_files(d), random.Random(3), 60, max_chars=70, max_lines=3)
+    assert prompts == dt.code_prompts(dt.stdlib_files(d), random.Random(3), 60, max_chars=70, max_lines=3)
+    assert len(prompts) == 60
+    lengths = {p.count("\n") for p in prompts}
+    assert lengths == {1, 2, 3}                      # 1 to max_lines whole lines, each ending in a newline
+    for p in prompts:
+        assert p.endswith("\n") and len(p) <= 70 and p[0] in "dc"        # dedented: methods start at column 0
+        assert p in body.replace("\n    ", "\n") or p in body        # a verbatim start, up to the indent
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("adapter")
