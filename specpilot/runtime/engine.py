@@ -36,7 +36,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.core.manifest import read_manifest
 from specpilot.core.weights import file_digest
 from specpilot.runtime import cuda_errors, heap
-from specpilot.runtime.features import FeatureStore
+from specpilot.runtime.features import FeaturePool
 from specpilot.runtime.threads import claim_cores_for_tvm
 
 def import_tvm_runtime(gpu: bool):
@@ -580,6 +580,7 @@ class CompiledModel:
         self.shapes = cache_shapes(self.cfg, self.capacity, self.max_batch, self.dtype)
         self.kv = module.zeros(*self.shapes["kv"]) if "kv" in self.shapes else module.zeros((1,), "float32")
         self.free_rows = list(range(self.max_batch))[::-1]
+        self.feature_pool: FeaturePool | None = None    # made with the first sequence of a target with feature layers
         # a pass's workspace grows with its tokens (a 4096-token prefill of a 27B-class hybrid asks the card
         # for ~58 GB beside the weights): GPU builds prefill a long prompt in passes of PREFILL_CHUNK tokens
         self.prefill_chunk = PREFILL_CHUNK if module.device.dlpack_device_type() == 2 else None
@@ -609,10 +610,15 @@ class CompiledModel:
                                  "deployment.max_batch in the spec or close finished sequences")
         state = CompiledState(self, self.free_rows.pop(), self.capacity)
         if self.feature_layers:
-            gpu = self.module.device.dlpack_device_type() == 2
-            state.features = FeatureStore(self.capacity, len(self.feature_layers) * self.cfg.hidden_size,
-                                          getattr(torch, self.dtype), "cuda" if gpu else "cpu")
+            state.features = self._feature_pool().store(state.row)
         return state
+
+    def _feature_pool(self) -> FeaturePool:
+        if self.feature_pool is None:
+            gpu = self.module.device.dlpack_device_type() == 2
+            self.feature_pool = FeaturePool(self.max_batch, self.capacity, len(self.feature_layers) * self.cfg.hidden_size,
+                                            getattr(torch, self.dtype), "cuda" if gpu else "cpu")
+        return self.feature_pool
 
     def forward(self, tokens, state: CompiledState, positions=None, attn_mask=None, record: bool = False,
                 parents=None):
@@ -775,10 +781,10 @@ class CompiledModel:
         if self.has_gdn:     # each read of a result's field makes another handle: read once, compare by identity
             conv_out, rec_out = out[1], out[2]
             batch = _Batch(conv_out, rec_out, args[self.REC_ARG], len(states)) if record and shared else None
+        if features is not None:
+            self.feature_pool.write([(st.features, st.length, len(t)) for t, st in zip(toks, states)], features)
         for b, (t, st) in enumerate(zip(toks, states)):
             n, start = len(t), st.length
-            if features is not None:
-                st.features.write(start, features[b, :n])
             if self.has_gdn:
                 if record:
                     p = _Pass(start, n, self._row(conv_out, b, n), self._row(rec_out, b, n), st.conv, st.rec,
@@ -817,6 +823,8 @@ class CompiledModel:
         call in one ``commit`` call over that call's batch (rows no state asks for take an empty path),
         each state then a row of its (B, ...) outputs; the rest one at a time."""
         self._move_kv([st for st in states if st.kv_moves])
+        if self.feature_pool is not None:
+            self.feature_pool.settle([st.features for st in states if st.features is not None])
         groups: dict[int, list[CompiledState]] = {}
         for st in states:
             if st.pending is not None:

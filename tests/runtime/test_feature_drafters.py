@@ -21,6 +21,7 @@ from specpilot.runtime.drafters import ranked
 from specpilot.runtime.feature_drafter_training import (block_batch, block_forward, feature_forward, init_tensors,
                                                          loss_curve, sample_anchors)
 from specpilot.runtime.feature_drafters import BlockDrafter, FeatureDrafter
+from specpilot.runtime.features import FeaturePool
 from specpilot.runtime.forcing import force_requests
 from specpilot.runtime.reference.feature_nets import build_net
 from specpilot.runtime.reference.model import ReferenceModel
@@ -73,6 +74,42 @@ def test_features_follow_the_accepted_path(arch):
     # (a hybrid's Gated DeltaNet layers run a tree pass and a prefill in different orders of summation)
     torch.testing.assert_close(state.features.read(0, state.length), fresh.features.read(0, fresh.length),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pool_s_batched_writes_and_moves_equal_each_sequence_s_own(seed):
+    """Batches of passes (1-4 sequences of 1-6 tokens, float32 into a float64 pool of odd sizes), each
+    sequence then keeping a random root path, its prefix or all of it; moves settled for the batch,
+    by the next write or by a read: every sequence's rows are those of its own plain tensor."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    capacity, width = 61, 7
+    pool = FeaturePool(5, capacity, width, torch.float64, "cpu")
+    stores = [pool.store(r) for r in rng.sample(range(5), 4)]
+    want, length = [torch.zeros(capacity, width, dtype=torch.float64) for _ in stores], [0] * 4
+    for _ in range(10):
+        batch = rng.sample(range(4), rng.randint(1, 4))
+        n = [rng.randint(1, 6) for _ in batch]
+        features = torch.randn(len(batch), max(n), width, generator=gen)
+        pool.write([(stores[i], length[i], k) for i, k in zip(batch, n)], features)
+        for j, (i, k) in enumerate(zip(batch, n)):
+            want[i][length[i]:length[i] + k] = features[j, :k].double()
+            kept = rng.choice(["path", "prefix", "all"])
+            if kept == "path":
+                path = [0] + sorted(rng.sample(range(1, k), rng.randint(0, k - 1)))
+                stores[i].accept(length[i], path)
+                want[i][length[i]:length[i] + len(path)] = want[i][[length[i] + r for r in path]].clone()
+                length[i] += len(path)
+            else:
+                length[i] += rng.randint(1, k) if kept == "prefix" else k
+        if rng.random() < 0.5:
+            pool.settle(stores)
+            assert all(s.moves is None for s in stores)
+        for i in rng.sample(range(4), 2):
+            assert torch.equal(stores[i].read(0, length[i]), want[i][:length[i]])
+    for i in range(4):
+        assert torch.equal(stores[i].read(0, length[i]), want[i][:length[i]])
+    with pytest.raises(SpecPilotError, match="not an ascending path"):
+        stores[0].accept(0, [0, 2, 1])
 
 
 def test_block_network_equals_its_training_forward():
