@@ -38,9 +38,12 @@ class FeaturePool:
             store, start, n = entries[0]
             store.write(start, features[0, :n])
             return
-        index = np.concatenate([np.stack([np.full(n, b), np.arange(n), np.full(n, s.row), np.arange(start, start + n)])
-                                for b, (s, start, n) in enumerate(entries)], axis=1)
-        b, t, row, pos = torch.from_numpy(index).to(self.data.device)
+        n = np.array([k for _, _, k in entries])
+        b = np.repeat(np.arange(len(entries)), n)
+        t = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)        # each entry's 0 .. n - 1
+        row = np.array([store.row for store, _, _ in entries])[b]
+        pos = np.array([start for _, start, _ in entries])[b] + t
+        b, t, row, pos = torch.from_numpy(np.stack([b, t, row, pos])).to(self.data.device)
         self.data[row, pos] = features[b, t].to(self.data.dtype)
         for store, start, n in entries:
             store.written = start + n
