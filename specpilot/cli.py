@@ -660,6 +660,9 @@ def _continuation_options(verb: str):
 @click.option("--block-size", type=click.IntRange(2, 64), default=8, show_default=True, help="block: positions per pass")
 @click.option("--anchors", type=click.IntRange(1), default=32, show_default=True,
               help="block: blocks trained per sequence and teacher pass (distinct anchors)")
+@click.option("--gamma", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="block: position weights exp(-(k - 1) / gamma) (default DFlash's for the block size: 4 for 8, "
+                   "5 for 10, 7 for 16)")
 @click.option("--target-layers", default=None, help="block / feature: target layers read, e.g. 1,15,27 "
               "(default: the published projects' choice)")
 @click.option("--ttt", type=click.IntRange(1, 8), default=3, show_default=True,
@@ -681,7 +684,7 @@ def _continuation_options(verb: str):
 @click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
-def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, draft_vocab, output, steps, batch, seq_len,
+def drafter_train(spec, kind, exits, block_size, anchors, gamma, target_layers, ttt, draft_vocab, output, steps, batch, seq_len,
                   generated, lr, seed, device, corpus, holdout, time_limit, save_dtype):
     """Distil early-exit adapters from the spec's target (KL over the vocabulary on a code corpus
     and the target's own greedy continuations); use one with `drafter: {kind: early-exit,
@@ -703,7 +706,7 @@ def drafter_train(spec, kind, exits, block_size, anchors, target_layers, ttt, dr
         _train_conditioned(spec, kind, target, tok, exits, block_size, target_layers, draft_vocab, output, save_dtype,
                            dict(steps=steps, batch=batch, seq_len=seq_len, generated=generated, lr=lr, seed=seed,
                                 device=device, corpus=corpus, holdout=texts, time_limit=time_limit, ttt=ttt,
-                                blocks=anchors))
+                                blocks=anchors, gamma=gamma))
         return
     if not exits:
         raise click.UsageError("--layers: early-exit training needs the target layers each adapter keeps")

@@ -7,7 +7,7 @@ drafter learns KL(target || drafter) over the vocabulary at each position it pre
 
 - block: blocks [t_a, mask, ...] at random anchors a see the target features of positions < a
   and each other; block position k learns the target's distribution after t_{a+k-1}, weighted
-  exp(-(k-1)/gamma) (DFlash's recipe; gamma 7 for blocks of 16).
+  exp(-(k-1)/gamma) (DFlash's recipe: gamma 7, 5, 4 for blocks of 16, 10, 8; `loss_decay`).
 - feature: the pair (feature j, t_{j+1}) learns the target after t_{j+1}; ``steps`` > 1 trains
   later draft steps on the drafter's own outputs (EAGLE-3's training-time test: step s sees the
   context's pairs and its own earlier steps at the same position).
@@ -129,7 +129,7 @@ class Options:
     seed: int = 0
     device: str = "cpu"
     blocks: int = 32           # block: anchors per sequence (distinct)
-    gamma: float = 7.0         # block: position weights exp(-(k - 1) / gamma)
+    gamma: float | None = None   # block: position weights exp(-(k - 1) / gamma) (None: `loss_decay`'s)
     ttt: int = 3               # feature: draft steps trained
     time_limit: float | None = None
     holdout: list = field(default_factory=list)
@@ -223,6 +223,12 @@ def _kl(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor) -> 
     return (per * weights).sum() / weights.sum()
 
 
+def loss_decay(block_size: int) -> float:
+    """DFlash's position-weight decay for a block size: 7 for blocks of 16, 5 of 10, 4 of 8 (a smaller
+    block weights its later positions less, its first drafts being the ones a verification reaches)."""
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
 class Trainer:
     def __init__(self, cfg: fd.DraftNetConfig, target_cfg: ModelConfig, weights: dict, tokenizer, opts: Options,
                  out_dir: Path, log=print):
@@ -237,6 +243,7 @@ class Trainer:
         self.embed = self.w["model.embed_tokens.weight"]
         self.head = self.w.get("lm_head.weight", self.embed)
         self.tokenizer, self.rng = tokenizer, random.Random(opts.seed)
+        self.gamma = opts.gamma if opts.gamma is not None else loss_decay(cfg.block_size)
         self.sequences = self.data()
         self.vocab_ids = draft_vocabulary(self.sequences, cfg.draft_vocab_size) \
             if 0 < cfg.draft_vocab_size < cfg.vocab_size else None
@@ -321,7 +328,7 @@ class Trainer:
         if self.cfg.kind == "block":
             anchors = sample_anchors(lengths, self.opts.blocks, self.rng)
             q_tok, q_pos, mask, (b, q, t, wt) = block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
-                                                            self.opts.gamma)
+                                                            self.gamma)
             student = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask)
             return _kl(student[b, q], teacher[b, t], wt)
         steps = feature_forward(self.cfg, w, self.embed, features, tokens, valid, self.opts.ttt)
@@ -364,7 +371,7 @@ class Trainer:
                 self.save_state()
         self.save_state()
         return {"steps": self.step, "batch": o.batch, "seq_len": o.seq_len, "lr": o.lr, "seed": o.seed,
-                **({"blocks_per_sequence": o.blocks, "gamma": o.gamma} if self.cfg.kind == "block" else {}),
+                **({"blocks_per_sequence": o.blocks, "gamma": self.gamma} if self.cfg.kind == "block" else {}),
                 "generated_sequences": len(seqs), "heldout_sequences": len(heldout),
                 "seconds": round(time.perf_counter() - started, 1), "device": o.device, "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name() if o.device != "cpu" else None, "target_digest": self.digest,
@@ -390,7 +397,7 @@ class Trainer:
             lengths = [len(r) for r in rows]
             anchors = [list(range(1, n - 1, max(1, (n - 2) // 8))) for n in lengths]
             q_tok, q_pos, mask, (b, q, t, _) = block_batch(self.cfg, anchors, tokens.cpu(), lengths, self.opts.device,
-                                                           self.opts.gamma)
+                                                           self.gamma)
             got = block_forward(self.cfg, w, self.embed, self.head, features, q_tok, q_pos, mask).argmax(-1)
             if self.vocab_ids is not None:
                 got = self.vocab_ids.to(got.device)[got]

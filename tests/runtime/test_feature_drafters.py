@@ -579,6 +579,11 @@ def test_continuous_batches_with_either_drafter_are_stock_s_tokens(kind):
         assert [g.tokens for g in got] == want, engine
 
 
+def test_the_block_loss_decays_as_dflash_s_for_its_block_size():
+    from specpilot.runtime.feature_drafter_training import loss_decay
+    assert [loss_decay(k) for k in (4, 8, 9, 10, 12, 16, 32)] == [4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 7.0]
+
+
 @pytest.mark.parametrize("n", [1, 7, 20, 41, 1003])
 def test_loss_curve_is_the_mean_of_equal_spans(n):
     rng = random.Random(n)
@@ -634,13 +639,15 @@ def test_block_drafters_take_a_draft_vocabulary_in_training_or_after(run_cli, tm
                            "-o", tmp_path / "bv", "--batch", "4", "--steps", "2", "--draft-vocab", "90", *common)
     assert code == 0, err
     assert json.loads((tmp_path / "bv" / "config.json").read_text())["draft_vocab_size"] == 90
+    assert json.loads((tmp_path / "bv" / "training.json").read_text())["gamma"] == 4.0     # DFlash's for small blocks
     from specpilot.runtime.feature_drafter_training import draft_vocabulary
     sequences = json.loads((tmp_path / "bv" / "training" / "sequences.json").read_text())["sequences"]
     trained = fd.load(tmp_path / "bv", tiny_config("LlamaForCausalLM"))[1]["d2t"]
     assert torch.equal(fd.vocab_ids(trained), draft_vocabulary(sequences, 90))    # the counted tokens
     code, _, err = run_cli("drafter", "train", tmp_path / "t.yaml", "--kind", "block", "--block-size", "4",
-                           "-o", tmp_path / "b", "--batch", "4", "--steps", "2", *common)
+                           "-o", tmp_path / "b", "--batch", "4", "--steps", "2", "--gamma", "2.5", *common)
     assert code == 0, err
+    assert json.loads((tmp_path / "b" / "training.json").read_text())["gamma"] == 2.5
     code, out, err = run_cli("drafter", "vocab", tmp_path / "t.yaml", tmp_path / "b", "--size", "100",
                              "-o", tmp_path / "b100", *common)
     assert code == 0 and "a vocabulary of 100 tokens" in out, err
