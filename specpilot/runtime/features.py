@@ -51,7 +51,6 @@ class FeaturePool:
     def settle(self, stores: list["FeatureStore"]) -> None:
         """Move the accepted paths ``stores`` still owe (`FeatureStore.accept`), all in one copy."""
         moves = [store.take_moves() for store in stores if store.moves is not None]
-        moves = [m for m in moves if m.shape[1]]
         if moves:
             row, src, dst = torch.from_numpy(np.concatenate(moves, axis=1)).to(self.data.device)
             self.data[row, dst] = self.data[row, src]
@@ -93,8 +92,8 @@ class FeatureStore:
         if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and (rows[0] < 0 or base + rows[-1] >= self.written)):
             raise SpecPilotError(f"features: rows {rows} are not an ascending path inside the last pass")
         self.settle()
-        moved = [(base + r, base + i) for i, r in enumerate(rows) if r != i]
-        self.moves = np.array([(self.row, a, b) for a, b in moved], dtype=np.int64).reshape(-1, 3).T
+        moved = [(self.row, base + r, base + i) for i, r in enumerate(rows) if r != i]
+        self.moves = np.array(moved, dtype=np.int64).T if moved else None
         self.written = base + len(rows)
 
     def take_moves(self) -> np.ndarray:
