@@ -75,7 +75,7 @@ def _parse_ids(text: str) -> list[int]:
         raise SpecPilotError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
 
 
-def _read_requests(path: Path | None, system, max_new: int) -> list[tuple[list[int], int]]:
+def read_requests(path: Path | None, system, max_new: int) -> list[tuple[list[int], int]]:
     """(prompt ids, max new tokens) per request, from JSONL or the built-in prompts."""
     if path is None:
         if system.vocab_size >= 256 or not hasattr(system.tokenizer, "vocab_size"):
@@ -157,7 +157,7 @@ def generate(spec_or_build, prompt, prompt_ids, max_new_tokens, engine, ignore_e
                    f"{gen.mean_accepted:.2f} tokens per verification]", err=True)
 
 
-def _bench_prompts(prompts: str, system, limit: int | None) -> list[list[int]]:
+def bench_prompts(prompts: str, system, limit: int | None) -> list[list[int]]:
     """A built-in prompt set by name, or a JSONL file of requests; the first ``limit`` of them."""
     from specpilot.runtime.prompt_sets import SETS, texts
 
@@ -167,7 +167,7 @@ def _bench_prompts(prompts: str, system, limit: int | None) -> list[list[int]]:
         else:
             ids = [system.tokenizer.encode(t) for t in texts(prompts)]
     else:
-        ids = [p for p, _ in _read_requests(Path(prompts), system, 1)]
+        ids = [p for p, _ in read_requests(Path(prompts), system, 1)]
     return ids[:limit] if limit else ids
 
 
@@ -311,7 +311,7 @@ def bench(spec_or_build, engines, prompts, n_requests, max_new_tokens, warmup, n
     for given, option in ((schedules, "--schedules"), (draft_lengths, "--draft-lengths"), (fill or None, "--fill")):
         if given is not None:
             raise SpecPilotError(f"{option} needs --batch")
-    ids = _bench_prompts(prompts, system, n_requests)
+    ids = bench_prompts(prompts, system, n_requests)
     own, hf = _bench_engines(engines, system, not no_reference)
     replays = _replay_plans(system, replay_alpha, replay_profile, replay_confidence)
     if sampling is not None and not engines:
@@ -366,7 +366,7 @@ def _bench_batched(system, spec_or_build, engines, prompts, n_requests, max_new_
                  if n in system.engines] or [n for n in ("stock", "stock-spec", "stock-tree", "stock-tree-sched")
                                              if n in system.engines]
     trace = read_trace(arrivals, system.tokenizer.encode) if Path(arrivals).is_file() else None
-    ids = None if trace is not None else _bench_prompts(prompts, system, None)
+    ids = None if trace is not None else bench_prompts(prompts, system, None)
     if ids is not None and len(ids) < (n_requests or max(sizes)):
         raise SpecPilotError(f"--prompts {prompts}: {len(ids)} prompts, {n_requests or max(sizes)} requests wanted")
     arrivals_for(arrivals, [[1]], 1, trace)           # a bad --arrivals fails before anything runs
@@ -437,7 +437,7 @@ def verify(spec_or_build, requests, max_new_tokens, engine, tie_tolerance, injec
 
     engine = _default_engine(spec_or_build, engine)
     system = _load_system(spec_or_build)
-    reqs = _read_requests(requests, system, max_new_tokens)
+    reqs = read_requests(requests, system, max_new_tokens)
     hook = runner_up_fault(inject_fault_after, fault_bias) if inject_fault_after is not None else None
     report, _, system_runs = force(system, engine, reqs, tie_tolerance, logits_hook=hook, batch=batch,
                                    sampling=sampling)
@@ -949,7 +949,7 @@ def explain(build_dir, requests, max_new_tokens, engine, plot_path, as_json):
 
     with Console(stderr=True, quiet=as_json or OUTPUT["quiet"]).status("loading the build") as status:
         system = from_build(build_dir)
-        prompts = [p for p, _ in _read_requests(requests, system, max_new_tokens)]
+        prompts = [p for p, _ in read_requests(requests, system, max_new_tokens)]
         report = run_explain(build_dir, prompts, max_new_tokens, engine, system=system,
                              progress=lambda message: status.update(message))
     if plot_path:
@@ -1115,7 +1115,7 @@ def memory_import(file, memory_path):
     click.echo(f"imported {len(stored)} entries into {mem.path}")
 
 
-def _join_target_flags(argv: list[str]) -> list[str]:
+def join_target_flags(argv: list[str]) -> list[str]:
     """`--target cuda -arch=sm_90` (unquoted, as in the docs) -> `--target 'cuda -arch=sm_90'`."""
     out: list[str] = []
     for arg in argv:
@@ -1128,7 +1128,7 @@ def _join_target_flags(argv: list[str]) -> list[str]:
 
 def main() -> None:
     try:
-        cli(args=_join_target_flags(sys.argv[1:]), prog_name="specpilot", standalone_mode=False)
+        cli(args=join_target_flags(sys.argv[1:]), prog_name="specpilot", standalone_mode=False)
     except SpecPilotError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -149,7 +149,7 @@ def test_server_requests_validate_or_refuse(body):
 def test_request_files_are_read_or_refused(tmp_path_factory, lines):
     from types import SimpleNamespace
 
-    from specpilot.cli import _read_requests
+    from specpilot.cli import read_requests
     path = tmp_path_factory.mktemp("req") / "requests.jsonl"
     try:
         path.write_text("\n".join(lines))
@@ -157,7 +157,7 @@ def test_request_files_are_read_or_refused(tmp_path_factory, lines):
         return
     system = SimpleNamespace(vocab_size=301, tokenizer=SimpleNamespace(encode=lambda text: list(text.encode())[:8]))
     try:
-        for ids, limit in _read_requests(path, system, 8):
+        for ids, limit in read_requests(path, system, 8):
             assert all(isinstance(t, int) for t in ids) and limit > 0
     except SpecPilotError:
         pass

@@ -121,14 +121,14 @@ def _substitution_sizes(nmax: int, dk: int, cb: int) -> tuple[int, int, int, int
     return static, ks + _dynamic_pad(static * 4, (ks + s0s + ds) * 4), s0s, ds
 
 
-def _level_sizes(nmax: int, dk: int, lc: int) -> tuple[int, int, int, int]:
+def level_sizes(nmax: int, dk: int, lc: int) -> tuple[int, int, int, int]:
     """The level form's (static floats: 5 vectors, L / P and the ancestor lists; its dynamic buffers)."""
     static = 5 * nmax + 2 * nmax * nmax
     ks, s0, ds = _r4(nmax * dk), _r4(dk * lc), _r4((nmax + 1) * lc)
     return static, ks + _dynamic_pad(static * 4, (ks + s0 + ds) * 4), s0, ds
 
 
-def _columns_within(dv: int, most: int, sizes, shared: int | None) -> int:
+def columns_within(dv: int, most: int, sizes, shared: int | None) -> int:
     """The value columns a block takes: `column_block`'s up to ``most``, fewer (halving the bound)
     while the block's shared memory (``sizes(columns)``, floats) passes ``shared`` bytes -- a card
     with 99 KiB a block (sm_89, sm_120) takes the 27B-class level form in 16-column blocks."""
@@ -158,7 +158,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         raise ValueError(f"nmax={nmax}: the level form holds at most {LEVELS_NMAX} tokens")
     inplace = gi > 0
     W = record_width(dk, dv)
-    CB = _columns_within(dv, 64, lambda cb: _substitution_sizes(nmax, dk, cb), shared)
+    CB = columns_within(dv, 64, lambda cb: _substitution_sizes(nmax, dk, cb), shared)
     CPT = (CB + 31) // 32          # columns a lane
     DL = (dk + 31) // 32           # d_k elements a lane (the warp-wide dot products)
     THREADS = 32 * WARPS
@@ -426,7 +426,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # time (the nodes of one depth are independent given their ancestors'), ``columns`` value columns
     # a block.  Threads: column c = tid % LC of the block's LC, token group tid // LC (LG groups),
     # tokens tg + LG m (m < LK).
-    LC = _columns_within(dv, columns, lambda lc: _level_sizes(nmax, dk, lc), shared)
+    LC = columns_within(dv, columns, lambda lc: level_sizes(nmax, dk, lc), shared)
     LG = THREADS // LC
     LK = cdiv(nmax, LG)
     VK = 4 if dk % 4 == 0 else 1      # 16-byte copies of k / q rows where they are 16-byte aligned
@@ -434,7 +434,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # the n x n coefficients in static shared memory like the other form's (TVM's sync planner takes
     # every dynamic shared buffer for one: the rows read while coefficients are stored would need a
     # barrier inside a condition)
-    _, L_KS, L_S0, L_DS = _level_sizes(nmax, dk, LC)
+    _, L_KS, L_S0, L_DS = level_sizes(nmax, dk, LC)
 
     def copy_async(dst, src, elems):
         """cp.async of ``elems`` float32 (1 or 4) from global ``src`` to shared ``dst``."""

@@ -126,12 +126,12 @@ def test_65_row_verification_gemm_for_sm120_within_99_kib():
 def test_gdn_tree_columns_follow_the_card():
     """The 27B-class level-form GDN tree kernel (72 tokens, dk = dv = 128) takes 32 value columns a
     block within the H200's 227 KiB and 16 within sm_120's 99 KiB; with no budget, 32."""
-    from specpilot.kernels.gdn_tree import LEVELS_COLUMNS, _columns_within, _level_sizes
-    sizes = lambda lc: _level_sizes(72, 128, lc)   # noqa: E731
-    assert _columns_within(128, LEVELS_COLUMNS, sizes, H200.shared_per_block) == 32
+    from specpilot.kernels.gdn_tree import LEVELS_COLUMNS, columns_within, level_sizes
+    sizes = lambda lc: level_sizes(72, 128, lc)   # noqa: E731
+    assert columns_within(128, LEVELS_COLUMNS, sizes, H200.shared_per_block) == 32
     assert 4 * sum(sizes(32)) > PRO.shared_per_block >= 4 * sum(sizes(16))
-    assert _columns_within(128, LEVELS_COLUMNS, sizes, PRO.shared_per_block) == 16
-    assert _columns_within(128, LEVELS_COLUMNS, sizes, None) == 32
+    assert columns_within(128, LEVELS_COLUMNS, sizes, PRO.shared_per_block) == 16
+    assert columns_within(128, LEVELS_COLUMNS, sizes, None) == 32
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from specpilot.cli import _join_target_flags
+from specpilot.cli import join_target_flags
 from specpilot.compiler.build import tvm_target
 from specpilot.core.target import DEVICES, TargetSpec, parse_target
 from specpilot.core.errors import SpecPilotError
@@ -85,7 +85,7 @@ def test_schedule_device_and_launch_devices():
 
 
 def test_unquoted_arch_flag_is_joined():
-    assert _join_target_flags(["compile", "m.yaml", "--target", "cuda", "-arch=sm_120", "-o", "b"]) == \
+    assert join_target_flags(["compile", "m.yaml", "--target", "cuda", "-arch=sm_120", "-o", "b"]) == \
         ["compile", "m.yaml", "--target", "cuda -arch=sm_120", "-o", "b"]
 
 

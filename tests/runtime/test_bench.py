@@ -273,14 +273,14 @@ def test_token_check_fails_fp32_differences_and_excuses_only_near_ties():
 def test_built_in_prompt_sets_are_real_text_for_a_real_tokenizer():
     """A checkpoint's tokenizer (no vocab_size attribute) gets the code and chat texts themselves; only a
     random model too small for bytes gets synthetic ids."""
-    from specpilot.cli import _bench_prompts
+    from specpilot.cli import bench_prompts
     from specpilot.runtime.prompt_sets import CODE, chat, CHAT
     from specpilot.runtime.tokenizer import ByteTokenizer
     real = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [ord(c) for c in text]), vocab_size=49152)
-    assert _bench_prompts("code", real, 2) == [[ord(c) for c in CODE[0]], [ord(c) for c in CODE[1]]]
-    assert _bench_prompts("chat", real, 1) == [[ord(c) for c in chat(CHAT[0])]]
+    assert bench_prompts("code", real, 2) == [[ord(c) for c in CODE[0]], [ord(c) for c in CODE[1]]]
+    assert bench_prompts("chat", real, 1) == [[ord(c) for c in chat(CHAT[0])]]
     tiny = SimpleNamespace(tokenizer=ByteTokenizer(100), vocab_size=100)
-    ids = _bench_prompts("code", tiny, None)
+    ids = bench_prompts("code", tiny, None)
     assert len(ids) == 16 and all(0 <= t < 100 for p in ids for t in p)
 
 
