@@ -681,7 +681,7 @@ def _continuation_options(verb: str):
               help="target continuations to generate and train on (half code, half chat for chat models)")
 @click.option("--lr", type=float, default=3e-4, show_default=True)
 @_continuation_options("train on")
-@click.option("--time-limit", type=float, default=None, help="stop training after this many seconds")
+@click.option("--time-limit", type=float, default=None, help="seconds for the whole run, generating the target's continuations included")
 @click.option("--dtype", "save_dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16",
               show_default=True, help="dtype the adapter files hold")
 def drafter_train(spec, kind, exits, block_size, anchors, gamma, target_layers, ttt, draft_vocab, output, steps, batch, seq_len,

@@ -236,6 +236,7 @@ class Trainer:
             raise SpecPilotError("drafter training runs attention-only targets (Llama, Qwen2/3); this target has "
                                  "Gated DeltaNet layers")
         self.cfg, self.target_cfg, self.opts, self.out, self.log = cfg, target_cfg, opts, Path(out_dir), log
+        self.created = time.perf_counter()       # the time limit counts generating the data too
         self.digest = target_digest(weights)
         self.dtype = getattr(torch, opts.teacher_dtype) if opts.teacher_dtype else \
             torch.bfloat16 if opts.device != "cpu" else torch.float32
@@ -345,17 +346,18 @@ class Trainer:
         """Train to ``opts.steps`` (or the time limit) from where the directory left off; returns the
         run's facts.  ``progress(done, total, loss)`` hears every step."""
         o, started = self.opts, time.perf_counter()
+        budget = None if o.time_limit is None else max(o.time_limit - (started - self.created), 1e-3)
         seqs = self.sequences
         n_held = max(1, len(seqs) // 10)
         heldout, train = seqs[:n_held], seqs[n_held:] or seqs
         windows = code_windows(stdlib_files(o.corpus), self.tokenizer, self.rng, o.seq_len)
         while self.step < o.steps:
             elapsed = time.perf_counter() - started
-            if o.time_limit is not None and elapsed > o.time_limit:
+            if budget is not None and elapsed > budget:
                 self.log(f"time limit: stopped after step {self.step}")
                 break
             for g in self.opt.param_groups:
-                g["lr"] = o.lr * lr_factor(self.step, o.steps, elapsed, o.time_limit)
+                g["lr"] = o.lr * lr_factor(self.step, o.steps, elapsed, budget)
             rows = [next(windows) if i % 4 == 3 else train[self.rng.randrange(len(train))] for i in range(o.batch)]
             with self.autocast():
                 loss = self.loss(rows)

@@ -600,6 +600,30 @@ def test_loss_curve_is_the_mean_of_equal_spans(n):
     assert loss_curve([]) == []
 
 
+def test_a_drafter_s_time_limit_counts_generating_its_data(tmp_path, monkeypatch):
+    """`--time-limit` bounds the whole run: continuations that take longer to generate than the limit
+    leave no time to train (the loop stops before its first step), and a limit with time left trains."""
+    import time
+
+    from specpilot.runtime import feature_drafter_training as fdt
+    from specpilot.runtime.tokenizer import ByteTokenizer
+    cfg_t = tiny_config("LlamaForCausalLM")
+    weights = random_weights(cfg_t, 1)
+    rows = [[(5 * i + r) % 300 + 3 for i in range(30)] for r in range(8)]
+
+    def slow_sequences(*args, **kwargs):
+        time.sleep(0.8)
+        return rows
+    monkeypatch.setattr(fdt, "target_sequences", slow_sequences)
+    cfg = fd.seeded_config("block", cfg_t, layers=1, block_size=4)
+    logs = []
+    for limit, out in ((0.5, "late"), (60.0, "timely")):
+        opts = fdt.Options(steps=2, batch=2, seq_len=24, generated=8, time_limit=limit)
+        trainer = fdt.Trainer(cfg, cfg_t, weights, ByteTokenizer(cfg_t.vocab_size), opts, tmp_path / out, log=logs.append)
+        logs.append(trainer.run()["steps"])
+    assert logs == ["time limit: stopped after step 0", 0, 2], logs
+
+
 def test_drafter_train_cli_writes_a_loadable_drafter_and_resumes(run_cli, tmp_path):
     import yaml
     data = _data("LlamaForCausalLM", "ngram")
