@@ -202,9 +202,9 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     # continuous batching on SmolLM2-135M bf16 (a batched SmolLM2 build: bench/specs/smollm2-block-batch-bf16.yaml): every engine at each
     # batch size, the 32 prompts of the code and chat sets all at once; speculative rows forced onto batched AR's
     # (TIE: a fixed tie tolerance; `auto` runs stock PyTorch on every prompt first, minutes at 32)
-    # (a block / feature drafter's build drafts with the trained drafter staged in $E/drafters)
+    # (a block / feature drafter's build drafts with the trained drafter staged in $E/drafters, or SPECPILOT_DRAFTER's)
     shift; prepare
-    export SPECPILOT_DRAFTER=$(trained ${1:-smol-batch})
+    export SPECPILOT_DRAFTER=${SPECPILOT_DRAFTER:-$(trained ${1:-smol-batch})}
     timeout ${BATCH_S:-480} python3 -m specpilot.cli bench $b/${1:-smol-batch} --prompts mixed --batch ${BATCHES:-1,2,4,8,16,32} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} --tie-tolerance ${TIE:-auto} --forced \
       -o $OUT/e2e-smollm2-batch-${1:-smol-batch}.json \
@@ -232,7 +232,7 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.psta
     shift; prepare
     for build in ${@:-block feature}; do
       for set in ${SETS:-code chat}; do
-        SPECPILOT_DRAFTER=$(trained $build) timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build \
+        SPECPILOT_DRAFTER=${SPECPILOT_DRAFTER:-$(trained $build)} timeout ${BENCH_S:-150} python3 -m specpilot.cli bench $b/$build \
           --prompts $set --requests ${REQUESTS:-6} --max-new-tokens ${TOKENS:-256} \
           --engines compiled,compiled-spec,compiled-tree -o $OUT/e2e-smollm2-$build-$set.json 2>&1 | tail -8
       done
