@@ -346,14 +346,14 @@ class Trainer:
         """Train to ``opts.steps`` (or the time limit) from where the directory left off; returns the
         run's facts.  ``progress(done, total, loss)`` hears every step."""
         o, started = self.opts, time.perf_counter()
-        budget = None if o.time_limit is None else max(o.time_limit - (started - self.created), 1e-3)
+        budget = None if o.time_limit is None else o.time_limit - (started - self.created)   # <= 0: no step
         seqs = self.sequences
         n_held = max(1, len(seqs) // 10)
         heldout, train = seqs[:n_held], seqs[n_held:] or seqs
         windows = code_windows(stdlib_files(o.corpus), self.tokenizer, self.rng, o.seq_len)
         while self.step < o.steps:
             elapsed = time.perf_counter() - started
-            if budget is not None and elapsed > budget:
+            if budget is not None and elapsed >= budget:
                 self.log(f"time limit: stopped after step {self.step}")
                 break
             for g in self.opt.param_groups:
