@@ -303,6 +303,12 @@ def lr_factor(step: int, steps: int, elapsed: float = 0.0, budget: float | None 
     return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
 
 
+def time_left(time_limit: float | None, started: float) -> float | None:
+    """The seconds a run's ``time_limit`` leaves now, counted from ``started`` (``time.perf_counter``):
+    generating its data counts too; at most 0 leaves no training step.  None: no limit."""
+    return None if time_limit is None else time_limit - (time.perf_counter() - started)
+
+
 def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int], *, steps: int, batch: int,
                    seq_len: int, generated: int, device: str = "cpu", lr: float = 3e-4, seed: int = 0,
                    holdout: list[str] = (), corpus: Path | None = None, max_new: int = 96,
@@ -325,7 +331,7 @@ def train_adapters(cfg: ModelConfig, weights: dict, tokenizer, layers: list[int]
     opts = {L: torch.optim.AdamW(list(p.values()), lr=lr, weight_decay=0.0) for L, p in params.items()}
     results = {L: AdapterResult(L, {}) for L in layers}
     train_start = time.perf_counter()
-    budget = None if time_limit is None else max(time_limit - (train_start - started), 1e-3)
+    budget = time_left(time_limit, started)
     done, factor, next_log = 0, 0.0, 0.0
     for step in range(steps):
         elapsed = time.perf_counter() - train_start

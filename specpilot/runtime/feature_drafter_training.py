@@ -33,7 +33,7 @@ from specpilot.core.adapter import target_digest
 from specpilot.core.config import ModelConfig
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.files import atomic_save_tensors, atomic_write_text
-from specpilot.runtime.drafter_training import (code_windows, forward, lr_factor, pad_rows, stdlib_files,
+from specpilot.runtime.drafter_training import (code_windows, forward, lr_factor, pad_rows, stdlib_files, time_left,
                                                  target_sequences)
 from specpilot.runtime.reference.feature_nets import plain_rms_norm
 from specpilot.runtime.reference.model import rotate_half
@@ -346,7 +346,7 @@ class Trainer:
         """Train to ``opts.steps`` (or the time limit) from where the directory left off; returns the
         run's facts.  ``progress(done, total, loss)`` hears every step."""
         o, started = self.opts, time.perf_counter()
-        budget = None if o.time_limit is None else o.time_limit - (started - self.created)   # <= 0: no step
+        budget = time_left(o.time_limit, self.created)
         seqs = self.sequences
         n_held = max(1, len(seqs) // 10)
         heldout, train = seqs[:n_held], seqs[n_held:] or seqs
