@@ -377,16 +377,16 @@ def rewritten_parameters(manifest, target, drafter, device: str | None = None, c
     rewrites redone as the build did them (manifest ``fused``: stacked projections, then ``w12``:
     the planes, converted on ``device`` when given, and left there): the names and values a build
     with the weights would have stored.  ``consume``: each model weight is dropped from
-    ``target`` / ``drafter`` once converted, so a 27B-class model's weights and planes need not fit
-    on one GPU together."""
+    ``target`` / ``drafter`` once stacked or converted, so a 27B-class model's weights and their
+    stacks or planes need not fit on one GPU together."""
     from specpilot.core import w12
     dtype = getattr(torch, manifest.dtype)
     recipe, fused = manifest.w12, manifest.fused or {}
     names = w12.plain_names(manifest.params) if recipe else list(manifest.params)
     packed = packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype)
-    if not recipe:
+    if not recipe and not consume:
         return fuse_params(packed, fused)
-    wanted = set(recipe["weights"])
+    wanted = set(recipe["weights"]) if recipe else set(names)
     # shared stacks are found by the identity of their members, taken while every tensor is alive
     keys = {name: (tuple(id(packed[m]) for m in fused.get(name, [name])), name in wanted) for name in names}
     models = {"target": target, "drafter": drafter}
@@ -395,8 +395,9 @@ def rewritten_parameters(manifest, target, drafter, device: str | None = None, c
         members = fused.get(name, [name])
         if keys[name] not in done:
             value = fuse_params({m: packed[m] for m in members}, {name: members} if name in fused else {})
-            done[keys[name]] = w12.convert_params(value, [name] if name in wanted else [], recipe["layout"],
-                                                  device=device, keep_on_device=True)
+            done[keys[name]] = value if not recipe else \
+                w12.convert_params(value, [name] if name in wanted else [], recipe["layout"], device=device,
+                                   keep_on_device=True)
         (_, hi), *rest = done[keys[name]].items()
         main[name] = hi
         planes.update({f"{name}.{plane.rsplit('.', 1)[1]}": t for plane, t in rest})

@@ -190,9 +190,11 @@ def test_compiled_fused_builds_pass_token_forcing_exactly(example, passes, param
 
 
 @pytest.mark.slow
-def test_the_engines_rewrite_of_seeded_weights_equals_what_a_build_stores(tmp_path):
-    """`rewritten_parameters` (stacking and W12 conversion one weight at a time, as a GPU engine does
-    for a seeded build) against the parameters a build with the weights stored."""
+@pytest.mark.parametrize("passes", ["fuse-projections,w12-layout", "fuse-projections"])
+def test_the_engines_rewrite_of_seeded_weights_equals_what_a_build_stores(tmp_path, passes):
+    """`rewritten_parameters` (stacking, and W12 conversion, one weight at a time, each model weight
+    dropped once used, as a GPU engine does for a seeded build) against the parameters a build with
+    the weights stored."""
     from types import SimpleNamespace
 
     from safetensors.torch import load_file
@@ -204,14 +206,15 @@ def test_the_engines_rewrite_of_seeded_weights_equals_what_a_build_stores(tmp_pa
     from specpilot.core.weights import rewritten_parameters
 
     spec = load_spec(ROOT / "examples" / "tiny-llama.yaml")
-    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b", passes="fuse-projections,w12-layout"))
+    manifest = build(BuildRequest(spec, parse_target("llvm"), tmp_path / "b", passes=passes))
     stored = load_file(str(tmp_path / "b" / "params" / "params.safetensors"))
     target, drafter = load_models(spec)
     kept = dict(target.weights)
     values = rewritten_parameters(manifest, SimpleNamespace(cfg=target.cfg, weights=target.weights),
                                   SimpleNamespace(cfg=drafter.cfg, weights=drafter.weights), consume=True)
-    assert list(values) == manifest.params and any(".w12_lo" in n for n in values)
-    converted = {m.partition(".")[2] for n in manifest.w12["weights"] if n.startswith("target.")
+    assert list(values) == manifest.params and any(".w12_lo" in n for n in values) == ("w12" in passes)
+    used = manifest.w12["weights"] if manifest.w12 else manifest.params
+    converted = {m.partition(".")[2] for n in used if n.startswith("target.")
                  for m in (manifest.fused or {}).get(n, [n])}
     assert converted and not converted & set(target.weights) and set(kept) - converted <= set(target.weights)
     for name, value in values.items():
