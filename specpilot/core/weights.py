@@ -384,8 +384,6 @@ def rewritten_parameters(manifest, target, drafter, device: str | None = None, c
     recipe, fused = manifest.w12, manifest.fused or {}
     names = w12.plain_names(manifest.params) if recipe else list(manifest.params)
     packed = packed_parameters([x for n in names for x in fused.get(n, [n])], target, drafter, dtype)
-    if not recipe and not consume:
-        return fuse_params(packed, fused)
     wanted = set(recipe["weights"]) if recipe else set(names)
     # shared stacks are found by the identity of their members, taken while every tensor is alive
     keys = {name: (tuple(id(packed[m]) for m in fused.get(name, [name])), name in wanted) for name in names}
