@@ -8,6 +8,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specpilot.core.files import atomic_write_text
 from specpilot.runtime.environment import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -29,7 +30,7 @@ def write(name: str, payload: dict, out_dir: Path | None = None, path: Path | No
     out_dir = out_dir or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     path = path or out_dir / f"{name}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2))
+    atomic_write_text(path, json.dumps({"environment": environment(), **payload}, indent=2))   # a killed run leaves no half file
     return path
 
 

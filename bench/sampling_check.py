@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpilot.core.files import atomic_write_text
 from specpilot.core.sampling import SamplingParams
 from specpilot.runtime.decoding import autoregressive
 from specpilot.runtime.environment import environment
@@ -81,7 +82,7 @@ def main() -> None:
             report["divergences"].append(row)
             print(row)
     if args.output:
-        args.output.write_text(json.dumps(report, indent=1))
+        atomic_write_text(args.output, json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from specpilot.core.files import atomic_write_text
 from specpilot.runtime.environment import environment
 from specpilot.runtime.prompt_sets import texts
 
@@ -174,7 +175,7 @@ def main() -> None:
     ok = all(r["tokens_identical"] and not r["lost"] for rows in report["engines"].values() for r in rows)
     report["passed"] = ok
     if args.output:
-        args.output.write_text(json.dumps(report, indent=1))
+        atomic_write_text(args.output, json.dumps(report, indent=1))
     sys.exit(0 if ok else 1)
 
 
