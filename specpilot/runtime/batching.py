@@ -273,7 +273,7 @@ class _Scheduler:
         self.model, self.make_drafter, self.policy, self.capacity = model, make_drafter, policy, capacity
         self.parts, self.levels, self.riding = parts, 0, False
         self.cost, self.chosen = PassCost(), 0
-        # a packed verification (`tree-verify{packed=true}`) costs its real rows, not the padded ones
+        # a packed verification (`tree-verify{packed=true}`) prices its real and its padded rows apart
         self.packed = bool(getattr(model, "packs_verification", False))
         self.clock, self.forces, self.hook, self.stop_ids = clock, forces, logits_hook, stop_ids
         self.arrivals = arrivals
@@ -388,8 +388,9 @@ class _Scheduler:
         # both parts end reading the device's results on the host, so their wall times are theirs; a pass
         # carrying prompt chunks has rows no chain length explains
         if self.policy.adaptive and not chunks:
-            self.cost.observe(verified_rows([len(it[0]) - 1 for it in items], self.packed), self.clock.now() - drafting,
-                              self.levels, drafting - started)
+            sizes = [len(it[0]) - 1 for it in items]
+            self.cost.observe(verified_rows(sizes, self.packed), self.clock.now() - drafting, self.levels,
+                              drafting - started, verified_rows(sizes, False) if self.packed else None)
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
             if speculative and hasattr(r.state, "drop_history"):

@@ -17,8 +17,10 @@ path probabilities of its nodes among them (each node is accepted exactly when i
 what they cost is the padded verification of B x (1 + the largest request's share) rows.
 
 A build that packs its verification (`tree-verify{packed=true}`) runs the linear layers and head over
-the real rows only: with ``packed``, a pass is priced (and its cost fitted) by its real rows, B + the
-drafted tokens.
+the real rows only (B + the drafted tokens), but its attention and Gated DeltaNet layers still over the
+padded ones: with ``packed``, a pass is priced a + b x real rows + c x padded rows, fitted from both
+counts once they have varied apart (on a 27B-class hybrid at batch 16 on an H100, c came out as large
+as b or larger: bench/README "Batched"), and by its real rows alone until then.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 DECAY = 0.97            # an observation's weight a pass later: load and context lengths drift
 EXPLORE = 8             # every this many chosen passes one neighbouring length runs, so the fit keeps seeing rows vary
+COLLINEAR = 0.05        # real and padded rows correlated past 1 - this (squared): one price for both
 
 
 @dataclass
@@ -54,27 +57,67 @@ class _Fit:
         return max(0.0, (self.sy - b * self.sx) / self.n), b
 
 
-class PassCost:
-    """Seconds of a batched pass: verification + commit as a + b x rows, drafting as c + d x its drafter
-    passes (c: the catch-up on accepted tokens, host work)."""
+class _Plane:
+    """Exponentially weighted least squares of y over two counts: y ~ a + b x + c z, b and c >= 0."""
 
     def __init__(self):
-        self.verify, self.draft = _Fit(), _Fit()
+        self.x, self.z = _Fit(), _Fit()              # y over each count alone, for a coefficient held at 0
+        self.w = self.sxz = self.sz = self.szz = self.szy = 0.0
 
-    def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float) -> None:
+    def add(self, x: float, z: float, y: float) -> None:
+        self.x.add(x, y)
+        self.z.add(z, y)
+        self.sxz, self.sz = DECAY * self.sxz + x * z, DECAY * self.sz + z
+        self.szz, self.szy = DECAY * self.szz + z * z, DECAY * self.szy + z * y
+
+    def plane(self) -> tuple[float, float, float] | None:
+        """(a, b, c); None until the counts have varied apart (x alone then prices the rows)."""
+        f = self.x
+        if f.seen < 4:
+            return None
+        n = f.n
+        vxx, vzz = f.sxx - f.sx * f.sx / n, self.szz - self.sz * self.sz / n
+        vxz, vxy, vzy = self.sxz - f.sx * self.sz / n, f.sxy - f.sx * f.sy / n, self.szy - self.sz * f.sy / n
+        det = vxx * vzz - vxz * vxz
+        if det <= COLLINEAR * vxx * vzz:             # counts that move together (chains: real ~ padded) tell no c
+            return None
+        b, c = (vzz * vxy - vxz * vzy) / det, (vxx * vzy - vxz * vxy) / det
+        if b < 0 or c < 0:                           # a count whose price comes out negative is held at 0
+            line = self.z.line() if b < 0 else f.line()
+            if line is None:
+                return None
+            return (line[0], 0.0, line[1]) if b < 0 else (line[0], line[1], 0.0)
+        return max(0.0, (f.sy - b * f.sx - c * self.sz) / n), b, c
+
+
+class PassCost:
+    """Seconds of a batched pass: verification + commit as a + b x rows (+ c x padded rows for a packed
+    build), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work)."""
+
+    def __init__(self):
+        self.verify, self.draft, self.padded = _Fit(), _Fit(), _Plane()
+
+    def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float,
+                padded: int | None = None) -> None:
+        """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones)."""
         self.verify.add(rows, verify_seconds)
         self.draft.add(levels, draft_seconds)
+        if padded is not None:
+            self.padded.add(rows, padded, verify_seconds)
 
-    def model(self) -> tuple[float, float, float] | None:
-        """(a + c, b, d), or None while the passes seen do not yet tell a row's cost (d: 0 until the
-        drafter passes a pass have varied too)."""
+    def model(self) -> tuple[float, float, float, float] | None:
+        """(a + c', b, d, c): c the price of a padded row beside a real row's b (0 for a padded build or
+        while the counts have not varied apart); None while the passes seen do not yet tell a row's cost
+        (d: 0 until the drafter passes a pass have varied too)."""
         line = self.verify.line()
         if line is None:
             return None
+        plane = self.padded.plane()
+        a, b, c = plane if plane is not None else (*line, 0.0)
         draft = self.draft.line()
         if draft is None:
             draft = (self.draft.sy / self.draft.n if self.draft.n else 0.0, 0.0)
-        return line[0] + draft[0], line[1], draft[1]
+        return a + draft[0], b, draft[1], c
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -89,42 +132,47 @@ def verified_rows(sizes: list[int], packed: bool) -> int:
     return len(sizes) + sum(sizes) if packed else len(sizes) * (1 + max(sizes, default=0))
 
 
-def chain_length(rates: list[float], caps: list[int], cost: tuple[float, float, float], packed: bool = False) -> int:
+def chain_length(rates: list[float], caps: list[int], cost: tuple, packed: bool = False) -> int:
     """The longest chain K (request r drafting min(K, caps[r])) with the most expected tokens a
-    second of pass under ``cost`` = (a, b, d), rows counted as `verified_rows`; the shortest such K on
-    ties."""
-    a, b, d = cost
+    second of pass under ``cost`` = (a, b, d[, c]), rows counted as `verified_rows` (packed: c more a
+    padded row); the shortest such K on ties."""
+    a, b, d, c = (*cost, 0.0)[:4]
     if a + b * len(caps) <= 0:      # passes that seem to cost nothing say nothing: the caps stand
         return max(caps, default=0)
     best, best_k = -1.0, 0
     for k in range(max(caps, default=0) + 1):
-        drafts = [min(k, c) for c in caps]
+        drafts = [min(k, cap) for cap in caps]
         longest = max(drafts, default=0)
         seconds = a + b * verified_rows(drafts, packed) + d * longest
+        if packed:
+            seconds += c * verified_rows(drafts, False)
         value = sum(expected_tokens(r, n) for r, n in zip(rates, drafts)) / seconds
         if value > best * (1 + 1e-12):
             best, best_k = value, k
     return best_k
 
 
-def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple[float, float, float],
+def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple,
                drafted: float = 0.0, packed: bool = False) -> int:
     """How many nodes of a shared tree pass's best-first ``order`` ((request, path log-probability,
     depth) per node, requests numbered below ``running``) give the most expected tokens a second of
-    pass under ``cost`` = (a, b, d): verification of ``running`` x (1 + the largest request's nodes)
-    rows (packed: ``running`` + the nodes); the pass's drafting (``drafted`` seconds of levels, d x levels) ran for the whole order
-    before the choice, so it is the same whatever is cut.  The fewest such nodes on ties."""
-    a, b, _ = cost
+    pass under ``cost`` = (a, b, d[, c]): verification of ``running`` x (1 + the largest request's nodes)
+    rows (packed: b for ``running`` + the nodes, c for the padded rows); the pass's drafting (``drafted``
+    seconds of levels, d x levels) ran for the whole order before the choice, so it is the same whatever
+    is cut.  The fewest such nodes on ties."""
+    a, b, _, c = (*cost, 0.0)[:4]
+    c = c if packed else 0.0
     a += drafted
-    if a + b * running <= 0:        # passes that seem to cost nothing say nothing: the budget stands
+    if a + (b + c) * running <= 0:  # passes that seem to cost nothing say nothing: the budget stands
         return len(order)
     sizes, value, largest = [0] * running, float(running), 0
-    best, best_n = running / (a + b * running), 0
+    best, best_n = running / (a + (b + c) * running), 0
     for n, (request, score, _) in enumerate(order, 1):
         sizes[request] += 1
         largest = max(largest, sizes[request])
         value += math.exp(score)
-        seconds = a + b * (running + n if packed else running * (1 + largest))
+        padded = running * (1 + largest)
+        seconds = a + (b * (running + n) + c * padded if packed else b * padded)
         if value / seconds > best * (1 + 1e-12):
             best, best_n = value / seconds, n
     return best_n

@@ -28,32 +28,62 @@ def test_the_fit_recovers_a_pass_line_once_rows_vary():
     assert cost.model() is None                      # one row count: a row's cost is unknown
     cost.observe(16, 0.0202, 4, 0.009)
     cost.observe(72, 0.0314, 4, 0.009)
-    a, b, d = cost.model()                           # drafting seen at one length: its mean, no slope yet
-    assert a == pytest.approx(0.017 + 0.009) and b == pytest.approx(0.0002) and d == 0.0
+    a, b, d, c = cost.model()                        # drafting seen at one length: its mean, no slope yet
+    assert a == pytest.approx(0.017 + 0.009) and b == pytest.approx(0.0002) and d == 0.0 and c == 0.0
     for rows, levels in ((144, 8), (80, 5), (32, 1), (96, 12)):
         cost.observe(rows, 0.017 + 0.0002 * rows, levels, 0.003 + 0.0015 * levels)
-    a, b, d = cost.model()                           # verification a + b rows, drafting c + d levels
+    a, b, d, c = cost.model()                        # verification a + b rows, drafting c' + d levels
     assert a == pytest.approx(0.017 + 0.003) and b == pytest.approx(0.0002) and d == pytest.approx(0.0015)
+    assert c == 0.0                                  # a padded build: no padded rows priced apart
 
 
 def test_a_falling_line_is_priced_flat_not_negative():
     cost = PassCost()
     for rows in (10, 20, 30, 40):
         cost.observe(rows, 0.05 - 0.001 * rows, 0, 0.0)
-    a, b, d = cost.model()
-    assert b == 0.0 and a > 0 and d == 0.0
+    a, b, d, c = cost.model()
+    assert b == 0.0 and a > 0 and d == 0.0 and c == 0.0
+
+
+def test_a_packed_build_prices_its_real_and_padded_rows_apart():
+    """Passes whose real and padded rows vary apart recover both prices; rows that move together
+    (chains) keep one price, the real rows'; a price that comes out negative is held at 0."""
+    rng = random.Random(3)
+    cost = PassCost()
+    def seconds(real, padded):
+        return 0.0176 + 0.6e-4 * real + 1.26e-4 * padded
+
+    for _ in range(3):
+        for rows in (40, 80):
+            cost.observe(rows, seconds(rows, rows), 0, 0.0, padded=rows)
+    a, b, _, c = cost.model()                        # collinear: the real rows carry the whole price
+    assert (a, b, c) == (pytest.approx(0.0176), pytest.approx(1.86e-4), 0.0)
+    for _ in range(12):
+        real = rng.randint(16, 200)
+        padded = rng.randint(real, 300)
+        cost.observe(real, seconds(real, padded), 0, 0.0, padded=padded)
+    a, b, _, c = cost.model()
+    assert a == pytest.approx(0.0176, rel=0.02) and b == pytest.approx(0.6e-4, rel=0.02)
+    assert c == pytest.approx(1.26e-4, rel=0.02)
+    dear = PassCost()                                # the padded rows alone cost: the real rows' price held at 0
+    for _ in range(2):
+        for real, padded in ((20, 100), (90, 100), (20, 200), (90, 200), (50, 150)):
+            dear.observe(real, 0.01 + 2e-4 * padded - 1e-5 * real, 0, 0.0, padded=padded)
+    a, b, _, c = dear.model()
+    assert b == 0.0 and c == pytest.approx(2e-4, rel=0.05) and a > 0
 
 
 def _closed_form(rates, caps, cost, packed=False):
     """The best K by the geometric sums' closed form, searched independently."""
-    a, b, d = cost
+    a, b, d, c = (*cost, 0.0)[:4]
     values = []
     for k in range(max(caps) + 1):
-        drafts = [min(k, c) for c in caps]
+        drafts = [min(k, cap) for cap in caps]
         longest = max(drafts)
         tokens = sum((1 - r ** (n + 1)) / (1 - r) if r != 1 else n + 1 for r, n in zip(rates, drafts))
-        rows = len(caps) + sum(drafts) if packed else len(caps) * (longest + 1)
-        values.append(tokens / (a + b * rows + d * longest))
+        padded = len(caps) * (longest + 1)
+        rows = b * (len(caps) + sum(drafts)) + c * padded if packed else b * padded
+        values.append(tokens / (a + rows + d * longest))
     best = max(values)
     return next(k for k, v in enumerate(values) if v >= best * (1 - 1e-9))
 
@@ -66,7 +96,8 @@ def test_the_chosen_length_has_the_most_expected_tokens_a_second():
         caps = [rng.randint(0, 17) for _ in range(n)]
         if not max(caps):
             continue
-        cost = (rng.uniform(0.001, 0.03), rng.choice([0.0, rng.uniform(1e-6, 1e-3)]), rng.uniform(0, 2e-3))
+        cost = (rng.uniform(0.001, 0.03), rng.choice([0.0, rng.uniform(1e-6, 1e-3)]), rng.uniform(0, 2e-3),
+                rng.choice([0.0, rng.uniform(1e-6, 1e-3)]))
         packed = rng.random() < 0.5
         assert chain_length(rates, caps, cost, packed) == _closed_form(rates, caps, cost, packed)
 
@@ -172,12 +203,13 @@ def test_auto_lengths_are_for_drafting_engines():
 def _tree_value(order, running, n, cost, drafted, packed=False):
     """Expected tokens a second of a pass verifying the first n nodes of ``order`` (its drafting,
     ``drafted`` seconds, spent whatever n is)."""
-    a, b, _ = cost
+    a, b, _, c = (*cost, 0.0)[:4]
     sizes = [0] * running
     for request, _, _ in order[:n]:
         sizes[request] += 1
     value = running + sum(math.exp(score) for _, score, _ in order[:n])
-    return value / (a + drafted + b * (running + n if packed else running * (1 + max(sizes))))
+    padded = running * (1 + max(sizes))
+    return value / (a + drafted + (b * (running + n) + c * padded if packed else b * padded))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -191,7 +223,8 @@ def test_the_chosen_tree_prefix_has_the_most_expected_tokens_a_second(seed):
         r = rng.randrange(running)
         last[r] -= rng.choice([1e-3, 0.05, 0.7, 3.0])
         order.append((r, last[r], rng.randint(1, 9)))
-    cost = (rng.uniform(0.005, 0.03), rng.choice([0.0, 1e-5, 1e-4, 1e-3]), rng.choice([0.0, 5e-4]))
+    cost = (rng.uniform(0.005, 0.03), rng.choice([0.0, 1e-5, 1e-4, 1e-3]), rng.choice([0.0, 5e-4]),
+            rng.choice([0.0, 1e-4, 2e-3]))
     drafted = rng.choice([0.0, 0.004])
     packed = seed % 2 == 1
     n = tree_nodes(order, running, cost, drafted, packed)
@@ -212,6 +245,10 @@ def test_a_tree_pass_prices_its_padded_rows():
     # pay, the unlikely one not); padded, request 0's 6 pad request 1's tree to 14 rows (8.98 for 300 ms: not)
     assert tree_nodes(order, 2, (0.02, 0.02, 0.0), packed=True) == 7
     assert tree_nodes(order, 2, (0.02, 0.02, 0.0)) == 0
+    # packed, padded rows at 20 ms too: the 6 sure nodes of request 0 pad both trees to 7 rows a request
+    # (14 padded; 8.98 tokens for 480 ms against 2 for 100 ms: not), so none; a padded build ignores c
+    assert tree_nodes(order, 2, (0.02, 0.02, 0.0, 0.02), packed=True) == 0
+    assert tree_nodes(order, 2, (0.02, 1e-3, 0.0, 0.02)) == 7
 
 
 def _trees(pair, per_row, adaptive=True):
@@ -232,3 +269,36 @@ def test_the_tree_scheduler_verifies_fewer_nodes_where_rows_are_dear(pair):
     free, dear = _trees(pair, 0.0), _trees(pair, 1e-2)
     assert free >= 0.8 * fixed
     assert dear < fixed / 2
+
+
+class _Packed(_Charged):
+    """A packed build's model: a pass costs ``fixed`` + ``per_row`` a real row + ``per_padded`` a padded one."""
+
+    packs_verification = True
+
+    def __init__(self, model, clock, fixed, per_row, per_padded):
+        super().__init__(model, clock, fixed, per_row)
+        self.per_padded = per_padded
+
+    def forward_batch(self, items, record: bool = False):
+        real, padded = sum(len(it[0]) for it in items), len(items) * max(len(it[0]) for it in items)
+        self.clock.t += self.fixed + self.per_row * real + self.per_padded * padded
+        return self.model.forward_batch(items, record=record)
+
+
+def test_a_packed_tree_scheduler_prices_the_padded_rows(pair):
+    """Packed passes whose real rows are cheap: where the padded rows (attention, Gated DeltaNet) are dear
+    too, fewer nodes a pass than where they are free; every request's tokens its own greedy ones."""
+    target, draft, alone = pair
+
+    def drafted(per_padded):
+        clock = _Clock()
+        run = run_batch(_Packed(target, clock, 0.02, 1e-4, per_padded),
+                        lambda: ModelDrafter(_Charged(draft, clock, 0.0, 0.0), 3, 128),
+                        [Arrival(0.0, tuple(p), n) for p, n in zip(PROMPTS, MAX_NEW)],
+                        BatchPolicy("tree", 4, 8, 24, adaptive=True), 128, clock)
+        assert [g.tokens for g in run.generations] == alone
+        steps = [s for s in run.steps if not s.prefill and s.running == 4]
+        return sum(s.drafted for s in steps) / len(steps)
+
+    assert drafted(1e-2) < drafted(0.0) / 2
