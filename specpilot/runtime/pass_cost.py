@@ -62,7 +62,7 @@ class _Plane:
 
     def __init__(self):
         self.x, self.z = _Fit(), _Fit()              # y over each count alone, for a coefficient held at 0
-        self.w = self.sxz = self.sz = self.szz = self.szy = 0.0
+        self.sxz = self.sz = self.szz = self.szy = 0.0
 
     def add(self, x: float, z: float, y: float) -> None:
         self.x.add(x, y)
@@ -78,6 +78,8 @@ class _Plane:
         n = f.n
         vxx, vzz = f.sxx - f.sx * f.sx / n, self.szz - self.sz * self.sz / n
         vxz, vxy, vzy = self.sxz - f.sx * self.sz / n, f.sxy - f.sx * f.sy / n, self.szy - self.sz * f.sy / n
+        if vxx <= 1e-9 * f.sxx or vzz <= 1e-9 * self.szz:   # a count that has not varied prices nothing
+            return None
         det = vxx * vzz - vxz * vxz
         if det <= COLLINEAR * vxx * vzz:             # counts that move together (chains: real ~ padded) tell no c
             return None
@@ -137,15 +139,14 @@ def chain_length(rates: list[float], caps: list[int], cost: tuple, packed: bool 
     second of pass under ``cost`` = (a, b, d[, c]), rows counted as `verified_rows` (packed: c more a
     padded row); the shortest such K on ties."""
     a, b, d, c = (*cost, 0.0)[:4]
-    if a + b * len(caps) <= 0:      # passes that seem to cost nothing say nothing: the caps stand
+    c = c if packed else 0.0
+    if a + (b + c) * len(caps) <= 0:    # passes that seem to cost nothing say nothing: the caps stand
         return max(caps, default=0)
     best, best_k = -1.0, 0
     for k in range(max(caps, default=0) + 1):
         drafts = [min(k, cap) for cap in caps]
         longest = max(drafts, default=0)
-        seconds = a + b * verified_rows(drafts, packed) + d * longest
-        if packed:
-            seconds += c * verified_rows(drafts, False)
+        seconds = a + b * verified_rows(drafts, packed) + c * verified_rows(drafts, False) + d * longest
         value = sum(expected_tokens(r, n) for r, n in zip(rates, drafts)) / seconds
         if value > best * (1 + 1e-12):
             best, best_k = value, k

@@ -65,6 +65,12 @@ def test_a_packed_build_prices_its_real_and_padded_rows_apart():
     a, b, _, c = cost.model()
     assert a == pytest.approx(0.0176, rel=0.02) and b == pytest.approx(0.6e-4, rel=0.02)
     assert c == pytest.approx(1.26e-4, rel=0.02)
+    steady = PassCost()                              # every pass padded alike: no padded-row price from noise
+    noise = random.Random(179)
+    for _ in range(30):                              # (a constant count's spread is rounding noise, not zero)
+        real = noise.randint(16, 200)
+        steady.observe(real, 0.02 + 1e-4 * real + 1e-6 * noise.random(), 0, 0.0, padded=179)
+    assert steady.model()[3] == 0.0 and steady.model()[1] == pytest.approx(1e-4, rel=0.05)
     dear = PassCost()                                # the padded rows alone cost: the real rows' price held at 0
     for _ in range(2):
         for real, padded in ((20, 100), (90, 100), (20, 200), (90, 200), (50, 150)):
@@ -107,6 +113,7 @@ def test_rows_that_cost_nothing_keep_the_caps_and_dear_rows_draft_nothing():
     assert chain_length(rates, caps, (0.02, 0.0, 0.0)) == 16
     assert chain_length(rates, caps, (0.0, 0.0, 0.0)) == 16        # no information: the caps stand
     assert chain_length(rates, caps, (0.001, 1.0, 0.0)) == 0
+    assert chain_length(rates, caps, (0.0, 0.0, 0.0, 1.0), packed=True) == 0     # only the padded rows cost
     assert chain_length([0.8], [16], (0.017, 0.00017, 0.0009)) > chain_length(rates, caps, (0.017, 0.00017, 0.0009))
     assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.3, 0) == 1.0
 
