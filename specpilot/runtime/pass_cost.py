@@ -58,14 +58,15 @@ class _Fit:
 
 
 class _Plane:
-    """Exponentially weighted least squares of y over two counts: y ~ a + b x + c z, b and c >= 0."""
+    """Exponentially weighted least squares of y over two counts: y ~ a + b x + c z, b and c >= 0, beside
+    the fit ``x`` of y over x alone (fed the same passes by its owner)."""
 
-    def __init__(self):
-        self.x, self.z = _Fit(), _Fit()              # y over each count alone, for a coefficient held at 0
+    def __init__(self, x: _Fit):
+        self.x, self.z = x, _Fit()                   # y over each count alone, for a coefficient held at 0
         self.sxz = self.sz = self.szz = self.szy = 0.0
 
     def add(self, x: float, z: float, y: float) -> None:
-        self.x.add(x, y)
+        """A pass's counts and seconds, ``self.x`` already holding (x, y)."""
         self.z.add(z, y)
         self.sxz, self.sz = DECAY * self.sxz + x * z, DECAY * self.sz + z
         self.szz, self.szy = DECAY * self.szz + z * z, DECAY * self.szy + z * y
@@ -97,11 +98,13 @@ class PassCost:
     build), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work)."""
 
     def __init__(self):
-        self.verify, self.draft, self.padded = _Fit(), _Fit(), _Plane()
+        self.verify, self.draft = _Fit(), _Fit()
+        self.padded = _Plane(self.verify)
 
     def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float,
                 padded: int | None = None) -> None:
-        """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones)."""
+        """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones,
+        given for every pass or none)."""
         self.verify.add(rows, verify_seconds)
         self.draft.add(levels, draft_seconds)
         if padded is not None:
