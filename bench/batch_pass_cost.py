@@ -23,7 +23,6 @@ states (the batch engines' join), timed and per kernel the same way.  JSON to --
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -33,61 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import sync, timed_calls, write  # noqa: E402
+from bench._common import kernels, sync, timed_calls, write  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 
 
 def timed(fn, args, reps: int) -> dict:
     """Milliseconds per call, synchronised, after ``WARMUP_S`` seconds of calls; median and quartiles."""
     return timed_calls({"call": (fn, args)}, reps)["call"]
-
-
-def kernels(fn, args, top: int, module=None) -> list[dict]:
-    """Time per kernel name over one call: on a GPU, device time from torch's profiler (every kernel the
-    process launches); on the CPU, each of ``module``'s kernel calls timed by TVM's VM instrument hook
-    (`runtime.profile`)."""
-    totals: dict[str, list] = {}
-    if torch.cuda.is_available():
-        from torch.profiler import ProfilerActivity, profile
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn(*args)
-            sync()
-        for e in prof.events():
-            if str(e.device_type).endswith("CUDA"):     # a kernel (or copy) on the device: its own span
-                t = totals.setdefault(e.name, [0.0, 0])
-                t[0] += e.time_range.elapsed_us()
-                t[1] += 1
-    elif module is not None:
-        from specpilot.runtime.profile import AnyKernel, profiling
-        with profiling(module, AnyKernel()) as prof:
-            fn(*args)
-        for c in prof.calls:
-            t = totals.setdefault(c.name, [0.0, 0])
-            t[0] += c.seconds * 1e6
-            t[1] += 1
-    if not totals:
-        return []
-    merge_copies(totals)
-    whole = sum(t for t, _ in totals.values()) or 1.0
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    return [{"kernel": name[:120], "us": us, "calls": calls, "share": us / whole} for name, (us, calls) in ranked[:top]] \
-        + [{"kernel": "(all)", "us": whole, "calls": sum(c for _, c in totals.values()), "share": 1.0}]
-
-
-def merge_copies(totals: dict[str, list]) -> None:
-    """A kernel's per-layer copies under one name: the names launched once a pass that differ only in a
-    number before their end or before ``_kernel`` (`attention_decode3`, `gated_delta_rule82_kernel`)
-    become ``stem*`` with their summed time and their count -- where more than two share the stem (not
-    two kernels that happen to), so a --top list shows each kernel family whole."""
-    copies: dict[str, list[str]] = {}
-    for name, (_, calls) in totals.items():
-        if calls == 1:
-            copies.setdefault(re.sub(r"\d+(_kernel)?$", r"\1", name), []).append(name)
-    for stem, names in copies.items():
-        if len(names) > 2:
-            base = stem[:-len("_kernel")] if stem.endswith("_kernel") else stem
-            totals[base + "*"] = [sum(totals.pop(n)[0] for n in names), len(names)]
 
 
 def passes(model, states, nodes: int, gen) -> dict:

@@ -288,7 +288,7 @@ def test_pass_cost_kernel_lists_merge_per_layer_copies():
     """CUDA kernel names carry the layer's number before `_kernel`, the CPU's at the end: either way a
     family of three or more copies launched once each is one row; kernels launched many times, and two
     that merely share a stem, keep their own rows."""
-    from bench.batch_pass_cost import merge_copies
+    from bench._common import merge_copies
     totals = {"gated_delta_rule_kernel": [10.0, 1], "gated_delta_rule7_kernel": [11.0, 1],
               "gated_delta_rule82_kernel": [12.0, 1], "attention_decode": [1.0, 1], "attention_decode1": [2.0, 1],
               "attention_decode2": [3.0, 1], "skinny_mma_17408_5120_kernel_5": [70.0, 64], "rms_norm1": [4.0, 1],

@@ -117,3 +117,28 @@ def test_batched_engines_on_a_packed_build_are_each_request_s_stock_tokens(built
     want = [built.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
     got = built.generate_batch(engine, prompts, lengths, max_batch=4)
     assert [g.tokens for g in got] == want
+
+
+def test_the_packed_verify_bench_times_and_profiles_both_forms_beside_the_ar_step(built, tmp_path):
+    """bench/packed_verify.py on the tiny packed CPU builds: both verifications and the AR step timed, their
+    logits at the real rows identical (float32), and with --kernels each call's kernels listed, covering it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    build = built.engines["compiled"].model.module.dir
+    proc = subprocess.run([sys.executable, str(root / "bench" / "packed_verify.py"), str(build), "--batches", "3",
+                           "--sizes", "5,0,2", "--context", "7", "--reps", "2", "--kernels", "50",
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("packed-verify-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert (row["real_rows"], row["padded_rows"], row["identical"]) == (3 + 5 + 2, 3 * 6, True)
+    assert all(row[name]["median_ms"] > 0 for name in ("packed", "padded", "ar_step"))
+    assert set(row["kernels"]) == {"packed", "padded", "ar_step"}
+    for ranked in row["kernels"].values():
+        assert ranked[-1]["kernel"] == "(all)" and ranked[-1]["us"] > 0
+        assert sum(k["us"] for k in ranked[:-1]) == pytest.approx(ranked[-1]["us"])
+    names = {k["kernel"] for k in row["kernels"]["packed"]}
+    assert names != {k["kernel"] for k in row["kernels"]["padded"]}     # the packed function runs its own kernels
