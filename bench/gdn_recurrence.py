@@ -11,7 +11,9 @@ ones checked at batch 3 -- 4 heads of 128 x 12 (48 threads a block, fewer than d
 loads) and of 16 x 12 (more threads than d_k) -- with the last two tokens of every chain padding (slot -1:
 state kept, output 0).  Layers stacked as a batch build stacks them (this kernel's layer 0 of 2).  Chains of
 5, 9 and 17 tokens and a branching tree of 9 nodes a sequence (verification), one token (decode: its final
-states checked too).
+states checked too), and ragged batches: a chain and a tree of 17 tokens whose sequences keep 17, 12, 9, 5,
+3, 2, 1, 1 of them (cycled), the rest padding -- where ``padding="skip"`` (a block's loop ends at its
+sequence's last real token) against ``walk`` (every block through all 17) shows.
 """
 
 from __future__ import annotations
@@ -32,11 +34,17 @@ HEAD_SHAPES = {"27B-class": ((HEADS, DK, DV), (1, 16, 32), 0),
 
 # name -> gated_delta_rule keyword arguments; the first is the yardstick every other must equal bit for bit
 VARIANTS = {
-    "registers": {"operands": "registers"},
-    "shared k, q": {"operands": "shared"},
+    "registers": {"operands": "registers", "padding": "walk"},
+    "shared k, q": {"operands": "shared", "padding": "walk"},
+    "shared, skip": {"operands": "shared", "padding": "skip"},
 }
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 5]          # a branching tree of 9 nodes (parents before children)
-SHAPES = {"decode": None, "chain 5": 5, "chain 9": 9, "chain 17": 17, "tree 9": TREE}
+# a ragged chain of 17: sequence b's real tokens RAGGED[b % 8], the rest padding (a shared node budget's
+# uneven drafts, padded to the longest), and a best-first-like tree of 17 cut the same way
+RAGGED = [17, 12, 9, 5, 3, 2, 1, 1]
+TREE17 = [-1, 0, 1, 1, 2, 3, 0, 4, 5, 6, 2, 8, 9, 10, 11, 12, 14]
+SHAPES = {"decode": None, "chain 5": 5, "chain 9": 9, "chain 17": 17, "tree 9": TREE,
+          "ragged 17": 17, "ragged tree 17": TREE17}
 STACK = (2, 0)
 
 
@@ -61,10 +69,10 @@ def build(out: Path) -> None:
     (out.parent / (out.name + ".json")).write_text(json.dumps(VARIANTS))
 
 
-def inputs(shape: tuple, batch: int, parents: list[int], padded: int, dev, seed: int = 3):
+def inputs(shape: tuple, batch: int, parents: list[int], padded: int | list[int], dev, seed: int = 3):
     """Seeded float32 operands for ``batch`` sequences of len(parents) tokens (unit q, k rows, q
     scaled by dk^-1/2, g < 0), the stacked initial states (B, G, H, dk, dv) and slots (the last
-    ``padded`` tokens -1), parents."""
+    ``padded`` tokens -1; a list: sequence b's last padded[b]), parents."""
     import torch
     heads, dk, dv = shape
     n = len(parents)
@@ -76,25 +84,26 @@ def inputs(shape: tuple, batch: int, parents: list[int], padded: int, dev, seed:
     beta = torch.rand(batch, n, heads, generator=gen)
     s0 = torch.randn(batch, STACK[0], heads, dk, dv, generator=gen) * 0.1
     slots = torch.arange(n, dtype=torch.int32).repeat(batch, 1)
-    if padded:
-        slots[:, n - padded:] = -1
+    for b, pad in enumerate(padded if isinstance(padded, list) else [padded] * batch):
+        if pad:
+            slots[b, n - pad:] = -1
     par = torch.tensor([parents] * batch, dtype=torch.int32)
     return [t.to(dev).contiguous() for t in (q, k, v, g, beta, s0, slots, par)]
 
 
-def reference(q, k, v, g, beta, s0, parents, padded: int):
+def reference(q, k, v, g, beta, s0, parents, padded: int | list[int]):
     """(o (B, T, H, dv), the state after the last real token (B, H, dk, dv)): each token's output
     after the recurrence along its root path from the layer's s0; padding tokens (the last
-    ``padded``, at the end of a chain) output 0."""
+    ``padded``, or sequence b's last padded[b], at the end) output 0."""
     import torch
 
     from specpilot.runtime.reference.gdn import recurrent_gated_delta_rule
     out = torch.zeros_like(v)
     final = torch.empty_like(s0[:, STACK[1]])
-    real = q.shape[1] - padded
+    pads = padded if isinstance(padded, list) else [padded] * q.shape[0]
     for b in range(q.shape[0]):
         final[b] = s0[b, STACK[1]]
-        for t in range(real):
+        for t in range(q.shape[1] - pads[b]):
             path = [t]
             while parents[path[-1]] >= 0:
                 path.append(parents[path[-1]])
@@ -117,6 +126,8 @@ def case(lib, to_tvm, heads: str, shape: str, batch: int, dev) -> list[dict]:
     chain = not decode and not isinstance(SHAPES[shape], list)
     parents = [-1] if decode else (SHAPES[shape] if not chain else [t - 1 for t in range(SHAPES[shape])])
     padded = pad if chain else 0
+    if shape.startswith("ragged"):
+        padded = [len(parents) - RAGGED[b % len(RAGGED)] for b in range(batch)]
     q, k, v, g, beta, s0, slots, par = inputs(dims, batch, parents, padded, dev)
     n = len(parents)
     ref, ref_final = reference(q, k, v, g, beta, s0, parents, padded)

@@ -58,7 +58,7 @@ def _delta_rule(rows: int, parts: int):
 
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
-                     stack: tuple[int, int] | None = None, operands: str = "shared"):
+                     stack: tuple[int, int] | None = None, operands: str = "shared", padding: str = "skip"):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
@@ -93,9 +93,16 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     block into shared memory (each value is read by all ``cols`` threads of its rows), or
     ``registers``, every thread's own copy of its rows (the form before; bench/gdn_recurrence.py
     runs both).  Same arithmetic, same bits.
+
+    ``padding`` (GPU form): ``skip`` ends a block's token loop after its sequence's last real token (a batch
+    pads every sequence to the longest; its blocks then do the work of their own tokens, not the longest's,
+    and free their SM for the next), ``walk`` steps through the padding too.  A padding token changes no
+    state, so both write the same bits.
     """
     if operands not in ("shared", "registers"):
         raise ValueError(f"operands={operands!r}: expected 'shared' or 'registers'")
+    if padding not in ("skip", "walk"):
+        raise ValueError(f"padding={padding!r}: expected 'skip' or 'walk'")
     G, gi = stack if stack else (1, 0)
     if stack and not 0 <= gi < G:
         raise ValueError(f"stack={stack}: needs 0 <= g < G")
@@ -194,6 +201,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     update = _delta_rule(rows, parts)
     shared_ops = operands == "shared"
 
+    def walked(live, n):
+        """The tokens a block's loop walks: through its sequence's last real one (``skip``) or all n."""
+        return live[0] if padding == "skip" else n
+
     def kq(p, i):
         """Index of row i of thread group p's rows in the k / q buffers (shared: the whole d_k)."""
         return p * rows + i if shared_ops else i
@@ -218,19 +229,19 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         ix[u] = slots[b, t]
 
     @T.macro
-    def step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t, h, p, jl, cb,
+    def step(q, k, v, g, beta, s0, slots, parents, o, st, n, m, b, t, h, p, jl, cb,
              s, ps, kx, qx, sx, ix, acc, part, red, stored, u):
-        """Token t, its operands in buffer u (a Python int), the next token's fetched into 1 - u.
-        The loop goes in pairs, so t may be n: a step that changes nothing (TVM inserts barriers
-        where a condition around the step would forbid them)."""
-        if t >= n:
+        """Token t of the ``m`` the loop walks (of n), its operands in buffer u (a Python int), the next
+        token's fetched into 1 - u.  The loop goes in pairs, so t may be m: a step that changes nothing
+        (TVM inserts barriers where a condition around the step would forbid them)."""
+        if t >= m:
             ix[u] = -1
         if tree:
-            if t < n:
+            if t < m:
                 if T.Cast("int64", parents[b, t]) != t - T.int64(1):
                     for i in T.unroll(rows):
                         s[i] = ps[i]
-        if t + 1 < n:
+        if t + 1 < m:
             fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, p * cols + jl, 1 - u)
             if tree:
                 if T.Cast("int64", parents[b, t + 1]) != t:
@@ -245,14 +256,14 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         red[1, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
         T.tvm_storage_sync("shared")
         if p == 0:
-            if t < n:
+            if t < m:
                 acc[1] = T.float32(0)
                 for r in range(parts):
                     acc[1] = acc[1] + red[1, r, jl]
                 o[b, t, h, cb * cols + jl] = T.if_then_else(ix[u] >= 0, acc[1], T.float32(0))
         if tree:   # (the bit goes through a register: TVM's barrier pass rejects shared loads in conditions)
             acc[0] = T.Cast("float32", T.if_then_else(t >= cap, 1, (stored[T.min(t, cap - 1) // 32] >> (t % 32)) & 1))
-            if t < n:
+            if t < m:
                 if acc[0] != T.float32(0):
                     for i in T.unroll(rows):
                         st[at(n, b, t, h, p * rows + i, cb * cols + jl)] = s[i]
@@ -271,6 +282,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         acc = T.alloc_buffer((2,), "float32", scope="local")
         part = T.alloc_buffer((4,), "float32", scope="local")         # a dot product's 4 partial sums
         word = T.alloc_buffer((1,), "int32", scope="local")
+        live = T.alloc_buffer((1,), "int64", scope="local")           # tokens up to the last real one
         red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
         stored = T.alloc_buffer((cap // 32,), "int32", scope="shared")
         if keep_states:   # the records first: nothing in the token loop waits for them
@@ -293,10 +305,19 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, p * cols + jl, 0)
         if shared_ops:
             T.tvm_storage_sync("shared")
-        for t2 in range((n + 1) // 2):
+        if padding == "skip":   # the tokens up to the sequence's last real one (the same for the whole block)
+            live[0] = T.int64(0)
+            for c in range(n):
+                if slots[b, c] >= 0:
+                    live[0] = c + T.int64(1)
+        for t2 in range((walked(live, n) + 1) // 2):
             for u in T.unroll(2):
-                step(q, k, v, g, beta, s0, slots, parents, o, st, n, b, t2 * 2 + u, h, p, jl, cb,
+                step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * 2 + u, h, p, jl, cb,
                      s, ps, kx, qx, sx, ix, acc, part, red, stored, u)
+        if padding == "skip":   # the padding past it outputs 0, as a walked padding token does
+            if p == 0:
+                for t in range(live[0], n):
+                    o[b, t, h, cb * cols + jl] = T.float32(0)
         if not keep_states:
             for i in T.unroll(rows):
                 st[sat(b, h, p * rows + i, cb * cols + jl)] = s[i]

@@ -45,16 +45,33 @@ def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
                        "'step': gated_delta_rule(4, 16, 12, False, True), "
                        "'stacked': gated_delta_rule(4, 16, 12, True, True, True, stack=(3, 1)), "
                        "'registers': gated_delta_rule(4, 16, 12, True, True, True, operands='registers'), "
+                       "'walk': gated_delta_rule(4, 16, 12, True, True, True, padding='walk'), "
                        "'commit': gdn_commit(3, 4, 16, 12, True), "
                        # fewer threads (4 x 5) than words of store bits (32): a round per 20 words
                        "'narrow': gated_delta_rule(3, 8, 5, True, True, True)}")
-    for name in ("tree", "chain", "step", "stacked", "registers", "commit", "narrow"):
+    for name in ("tree", "chain", "step", "stacked", "registers", "walk", "commit", "narrow"):
         assert f"{name}_kernel" in text
 
 
 def test_gdn_operands_place_is_checked():
     with pytest.raises(ValueError, match="operands='global'"):
         gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, operands="global")
+    with pytest.raises(ValueError, match="padding='pad'"):
+        gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, padding="pad")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_gdn_gpu_form_walks_a_sequence_only_to_its_last_real_token(tree):
+    """A batch pads every sequence to the longest: with ``skip`` a block finds its sequence's last token
+    with a slot (a scan of its slots) and its token loop ends there, the padding past it written as 0;
+    ``walk`` steps every block through all n tokens."""
+    skip = gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, tree=tree).script()
+    walk = gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, tree=tree, padding="walk").script()
+    assert "for t2 in range((live[0] + T.int64(1)) // T.int64(2)):" in skip
+    assert "live[0] = c + T.int64(1)" in skip and "if slots[bhc // T.int64(3), c] >= 0:" in skip   # 3 heads, 1 block each
+    assert "for t in range(live[0], " in skip                       # the padding's outputs
+    assert "for t2 in range((n + T.int64(1)) // T.int64(2)):" in walk and "live[0] =" not in walk
+    assert skip.count('tvm_storage_sync("shared"') == walk.count('tvm_storage_sync("shared"')
 
 
 @pytest.mark.parametrize("make", ["gdn_conv_verify", "gdn_conv_prefill"])
