@@ -89,7 +89,7 @@ def timed_interleaved(fns: dict, rotations: int, rounds: int = 7, iters: int = 2
     return samples
 
 
-def kernels(fn, args, top: int, module=None) -> list[dict]:
+def kernel_times(fn, args, top: int, module=None) -> list[dict]:
     """Time per kernel name over one call: on a GPU, device time from torch's profiler (every kernel the
     process launches); on the CPU, each of ``module``'s kernel calls timed by TVM's VM instrument hook
     (`runtime.profile`)."""

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import kernels, sync, timed_calls, write  # noqa: E402
+from bench._common import kernel_times, sync, timed_calls, write  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def prefill_row(model, prompts: int, args) -> dict:
     ids = [torch.randint(0, model.vocab_size, (args.context,), generator=gen).tolist() for _ in range(prompts)]
     fn, fargs = model.step_call(list(zip(ids, states)))[:2]
     row = {"prompts": prompts, "tokens": prompts * args.context, **timed(fn, fargs, args.reps),
-           "kernels": kernels(fn, fargs, args.top, model.module)}
+           "kernels": kernel_times(fn, fargs, args.top, model.module)}
     print(f"prefill of {prompts} x {args.context} tokens: {row['median_ms']:.2f} ms "
           f"({row['tokens'] / row['median_ms'] * 1e3:.0f} tokens/s)")
     for k in row["kernels"][:12]:
@@ -108,7 +108,7 @@ def batch_row(module, target, drafter, states, d_states, nodes: int, args, gen) 
             [(torch.randint(0, drafter.vocab_size, (1,), generator=gen).tolist(), st) for st in d_states])[:2]
     row = {"batch": b, "nodes": nodes, "context": max(st.length for st in states)}
     for name, (fn, fargs) in calls.items():
-        row[name] = {**timed(fn, fargs, args.reps), "kernels": kernels(fn, fargs, args.top, module)}
+        row[name] = {**timed(fn, fargs, args.reps), "kernels": kernel_times(fn, fargs, args.top, module)}
     row["verify_over_ar"] = row["verify"]["median_ms"] / row["ar_step"]["median_ms"]
     accepted = min(args.accepted, nodes // 2 if target.keeps_tree_paths else nodes)
     row["commit"] = commit_cost(target, states, nodes, accepted, args.reps, gen)

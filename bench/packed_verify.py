@@ -11,8 +11,9 @@ timed through ``target_verify`` (padded: B x (1 + the largest tree) rows through
 second of calls of each, synchronised, medians and quartiles, beside the AR step of the same B requests
 (a token each: what each verification is priced against).  Their logits at the real rows are
 compared: equal bit for bit on the CPU (float32 builds); on a GPU the two row counts may take different
-GEMM configurations, so the largest difference and the rows whose argmax differs are recorded.  --kernels TOP: then one call of each per kernel (`bench._common.kernels`: device time on a GPU),
-the TOP kernels of each -- which kernels the padded rows still pay for.  JSON to --out.
+GEMM configurations, so the largest difference and the rows whose argmax differs are recorded.
+--kernels TOP: then one call of each per kernel (`bench._common.kernel_times`: device time on a GPU), the
+TOP kernels of each -- which kernels the padded rows still pay for.  JSON to --out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import kernels, timed_calls, write  # noqa: E402
+from bench._common import kernel_times, timed_calls, write  # noqa: E402
 from specpilot.runtime.decoding import close_state, tree_inputs  # noqa: E402
 from specpilot.runtime.engine import CompiledModule  # noqa: E402
 from specpilot.runtime.tree import Tree  # noqa: E402
@@ -64,7 +65,7 @@ def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: ran
     model.pack_verify = False
     calls["padded"] = model.step_call(items, record=True)[:2]
     model.pack_verify = True
-    ar_step = {"ar_step": model.step_call([([rng.randrange(vocab)], st) for st in states])[:2]}
+    ar_step = {"ar_step": model.step_call([([item[0][0]], st) for item, st in zip(items, states)])[:2]}   # the roots
     lengths = [len(it[0]) for it in items]
     T = max(lengths)
     results = {name: logits_of(fn(*args)) for name, (fn, args) in calls.items()}
@@ -72,7 +73,7 @@ def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: ran
     a = torch.stack([results["packed"][b, t] for b, t in real])
     p = torch.stack([results["padded"][b, t] for b, t in real])
     times = timed_calls({**calls, **ar_step}, reps)
-    per_kernel = {name: kernels(fn, args, top, model.module) for name, (fn, args) in {**calls, **ar_step}.items()} \
+    per_kernel = {name: kernel_times(fn, args, top, model.module) for name, (fn, args) in {**calls, **ar_step}.items()} \
         if top else None
     for st in states:
         close_state(st)

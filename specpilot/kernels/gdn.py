@@ -91,18 +91,22 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
     ``operands`` (GPU form): where a token's k and q wait for their step -- ``shared``, loaded once a
     block into shared memory (each value is read by all ``cols`` threads of its rows), or
-    ``registers``, every thread's own copy of its rows (the form before; bench/gdn_recurrence.py
-    runs both).  Same arithmetic, same bits.
+    ``registers``, every thread's own copy of its rows (bench/gdn_recurrence.py times both).  Same
+    arithmetic, same bits.
 
     ``padding`` (GPU form): ``skip`` ends a block's token loop after its sequence's last real token (a batch
     pads every sequence to the longest; its blocks then do the work of their own tokens, not the longest's,
     and free their SM for the next), ``walk`` steps through the padding too.  A padding token changes no
-    state, so both write the same bits.
+    state, so both write the same bits; padding before a real token is walked either way.  The scan for the
+    last real token is n loads a thread, small beside the n steps of the loop.
     """
     if operands not in ("shared", "registers"):
         raise ValueError(f"operands={operands!r}: expected 'shared' or 'registers'")
     if padding not in ("skip", "walk"):
         raise ValueError(f"padding={padding!r}: expected 'skip' or 'walk'")
+    if tree and not keep_states:
+        raise ValueError("the tree form is verification's: it needs keep_states (a final state after a tree "
+                         "is no one's)")
     G, gi = stack if stack else (1, 0)
     if stack and not 0 <= gi < G:
         raise ValueError(f"stack={stack}: needs 0 <= g < G")

@@ -58,6 +58,8 @@ def test_gdn_operands_place_is_checked():
         gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, operands="global")
     with pytest.raises(ValueError, match="padding='pad'"):
         gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, padding="pad")
+    with pytest.raises(ValueError, match="needs keep_states"):
+        gated_delta_rule(3, 16, 12, keep_states=False, gpu=True, tree=True)
 
 
 @pytest.mark.parametrize("tree", [False, True])
