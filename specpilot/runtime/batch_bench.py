@@ -54,6 +54,7 @@ class BatchResult:
     speedup: float | None = None          # throughput over the autoregressive engine's at this batch size
     policy: dict = field(default_factory=dict)
     split: dict | None = None             # a synchronised rerun's parts: `cycle_timing.breakdown` + per pass ms
+    prices: dict | None = None            # an adaptive row's fitted pass cost at its end, ms (`pass_cost.PassCost`)
 
 
 def arrivals_for(spec: str, prompts: list[list[int]], max_new: int, trace=None, seed: int = 0) -> list[Arrival]:
@@ -276,7 +277,14 @@ class BatchBench:
             sum(verifications) / len(verifications) if speculative and verifications else None,
             len(run.steps),
             {k: mean([getattr(s, k) for s in decoding]) for k in ("running", "drafted", "admitted", "rows", "levels")},
-            check, policy=asdict(policy))
+            check, policy=asdict(policy), prices=prices_ms(run.prices))
+
+
+def prices_ms(prices: tuple | None) -> dict | None:
+    """`PassCost.model`'s (a, b, d, c) in milliseconds: a pass, a verified row, a drafter level, a padded row."""
+    if prices is None:
+        return None
+    return {name: 1e3 * v for name, v in zip(("pass", "row", "level", "padded_row"), prices)}
 
 
 def report(run: dict, meta: dict) -> dict:

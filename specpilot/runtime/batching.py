@@ -234,6 +234,7 @@ class BatchRun:
     timings: list[Timing]
     steps: list[Step] = field(default_factory=list)
     seconds: float = 0.0
+    prices: tuple | None = None   # an adaptive policy's pass cost at the end, seconds (`PassCost.model`)
 
     @property
     def refused(self) -> list[int]:
@@ -297,6 +298,8 @@ class _Scheduler:
             if self.running:
                 self._step()
         self.result.seconds = time.perf_counter() - start
+        if self.policy.adaptive:
+            self.result.prices = self.cost.model()
         return self.result
 
     def _timed(self, part: str, fn, *args, **kwargs):

@@ -195,6 +195,23 @@ def test_the_scheduler_drafts_less_where_rows_are_dear(pair):
     assert dear < cheap <= fixed and dear < fixed / 2
 
 
+def test_an_adaptive_run_records_the_prices_it_fitted(pair):
+    """Passes that cost 20 ms plus 3 ms a row exactly: the run's fitted prices are those, in the bench's
+    milliseconds; a fixed policy fits none."""
+    from specpilot.runtime.batch_bench import prices_ms
+    target, draft, _ = pair
+
+    def run(adaptive):
+        clock = _Clock()
+        return run_batch(_Charged(target, clock, 0.02, 3e-3), lambda: ModelDrafter(_Charged(draft, clock, 0.0, 0.0), 3, 128),
+                         [Arrival(0.0, tuple(p), n) for p, n in zip(PROMPTS, MAX_NEW)],
+                         BatchPolicy("chain", 4, 12, adaptive=adaptive), 128, clock)
+    prices = prices_ms(run(True).prices)
+    assert prices["pass"] == pytest.approx(20.0, abs=0.5) and prices["row"] == pytest.approx(3.0, rel=0.02)
+    assert prices["level"] == pytest.approx(0.0, abs=1e-6) and prices["padded_row"] == 0.0
+    assert run(False).prices is None and prices_ms(None) is None
+
+
 def test_auto_lengths_are_for_drafting_engines():
     assert parse_lengths("4,auto,8:6:4") == [(4,), "auto", (8, 6, 4)]
     with pytest.raises(SpecPilotError, match="auto is given twice"):
