@@ -16,7 +16,8 @@ dropped).  ``packed=true`` has the lowering add ``target_verify_packed``: ``targ
 the batch's real tokens' flat indices (``pack``) and each padded position's row among them
 (``unpack``), whose embedding, linear layers and head run over those rows only -- a batched pass
 pads every request's draft to the longest, and a shared node budget gives uneven ones; the
-attention and Gated DeltaNet kernels read the padded layout as before.
+attention and Gated DeltaNet kernels read the padded layout as before (the GPU recurrence stops at each
+sequence's last real token: `kernels.gdn.gated_delta_rule`).
 
 When it is legal: any target; on a hybrid target (Gated DeltaNet layers) only together with
 ``gdn-path-recompute``, since each node's recurrent state depends on its root path.

@@ -18,7 +18,7 @@ what they cost is the padded verification of B x (1 + the largest request's shar
 
 A build that packs its verification (`tree-verify{packed=true}`) runs the linear layers and head over
 the real rows only (B + the drafted tokens), but its attention and Gated DeltaNet layers still over the
-padded ones: with ``packed``, a pass is priced a + b x real rows + c x padded rows, fitted from both
+padded ones (but for the GPU recurrence, which stops at each sequence's last real token): with ``packed``, a pass is priced a + b x real rows + c x padded rows, fitted from both
 counts once they have varied apart (on a 27B-class hybrid at batch 16 on an H100, c came out as large
 as b or larger: bench/README "Batched"), and by its real rows alone until then.
 """
