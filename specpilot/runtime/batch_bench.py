@@ -281,10 +281,11 @@ class BatchBench:
 
 
 def prices_ms(prices: tuple | None) -> dict | None:
-    """`PassCost.model`'s (a, b, d, c) in milliseconds: a pass, a verified row, a drafter level, a padded row."""
+    """`PassCost.model`'s (a, b, d, c, e) in milliseconds: a pass, a verified row, a drafter level, a padded
+    row, a running request."""
     if prices is None:
         return None
-    return {name: 1e3 * v for name, v in zip(("pass", "row", "level", "padded_row"), prices)}
+    return {name: 1e3 * v for name, v in zip(("pass", "row", "level", "padded_row", "request"), prices)}
 
 
 def report(run: dict, meta: dict) -> dict:

@@ -393,7 +393,7 @@ class _Scheduler:
         if self.policy.adaptive and not chunks:
             sizes = [len(it[0]) - 1 for it in items]
             self.cost.observe(verified_rows(sizes, self.packed), self.clock.now() - drafting, self.levels,
-                              drafting - started, verified_rows(sizes, False) if self.packed else None)
+                              drafting - started, verified_rows(sizes, False) if self.packed else None, len(plans))
         for (r, n), logits in zip(chunks, rows[len(plans):]):
             r.fed += n
             if speculative and hasattr(r.state, "drop_history"):

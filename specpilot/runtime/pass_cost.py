@@ -18,111 +18,104 @@ what they cost is the padded verification of B x (1 + the largest request's shar
 
 A build that packs its verification (`tree-verify{packed=true}`) runs the linear layers and head over
 the real rows only (B + the drafted tokens), but its attention and Gated DeltaNet layers still over the
-padded ones (but for the GPU recurrence, which stops at each sequence's last real token): with ``packed``, a pass is priced a + b x real rows + c x padded rows, fitted from both
-counts once they have varied apart (on a 27B-class hybrid at batch 16 on an H100, c came out as large
-as b or larger: bench/README "Batched"), and by its real rows alone until then.
+padded ones (but for the GPU recurrence, which stops at each sequence's last real token): with
+``packed``, a pass is priced a + b x real rows + c x padded rows, fitted from both counts once they have
+varied apart (on a 27B-class hybrid at batch 16 on an H100, c came out as large as b or larger:
+bench/README "Batched"), and by its real rows alone until then.
+
+A running request also costs something whatever it drafts -- a hybrid's recurrent state (151 MB a
+request at 27B-class shapes) read by the verification and read and written by the commit -- so the fit
+prices the running requests too, once they have varied apart from the rows: a burst's tail, where rows
+and requests fall together, would otherwise charge the states to the rows and draft too little.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+import numpy as np
 
 DECAY = 0.97            # an observation's weight a pass later: load and context lengths drift
 EXPLORE = 8             # every this many chosen passes one neighbouring length runs, so the fit keeps seeing rows vary
-COLLINEAR = 0.05        # real and padded rows correlated past 1 - this (squared): one price for both
+COLLINEAR = 0.05        # a count the counts before it explain past 1 - this (squared): priced with them, not apart
+FLAT = 1e-9             # a count whose spread is below this share of its mean square has not varied (rounding noise)
 
 
-@dataclass
 class _Fit:
-    """Exponentially weighted least squares of y over x: y ~ a + b x."""
-    n: float = 0.0
-    sx: float = 0.0
-    sxx: float = 0.0
-    sy: float = 0.0
-    sxy: float = 0.0
-    seen: int = 0
+    """Exponentially weighted least squares of y over k counts: y ~ a + sum_i b_i x_i, every b_i >= 0."""
 
-    def add(self, x: float, y: float) -> None:
-        self.n, self.sx, self.sxx = DECAY * self.n + 1, DECAY * self.sx + x, DECAY * self.sxx + x * x
-        self.sy, self.sxy = DECAY * self.sy + y, DECAY * self.sxy + x * y
+    def __init__(self, counts: int):
+        self.m = np.zeros((counts + 2, counts + 2))   # weighted sums of z z^T, z = (1, x_1 .. x_k, y)
+        self.seen = 0
+
+    def add(self, xs, y: float) -> None:
+        z = np.array([1.0, *map(float, xs), float(y)])
+        self.m = DECAY * self.m + np.outer(z, z)
         self.seen += 1
 
-    def line(self) -> tuple[float, float] | None:
-        """(a, b), both >= 0; None until x has varied."""
-        spread = self.n * self.sxx - self.sx * self.sx
-        if self.seen < 3 or spread <= 1e-9 * max(1.0, self.n * self.sxx):
+    def prices(self) -> tuple[float, list[float]] | None:
+        """(a, [b_i]); None until the first count has varied.  A count priced 0 and left out: one that has not
+        varied, one the counts before it explain (`COLLINEAR`: counts that move together keep the first's
+        price), one whose price comes out negative (the rest refitted without it)."""
+        k = self.m.shape[0] - 2
+        n = self.m[0, 0]
+        if self.seen < 3 or n <= 0:
             return None
-        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / spread)
-        return max(0.0, (self.sy - b * self.sx) / self.n), b
-
-
-class _Plane:
-    """Exponentially weighted least squares of y over two counts: y ~ a + b x + c z, b and c >= 0, beside
-    the fit ``x`` of y over x alone (fed the same passes by its owner)."""
-
-    def __init__(self, x: _Fit):
-        self.x, self.z = x, _Fit()                   # y over each count alone, for a coefficient held at 0
-        self.sxz = self.sz = self.szz = self.szy = 0.0
-
-    def add(self, x: float, z: float, y: float) -> None:
-        """A pass's counts and seconds, ``self.x`` already holding (x, y)."""
-        self.z.add(z, y)
-        self.sxz, self.sz = DECAY * self.sxz + x * z, DECAY * self.sz + z
-        self.szz, self.szy = DECAY * self.szz + z * z, DECAY * self.szy + z * y
-
-    def plane(self) -> tuple[float, float, float] | None:
-        """(a, b, c); None until the counts have varied apart (x alone then prices the rows)."""
-        f = self.x
-        if f.seen < 4:
+        mean = self.m[0, 1:] / n
+        cov = self.m[1:, 1:] / n - np.outer(mean, mean)      # the counts' and y's (co)variances, y last
+        spread = [cov[i, i] > FLAT * max(1.0, self.m[i + 1, i + 1] / n) for i in range(k)]
+        if not spread[0]:
             return None
-        n = f.n
-        vxx, vzz = f.sxx - f.sx * f.sx / n, self.szz - self.sz * self.sz / n
-        vxz, vxy, vzy = self.sxz - f.sx * self.sz / n, f.sxy - f.sx * f.sy / n, self.szy - self.sz * f.sy / n
-        if vxx <= 1e-9 * f.sxx or vzz <= 1e-9 * self.szz:   # a count that has not varied prices nothing
-            return None
-        det = vxx * vzz - vxz * vxz
-        if det <= COLLINEAR * vxx * vzz:             # counts that move together (chains: real ~ padded) tell no c
-            return None
-        b, c = (vzz * vxy - vxz * vzy) / det, (vxx * vzy - vxz * vxy) / det
-        if b < 0 or c < 0:                           # a count whose price comes out negative is held at 0
-            line = self.z.line() if b < 0 else f.line()
-            if line is None:
-                return None
-            return (line[0], 0.0, line[1]) if b < 0 else (line[0], line[1], 0.0)
-        return max(0.0, (f.sy - b * f.sx - c * self.sz) / n), b, c
+        use: list[int] = []
+        for i in (i for i in range(k) if spread[i]):
+            if use and _unexplained(cov, use, i) <= COLLINEAR * cov[i, i]:
+                continue
+            use.append(i)
+        b = np.zeros(k)
+        while use:
+            fit = np.linalg.solve(cov[np.ix_(use, use)], cov[use, k])
+            if (fit >= 0).all():
+                b[use] = fit
+                break
+            use.pop(int(np.argmin(fit)))
+        return max(0.0, float(mean[k] - b @ mean[:k])), [float(v) for v in b]
+
+
+def _unexplained(cov: np.ndarray, use: list[int], i: int) -> float:
+    """Count i's variance left after regressing it on the counts ``use``."""
+    sub = cov[np.ix_(use, use)]
+    return float(cov[i, i] - cov[i, use] @ np.linalg.solve(sub, cov[use, i]))
 
 
 class PassCost:
-    """Seconds of a batched pass: verification + commit as a + b x rows (+ c x padded rows for a packed
-    build), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work)."""
+    """Seconds of a batched pass: verification + commit as a + b x rows + c x padded rows (a packed build)
+    + e x running requests (what a request costs whatever it drafts: its recurrent state read and written,
+    its commit), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work)."""
 
     def __init__(self):
-        self.verify, self.draft = _Fit(), _Fit()
-        self.padded = _Plane(self.verify)
+        self.verify, self.draft = _Fit(3), _Fit(1)
 
     def observe(self, rows: int, verify_seconds: float, levels: int, draft_seconds: float,
-                padded: int | None = None) -> None:
-        """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones,
-        given for every pass or none)."""
-        self.verify.add(rows, verify_seconds)
-        self.draft.add(levels, draft_seconds)
-        if padded is not None:
-            self.padded.add(rows, padded, verify_seconds)
+                padded: int | None = None, running: int | None = None) -> None:
+        """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones) and
+        its ``running`` requests (each given for every pass or none)."""
+        self.verify.add((rows, rows if padded is None else padded, 0 if running is None else running), verify_seconds)
+        self.draft.add((levels,), draft_seconds)
 
-    def model(self) -> tuple[float, float, float, float] | None:
-        """(a + c', b, d, c): c the price of a padded row beside a real row's b (0 for a padded build or
-        while the counts have not varied apart); None while the passes seen do not yet tell a row's cost
-        (d: 0 until the drafter passes a pass have varied too)."""
-        line = self.verify.line()
-        if line is None:
+    def model(self) -> tuple[float, float, float, float, float] | None:
+        """(a + c', b, d, c, e): c the price of a padded row beside a real row's b (0 for a padded build or
+        while the counts have not varied apart), e a running request's (0 while the requests have not
+        varied apart from the rows); None while the passes seen do not yet tell a row's cost (d: 0 until
+        the drafter passes a pass have varied too)."""
+        verify = self.verify.prices()
+        if verify is None:
             return None
-        plane = self.padded.plane()
-        a, b, c = plane if plane is not None else (*line, 0.0)
-        draft = self.draft.line()
+        a, (b, c, e) = verify
+        draft = self.draft.prices()
         if draft is None:
-            draft = (self.draft.sy / self.draft.n if self.draft.n else 0.0, 0.0)
-        return a + draft[0], b, draft[1], c
+            n = self.draft.m[0, 0]
+            draft = (self.draft.m[0, 2] / n if n else 0.0, [0.0])
+        return a + draft[0], b, draft[1][0], c, e
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -139,10 +132,11 @@ def verified_rows(sizes: list[int], packed: bool) -> int:
 
 def chain_length(rates: list[float], caps: list[int], cost: tuple, packed: bool = False) -> int:
     """The longest chain K (request r drafting min(K, caps[r])) with the most expected tokens a
-    second of pass under ``cost`` = (a, b, d[, c]), rows counted as `verified_rows` (packed: c more a
-    padded row); the shortest such K on ties."""
-    a, b, d, c = (*cost, 0.0)[:4]
+    second of pass under ``cost`` = (a, b, d[, c[, e]]), rows counted as `verified_rows` (packed: c more a
+    padded row), e a request; the shortest such K on ties."""
+    a, b, d, c, e = (*cost, 0.0, 0.0)[:5]
     c = c if packed else 0.0
+    a += e * len(caps)
     if a + (b + c) * len(caps) <= 0:    # passes that seem to cost nothing say nothing: the caps stand
         return max(caps, default=0)
     best, best_k = -1.0, 0
@@ -160,13 +154,13 @@ def tree_nodes(order: list[tuple[int, float, int]], running: int, cost: tuple,
                drafted: float = 0.0, packed: bool = False) -> int:
     """How many nodes of a shared tree pass's best-first ``order`` ((request, path log-probability,
     depth) per node, requests numbered below ``running``) give the most expected tokens a second of
-    pass under ``cost`` = (a, b, d[, c]): verification of ``running`` x (1 + the largest request's nodes)
-    rows (packed: b for ``running`` + the nodes, c for the padded rows); the pass's drafting (``drafted``
-    seconds of levels, d x levels) ran for the whole order before the choice, so it is the same whatever
-    is cut.  The fewest such nodes on ties."""
-    a, b, _, c = (*cost, 0.0)[:4]
+    pass under ``cost`` = (a, b, d[, c[, e]]): verification of ``running`` x (1 + the largest request's nodes)
+    rows (packed: b for ``running`` + the nodes, c for the padded rows), e a request; the pass's drafting
+    (``drafted`` seconds of levels, d x levels) ran for the whole order before the choice, so it is the same
+    whatever is cut.  The fewest such nodes on ties."""
+    a, b, _, c, e = (*cost, 0.0, 0.0)[:5]
     c = c if packed else 0.0
-    a += drafted
+    a += drafted + e * running
     if a + (b + c) * running <= 0:  # passes that seem to cost nothing say nothing: the budget stands
         return len(order)
     sizes, value, largest = [0] * running, float(running), 0

@@ -125,7 +125,7 @@ def test_auto_lengths_are_a_row_of_each_drafting_engine(run_cli, replay_build):
         assert rows[f"{engine}[draft auto]"]["policy"]["adaptive"] and not rows[engine]["policy"]["adaptive"]
         assert rows[engine]["prices"] is None      # the fitted prices are an adaptive row's
         prices = rows[f"{engine}[draft auto]"]["prices"]
-        assert set(prices) == {"pass", "row", "level", "padded_row"} and prices["pass"] > 0 and prices["row"] >= 0
+        assert set(prices) == {"pass", "row", "level", "padded_row", "request"} and prices["pass"] > 0 and prices["row"] >= 0
 
 
 @pytest.mark.parametrize("args,message", [(["--batch", "0"], "positive integers"),

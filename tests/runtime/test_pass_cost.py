@@ -28,21 +28,21 @@ def test_the_fit_recovers_a_pass_line_once_rows_vary():
     assert cost.model() is None                      # one row count: a row's cost is unknown
     cost.observe(16, 0.0202, 4, 0.009)
     cost.observe(72, 0.0314, 4, 0.009)
-    a, b, d, c = cost.model()                        # drafting seen at one length: its mean, no slope yet
+    a, b, d, c, e = cost.model()                     # drafting seen at one length: its mean, no slope yet
     assert a == pytest.approx(0.017 + 0.009) and b == pytest.approx(0.0002) and d == 0.0 and c == 0.0
     for rows, levels in ((144, 8), (80, 5), (32, 1), (96, 12)):
         cost.observe(rows, 0.017 + 0.0002 * rows, levels, 0.003 + 0.0015 * levels)
-    a, b, d, c = cost.model()                        # verification a + b rows, drafting c' + d levels
+    a, b, d, c, e = cost.model()                     # verification a + b rows, drafting c' + d levels
     assert a == pytest.approx(0.017 + 0.003) and b == pytest.approx(0.0002) and d == pytest.approx(0.0015)
-    assert c == 0.0                                  # a padded build: no padded rows priced apart
+    assert c == 0.0 == e                             # a padded build: no padded rows priced apart; no requests
 
 
 def test_a_falling_line_is_priced_flat_not_negative():
     cost = PassCost()
     for rows in (10, 20, 30, 40):
         cost.observe(rows, 0.05 - 0.001 * rows, 0, 0.0)
-    a, b, d, c = cost.model()
-    assert b == 0.0 and a > 0 and d == 0.0 and c == 0.0
+    a, b, d, c, e = cost.model()
+    assert b == 0.0 and a > 0 and d == 0.0 and c == 0.0 == e
 
 
 def test_a_packed_build_prices_its_real_and_padded_rows_apart():
@@ -56,13 +56,13 @@ def test_a_packed_build_prices_its_real_and_padded_rows_apart():
     for _ in range(3):
         for rows in (40, 80):
             cost.observe(rows, seconds(rows, rows), 0, 0.0, padded=rows)
-    a, b, _, c = cost.model()                        # collinear: the real rows carry the whole price
+    a, b, _, c, _ = cost.model()                     # collinear: the real rows carry the whole price
     assert (a, b, c) == (pytest.approx(0.0176), pytest.approx(1.86e-4), 0.0)
     for _ in range(12):
         real = rng.randint(16, 200)
         padded = rng.randint(real, 300)
         cost.observe(real, seconds(real, padded), 0, 0.0, padded=padded)
-    a, b, _, c = cost.model()
+    a, b, _, c, _ = cost.model()
     assert a == pytest.approx(0.0176, rel=0.02) and b == pytest.approx(0.6e-4, rel=0.02)
     assert c == pytest.approx(1.26e-4, rel=0.02)
     steady = PassCost()                              # every pass padded alike: no padded-row price from noise
@@ -75,8 +75,31 @@ def test_a_packed_build_prices_its_real_and_padded_rows_apart():
     for _ in range(2):
         for real, padded in ((20, 100), (90, 100), (20, 200), (90, 200), (50, 150)):
             dear.observe(real, 0.01 + 2e-4 * padded - 1e-5 * real, 0, 0.0, padded=padded)
-    a, b, _, c = dear.model()
+    a, b, _, c, _ = dear.model()
     assert b == 0.0 and c == pytest.approx(2e-4, rel=0.05) and a > 0
+
+
+def test_running_requests_are_priced_apart_once_they_vary_apart_from_the_rows():
+    """A request's own cost (its recurrent state) priced apart from its rows: where requests and rows fall
+    together (a burst's tail at one chain length) the rows carry both; once chain lengths vary too, each its
+    own -- and the chain chosen is the one the true prices choose, where rows alone would draft less."""
+    def seconds(rows, running):
+        return 0.02 + 1e-4 * rows + 8e-4 * running
+
+    cost = PassCost()
+    for running in (16, 12, 8, 4, 16, 12):           # chains of 8 (9 rows a request)
+        cost.observe(9 * running, seconds(9 * running, running), 0, 0.0, running=running)
+    a, b, _, _, e = cost.model()
+    assert e == 0.0 and b == pytest.approx(1e-4 + 8e-4 / 9) and a == pytest.approx(0.02)
+    rates, caps = [0.8] * 16, [16] * 16
+    biased = chain_length(rates, caps, cost.model())
+    rng = random.Random(5)
+    for _ in range(20):
+        running, k = rng.randint(2, 16), rng.choice([4, 6, 8, 12, 16])
+        cost.observe(running * (k + 1), seconds(running * (k + 1), running), 0, 0.0, running=running)
+    a, b, _, c, e = cost.model()
+    assert (a, b, c, e) == (pytest.approx(0.02, rel=0.02), pytest.approx(1e-4, rel=0.02), 0.0, pytest.approx(8e-4, rel=0.02))
+    assert chain_length(rates, caps, cost.model()) == chain_length(rates, caps, (0.02, 1e-4, 0.0, 0.0, 8e-4)) > biased
 
 
 def _closed_form(rates, caps, cost, packed=False):
@@ -209,6 +232,7 @@ def test_an_adaptive_run_records_the_prices_it_fitted(pair):
     prices = prices_ms(run(True).prices)
     assert prices["pass"] == pytest.approx(20.0, abs=0.5) and prices["row"] == pytest.approx(3.0, rel=0.02)
     assert prices["level"] == pytest.approx(0.0, abs=1e-6) and prices["padded_row"] == 0.0
+    assert prices["request"] == pytest.approx(0.0, abs=0.05)     # a request costs nothing but its rows here
     assert run(False).prices is None and prices_ms(None) is None
 
 
