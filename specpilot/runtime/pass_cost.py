@@ -63,7 +63,7 @@ class _Fit:
             return None
         mean = self.m[0, 1:] / n
         cov = self.m[1:, 1:] / n - np.outer(mean, mean)      # the counts' and y's (co)variances, y last
-        spread = [self.varied(i) for i in range(k)]
+        spread = [cov[i, i] > FLAT * max(1.0, self.m[i + 1, i + 1] / n) for i in range(k)]
         if not spread[0]:
             return None
         use: list[int] = []
@@ -80,18 +80,6 @@ class _Fit:
             use.pop(int(np.argmin(fit)))
         return max(0.0, float(mean[k] - b @ mean[:k])), [float(v) for v in b]
 
-    def varied(self, i: int) -> bool:
-        """Whether count i has varied over the passes seen (beyond rounding noise)."""
-        n = self.m[0, 0]
-        if n <= 0:
-            return False
-        mean = self.m[0, i + 1] / n
-        return self.m[i + 1, i + 1] / n - mean * mean > FLAT * max(1.0, self.m[i + 1, i + 1] / n)
-
-    def mean(self, i: int) -> float:
-        """Count i's weighted mean over the passes seen."""
-        return float(self.m[0, i + 1] / self.m[0, 0]) if self.m[0, 0] > 0 else 0.0
-
 
 def _unexplained(cov: np.ndarray, use: list[int], i: int) -> float:
     """Count i's variance left after regressing it on the counts ``use``."""
@@ -102,12 +90,7 @@ def _unexplained(cov: np.ndarray, use: list[int], i: int) -> float:
 class PassCost:
     """Seconds of a batched pass: verification + commit as a + b x rows + c x padded rows (a packed build)
     + e x running requests (what a request costs whatever it drafts: its recurrent state read and written,
-    its commit), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work).
-
-    The verification is fitted a request at a time -- y / r ~ e + b x rows / r + c x padded / r + a / r for
-    r running requests -- so a row's price comes from how many rows a request's drafts take (the lengths
-    and trees the policies vary), a pass's and a request's from how many requests run; fitted as they
-    come, a burst's tail (requests and rows falling together) would charge the requests to the rows."""
+    its commit), drafting as c' + d x its drafter passes (c': the catch-up on accepted tokens, host work)."""
 
     def __init__(self):
         self.verify, self.draft = _Fit(3), _Fit(1)
@@ -116,21 +99,18 @@ class PassCost:
                 padded: int | None = None, running: int | None = None) -> None:
         """One pass: its verified ``rows`` (a packed build's real rows, with ``padded`` its padded ones) and
         its ``running`` requests (each given for every pass or none)."""
-        r = max(1, running or 1)
-        self.verify.add((rows / r, (rows if padded is None else padded) / r, 1.0 / r), verify_seconds / r)
+        self.verify.add((rows, rows if padded is None else padded, 0 if running is None else running), verify_seconds)
         self.draft.add((levels,), draft_seconds)
 
     def model(self) -> tuple[float, float, float, float, float] | None:
         """(a + c', b, d, c, e): c the price of a padded row beside a real row's b (0 for a padded build or
-        while the counts have not varied apart), e a running request's; while the number of requests has
-        not varied, their cost is the pass's (a, at that number; e 0).  None while the passes seen do not
-        yet tell a row's cost (d: 0 until the drafter passes a pass have varied too)."""
+        while the counts have not varied apart), e a running request's (0 while the requests have not
+        varied apart from the rows); None while the passes seen do not yet tell a row's cost (d: 0 until
+        the drafter passes a pass have varied too)."""
         verify = self.verify.prices()
         if verify is None:
             return None
-        e, (b, c, a) = verify
-        if not self.verify.varied(2):
-            a, e = e / self.verify.mean(2), 0.0
+        a, (b, c, e) = verify
         draft = self.draft.prices()
         if draft is None:
             n = self.draft.m[0, 0]

@@ -79,32 +79,27 @@ def test_a_packed_build_prices_its_real_and_padded_rows_apart():
     assert b == 0.0 and c == pytest.approx(2e-4, rel=0.05) and a > 0
 
 
-def test_a_row_is_priced_by_a_request_s_rows_not_by_the_requests_running():
+def test_running_requests_are_priced_apart_once_they_vary_apart_from_the_rows():
     """A request's own cost (its recurrent state) priced apart from its rows: where requests and rows fall
-    together (a burst's tail at one chain length) no row price is told, where fitting rows alone would
-    charge a row the request's cost too; once chain lengths vary, each price is its own -- and the chain
-    chosen is the one the true prices choose, longer than the rows-alone price would."""
+    together (a burst's tail at one chain length) the rows carry both; once chain lengths vary too, each its
+    own -- and the chain chosen is the one the true prices choose, where rows alone would draft less."""
     def seconds(rows, running):
         return 0.02 + 1e-4 * rows + 8e-4 * running
 
     cost = PassCost()
     for running in (16, 12, 8, 4, 16, 12):           # chains of 8 (9 rows a request)
         cost.observe(9 * running, seconds(9 * running, running), 0, 0.0, running=running)
-    assert cost.model() is None
+    a, b, _, _, e = cost.model()
+    assert e == 0.0 and b == pytest.approx(1e-4 + 8e-4 / 9) and a == pytest.approx(0.02)
     rates, caps = [0.8] * 16, [16] * 16
-    rows_alone = chain_length(rates, caps, (0.02, 1e-4 + 8e-4 / 9, 0.0))      # what fitting rows alone gives
+    biased = chain_length(rates, caps, cost.model())
     rng = random.Random(5)
     for _ in range(20):
         running, k = rng.randint(2, 16), rng.choice([4, 6, 8, 12, 16])
         cost.observe(running * (k + 1), seconds(running * (k + 1), running), 0, 0.0, running=running)
     a, b, _, c, e = cost.model()
     assert (a, b, c, e) == (pytest.approx(0.02, rel=0.02), pytest.approx(1e-4, rel=0.02), 0.0, pytest.approx(8e-4, rel=0.02))
-    assert chain_length(rates, caps, cost.model()) == chain_length(rates, caps, (0.02, 1e-4, 0.0, 0.0, 8e-4)) > rows_alone
-    steady = PassCost()                              # always 16 running: their cost is the pass's at 16
-    for k in (4, 8, 12, 6, 16, 10):
-        steady.observe(16 * (k + 1), seconds(16 * (k + 1), 16), 0, 0.0, running=16)
-    a, b, _, _, e = steady.model()
-    assert (a, b, e) == (pytest.approx(0.02 + 16 * 8e-4), pytest.approx(1e-4), 0.0)
+    assert chain_length(rates, caps, cost.model()) == chain_length(rates, caps, (0.02, 1e-4, 0.0, 0.0, 8e-4)) > biased
 
 
 def _closed_form(rates, caps, cost, packed=False):
