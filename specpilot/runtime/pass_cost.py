@@ -80,6 +80,10 @@ class _Fit:
             use.pop(int(np.argmin(fit)))
         return max(0.0, float(mean[k] - b @ mean[:k])), [float(v) for v in b]
 
+    def mean_y(self) -> float:
+        """y's weighted mean over the passes seen (0 before any)."""
+        return float(self.m[0, -1] / self.m[0, 0]) if self.m[0, 0] > 0 else 0.0
+
 
 def _unexplained(cov: np.ndarray, use: list[int], i: int) -> float:
     """Count i's variance left after regressing it on the counts ``use``."""
@@ -111,10 +115,7 @@ class PassCost:
         if verify is None:
             return None
         a, (b, c, e) = verify
-        draft = self.draft.prices()
-        if draft is None:
-            n = self.draft.m[0, 0]
-            draft = (self.draft.m[0, 2] / n if n else 0.0, [0.0])
+        draft = self.draft.prices() or (self.draft.mean_y(), [0.0])     # levels not yet varied: their mean
         return a + draft[0], b, draft[1][0], c, e
 
 
