@@ -141,8 +141,7 @@ def case(lib, to_tvm, heads: str, shape: str, batch: int, dev) -> list[dict]:
             rec = torch.full((batch, n, STACK[0], dims[0], dims[1] + dims[2] + 2), float("nan"), device=dev)
             st = torch.empty(batch, n, *dims, device=dev)
             extra = [o, rec, st]
-        state = s0 if decode else s0[:, STACK[1]].contiguous()     # verification reads one layer's
-        args = [to_tvm(x) for x in (q, k, v, g, beta, state, slots, par, *extra)]
+        args = [to_tvm(x) for x in (q, k, v, g, beta, s0, slots, par, *extra)]
         fn = lib[symbol("decode" if decode else "verify", heads, name)]
         fn(*args)
         torch.cuda.synchronize()

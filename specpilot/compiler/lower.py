@@ -101,9 +101,8 @@ class CausalLM(nn.Module):
                 a += 1
             else:
                 conv_g = op.squeeze(slice_axis(conv, 1, g, g + 1, "conv_state"), 1)
-                # prefill / decode read their layer's state out of the stack in the kernel
-                rec_g = op.squeeze(slice_axis(rec, 1, g, g + 1, "rec_state"), 1) if keep_states else rec
-                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec_g, keep_states, (self.n_gdn, g),
+                # the recurrence reads its layer's state out of the stack (`kernels.gated_delta_rule`)
+                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec, keep_states, (self.n_gdn, g),
                                                     recs[-1] if recs else None, convs[-1] if convs else None)
                 convs.append(c_new)
                 recs.append(r_new)

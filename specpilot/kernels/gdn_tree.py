@@ -669,6 +669,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
     # large part of its instructions); its shape variables are int32 too
     index_var = T.int32 if gpu and levels else T.int64
     rec_shape = lambda batch, n: (batch, n, G, n_heads, W) if stack else (batch, n, n_heads, W)  # noqa: E731
+    state_shape = lambda batch: (batch, G, n_heads, dk, dv) if stack else (batch, n_heads, dk, dv)  # noqa: E731
 
     @T.macro
     def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h, marks):
@@ -679,7 +680,7 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         v = T.match_buffer(v_h, (batch, n, n_heads, dv), "float32")
         g = T.match_buffer(g_h, (batch, n, n_heads), "float32")
         beta = T.match_buffer(b_h, (batch, n, n_heads), "float32")
-        s0 = T.match_buffer(s0_h, (batch, n_heads, dk, dv), "float32")
+        s0_nd = T.match_buffer(s0_h, state_shape(batch), "float32")
         slots = T.match_buffer(slots_h, (batch, n), "int32")
         parents = T.match_buffer(parents_h, (batch, n), "int32")
         o = T.match_buffer(o_h, (batch, n, n_heads, dv), "float32")
@@ -688,6 +689,11 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         assert n <= nmax, f"gated_delta_rule_tree: more tokens than its nmax ({nmax})"
         if True:
             rec = T.decl_buffer((batch * n * G * n_heads * W,), "float32", data=rec_nd.data)
+            # this layer's states, read in place out of the stack (a view, no copy)
+            s0 = T.decl_buffer((batch, n_heads, dk, dv), "float32", data=s0_nd.data,
+                               strides=(index_var(G * n_heads * dk * dv), index_var(dk * dv), index_var(dv),
+                                        index_var(1)),
+                               elem_offset=index_var(gi * n_heads * dk * dv))
             if gpu and levels:
                 for blk in T.thread_binding(batch * n_heads * (dv // LC), thread="blockIdx.x"):
                     for ty in T.thread_binding(WARPS, thread="threadIdx.y"):

@@ -51,6 +51,33 @@ def test_step_recurrence_reads_and_writes_its_layer_of_the_stack(n, G, gi, H, dk
         assert np.isnan(state[:, others]).all()
 
 
+@pytest.mark.parametrize("tree,G,gi", [(True, 3, 0), (True, 3, 2), (False, 2, 1)])
+def test_verify_recurrence_reads_its_layer_of_the_stack(tree, G, gi):
+    """A verification's recurrence reads s0 out of all G layers' states, as the unstacked kernel reads
+    that layer's alone (the other layers' NaN), and writes its records into slice g."""
+    rng = np.random.default_rng(G * 10 + gi)
+    B, n, H, dk, dv = 2, 7, 3, 8, 5
+    q, k, v, g, beta = gdn_inputs(rng, B, n, H, dk, dv)
+    s0 = rng.standard_normal((B, H, dk, dv)).astype("float32")
+    states = np.full((B, G, H, dk, dv), np.nan, "float32")
+    states[:, gi] = s0
+    slots = np.tile(np.arange(n, dtype="int32"), (B, 1))
+    slots[1, -2:] = -1
+    parents = np.array([[-1, 0, 0, 1, 2, 2, 5], [-1, 0, 1, 2, 3, 4, 5]], "int32") if tree else slots
+    W = kernels.record_width(dk, dv)
+    out = [np.full((B, n, H, dv), np.nan, "float32"), np.full((B, n, G, H, W), np.nan, "float32"),
+           np.zeros((B, n, H, dk, dv), "float32")]
+    stacked = kernels.gated_delta_rule(H, dk, dv, True, False, tree=tree, stack=(G, gi))
+    if gi > 0:      # in place: the records' stack after parents, then o and scratch
+        *_, rec, o, _ = _call(stacked, [q, k, v, g, beta, states, slots, parents, out[1], out[0], out[2]])
+    else:
+        *_, o, rec, _ = _call(stacked, [q, k, v, g, beta, states, slots, parents, *out])
+    alone = kernels.gated_delta_rule(H, dk, dv, True, False, tree=tree)
+    *_, want_o, want_rec, _ = _call(alone, [q, k, v, g, beta, s0, slots, parents, out[0], out[1][:, :, 0], out[2]])
+    np.testing.assert_array_equal(o, want_o)
+    np.testing.assert_array_equal(rec[:, :, gi], want_rec)
+
+
 @pytest.mark.parametrize("G,gi,C,K", [(3, 0, 7, 4), (3, 2, 300, 4), (2, 1, 5, 3)])
 def test_step_conv_is_the_window_conv_into_the_stack(G, gi, C, K):
     rng = np.random.default_rng(C + gi)

@@ -81,22 +81,28 @@ def test_chunked_tree_form_matches_walking_every_path(seed, n, max_depth, H, dk,
     np.testing.assert_allclose(state[0, 0], ref_s, rtol=1e-5, atol=1e-5 * np.abs(ref_s).max())
 
 
-def test_stacked_records_go_to_their_layer_in_place():
+def test_stacked_form_reads_its_layers_state_and_writes_its_records_in_place():
     rng = np.random.default_rng(5)
-    B, n, H, dk, dv, G = 1, 12, 2, 8, 4, 3
-    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, [random_parents(n, 5, rng)])
+    B, n, H, dk, dv, G = 2, 12, 2, 8, 4, 3
+    q, k, v, g, beta, s0, parents = _case(rng, B, n, H, dk, dv, [random_parents(n, 5, rng) for _ in range(B)])
     W = kernels.record_width(dk, dv)
+    slots = np.zeros((B, n), "int32")
     import tvm
     lib = tvm.compile(gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False, stack=(G, 1)).with_attr("global_symbol", "k"),
                       target="llvm")
+    states = np.full((B, G, H, dk, dv), np.nan, "float32")      # only layer 1's states may be read
+    states[:, 1] = s0
     stack = np.full((B, n, G, H, W), 7.0, "float32")
-    arrays = [tvm.runtime.tensor(a) for a in (q, k, v, g, beta, s0, np.zeros((B, n), "int32"), parents, stack)]
+    arrays = [tvm.runtime.tensor(a) for a in (q, k, v, g, beta, states, slots, parents, stack)]
     o, scratch = tvm.runtime.tensor(np.zeros((B, n, H, dv), "float32")), \
         tvm.runtime.tensor(np.zeros((B, n, H, dk, dv), "float32"))
     lib["k"](*arrays, o, scratch)
     out = arrays[-1].numpy()
     np.testing.assert_array_equal(out[:, :, 1, :, :dk], k)
     np.testing.assert_array_equal(out[:, :, [0, 2]], 7.0)          # the other layers' slots untouched
+    want, _, _ = run_cpu(gdn_tree.gated_delta_rule_tree(H, dk, dv, gpu=False), [q, k, v, g, beta, s0, slots, parents],
+                         [((B, n, H, dv), "float32"), ((B, n, H, W), "float32"), ((B, n, H, dk, dv), "float32")])
+    np.testing.assert_array_equal(o.numpy(), want)
 
 
 def test_more_tokens_than_the_form_holds_is_a_clear_error():
