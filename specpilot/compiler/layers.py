@@ -14,7 +14,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.core import wrap_nested
 
 from specpilot import kernels
-from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, l2norm_te, rms_norm_te
+from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, rms_norm_te
 from specpilot.core.config import ModelConfig
 
 
@@ -288,8 +288,8 @@ class GatedDeltaNet(nn.Module):
                 stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
                 stacked_conv: Tensor | None = None):
         """x (B*T, hidden) (packed: the real tokens' rows, `StepInputs.pack`; so is ``out``), conv_state
-        (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` and
-        without ``keep_states`` all G layers' (B, G, H, dk, dv) -> out (B*T, hidden), and the new
+        (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` all G layers'
+        (B, G, H, dk, dv) -> out (B*T, hidden), and the new
         states: final (B, ...) or, with ``keep_states``, the conv state after every token and every
         token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).  ``stack`` = (G, g):
         the per-token records and conv states (a decode step's: its one token's), or the final
@@ -301,7 +301,7 @@ class GatedDeltaNet(nn.Module):
         mixed, b, a = (s.expand(t) for t in (mixed, b, a))
         conv, new_conv = self._conv(op.reshape(mixed, (B, T_, self.conv_dim)), s, conv_state, keep_states, stack,
                                     stacked_conv)
-        q, k, v = self._heads(op.silu(conv), B, T_)                                            # (B, T, H, d)
+        q, k, v = self._heads(conv, B, T_)                                                     # (B, T, H, d)
         beta, g = self._gates(b, a, B, T_)
         o, new_rec = self._recurrence(q, k, v, g, beta, rec_state, s, keep_states, stack, stacked)
         o = s.compact(op.reshape(o, (B * T_, nv, dv)))
@@ -310,7 +310,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(op.reshape(o, (o.shape[0], nv * dv))), new_conv, new_rec
 
     def _conv(self, mixed: Tensor, s: StepInputs, conv_state: Tensor, keep_states: bool, stack, stacked_conv):
-        """The causal conv over (B, T, C) -> (its output in the layer's dtype, the new conv states)."""
+        """The causal conv over (B, T, C) -> (its output, float32 before SiLU; the new conv states)."""
         B, T_, C, K = s.batch, s.tokens, self.conv_dim, self.cfg.linear_conv_kernel_dim
         # a decode step runs verify's conv kernel on its one token: no window concatenated and
         # transposed, and its state goes into the layers' stack (dlight's schedule of the Relax conv
@@ -331,30 +331,18 @@ class GatedDeltaNet(nn.Module):
                                              [conv_state, mixed, self.conv1d.weight, s.slots],
                                              [Tensor.placeholder((B, T_, C), "float32"),
                                               Tensor.placeholder((B, C, K - 1), self.dtype)])
-        return (conv if self.dtype == "float32" else op.astype(conv, self.dtype)), new_conv
+        return conv, new_conv
 
-    def _heads(self, mixed: Tensor, B, T_) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k (L2-normed, q scaled, repeated to the value heads) and v, float32 (B, T, H, d)."""
+    def _heads(self, conv: Tensor, B, T_) -> tuple[Tensor, Tensor, Tensor]:
+        """From the conv output (B, T, C) float32: q, k (SiLU'd in the layer's dtype, L2-normed, q
+        scaled, repeated to the value heads) and v, float32 (B, T, H, d) (`kernels.gdn_heads`)."""
         cfg = self.cfg
         nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
             cfg.linear_value_head_dim
-        if dk == dv:   # heads first, then slices of heads: no reshape between a slice and its cast (with a
-            # symbolic token count a reshape is its own kernel boundary; verify ran q/k/v's slices alone)
-            heads = op.reshape(mixed, (B, T_, 2 * nk + nv, dk))
-            q = op.astype(slice_axis(heads, 2, 0, nk, "q"), "float32")
-            k = op.astype(slice_axis(heads, 2, nk, 2 * nk, "k"), "float32")
-            v = op.astype(slice_axis(heads, 2, 2 * nk, 2 * nk + nv, "v"), "float32")
-        else:
-            q = op.astype(op.reshape(slice_axis(mixed, 2, 0, nk * dk, "q"), (B, T_, nk, dk)), "float32")
-            k = op.astype(op.reshape(slice_axis(mixed, 2, nk * dk, 2 * nk * dk, "k"), (B, T_, nk, dk)), "float32")
-            v = op.astype(op.reshape(slice_axis(mixed, 2, 2 * nk * dk, self.conv_dim, "v"), (B, T_, nv, dv)), "float32")
-        # one kernel each, the slice and cast that make q and k fused in (injective), over the nk key
-        # heads; then repeated for the value heads (a repeated head's norm is its head's, bit for bit)
-        q = op.tensor_expr_op(l2norm_te(dk ** -0.5), "l2norm", [q], attrs={"op_pattern": 2})
-        k = op.tensor_expr_op(l2norm_te(None), "l2norm", [k], attrs={"op_pattern": 2})
-        if nv != nk:
-            q, k = op.repeat(q, nv // nk, axis=2), op.repeat(k, nv // nk, axis=2)
-        return q, k, v
+        kernel = kernels.gdn_heads(nk, nv, dk, dv, self.dtype, self.gpu)
+        return op.tensor_ir_op(kernel, "gdn_heads", [conv], [Tensor.placeholder((B, T_, nv, dk), "float32"),
+                                                             Tensor.placeholder((B, T_, nv, dk), "float32"),
+                                                             Tensor.placeholder((B, T_, nv, dv), "float32")])
 
     def _gates(self, b: Tensor, a: Tensor, B, T_) -> tuple[Tensor, Tensor]:
         """beta = sigmoid(b) and the decay g = -exp(A_log) softplus(a + dt_bias), float32 (B, T, H)."""

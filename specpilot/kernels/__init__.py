@@ -1,6 +1,6 @@
 """TIR kernels the lowering calls where Relax has no operator, one file per family (mlc-llm's
 ``op/``): the KV-cache pool, decode attention, many-row attention and the merge of key splits,
-Gated DeltaNet (chain, tree, commit, conv windows), the W12 GEMM, the norms and sampling's
+Gated DeltaNet (chain, tree, commit, conv windows, q / k / v heads), the W12 GEMM, the norms and sampling's
 keyed Gumbel scores.
 
 Each kernel comes in a CPU form (plain loops, the outer ones parallel) and a GPU form (the same
@@ -22,11 +22,12 @@ from specpilot.kernels.choice import PARTS as ARGMAX_PARTS
 from specpilot.kernels.choice import argmax_merge, argmax_parts, argmax_rows, rank_rows
 from specpilot.kernels.gdn import (gated_delta_rule, gdn_commit, gdn_conv_prefill, gdn_conv_verify, record_width,
                                    select_token)
+from specpilot.kernels.gdn_heads import gdn_heads
 from specpilot.kernels.kv_cache import compact_kv, kv_write
 from specpilot.kernels.sampling import sample_scores
 from specpilot.kernels.w12_gemm import w12_gemm
 
 __all__ = ["ATTN_CHUNK", "ATTN_FLOOR", "DECODE_MERGE_MAX", "ROWS_KEYS", "ROWS_SPLIT", "ROWS_SPLITS", "ROWS_WARPS",
            "ARGMAX_PARTS", "argmax_merge", "argmax_parts", "argmax_rows", "rank_rows", "attention_combine", "attention_decode", "attention_rows_partial", "compact_kv",
-           "gated_delta_rule", "gdn_commit", "gdn_conv_prefill", "gdn_conv_verify", "key_splits", "kv_write", "memo", "record_width",
+           "gated_delta_rule", "gdn_commit", "gdn_conv_prefill", "gdn_conv_verify", "gdn_heads", "key_splits", "kv_write", "memo", "record_width",
            "rows_kernel_fits", "sample_scores", "select_token", "w12_gemm"]

@@ -1,5 +1,5 @@
 """Norms as tensor expressions with the operators' roundings spelled out (bit-identical to the
-reference on the CPU): RMSNorm, q / k norm with rotary, Gated DeltaNet's l2norm and gated norm.
+reference on the CPU): RMSNorm, q / k norm with rotary, Gated DeltaNet's gated norm.
 The lowering wraps them as Relax calls; the decode GEMV schedule reuses `rms_scaled` as its prologue."""
 
 from __future__ import annotations
@@ -133,22 +133,6 @@ def rotary_te(dtype: str):
             angle = f32(positions[b, t]) * inv[i % max(int(half), 1)]     # (no element when half is 0)
             return tirx.Cast(dtype, tirx.Select(which == 0, tirx.cos(angle), tirx.sin(angle)))
         return te.compute((2, B, T, 2 * half), value, name="rotary")
-    return compute
-
-
-def l2norm_te(scale: float | None):
-    """x / sqrt(sum(x * x) + 1e-6) over the last axis (float32), times ``scale`` when given: the
-    Gated DeltaNet q / k normalisation as one kernel (the operators were two: the sum, then the
-    scaling that reads it)."""
-    from tvm import te, tirx
-
-    def compute(x: te.Tensor) -> te.Tensor:
-        squares = sum_squares(lambda *i: x[i], x.shape)
-
-        def scaled(*i):
-            v = x[i] / tirx.sqrt(squares[i[:-1]] + tirx.const(1e-6, "float32"))
-            return v * tirx.const(scale, "float32") if scale is not None else v
-        return te.compute(tuple(x.shape), scaled, name="l2norm")
     return compute
 
 
