@@ -140,7 +140,7 @@ def _variants():
             **many_row_blocks()}
 
 
-# batched verification beyond 128 rows: row blocks sized to the batch's rows (one block of 160 for 152
+# batched verification (72-336 rows): row blocks sized to the batch's rows (one block of 160 for 152
 # rows, two of 136 for 272, ...), one or two warpgroups of 64 channels, S stages (1 or 2 blocks an SM),
 # the channel blocks past the last whole wave with K in 8 pieces ("t"), or K split over X blocks
 MANY = {160: ("w1s4t", "w1s6t", "w2s4t", "w2s3", "w1s4x2", "w2s4x2", "w2s4x4"),
@@ -148,7 +148,10 @@ MANY = {160: ("w1s4t", "w1s6t", "w2s4t", "w2s3", "w1s4x2", "w2s4x2", "w2s4x4"),
         136: ("w1s4t", "w2s4t", "w2s4x2"),
         168: ("w1s3t", "w1s5t", "w2s3t", "w2s4t", "w2s3x2"),
         112: ("w1s4t", "w2s4t"),
-        80: ("w1s6t", "w2s6t", "w1s6x2")}
+        80: ("w1s6t", "w2s6t", "w1s6x2"),
+        # 73-128 rows (a batch of 16 verifying packed: 98-126 real rows a pass)
+        64: ("w1s6t", "w1s8t", "w1s6x2"), 96: ("w1s4t", "w1s6t"), 104: ("w1s4t", "w2s4t"),
+        120: ("w1s4t", "w2s4t"), 128: ("w1s3t", "w2s3t")}
 
 
 def many_row_blocks() -> dict:

@@ -131,13 +131,17 @@ def configs(n_out: int, wgmma: bool = False, gpu: Device = TUNED) -> tuple:
               32: (wg(4, 1, 6), wg(4, 1, 4)),
               72: (wg(9, 1, 6), wg(9, 2, 4, overlap=0))}
     wide = (WIDE,) if wide_fills(n_out, gpu) else ()
-    # 73-128 rows (long chains, small batched trees): 128 rows of x a block (gate / up 5120 -> 34816 at
-    # 128 rows 205 -> 154 us against the 72-row blocks), except where few channel blocks leave SMs idle:
-    # the split 72-row blocks stay (17408 -> 5120 at 128 rows: 113 us vs 145).  Beyond: `many_rows`.
+    # 73-128 rows (long chains, small batched trees, a batch of 16 verifying packed): 128 rows of x a block
+    # (gate / up 5120 -> 34816 at 128 rows 205 -> 154 us against the 72-row blocks), except where few
+    # channel blocks leave SMs idle: the split 72-row blocks stay (17408 -> 5120 at 128 rows: 113 us vs
+    # 145); and with four to eight 64-channel blocks an SM (the paired gate / up, 544 blocks) two 80-row
+    # blocks, as `many_rows` takes up to 160 rows (H100, 98 / 114 / 126 rows: 162 / 168 / 171 us against
+    # 172 / 175 / 178; bench/README "Skinny GEMMs").  Beyond: `many_rows`.
     ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
               for limit, candidates in mma]
     rest = hopper[72] + mma[-1][1]
-    return tuple(ranges) + ((128, (rest if few else (wg(16, 1, 4),) + rest)),)
+    paired = (wg(10, 1, 6),) if 4 * gpu.sms <= n_out // 64 < 8 * gpu.sms else ()
+    return tuple(ranges) + ((128, (rest if few else paired + (wg(16, 1, 4),) + rest)),)
 
 
 def many_rows(n_out: int, k_in: int, gpu: Device = TUNED) -> list[tuple[int | None, Config]]:
@@ -268,14 +272,14 @@ TAIL_MOST = 0.25    # split the last wave's K where it holds at most this share 
 
 
 def with_tail(cfg: Config, n_out: int, k_in: int, gpu: Device = TUNED) -> Config:
-    """An unsplit 72-row warpgroup configuration whose last wave of channel blocks is nearly empty
+    """An unsplit 72- or 80-row warpgroup configuration whose last wave of channel blocks is nearly empty
     (at most ``TAIL_MOST`` of the block slots) with those blocks' K in pieces (`tail_split`): 5120 -> 34816
     (the 27B gate / up, 544 blocks of 64 channels in 264 slots) runs 528 whole blocks and 16 x 8 eighths
     instead of 2 waves and 16 blocks alone.  H200, 65 rows round-robin (bench/README "Skinny GEMMs"):
     107.3 us vs 116.0 unsplit (cuBLAS 107.0; 2 / 4 / 16 pieces 108.0 / 107.5 / 108.3); the 27B-style
     tree verification 2054-2056 vs 2062-2068 us; bf16 forcing of bench/specs/tiny-llama-tail-mlp-bf16.yaml,
     paired form, passes."""
-    if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() != 72:
+    if not cfg.wgmma or cfg.splits != 1 or cfg.a_tiles != 4 or cfg.block_m() not in (72, 80):
         return cfg
     _, rest = tail_blocks(cfg, n_out, k_in, gpu)
     if rest > TAIL_MOST * block_slots(cfg, k_in, gpu):

@@ -439,8 +439,9 @@ def test_wide_wgmma_kernel_multiplies_each_x_tile_by_two_weight_tiles(tmp_path):
 def test_a_nearly_empty_last_wave_takes_k_in_pieces():
     """`with_tail`: the unsplit 72-row warpgroup kernel of 5120 -> 34816 (544 blocks of 64 channels,
     2 a SM: 264 slots) runs 528 blocks over all of K and the last 16 as 8 blocks of 10 chunks each
-    (16 x 8 = 128 <= 132 SMs); nowhere else of the 27B / 8B shapes, never outside 33-72 rows, never
-    with K split already or a last wave fuller than a quarter of the slots; pieces of whole chunks."""
+    (16 x 8 = 128 <= 132 SMs), and so do its two 80-row blocks at 73-128 rows; nowhere else of the 27B /
+    8B shapes up to 128 rows, never with K split already or a last wave fuller than a quarter of the
+    slots; pieces of whole chunks."""
     from specpilot.schedules.skinny_config import TUNED, block_slots, tail_blocks, with_tail
     SMS = TUNED.sms
     six = Config(9, 4, 1, 1, stages=6, wgmma=True, overlap=1)
@@ -458,9 +459,9 @@ def test_a_nearly_empty_last_wave_takes_k_in_pieces():
     for n, k in ((17408, 5120), (5120, 17408), (16480, 5120), (14336, 5120), (248320, 5120), (5120, 6144),
                  (24576, 4096), (4096, 12288), (6144, 4096), (151936, 4096)):
         assert all(cfg.tail == 1 for limit, cfg in pick(n, k, wgmma=True) if limit is not None and limit <= 128), (n, k)
-    tailed = [limit for limit, cfg in pick(34816, 5120, wgmma=True) if cfg.tail > 1]
+    tailed = [(limit, cfg.block_m()) for limit, cfg in pick(34816, 5120, wgmma=True) if cfg.tail > 1]
     # beyond 128 rows `many_rows` takes the tail wherever its blocks leave a wave partial (`tail_split`)
-    assert tailed == [72, 160, 208, 320, 336]
+    assert tailed == [(72, 72), (128, 80), (160, 80), (208, 208), (320, 160), (336, 168)]
     assert [limit for limit, cfg in pick(17408, 5120, wgmma=True) if cfg.tail > 1] == [160, 208, 320, 336]
     assert not replace(six, tail=3).fits(34816, 5120) and not replace(six, tail=8, splits=2).fits(34816, 5120)
 
@@ -548,7 +549,7 @@ def test_swiglu_over_a_fused_gate_up_projection_joins_the_skinny_kernel(n_half, 
 def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     """The fused kernel's CUDA for sm_90a: every row range's kernel stores silu(gate) * up once, in
     bf16 (no float32 output parameter); a block's 64 weight rows are 32 of the gate half and the
-    same 32 of the up half (rows c and c + H).  H = 17400 pairs are 544 blocks of 32: at 33-72
+    same 32 of the up half (rows c and c + H).  H = 17400 pairs are 544 blocks of 32: at 33-128
     rows (and in `many_rows`' tailed ranges) the tail form, whose last 16 blocks' float32 partial sums (the one float32
     buffer, ``part``) the second kernel adds and stores as silu(gate) * up, for pairs 16896.. only."""
     setup = (
@@ -566,9 +567,9 @@ def test_the_paired_wgmma_store_is_one_store_of_the_activation(tmp_path):
     heads = re.findall(r"void __launch_bounds__\((\d+)\) (swiglu_kernel\w*)\(([^)]*)\) \{", text)
     floats = {name: re.findall(r"float\* __restrict__ (\w+)", params) for _, name, params in heads}
     assert heads and all(f in ([], ["part_ptr"]) for f in floats.values()), floats
-    # the tails' GEMM kernels and sums: at 33-72 rows and in the four tailed ranges beyond 128 (each of
-    # whose blocks also leaves 528 x 32 pairs whole)
-    assert sum(f == ["part_ptr"] for f in floats.values()) == 10
+    # the tails' GEMM kernels and sums: at 33-72 and 73-128 rows and in the four tailed ranges beyond 128
+    # (each of whose blocks also leaves 528 x 32 pairs whole)
+    assert sum(f == ["part_ptr"] for f in floats.values()) == 12
     for _, name, params in heads:
         body = re.search(rf"{name}\([^)]*\) \{{(.*?)\n\}}", text, re.S).group(1)
         out, = [n for t, n in re.findall(r"(\w+)\* __restrict__ (\w+)", params) if n not in ("w_ptr", "x_ptr", "part_ptr")]
