@@ -82,8 +82,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     a best-first tree of 64).  Outputs: o, record, scratch (nothing in scratch is for the caller).
 
     ``stack`` = (G, g): the layers' tensors stacked, so no step slices or concatenates them: s0 is
-    all G Gated DeltaNet layers' states (B, G, H, dk, dv), this layer's read at g (a verification's
-    copy of one layer's states was 50 MB a layer at 16 sequences of 27B-class heads); with
+    all G Gated DeltaNet layers' states (B, G, H, dk, dv), this layer's read at g in place (a copy
+    of one layer's states is 50 MB at 16 sequences of 27B-class heads); with
     ``keep_states`` the records of all G layers of a verify go into one (B, T, G, H, W) tensor, this
     layer's at index g; without, the final states go into one such tensor as s0's.  Layer 0 allocates the
     stack it writes (its other layers' slices left to them); layer g > 0 writes its slice in

@@ -14,23 +14,24 @@ def gdn_heads(nk: int, nv: int, dk: int, dv: int, dtype: str, gpu: bool):
     (B, T, nv, dk) and v (B, T, nv, dv), float32: each value rounded to ``dtype``, SiLU in ``dtype``
     (rounded again), q and k L2-normed over d_k (x / sqrt(sum x^2 + 1e-6), q times dk^-1/2) and
     repeated from the nk key heads to the nv value heads (value head h reads key head h // (nv /
-    nk)), v as it is.  The Relax operators' arithmetic (cast, silu, slice, cast, l2norm, repeat)
-    in one pass over the conv output instead of four kernels over it (on the H200's 27B plan the
-    k norm's dlight schedule alone took 1 ms a verification).
+    nk)), v as it is.  The Relax operators' arithmetic (cast, silu, slice, cast, l2norm, repeat) in
+    one pass over the conv output, where the operators took four kernels (dlight scheduled the k
+    norm's, a slice at an offset, with a block per repeated head).
 
-    CPU form: a sequence of loops per (token, key head), the sums in order over d_k, so it is the
-    operators' result bit for bit (the roundings spelled out: `norms.round_to`).  GPU form: a
-    block per (token, key head), a thread per d_k entry; the two sums of squares by warp shuffles,
-    then the warps' sums added in order (float32 rounding apart, the same arithmetic); the block
-    also writes the key head's nv / nk value heads."""
+    CPU form: a loop per (token, key head), its SiLU values staged once, the sums in order over d_k,
+    so it is the operators' result bit for bit (the roundings spelled out: `norms.round_to`).  GPU
+    form: a block per (token, key head), a thread per d_k entry (rounded up to whole warps); the two
+    sums of squares by warp shuffles, then the warps' sums added in order (float32 rounding apart,
+    the same arithmetic); the block also writes the key head's nv / nk value heads."""
     if nv % nk:
         raise ValueError(f"gdn_heads: {nv} value heads are not a multiple of {nk} key heads")
-    if gpu and (dk % 32 or dk > 1024):
-        raise ValueError(f"gdn_heads: the GPU form takes d_k a multiple of 32 up to 1024, got {dk}")
+    if gpu and dk > 1024:
+        raise ValueError(f"gdn_heads: the GPU form takes d_k up to 1024 (a thread each), got {dk}")
     r = nv // nk
     C = 2 * nk * dk + nv * dv
-    warps = dk // 32
-    v_rounds = -(-r * dv // dk)    # the block's r value heads, dk threads at a time
+    threads = -(-dk // 32) * 32
+    warps = threads // 32
+    v_rounds = -(-r * dv // threads)    # the block's r value heads, a value a thread at a time
     scale = dk ** -0.5
     spelled = not gpu
 
@@ -60,13 +61,15 @@ def gdn_heads(nk: int, nv: int, dk: int, dv: int, dtype: str, gpu: bool):
             if gpu:
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for h in T.thread_binding(nk, thread="blockIdx.y"):
-                        for i in T.thread_binding(dk, thread="threadIdx.x"):
+                        for i in T.thread_binding(threads, thread="threadIdx.x"):
                             part = T.alloc_buffer((2, warps), "float32", scope="shared")
                             x = T.alloc_buffer((2,), "float32", scope="local")
                             sq = T.alloc_buffer((2,), "float32", scope="local")
                             b, t = bt // n, bt % n
                             for s in T.unroll(2):
-                                x[s] = silu(conv[b, t, s * nk * dk + h * dk + i])
+                                x[s] = T.float32(0)      # lanes past d_k add nothing
+                                if i < dk:
+                                    x[s] = silu(conv[b, t, s * nk * dk + h * dk + i])
                                 sq[s] = x[s] * x[s]
                                 for u in T.unroll(5):
                                     sq[s] = sq[s] + T.tvm_warp_shuffle_xor(
@@ -78,26 +81,28 @@ def gdn_heads(nk: int, nv: int, dk: int, dv: int, dtype: str, gpu: bool):
                                 sq[s] = T.float32(0)
                                 for w in range(warps):
                                     sq[s] = sq[s] + part[s, w]
-                            for e in T.unroll(r):
-                                q[b, t, h * r + e, i] = normed(x[0], sq[0], True)
-                                k[b, t, h * r + e, i] = normed(x[1], sq[1], False)
+                            if i < dk:
+                                for e in T.unroll(r):
+                                    q[b, t, h * r + e, i] = normed(x[0], sq[0], True)
+                                    k[b, t, h * r + e, i] = normed(x[1], sq[1], False)
                             for e in range(v_rounds):
-                                if e * dk + i < r * dv:
-                                    v[b, t, h * r + (e * dk + i) // dv, (e * dk + i) % dv] = \
-                                        silu(conv[b, t, 2 * nk * dk + h * r * dv + e * dk + i])
+                                if e * threads + i < r * dv:
+                                    v[b, t, h * r + (e * threads + i) // dv, (e * threads + i) % dv] = \
+                                        silu(conv[b, t, 2 * nk * dk + h * r * dv + e * threads + i])
             else:
                 for bt in T.parallel(batch * n):
                     for h in range(nk):
+                        xs = T.alloc_buffer((2, dk), "float32", scope="local")
                         sq = T.alloc_buffer((2,), "float32", scope="local")
                         b, t = bt // n, bt % n
                         for s in range(2):
                             sq[s] = T.float32(0)
                             for i in range(dk):
-                                sq[s] = sq[s] + silu(conv[b, t, s * nk * dk + h * dk + i]) * \
-                                    silu(conv[b, t, s * nk * dk + h * dk + i])
+                                xs[s, i] = silu(conv[b, t, s * nk * dk + h * dk + i])
+                                sq[s] = sq[s] + xs[s, i] * xs[s, i]
                         for e, i in T.grid(r, dk):
-                            q[b, t, h * r + e, i] = normed(silu(conv[b, t, h * dk + i]), sq[0], True)
-                            k[b, t, h * r + e, i] = normed(silu(conv[b, t, nk * dk + h * dk + i]), sq[1], False)
+                            q[b, t, h * r + e, i] = normed(xs[0, i], sq[0], True)
+                            k[b, t, h * r + e, i] = normed(xs[1, i], sq[1], False)
                         for e, j in T.grid(r, dv):
                             v[b, t, h * r + e, j] = silu(conv[b, t, 2 * nk * dk + (h * r + e) * dv + j])
     return kernel

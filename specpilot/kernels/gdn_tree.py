@@ -665,8 +665,8 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
              "gdn.max_tokens": nmax, "gdn.solve": "levels" if gpu and levels else "substitution"}
     if stack:
         attrs["gdn.stack"] = [G, gi]
-    # the level form indexes in int32 (every index of these shapes fits; int64 arithmetic would be a
-    # large part of its instructions); its shape variables are int32 too
+    # the level form indexes in int32 (int64 arithmetic would be a large part of its instructions; the
+    # kernel checks that the batch's states and records fit); its shape variables are int32 too
     index_var = T.int32 if gpu and levels else T.int64
     rec_shape = lambda batch, n: (batch, n, G, n_heads, W) if stack else (batch, n, n_heads, W)  # noqa: E731
     state_shape = lambda batch: (batch, G, n_heads, dk, dv) if stack else (batch, n_heads, dk, dv)  # noqa: E731
@@ -687,6 +687,10 @@ def gated_delta_rule_tree(n_heads: int, dk: int, dv: int, gpu: bool, stack: tupl
         rec_nd = T.match_buffer(rec_h, rec_shape(batch, n), "float32")
         T.match_buffer(st_h, (batch, n, n_heads, dk, dv), "float32")   # the sequential form's scratch: unused
         assert n <= nmax, f"gated_delta_rule_tree: more tokens than its nmax ({nmax})"
+        if gpu and levels:   # its int32 indices: the states' stack and the records must fit them
+            assert T.Cast("int64", batch) * T.int64(G * n_heads * dk * dv) < T.int64(2 ** 31) and \
+                T.Cast("int64", batch) * T.Cast("int64", n) * T.int64(G * n_heads * W) < T.int64(2 ** 31), \
+                "gated_delta_rule_tree: a batch too large for the level form's int32 indices"
         if True:
             rec = T.decl_buffer((batch * n * G * n_heads * W,), "float32", data=rec_nd.data)
             # this layer's states, read in place out of the stack (a view, no copy)

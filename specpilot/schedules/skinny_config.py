@@ -133,9 +133,9 @@ def configs(n_out: int, wgmma: bool = False, gpu: Device = TUNED) -> tuple:
     wide = (WIDE,) if wide_fills(n_out, gpu) else ()
     # 73-128 rows (long chains, small batched trees, a batch of 16 verifying packed): 128 rows of x a block
     # (gate / up 5120 -> 34816 at 128 rows 205 -> 154 us against the 72-row blocks), except where few
-    # channel blocks leave SMs idle: the split 72-row blocks stay (17408 -> 5120 at 128 rows: 113 us vs
+    # channel blocks leave SMs idle: there the split 72-row blocks (17408 -> 5120 at 128 rows: 113 us vs
     # 145); and with four to eight 64-channel blocks an SM (the paired gate / up, 544 blocks) two 80-row
-    # blocks, as `many_rows` takes up to 160 rows (H100, 98 / 114 / 126 rows: 162 / 168 / 171 us against
+    # blocks, `many_rows`' form up to 160 rows (H100, 98 / 114 / 126 rows: 162 / 168 / 171 us against
     # 172 / 175 / 178; bench/README "Skinny GEMMs").  Beyond: `many_rows`.
     ranges = [(limit or 72, (wide if limit is None else ()) + hopper[limit or 72] + candidates)
               for limit, candidates in mma]
