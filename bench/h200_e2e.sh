@@ -156,7 +156,8 @@ PY
       ${BATCH_REQUESTS:+--requests $BATCH_REQUESTS} \
       --max-new-tokens ${TOKENS:-128} ${ENGINES:+--engines $ENGINES} ${SCHEDULES:+--schedules $SCHEDULES} \
       ${DRAFT_LENGTHS:+--draft-lengths $DRAFT_LENGTHS} ${CONFIDENCE:+--replay-confidence $CONFIDENCE} \
-      --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -${TAIL:-40} ;;
+      --tie-tolerance ${TIE:-auto} --forced -o $OUT/e2e-27b-batch-$1${TAG:+-$TAG}.json 2>&1 | tail -${TAIL:-40} \
+      || { rc=$?; [ $rc = 124 ] && echo "full-batch $1: BATCH_S=${BATCH_S:-480} s ran out, no result file" >&2; exit $rc; } ;;
   exact-batch)
     # the batch plan's engines on the GPU against batched AR, forced, at the tolerance derived for each build
     # (float32 builds: no tolerance); prompts of PROMPT_TOKENS ids drawn below the build's vocabulary
