@@ -288,7 +288,7 @@ class GatedDeltaNet(nn.Module):
                 stack: tuple[int, int] | None = None, stacked: Tensor | None = None,
                 stacked_conv: Tensor | None = None):
         """x (B*T, hidden) (packed: the real tokens' rows, `StepInputs.pack`; so is ``out``), conv_state
-        (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` all G layers'
+        (B, C, K-1), rec_state (B, H, dk, dv), or with ``stack`` all G layers' (B, G, C, K-1) and
         (B, G, H, dk, dv) -> out (B*T, hidden), and the new
         states: final (B, ...) or, with ``keep_states``, the conv state after every token and every
         token's recurrence record (B, T, ...; `kernels.gated_delta_rule`).  ``stack`` = (G, g):
@@ -327,6 +327,8 @@ class GatedDeltaNet(nn.Module):
             else:
                 conv, new_conv = op.tensor_ir_op(conv_kernel, "gdn_conv_verify", args, [conv_type, states_type])
         else:     # prefill: the conv and the state after each sequence's last real token
+            if stack is not None:
+                conv_state = op.squeeze(slice_axis(conv_state, 1, stack[1], stack[1] + 1, "conv_state"), 1)
             conv, new_conv = op.tensor_ir_op(kernels.gdn_conv_prefill(C, K, self.dtype, self.gpu), "gdn_conv_prefill",
                                              [conv_state, mixed, self.conv1d.weight, s.slots],
                                              [Tensor.placeholder((B, T_, C), "float32"),

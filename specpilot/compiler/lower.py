@@ -100,9 +100,8 @@ class CausalLM(nn.Module):
                 x, kv = layer.self_attn(x, s, kv, a)
                 a += 1
             else:
-                conv_g = op.squeeze(slice_axis(conv, 1, g, g + 1, "conv_state"), 1)
-                # the recurrence reads its layer's state out of the stack (`kernels.gated_delta_rule`)
-                x, c_new, r_new = layer.linear_attn(x, s, conv_g, rec, keep_states, (self.n_gdn, g),
+                # the kernels read their layer's states out of the stacks (`kernels.gated_delta_rule`)
+                x, c_new, r_new = layer.linear_attn(x, s, conv, rec, keep_states, (self.n_gdn, g),
                                                     recs[-1] if recs else None, convs[-1] if convs else None)
                 convs.append(c_new)
                 recs.append(r_new)

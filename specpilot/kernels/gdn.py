@@ -477,15 +477,16 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
 def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree: bool = False,
                     stack: tuple[int, int] | None = None, step: bool = False):
     """A Gated DeltaNet layer's causal depthwise conv for verification, with the conv state after
-    every token.  Inputs: the state before the pass (B, C, K-1), the new inputs (B, T, C) -- the
-    projection's own layout: channels contiguous, so a block's threads (one channel each) read
-    and write consecutive addresses, and no transpose runs around the kernel -- the weight
+    every token.  Inputs: the state before the pass (B, C, K-1; with ``stack`` all layers'), the new
+    inputs (B, T, C) -- the projection's own layout: channels contiguous, so a block's threads (one
+    channel each) read and write consecutive addresses, and no transpose runs around the kernel -- the weight
     (C, 1, K), parents (B, T).  Outputs: conv (B, T, C) float32 (before SiLU) and the K-1 inputs
     kept after every token (B, T, C, K-1).
 
-    ``stack`` = (G, g), as `gated_delta_rule`'s: the per-token states of all G layers go into one
-    (B, T, G, C, K-1) tensor, this layer's at index g, so no step concatenates them; layer 0
-    allocates it, layer g > 0 takes it after ``parents`` and writes its slice in place (returned
+    ``stack`` = (G, g), as `gated_delta_rule`'s: the state before the pass is all G layers' (B, G,
+    C, K-1), this layer's read at g in place, and the per-token states of all G layers go into one
+    (B, T, G, C, K-1) tensor, this layer's at index g, so no step slices or concatenates them; layer
+    0 allocates it, layer g > 0 takes it after ``parents`` and writes its slice in place (returned
     first: ``call_tir_inplace`` order).
 
     Token t's window is its K-1 predecessors then itself: the previous tokens (chain) or, with
@@ -537,12 +538,13 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     if stack:
         attrs["gdn.stack"] = [G, gi]
     st_shape = lambda batch, n: (batch, n, G, channels, keep) if stack else (batch, n, channels, keep)  # noqa: E731
+    before_shape = lambda batch: (batch, G, channels, keep) if stack else (batch, channels, keep)  # noqa: E731
 
     @T.macro
     def body(s_h, x_h, w_h, p_h, out_h, st_h):
         T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
-        state = T.match_buffer(s_h, (batch, channels, keep), dtype)
+        state_nd = T.match_buffer(s_h, before_shape(batch), dtype)
         x = T.match_buffer(x_h, (batch, n, channels), dtype)
         weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
         parents = T.match_buffer(p_h, (batch, n), "int32")
@@ -550,6 +552,9 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
         st_nd = T.match_buffer(st_h, st_shape(batch, n), dtype)
         with T.sblock("root"):
             states = T.decl_buffer((batch, n, G, channels, keep), dtype, data=st_nd.data)
+            state = T.decl_buffer((batch, channels, keep), dtype, data=state_nd.data,     # this layer's, a view
+                                  strides=(T.int64(G * channels * keep), T.int64(keep), T.int64(1)),
+                                  elem_offset=T.int64(gi * channels * keep))
             if gpu:   # a block per (token, 256 channels): 27B-class layers (10240 channels) fill the SMs
                 for bt in T.thread_binding(batch * n, thread="blockIdx.x"):
                     for r in T.thread_binding(rounds, thread="blockIdx.y"):

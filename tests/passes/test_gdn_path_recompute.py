@@ -110,13 +110,19 @@ def test_tree_conv_windows_follow_ancestors(K):
 
 
 def test_stacked_conv_states_write_their_own_slot_in_place():
-    """stack=(G, g): layer 0 makes the (B, T, G, C, K-1) tensor (its slot written), layer g > 0 takes
-    it and writes slot g in place, every other slot untouched -- equal to the unstacked kernel's."""
+    """stack=(G, g): the state before the pass read out of all G layers' (B, G, C, K-1) at g; layer 0
+    makes the (B, T, G, C, K-1) tensor (its slot written), layer g > 0 takes it and writes slot g in
+    place, every other slot untouched -- equal to the unstacked kernel's."""
     import tvm
     B, C, n, K, G = 2, 5, 13, 4, 3
     (state, x, w, parents), out, alone, rng = _conv_case(9, B, C, n, K, 6)
+
+    def layers(g):      # the layers' states before the pass: only slice g may be read
+        every = np.full((B, G, C, K - 1), np.nan, "float32")
+        every[:, g] = state
+        return every
     out0, stacked = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 0)),
-                         [state, x, w, parents], [((B, n, C), "float32"), ((B, n, G, C, K - 1), "float32")])
+                         [layers(0), x, w, parents], [((B, n, C), "float32"), ((B, n, G, C, K - 1), "float32")])
     np.testing.assert_array_equal(out0, out)
     np.testing.assert_array_equal(stacked[:, :, 0], alone)
     before = rng.standard_normal((B, n, G, C, K - 1)).astype("float32")
@@ -124,7 +130,7 @@ def test_stacked_conv_states_write_their_own_slot_in_place():
                       .with_attr("global_symbol", "k"), target="llvm")
     st = tvm.runtime.tensor(before.copy())
     o = tvm.runtime.tensor(np.full((B, n, C), np.nan, "float32"))
-    lib["k"](*(tvm.runtime.tensor(a) for a in (state, x, w, parents)), st, o)
+    lib["k"](*(tvm.runtime.tensor(a) for a in (layers(2), x, w, parents)), st, o)
     np.testing.assert_array_equal(o.numpy(), out)
     np.testing.assert_array_equal(st.numpy()[:, :, 2], alone)
     np.testing.assert_array_equal(st.numpy()[:, :, :2], before[:, :, :2])
