@@ -9,10 +9,17 @@ from tvm.script import tirx as T
 from specpilot.kernels.base import memo
 
 
-def _gdn_blocking(dk: int, dv: int) -> tuple[int, int, int, int]:
+def _gdn_blocking(dk: int, dv: int, split: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """The GPU forms' split of a head's (dk, dv) state: (parts, rows, cols, col_blocks) -- d_k in
     ``parts`` groups of ``rows`` over threadIdx.y, value columns ``cols`` a block over threadIdx.x
-    (32 where dv allows: 27B-class heads, dv = 128, take 4 blocks), ``col_blocks`` blocks a head."""
+    (32 where dv allows: 27B-class heads, dv = 128, take 4 blocks), ``col_blocks`` blocks a head.
+    ``split`` = (parts, cols) chooses them (parts must divide d_k, cols d_v, at most 1024 threads)."""
+    if split is not None:
+        parts, cols = split
+        if parts < 1 or cols < 1 or dk % parts or dv % cols or parts * cols > 1024:
+            raise ValueError(f"split={split}: needs parts dividing d_k={dk}, cols dividing d_v={dv} and "
+                             f"at most 1024 threads a block")
+        return parts, dk // parts, cols, dv // cols
     parts = 4 if dk % 4 == 0 and dv * 4 <= 1024 else (2 if dk % 2 == 0 and dv * 2 <= 1024 else 1)
     cols = next(dv // c for c in (4, 2, 1) if dv % c == 0 and dv // c >= 32) if dv >= 32 else dv
     return parts, dk // parts, cols, dv // cols
@@ -58,7 +65,9 @@ def _delta_rule(rows: int, parts: int):
 
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
-                     stack: tuple[int, int] | None = None, operands: str = "shared", padding: str = "skip"):
+                     stack: tuple[int, int] | None = None, operands: str = "shared", padding: str = "skip",
+                     split: tuple[int, int] | None = None, parent: str = "load", sync: str = "two",
+                     min_blocks: int = 6):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
@@ -100,11 +109,26 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     and free their SM for the next), ``walk`` steps through the padding too.  A padding token changes no
     state, so both write the same bits; padding before a real token is walked either way.  The scan for the
     last real token is n loads a thread, small beside the n steps of the loop.
+
+    ``split`` (GPU form): (parts, cols), d_k's thread groups and a block's value columns (`_gdn_blocking`;
+    None: its default).  Another split sums d_k in other pieces, so `gdn_commit` must be given the same.
+
+    ``parent`` (tree form, GPU): ``prefetch`` loads a branching token's parent state one step ahead into
+    registers of its own, ``load`` when the token's step comes (fewer registers a thread, a load's latency
+    at each branch).  Same bits.
+
+    ``sync`` (GPU form): ``two`` block barriers a token step (the S^T k sums, then the S^T q sums), or
+    ``one``: a token's S^T q sums are added after the next step's barrier, the reduction slots and the
+    k / q buffers three deep so no step overwrites what a slower warp still reads.  Same bits.
     """
     if operands not in ("shared", "registers"):
         raise ValueError(f"operands={operands!r}: expected 'shared' or 'registers'")
     if padding not in ("skip", "walk"):
         raise ValueError(f"padding={padding!r}: expected 'skip' or 'walk'")
+    if parent not in ("prefetch", "load"):
+        raise ValueError(f"parent={parent!r}: expected 'prefetch' or 'load'")
+    if sync not in ("one", "two"):
+        raise ValueError(f"sync={sync!r}: expected 'one' or 'two'")
     if tree and not keep_states:
         raise ValueError("the tree form is verification's: it needs keep_states (a final state after a tree "
                          "is no one's)")
@@ -113,6 +137,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         raise ValueError(f"stack={stack}: needs 0 <= g < G")
     inplace = gi > 0
     W = record_width(dk, dv)
+    # the GPU form indexes in int32 (int64 address arithmetic costs it registers and instructions a token
+    # step; the kernel checks that the batch fits); its shape variables are int32 too
+    I, idt = (T.int32, "int32") if gpu else (T.int64, "int64")
     stacked = stack is not None     # s0 (and the final state): all layers'
     SG, sg = (G, gi) if stacked else (1, 0)
 
@@ -155,9 +182,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 if parents[b, t] < 0:
                     for i in range(dk):
                         s[i] = s0[sat(b, h, i, j)]
-                elif T.Cast("int64", parents[b, t]) != t - T.int64(1):
+                elif T.Cast(idt, parents[b, t]) != t - I(1):
                     for i in range(dk):
-                        s[i] = st[at(n, b, T.Cast("int64", parents[b, t]), h, i, j)]
+                        s[i] = st[at(n, b, T.Cast(idt, parents[b, t]), h, i, j)]
             if slots[b, t] >= 0:
                 for i in range(dk):
                     s[i] = s[i] * T.exp(g[b, t, h])
@@ -173,8 +200,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 keep_record(k, v, g, beta, rec, n, b, t, h, j, j == 0, 0, 1)
             if tree:   # a later token (not the next) branching from t: scanned for here
                 kept[0] = 0
-                for c in range(t + T.int64(2), n):
-                    if T.Cast("int64", parents[b, c]) == t:
+                for c in range(t + I(2), n):
+                    if T.Cast(idt, parents[b, c]) == t:
                         kept[0] = 1
                 if kept[0] != 0:
                     for i in range(dk):
@@ -200,11 +227,15 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # barriers a step already has: held in registers they would take 2 x 2 x R of every thread's and
     # leave a batch of sequences to many waves of blocks (the alternatives measured: docs/bench-log.md;
     # bench/README "Gated DeltaNet recurrence").
-    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
+    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv, split)
     threads = parts * cols
     cap = 1024
     update = _delta_rule(rows, parts)
     shared_ops = operands == "shared"
+    prefetch = parent == "prefetch"
+    one_sync = sync == "one"
+    NB = 3 if one_sync else 2   # operand buffers: one barrier a step needs a third (see ``blocked``)
+
 
     def walked(live, n):
         """The tokens a block's loop walks: through its sequence's last real one (``skip``) or all n."""
@@ -216,56 +247,78 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
     @T.macro
     def fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t, h, p, j, lane, u):
-        """Token t's operands into buffer u (t < n): k and q into shared memory, thread ``lane`` of the
+        """Token t's operands into buffer u (t < n; kx, qx: the buffers, a Python list): k and q into shared memory, thread ``lane`` of the
         block taking every ``threads``-th value (or each thread's own rows into its registers), v[j],
         g, beta and the slot into the thread's registers."""
         if shared_ops:
             for r in T.unroll((dk + threads - 1) // threads):
                 if r * threads + lane < dk:
-                    kx[u, r * threads + lane] = k[b, t, h, r * threads + lane]
-                    qx[u, r * threads + lane] = q[b, t, h, r * threads + lane]
+                    kx[u][r * threads + lane] = k[b, t, h, r * threads + lane]
+                    qx[u][r * threads + lane] = q[b, t, h, r * threads + lane]
         else:
             for i in T.unroll(rows):
-                kx[u, i] = k[b, t, h, p * rows + i]
-                qx[u, i] = q[b, t, h, p * rows + i]
+                kx[u][i] = k[b, t, h, p * rows + i]
+                qx[u][i] = q[b, t, h, p * rows + i]
         sx[u, 0] = v[b, t, h, j]
         sx[u, 1] = g[b, t, h]
         sx[u, 2] = beta[b, t, h]
         ix[u] = slots[b, t]
 
     @T.macro
-    def step(q, k, v, g, beta, s0, slots, parents, o, st, n, m, b, t, h, p, jl, cb,
-             s, ps, kx, qx, sx, ix, acc, part, red, stored, u):
-        """Token t of the ``m`` the loop walks (of n), its operands in buffer u (a Python int), the next
-        token's fetched into 1 - u.  The loop goes in pairs, so t may be m: a step that changes nothing
-        (TVM inserts barriers where a condition around the step would forbid them)."""
-        if t >= m:
-            ix[u] = -1
-        if tree:
-            if t < m:
-                if T.Cast("int64", parents[b, t]) != t - T.int64(1):
-                    for i in T.unroll(rows):
-                        s[i] = ps[i]
-        if t + 1 < m:
-            fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, p * cols + jl, 1 - u)
-            if tree:
-                if T.Cast("int64", parents[b, t + 1]) != t:
-                    if parents[b, t + 1] < 0:
-                        for i in T.unroll(rows):
-                            ps[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
-                    else:
-                        for i in T.unroll(rows):
-                            ps[i] = st[at(n, b, T.Cast("int64", parents[b, t + 1]), h, p * rows + i, cb * cols + jl)]
-        update(s, part, acc, red, 0, p, jl, lambda i: kx[u, kq(p, i)], lambda i: qx[u, kq(p, i)], sx[u, 1], sx[u, 0],
-               sx[u, 2], ix[u] >= 0)
-        red[1, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
-        T.tvm_storage_sync("shared")
+    def parent_state(s0, st, parents, dst, n, b, t, h, p, j):
+        """Rows p*R.. of column j of token t's parent's state (s0 for a root) into ``dst``."""
+        if parents[b, t] < 0:
+            for i in T.unroll(rows):
+                dst[i] = s0[sat(b, h, p * rows + i, j)]
+        else:
+            for i in T.unroll(rows):
+                dst[i] = st[at(n, b, T.Cast(idt, parents[b, t]), h, p * rows + i, j)]
+
+    @T.macro
+    def output(o, rq, acc, ix, m, b, t, h, p, jl, cb, u):
+        """Token t's output (t < m), its ``parts`` partial sums in ``rq``, thread group 0 adding them."""
         if p == 0:
             if t < m:
                 acc[1] = T.float32(0)
                 for r in range(parts):
-                    acc[1] = acc[1] + red[1, r, jl]
+                    acc[1] = acc[1] + rq[0, r, jl]
                 o[b, t, h, cb * cols + jl] = T.if_then_else(ix[u] >= 0, acc[1], T.float32(0))
+
+    @T.macro
+    def step(q, k, v, g, beta, s0, slots, parents, o, st, n, m, b, t, h, p, jl, cb,
+             s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, u):
+        """Token t of the ``m`` the loop walks (of n), its operands in buffer u (a Python int), the next
+        token's fetched into the next buffer.  The loop goes in groups of ``NB``, so t may be past m: a
+        step that changes nothing (TVM inserts barriers where a condition around the step would forbid
+        them).  With one barrier a step, token t - 1's output is summed after step t's barrier.  Every
+        buffer a step writes is a buffer of its own (kx, qx, rk, rq: Python lists of NB), so TVM's
+        barrier pass sees them apart and adds no barrier of its own."""
+        if t >= m:
+            ix[u] = -1
+        if tree:
+            if t < m:
+                if T.Cast(idt, parents[b, t]) != t - I(1):
+                    if prefetch:
+                        for i in T.unroll(rows):
+                            s[i] = ps[i]
+                    else:
+                        parent_state(s0, st, parents, s, n, b, t, h, p, cb * cols + jl)
+        if t + 1 < m:
+            fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, t + 1, h, p, cb * cols + jl, p * cols + jl,
+                  (u + 1) % NB)
+            if tree and prefetch:
+                if T.Cast(idt, parents[b, t + 1]) != t:
+                    parent_state(s0, st, parents, ps, n, b, t + 1, h, p, cb * cols + jl)
+        update(s, part, acc, rk[u], 0, p, jl, lambda i: kx[u][kq(p, i)], lambda i: qx[u][kq(p, i)],
+               sx[u, 1], sx[u, 0], sx[u, 2], ix[u] >= 0)
+        if one_sync:
+            if t >= 1:
+                output(o, rq[(u + NB - 1) % NB], acc, ix, m, b, t - 1, h, p, jl, cb, (u + NB - 1) % NB)
+            rq[u][0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
+        else:
+            rq[u][0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
+            T.tvm_storage_sync("shared")
+            output(o, rq[u], acc, ix, m, b, t, h, p, jl, cb, u)
         if tree:   # (the bit goes through a register: TVM's barrier pass rejects shared loads in conditions)
             acc[0] = T.Cast("float32", T.if_then_else(t >= cap, 1, (stored[T.min(t, cap - 1) // 32] >> (t % 32)) & 1))
             if t < m:
@@ -279,16 +332,27 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
         ps = T.alloc_buffer((rows,), "float32", scope="local")        # the next token's parent state
-        kx = T.alloc_buffer((2, dk if shared_ops else rows), "float32",      # k, q of this token and the next
-                            scope="shared" if shared_ops else "local")
-        qx = T.alloc_buffer((2, dk if shared_ops else rows), "float32", scope="shared" if shared_ops else "local")
-        sx = T.alloc_buffer((2, 3), "float32", scope="local")         # v[j], g, beta
-        ix = T.alloc_buffer((2,), "int32", scope="local")             # slot
+        # k, q of this token and the next (and the one after: one barrier a step), a buffer each
+        kx0 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
+        kx1 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
+        kx2 = T.alloc_buffer((dk if shared_ops else rows,) if one_sync else (1,), "float32",
+                             scope="shared" if shared_ops else "local")
+        qx0 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
+        qx1 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
+        qx2 = T.alloc_buffer((dk if shared_ops else rows,) if one_sync else (1,), "float32",
+                             scope="shared" if shared_ops else "local")
+        sx = T.alloc_buffer((NB, 3), "float32", scope="local")         # v[j], g, beta
+        ix = T.alloc_buffer((NB,), "int32", scope="local")             # slot
         acc = T.alloc_buffer((2,), "float32", scope="local")
         part = T.alloc_buffer((4,), "float32", scope="local")         # a dot product's 4 partial sums
         word = T.alloc_buffer((1,), "int32", scope="local")
-        live = T.alloc_buffer((1,), "int64", scope="local")           # tokens up to the last real one
-        red = T.alloc_buffer((2, parts, cols), "float32", scope="shared")
+        live = T.alloc_buffer((1,), idt, scope="local")           # tokens up to the last real one
+        rk0 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")   # the S^T k partial sums of a step
+        rk1 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
+        rk2 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
+        rq0 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")   # its S^T q partial sums
+        rq1 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
+        rq2 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
         stored = T.alloc_buffer((cap // 32,), "int32", scope="shared")
         if keep_states:   # the records first: nothing in the token loop waits for them
             for r in range((n + parts - 1) // parts):
@@ -300,29 +364,38 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     word[0] = 0
                     for c in range(n):
                         if parents[b, c] >= 0:
-                            if T.Cast("int64", parents[b, c]) != c - 1:
+                            if T.Cast(idt, parents[b, c]) != c - 1:
                                 if parents[b, c] // 32 == r * threads + p * cols + jl:
                                     word[0] = word[0] | (1 << (parents[b, c] % 32))
                     stored[r * threads + p * cols + jl] = word[0]
             T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
             s[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
-        fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, T.int64(0), h, p, cb * cols + jl, p * cols + jl, 0)
+        kx, qx, rk, rq = [kx0, kx1, kx2], [qx0, qx1, qx2], [rk0, rk1, rk2], [rq0, rq1, rq2]
+        fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, I(0), h, p, cb * cols + jl, p * cols + jl, 0)
         if shared_ops:
             T.tvm_storage_sync("shared")
         if padding == "skip":   # the tokens up to the sequence's last real one (the same for the whole block)
-            live[0] = T.int64(0)
+            live[0] = I(0)
             for c in range(n):
                 if slots[b, c] >= 0:
-                    live[0] = c + T.int64(1)
-        for t2 in range((walked(live, n) + 1) // 2):
-            for u in T.unroll(2):
-                step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * 2 + u, h, p, jl, cb,
-                     s, ps, kx, qx, sx, ix, acc, part, red, stored, u)
-        if padding == "skip":   # the padding past it outputs 0, as a walked padding token does
-            if p == 0:
+                    live[0] = c + I(1)
+            if p == 0:   # the padding past it outputs 0, as a walked padding token does
                 for t in range(live[0], n):
                     o[b, t, h, cb * cols + jl] = T.float32(0)
+        for t2 in range((walked(live, n) + NB - 1) // NB):
+            step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * NB, h, p, jl, cb,
+                 s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 0)
+            step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * NB + 1, h, p, jl, cb,
+                 s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 1)
+            if one_sync:
+                step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * NB + 2, h, p, jl, cb,
+                     s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 2)
+        if one_sync:   # the last step's output: its partial sums after one more barrier
+            T.tvm_storage_sync("shared")
+            if walked(live, n) > 0:
+                output(o, rq[NB - 1], acc, ix, walked(live, n), b, (walked(live, n) + NB - 1) // NB * NB - 1, h, p, jl,
+                       cb, NB - 1)
         if not keep_states:
             for i in T.unroll(rows):
                 st[sat(b, h, p * rows + i, cb * cols + jl)] = s[i]
@@ -337,7 +410,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     @T.macro
     def body(q_h, k_h, v_h, g_h, b_h, s0_h, slots_h, parents_h, o_h, rec_h, st_h):
         T.func_attr(attrs)
-        batch, n = T.int64(), T.int64()
+        batch, n = I(), I()
         q = T.match_buffer(q_h, (batch, n, n_heads, dk), "float32")
         k = T.match_buffer(k_h, (batch, n, n_heads, dk), "float32")
         v = T.match_buffer(v_h, (batch, n, n_heads, dv), "float32")
@@ -353,6 +426,12 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         else:
             st_nd = T.match_buffer(st_h, state_shape(batch), "float32")
         with T.sblock("root"):
+            if gpu:   # its int32 indices: the states' stack, the scratch, records and outputs must fit them
+                assert T.Cast("int64", batch) * T.int64(SG * n_heads * dk * dv) < T.int64(2 ** 31) and \
+                    T.Cast("int64", batch) * T.Cast("int64", n) * T.int64(n_heads * max(dk * dv if keep_states else dk,
+                                                                                     G * W if keep_states else dv,
+                                                                                     dk, dv)) < T.int64(2 ** 31), \
+                    "gated_delta_rule: a batch too large for the GPU form's int32 indices"
             s0 = T.decl_buffer((batch * SG * n_heads * dk * dv,), "float32", data=s0_nd.data)
             st = T.decl_buffer(((batch * n if keep_states else batch * SG) * n_heads * dk * dv,), "float32",
                                data=st_nd.data)
@@ -364,9 +443,15 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 for bhc in T.thread_binding(batch * n_heads * col_blocks, thread="blockIdx.x"):
                     for p in T.thread_binding(parts, thread="threadIdx.y"):
                         for jl in T.thread_binding(cols, thread="threadIdx.x"):
-                            blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n,
-                                    bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads, p, jl,
-                                    bhc % col_blocks)
+                            if min_blocks > 0:   # __launch_bounds__(threads, min_blocks): registers for that many blocks an SM
+                                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks):
+                                    blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n,
+                                            bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads, p, jl,
+                                            bhc % col_blocks)
+                            else:
+                                blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n,
+                                        bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads, p, jl,
+                                        bhc % col_blocks)
             else:
                 for bh in T.parallel(batch * n_heads):
                     for j in range(dv):
@@ -404,7 +489,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
 
 
 @memo
-def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
+def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool, split: tuple[int, int] | None = None):
     """commit's recurrent states: the state after each sequence's accepted token, rebuilt from
     the state before the verify pass along the token's root path with the records the verify
     kept (`gated_delta_rule` with ``keep_states``) -- the same update in the same order, so the
@@ -414,9 +499,9 @@ def gdn_commit(n_layers: int, n_heads: int, dk: int, dv: int, gpu: bool):
     accepted token's root path among the T tokens, root first (entries < 0 are skipped: shorter
     paths of a batch padded).  Output: (B, G, H, dk, dv).  CPU form: a thread per (sequence,
     layer, head, value column); GPU form: the recurrence's blocks and threads (d_k in ``parts``
-    partial sums: the recurrence's own update, `_delta_rule`)."""
+    partial sums: the recurrence's own update, `_delta_rule`; ``split`` as the recurrence's)."""
     G, W = n_layers, record_width(dk, dv)
-    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv)
+    parts, rows, cols, col_blocks = _gdn_blocking(dk, dv, split)
     update = _delta_rule(rows, parts)
 
     @T.prim_func(private=True, s_tir=True)

@@ -15,27 +15,65 @@ from tests.kernel_helpers import sm90_source
 def test_gdn_gpu_form_splits_dk_over_threads(dk, dv):
     text = gated_delta_rule(3, dk, dv, keep_states=True, gpu=True, tree=True).script()
     assert '"threadIdx.y"' in text and '"threadIdx.x"' in text and '"blockIdx.x"' in text
-    # two barriers a token (in a loop over pairs of tokens, unrolled: fixed buffers for the operands
-    # fetched a token ahead), one after the first token's k and q are in shared memory, and the tree
-    # form's one before it, after the bits of the states to store
-    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 4
-    assert "T.unroll(2)" in text
-    assert gated_delta_rule(3, dk, dv, keep_states=True, gpu=True).script().count('tvm_storage_sync("shared"') == 3
-    # k and q wait in shared memory, the whole d_k of this token and the next; in the registers form
-    # every thread holds its own rows and no barrier waits for them
-    assert f"T.alloc_shared((2, {dk}))" in text
+    # two barriers a token, the loop over pairs of tokens written out (a buffer of its own for each
+    # token's operands, fetched a token ahead), one after the first token's k and q are in shared
+    # memory, and the tree form's one before it, after the bits of the states to store
+    assert "T.alloc_shared(" in text and text.count('tvm_storage_sync("shared"') == 2 * 2 + 2
+    assert gated_delta_rule(3, dk, dv, keep_states=True, gpu=True).script().count('tvm_storage_sync("shared"') == 5
+    # k and q wait in shared memory, the whole d_k of a token a buffer; in the registers form every
+    # thread holds its own rows and no barrier waits for them
+    assert text.count(f"T.alloc_shared(({dk},))") >= 4
     old = gated_delta_rule(3, dk, dv, keep_states=True, gpu=True, tree=True, operands="registers").script()
-    assert old.count('tvm_storage_sync("shared"') == 3 and f"T.alloc_shared((2, {dk}))" not in old
+    assert old.count('tvm_storage_sync("shared"') == 5 and f"T.alloc_shared(({dk},))" not in old
     parts = 4 if dk % 4 == 0 else 2 if dk % 2 == 0 else 1
     assert f"T.thread_binding({parts}, thread=\"threadIdx.y\")" in text
     # value columns evolve independently: 27B-class heads (dv = 128) split over 4 blocks of 32
     cols = 32 if dv == 128 else dv
     assert f"T.thread_binding({cols}, thread=\"threadIdx.x\")" in text
-    blocks = f"batch * T.int64({3 * dv // cols})"
+    blocks = f"batch * {3 * dv // cols}"      # int32 indexing
     assert f"T.thread_binding({blocks}, thread=\"blockIdx.x\")" in text
     # the CPU form is untouched: a thread per value column, no shared memory
     cpu = gated_delta_rule(3, dk, dv, keep_states=True, gpu=False, tree=True).script()
     assert "shared" not in cpu and "thread_binding" not in cpu
+
+
+def _token_loop(source: str, kernel: str) -> str:
+    """The body of ``kernel``'s token loop (``for (int t2 ...) { ... }``) in CUDA source."""
+    start = source.index("for (int t2", source.rindex(f" {kernel}_kernel("))   # the definition, after the declarations
+    depth, i = 0, source.index("{", start)
+    for j in range(i, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[j], 0)
+        if depth == 0:
+            return source[i:j]
+    raise AssertionError("unbalanced braces")
+
+
+def test_gdn_gpu_token_steps_have_only_their_own_barriers(tmp_path):
+    """TVM's barrier pass adds none to a token step: two a step (one with ``sync='one'``), for every
+    split; a split or the parent state loaded at need changes where, not how many."""
+    forms = {"two": "{}", "one": "{'sync': 'one'}", "split": "{'split': (8, 16)}",
+             "need": "{'split': (8, 16), 'parent': 'load', 'sync': 'one'}"}
+    funcs = ", ".join(f"'{name}': gated_delta_rule(48, 128, 128, True, True, True, stack=(2, 1), **{kw})"
+                      for name, kw in forms.items())
+    text = sm90_source(tmp_path, "from specpilot.kernels import gated_delta_rule", "{" + funcs + "}")
+    steps = {"two": 2, "one": 3, "split": 2, "need": 3}     # tokens a loop iteration
+    barriers = {"two": 2, "one": 1, "split": 2, "need": 1}
+    for name in forms:
+        assert _token_loop(text, name).count("__syncthreads()") == steps[name] * barriers[name], name
+    # registers for 6 blocks of 128 threads an SM by default (80 a thread on sm_90), and int32 indices
+    assert "__launch_bounds__(128, 6) two_kernel(" in text
+    start = text.rindex(" two_kernel(")
+    body = text[start:text.find('extern "C"', start) % (len(text) + 1)]
+    assert "int64_t" not in body and "int " in body
+
+
+def test_gdn_split_is_checked():
+    with pytest.raises(ValueError, match="split=\\(3, 32\\)"):
+        gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, split=(3, 32))
+    with pytest.raises(ValueError, match="sync='three'"):
+        gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, sync="three")
+    with pytest.raises(ValueError, match="parent='guess'"):
+        gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, tree=True, parent="guess")
 
 
 def test_gdn_gpu_forms_compile_to_sm90_code_without_a_gpu(tmp_path):
@@ -69,10 +107,10 @@ def test_gdn_gpu_form_walks_a_sequence_only_to_its_last_real_token(tree):
     ``walk`` steps every block through all n tokens."""
     skip = gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, tree=tree).script()
     walk = gated_delta_rule(3, 16, 12, keep_states=True, gpu=True, tree=tree, padding="walk").script()
-    assert "for t2 in range((live[0] + T.int64(1)) // T.int64(2)):" in skip
-    assert "live[0] = c + T.int64(1)" in skip and "if slots[bhc // T.int64(3), c] >= 0:" in skip   # 3 heads, 1 block each
+    assert "for t2 in range((live[0] + 1) // 2):" in skip          # (int32 indices)
+    assert "live[0] = c + 1" in skip and "if slots[bhc // 3, c] >= 0:" in skip   # 3 heads, 1 block each
     assert "for t in range(live[0], " in skip                       # the padding's outputs
-    assert "for t2 in range((n + T.int64(1)) // T.int64(2)):" in walk and "live[0] =" not in walk
+    assert "for t2 in range((n + 1) // 2):" in walk and "live[0] =" not in walk
     assert skip.count('tvm_storage_sync("shared"') == walk.count('tvm_storage_sync("shared"')
 
 
