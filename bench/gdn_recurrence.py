@@ -38,13 +38,13 @@ HEAD_SHAPES = {"27B-class": ((HEADS, DK, DV), (1, 16, 32), 0),
 # equal bit for bit (a variant with another ``split`` sums d_k in other pieces: checked against the reference)
 VARIANTS = {
     "shipped": {},
-    "prefetched parent": {"parent": "prefetch"},
-    "6 blocks an SM": {"min_blocks": 6},
+    "prefetched parent, no bound": {"parent": "prefetch", "min_blocks": 0},
+    "no bound": {"min_blocks": 0},
     "5 blocks an SM": {"min_blocks": 5},
     "walk the padding": {"padding": "walk"},
     "one barrier": {"sync": "one"},
     "8 x 16 split": {"split": (8, 16)},
-    "registers": {"operands": "registers"},
+    "registers": {"operands": "registers", "min_blocks": 0},
 }
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3, 5]          # a branching tree of 9 nodes (parents before children)
 # a ragged chain of 17: sequence b's real tokens RAGGED[b % 8], the rest padding (a shared node budget's

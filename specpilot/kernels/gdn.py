@@ -67,7 +67,7 @@ def _delta_rule(rows: int, parts: int):
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
                      stack: tuple[int, int] | None = None, operands: str = "shared", padding: str = "skip",
                      split: tuple[int, int] | None = None, parent: str = "load", sync: str = "two",
-                     min_blocks: int = 0):
+                     min_blocks: int = 6):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
