@@ -217,10 +217,13 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # shared memory.  Sums over d_k come as ``parts`` partial sums of 4 interleaved partial sums
     # each (short dependency chains: ncu found the kernel waiting on them once its loads were
     # hidden): float32 rounding apart, the CPU form's arithmetic; `gdn_commit` runs the same
-    # update (`_delta_rule`).  The token loop is a chain of dependent steps, so everything a step
-    # reads from memory is loaded one step ahead: the next token's k, q, v, g, beta and slot,
-    # and, in the tree form, its parent's state when that is not the one in registers (tokens
-    # go two at a time, so the double buffers have fixed register indices).  The records are
+    # update (`_delta_rule`).  The token loop is a chain of dependent steps, so what a step reads
+    # from memory is loaded one step ahead: the next token's k, q, v, g, beta and slot (tokens go
+    # two at a time, so the double buffers have fixed register indices); a branching token's
+    # parent state is loaded at its own step by default (``parent``: prefetched it takes R
+    # registers more a thread, and the batched step is short of registers: at 16-32 sequences the
+    # blocks an SM, 3 at 167 registers, set its speed; int32 indices and ``min_blocks`` = 6 hold
+    # it to 80 registers, 6 blocks an SM).  The records are
     # written before the loop, and which tokens' states go to scratch is found once: a bit per
     # token in shared memory (tokens past ``cap`` always store).  The k and q of the token at hand
     # and the next wait in shared memory, loaded by the block's threads together, ordered by the
