@@ -120,6 +120,10 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     ``sync`` (GPU form): ``two`` block barriers a token step (the S^T k sums, then the S^T q sums), or
     ``one``: a token's S^T q sums are added after the next step's barrier, the reduction slots and the
     k / q buffers three deep so no step overwrites what a slower warp still reads.  Same bits.
+
+    ``min_blocks`` (GPU form): ``__launch_bounds__(threads, min_blocks)`` -- ptxas keeps a thread's
+    registers to what that many blocks an SM leave (at most 1536 threads an SM's worth; 0: no bound).
+    Same bits.
     """
     if operands not in ("shared", "registers"):
         raise ValueError(f"operands={operands!r}: expected 'shared' or 'registers'")
@@ -232,6 +236,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     # bench/README "Gated DeltaNet recurrence").
     parts, rows, cols, col_blocks = _gdn_blocking(dk, dv, split)
     threads = parts * cols
+    # blocks an SM asked of ptxas: at most what 1536 threads an SM hold (sm_86 - sm_120's limit)
+    bound = min(min_blocks, 1536 // threads)
     cap = 1024
     update = _delta_rule(rows, parts)
     shared_ops = operands == "shared"
@@ -446,8 +452,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                 for bhc in T.thread_binding(batch * n_heads * col_blocks, thread="blockIdx.x"):
                     for p in T.thread_binding(parts, thread="threadIdx.y"):
                         for jl in T.thread_binding(cols, thread="threadIdx.x"):
-                            if min_blocks > 0:   # __launch_bounds__(threads, min_blocks): registers for that many blocks an SM
-                                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks):
+                            if bound > 0:   # __launch_bounds__(threads, bound): registers for that many blocks an SM
+                                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", bound):
                                     blocked(q, k, v, g, beta, s0, slots, parents, o, rec, st, n,
                                             bhc // (n_heads * col_blocks), bhc // col_blocks % n_heads, p, jl,
                                             bhc % col_blocks)
