@@ -15,6 +15,7 @@ from tvm.relax.frontend.nn.core import wrap_nested
 
 from specpilot import kernels
 from specpilot.kernels.norms import NORM_ATTR, attention_heads_te, gated_norm_te, rms_norm_te
+from specpilot.kernels.rows import gather_rows_te
 from specpilot.core.config import ModelConfig
 
 
@@ -101,13 +102,13 @@ class StepInputs:
         outputs are dropped, its keys written nowhere); unpacked rows are returned as they are."""
         if self.unpack is None:
             return x
-        return wrap_nested(rx.op.take(x._expr, self.unpack._expr, axis=0, mode="clip"), "unpacked")
+        return op.tensor_expr_op(gather_rows_te(), "unpacked", [x, self.unpack], attrs={"op_pattern": 2})
 
     def compact(self, x: Tensor) -> Tensor:
         """(B*T, ...) -> the real tokens' rows (N, ...); unpacked rows are returned as they are."""
         if self.pack is None:
             return x
-        return wrap_nested(rx.op.take(x._expr, self.pack._expr, axis=0, mode="clip"), "packed")
+        return op.tensor_expr_op(gather_rows_te(), "packed", [x, self.pack], attrs={"op_pattern": 2})
 
     def cos_sin(self) -> tuple[Tensor, Tensor]:
         """The layer's own slices of ``rotary``: cos, sin (B, T, rot)."""

@@ -1,7 +1,7 @@
 """TIR kernels the lowering calls where Relax has no operator, one file per family (mlc-llm's
 ``op/``): the KV-cache pool, decode attention, many-row attention and the merge of key splits,
 Gated DeltaNet (chain, tree, commit, conv windows, q / k / v heads), the W12 GEMM, the norms and sampling's
-keyed Gumbel scores.
+keyed Gumbel scores; a packed verification's row gathers (`rows`, a tensor expression).
 
 Each kernel comes in a CPU form (plain loops, the outer ones parallel) and a GPU form (the same
 loops bound to blocks and threads); both compute the same thing in the same order, so the
