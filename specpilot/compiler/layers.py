@@ -319,7 +319,7 @@ class GatedDeltaNet(nn.Module):
         step = not keep_states and stack is not None and isinstance(T_, int) and T_ == 1
         if keep_states or step:   # verify: the window of every token follows its parents (a chain unless rewritten)
             conv_kernel = kernels.gdn_conv_verify(C, K, self.dtype, self.gpu, stack=stack, step=step)
-            args = [conv_state, mixed, self.conv1d.weight, s.parents if keep_states else s.slots]
+            args = [conv_state, mixed, self.conv1d.weight, s.parents if keep_states else s.slots, s.slots]
             conv_type = Tensor.placeholder((B, T_, C), "float32")
             states_type = Tensor.placeholder((B, T_, stack[0], C, K - 1) if stack else (B, T_, C, K - 1), self.dtype)
             if stack and stack[1] > 0:

@@ -574,8 +574,10 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     every token.  Inputs: the state before the pass (B, C, K-1; with ``stack`` all layers'), the new
     inputs (B, T, C) -- the projection's own layout: channels contiguous, so a block's threads (one
     channel each) read and write consecutive addresses, and no transpose runs around the kernel -- the weight
-    (C, 1, K), parents (B, T).  Outputs: conv (B, T, C) float32 (before SiLU) and the K-1 inputs
-    kept after every token (B, T, C, K-1).
+    (C, 1, K), parents (B, T), slots (B, T).  Outputs: conv (B, T, C) float32 (before SiLU) and the K-1 inputs
+    kept after every token (B, T, C, K-1).  A token with slot < 0 is padding (a batch pads every draft to
+    the longest): its conv output is 0 and its kept inputs are not written, which spares most of a packed
+    pass's writes (nothing reads a padding token's states; its output only feeds padding rows).
 
     ``stack`` = (G, g), as `gated_delta_rule`'s: the state before the pass is all G layers' (B, G,
     C, K-1), this layer's read at g in place, and the per-token states of all G layers go into one
@@ -588,8 +590,8 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     before the pass when the path is shorter.  Taps are summed in float32 in tap order.
 
     ``step``: a decode step's conv (one token a sequence; its state after the token is the layer's
-    new state), the same arithmetic as the Relax conv over the window; marked so that
-    gdn-path-recompute leaves it a chain (``gdn.keep_states`` False).
+    new state, written for every row), the same arithmetic as the Relax conv over the window; marked so
+    that gdn-path-recompute leaves it a chain (``gdn.keep_states`` False); ``parents`` is not read.
     """
     if tree and step:
         raise ValueError("gdn_conv_verify: a decode step's conv (step) follows no tree")
@@ -627,6 +629,13 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
         for k in range(keep):
             states[b, t, gi, c, k] = window[k + 1]
 
+    @T.macro
+    def token(state, x, weight, parents, slots, out, states, b, c, t):
+        if step or slots[b, t] >= 0:
+            one(state, x, weight, parents, out, states, b, c, t)
+        else:
+            out[b, t, c] = T.float32(0)
+
     attrs = {"tirx.noalias": True, "op_pattern": 8, "tirx.is_scheduled": gpu, "gdn.kernel": "conv",
              "gdn.tree": tree, "gdn.keep_states": not step, "gdn.shape": [channels, kernel_size], "gdn.dtype": dtype}
     if stack:
@@ -635,13 +644,14 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
     before_shape = lambda batch: (batch, G, channels, keep) if stack else (batch, channels, keep)  # noqa: E731
 
     @T.macro
-    def body(s_h, x_h, w_h, p_h, out_h, st_h):
+    def body(s_h, x_h, w_h, p_h, sl_h, out_h, st_h):
         T.func_attr(attrs)
         batch, n = T.int64(), T.int64()
         state_nd = T.match_buffer(s_h, before_shape(batch), dtype)
         x = T.match_buffer(x_h, (batch, n, channels), dtype)
         weight = T.match_buffer(w_h, (channels, 1, kernel_size), dtype)
         parents = T.match_buffer(p_h, (batch, n), "int32")
+        slots = T.match_buffer(sl_h, (batch, n), "int32")
         out = T.match_buffer(out_h, (batch, n, channels), "float32")
         st_nd = T.match_buffer(st_h, st_shape(batch, n), dtype)
         with T.sblock("root"):
@@ -654,21 +664,23 @@ def gdn_conv_verify(channels: int, kernel_size: int, dtype: str, gpu: bool, tree
                     for r in T.thread_binding(rounds, thread="blockIdx.y"):
                         for tx in T.thread_binding(threads, thread="threadIdx.x"):
                             if r * threads + tx < channels:
-                                one(state, x, weight, parents, out, states, bt // n, r * threads + tx, bt % n)
+                                token(state, x, weight, parents, slots, out, states, bt // n, r * threads + tx,
+                                      bt % n)
             else:
                 for b, c, t in T.grid(batch, channels, n):
-                    one(state, x, weight, parents, out, states, b, c, t)
+                    token(state, x, weight, parents, slots, out, states, b, c, t)
 
     if gi > 0:
         @T.prim_func(private=True, s_tir=True)
-        def kernel_inplace(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, st_h: T.handle,
-                           out_h: T.handle):
-            body(s_h, x_h, w_h, p_h, out_h, st_h)
+        def kernel_inplace(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, sl_h: T.handle,
+                           st_h: T.handle, out_h: T.handle):
+            body(s_h, x_h, w_h, p_h, sl_h, out_h, st_h)
         return kernel_inplace
 
     @T.prim_func(private=True, s_tir=True)
-    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, out_h: T.handle, st_h: T.handle):
-        body(s_h, x_h, w_h, p_h, out_h, st_h)
+    def kernel(s_h: T.handle, x_h: T.handle, w_h: T.handle, p_h: T.handle, sl_h: T.handle, out_h: T.handle,
+               st_h: T.handle):
+        body(s_h, x_h, w_h, p_h, sl_h, out_h, st_h)
     return kernel
 
 

@@ -85,16 +85,16 @@ def test_step_conv_is_the_window_conv_into_the_stack(G, gi, C, K):
     state = rng.standard_normal((B, C, keep)).astype("float32")
     x = rng.standard_normal((B, 1, C)).astype("float32")
     weight = rng.standard_normal((C, 1, K)).astype("float32")
-    slots = np.full((B, 1), 9, "int32")
+    slots = np.array([[9], [-1], [4]], "int32")[:B]      # a step writes every row, whatever its slot
     kernel = kernels.gdn_conv_verify(C, K, "float32", False, stack=(G, gi), step=True)
     layers = np.full((B, G, C, keep), np.nan, "float32")     # the layers' states: only slice gi is read
     layers[:, gi] = state
     before = rng.standard_normal((B, 1, G, C, keep)).astype("float32")
     conv = np.full((B, 1, C), np.nan, "float32")
     if gi > 0:
-        *_, states, conv = _call(kernel, [layers, x, weight, slots, before.copy(), conv])
+        *_, states, conv = _call(kernel, [layers, x, weight, slots, slots, before.copy(), conv])
     else:
-        *_, conv, states = _call(kernel, [layers, x, weight, slots, conv, np.full_like(before, np.nan)])
+        *_, conv, states = _call(kernel, [layers, x, weight, slots, slots, conv, np.full_like(before, np.nan)])
     window = np.concatenate([state, x.transpose(0, 2, 1)], axis=2)          # (B, C, K)
     want = np.zeros((B, C), "float32")
     for tap in range(K):        # float32, in tap order, as the Relax conv sums

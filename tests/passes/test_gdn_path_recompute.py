@@ -93,20 +93,43 @@ def _conv_case(seed: int, B: int, C: int, n: int, K: int, max_depth: int):
     state = rng.standard_normal((B, C, K - 1)).astype("float32")
     x = rng.standard_normal((B, n, C)).astype("float32")
     w = rng.standard_normal((C, 1, K)).astype("float32")
-    out, states = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents],
+    slots = np.tile(np.arange(n, dtype="int32"), (B, 1))
+    out, states = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True), [state, x, w, parents, slots],
                        [((B, n, C), "float32"), ((B, n, C, K - 1), "float32")])
-    return (state, x, w, parents), out, states, rng
+    return (state, x, w, parents, slots), out, states, rng
 
 
 @pytest.mark.parametrize("K", [4, 2])
 def test_tree_conv_windows_follow_ancestors(K):
     B, C, n = 2, 7, 40
-    (state, x, w, parents), out, states, _ = _conv_case(K, B, C, n, K, 16)
+    (state, x, w, parents, _), out, states, _ = _conv_case(K, B, C, n, K, 16)
     for b in range(B):
         for i in range(n):
             seq = np.concatenate([state[b], x[b][root_path(list(parents[b]), i)].T], axis=1)   # (C, K-1+depth)
             np.testing.assert_allclose(out[b, i], (seq[:, -K:] * w[:, 0]).sum(1), rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(states[b, i], seq[:, -(K - 1):])
+
+
+def test_a_padding_tokens_conv_is_zero_and_its_states_unwritten():
+    """Tokens with slot < 0 (a batch's padding after a shorter draft): conv output 0, their kept inputs left
+    as they were; every real token's output and states those of the pass without padding."""
+    import tvm
+    B, C, n, K = 3, 6, 11, 4
+    (state, x, w, parents, slots), out, states, rng = _conv_case(5, B, C, n, K, 5)
+    real = (n, 4, 1)                           # tokens a sequence; a tree's first tokens are its real ones
+    padded = slots.copy()
+    for b, m in enumerate(real):
+        padded[b, m:] = -1
+    lib = tvm.compile(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True).with_attr("global_symbol", "k"),
+                      target="llvm")
+    before = rng.standard_normal((B, n, C, K - 1)).astype("float32")
+    o, st = tvm.runtime.tensor(np.full((B, n, C), np.nan, "float32")), tvm.runtime.tensor(before.copy())
+    lib["k"](*(tvm.runtime.tensor(a) for a in (state, x, w, parents, padded)), o, st)
+    for b, m in enumerate(real):
+        np.testing.assert_array_equal(o.numpy()[b, :m], out[b, :m])
+        np.testing.assert_array_equal(st.numpy()[b, :m], states[b, :m])
+        assert (o.numpy()[b, m:] == 0).all()
+        np.testing.assert_array_equal(st.numpy()[b, m:], before[b, m:])
 
 
 def test_stacked_conv_states_write_their_own_slot_in_place():
@@ -115,14 +138,14 @@ def test_stacked_conv_states_write_their_own_slot_in_place():
     place, every other slot untouched -- equal to the unstacked kernel's."""
     import tvm
     B, C, n, K, G = 2, 5, 13, 4, 3
-    (state, x, w, parents), out, alone, rng = _conv_case(9, B, C, n, K, 6)
+    (state, x, w, parents, slots), out, alone, rng = _conv_case(9, B, C, n, K, 6)
 
     def layers(g):      # the layers' states before the pass: only slice g may be read
         every = np.full((B, G, C, K - 1), np.nan, "float32")
         every[:, g] = state
         return every
     out0, stacked = _run(kernels.gdn_conv_verify(C, K, "float32", gpu=False, tree=True, stack=(G, 0)),
-                         [layers(0), x, w, parents], [((B, n, C), "float32"), ((B, n, G, C, K - 1), "float32")])
+                         [layers(0), x, w, parents, slots], [((B, n, C), "float32"), ((B, n, G, C, K - 1), "float32")])
     np.testing.assert_array_equal(out0, out)
     np.testing.assert_array_equal(stacked[:, :, 0], alone)
     before = rng.standard_normal((B, n, G, C, K - 1)).astype("float32")
@@ -130,7 +153,7 @@ def test_stacked_conv_states_write_their_own_slot_in_place():
                       .with_attr("global_symbol", "k"), target="llvm")
     st = tvm.runtime.tensor(before.copy())
     o = tvm.runtime.tensor(np.full((B, n, C), np.nan, "float32"))
-    lib["k"](*(tvm.runtime.tensor(a) for a in (layers(2), x, w, parents)), st, o)
+    lib["k"](*(tvm.runtime.tensor(a) for a in (layers(2), x, w, parents, slots)), st, o)
     np.testing.assert_array_equal(o.numpy(), out)
     np.testing.assert_array_equal(st.numpy()[:, :, 2], alone)
     np.testing.assert_array_equal(st.numpy()[:, :, :2], before[:, :, :2])
