@@ -46,7 +46,7 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> Tree:
 
 
 def logits_of(result) -> torch.Tensor:
-    """A step's logits (B, T, vocab) as a float32 host copy."""
+    """A step's logits as a float32 host copy: (B, T, vocab), a packed pass's (N, vocab)."""
     out = result[0] if not hasattr(result, "shape") else result
     return torch.from_dlpack(out).float().cpu().clone()
 
@@ -70,7 +70,7 @@ def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: ran
     T = max(lengths)
     results = {name: logits_of(fn(*args)) for name, (fn, args) in calls.items()}
     real = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
-    a = torch.stack([results["packed"][b, t] for b, t in real])
+    a = results["packed"]                     # the real tokens' rows (N, vocab), in the same order
     p = torch.stack([results["padded"][b, t] for b, t in real])
     times = timed_calls({**calls, **ar_step}, reps)
     per_kernel = {name: kernel_times(fn, args, top, model.module) for name, (fn, args) in {**calls, **ar_step}.items()} \

@@ -81,7 +81,8 @@ class CausalLM(nn.Module):
     def step(self, tokens, positions, slots, mask, rows, kv, conv, rec, keep_states: bool, parents=None,
              pack=None, unpack=None):
         """``pack`` (N,) / ``unpack`` (B, T): the linear layers and the head run over the batch's N real
-        tokens only (`StepInputs.pack`); the outputs are the padded batch's as without them."""
+        tokens only (`StepInputs.pack`); the logits are theirs (N, vocab), the other outputs the padded
+        batch's as without them."""
         cfg = self.cfg
         B, T_ = tokens.shape
         s = StepInputs(B, T_, slots, mask, rows, op.tensor_expr_op(rotary_te(self.dtype), "rotary",
@@ -112,7 +113,9 @@ class CausalLM(nn.Module):
                 kept[i] = h
         h = self.model.norm(h)
         head = (self.model.embed_tokens if self.lm_head is None else self.lm_head).weight
-        logits = op.reshape(op.astype(s.expand(matmul(h, op.permute_dims(head))), "float32"), (B, T_, cfg.vocab_size))
+        logits = op.astype(matmul(h, op.permute_dims(head)), "float32")
+        if pack is None:     # packed: the real tokens' rows (N, vocab), in ``pack``'s order, as the runtime reads them
+            logits = op.reshape(logits, (B, T_, cfg.vocab_size))
         outputs = [logits]
         if self.n_gdn:
             # per-token states / records (B, T, G, ...) and final recurrent states (B, G, ...): the layers

@@ -795,6 +795,8 @@ class CompiledModel:
                     st.set_states(self._row(conv_out, b), self._row(rec_out, b),
                                   (conv_out, rec_out, b) if shared else None)
             st.length = start + n
+        if fn is self._verify_packed:      # the real tokens' rows, a sequence's after the one before's
+            return list(logits.split([len(t) for t in toks]))
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 
     def _host_or_device(self, array) -> torch.Tensor:
