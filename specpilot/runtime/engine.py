@@ -795,7 +795,7 @@ class CompiledModel:
                     st.set_states(self._row(conv_out, b), self._row(rec_out, b),
                                   (conv_out, rec_out, b) if shared else None)
             st.length = start + n
-        if fn is self._verify_packed:      # the real tokens' rows, a sequence's after the one before's
+        if logits.dim() == 2:      # a packed pass's: the real tokens' rows, a sequence's after the one before's
             return list(logits.split([len(t) for t in toks]))
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
 
