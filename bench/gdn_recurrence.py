@@ -42,7 +42,6 @@ VARIANTS = {
     "no bound": {"min_blocks": 0},
     "5 blocks an SM": {"min_blocks": 5},
     "walk the padding": {"padding": "walk"},
-    "one barrier": {"sync": "one"},
     "8 x 16 split": {"split": (8, 16)},
     "registers": {"operands": "registers", "min_blocks": 0},
 }

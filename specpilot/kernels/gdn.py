@@ -66,8 +66,7 @@ def _delta_rule(rows: int, parts: int):
 @memo
 def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: bool, tree: bool = False,
                      stack: tuple[int, int] | None = None, operands: str = "shared", padding: str = "skip",
-                     split: tuple[int, int] | None = None, parent: str = "load", sync: str = "two",
-                     min_blocks: int = 6):
+                     split: tuple[int, int] | None = None, parent: str = "load", min_blocks: int = 6):
     """The recurrence of `runtime.reference.gdn.recurrent_gated_delta_rule`.  CPU form: one
     thread per (sequence, head, value column), S[:, j] local while the tokens stream by; GPU
     form: d_k split over threads too (see ``blocked``).
@@ -117,10 +116,6 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     registers of its own, ``load`` when the token's step comes (fewer registers a thread, a load's latency
     at each branch).  Same bits.
 
-    ``sync`` (GPU form): ``two`` block barriers a token step (the S^T k sums, then the S^T q sums), or
-    ``one``: a token's S^T q sums are added after the next step's barrier, the reduction slots and the
-    k / q buffers three deep so no step overwrites what a slower warp still reads.  Same bits.
-
     ``min_blocks`` (GPU form): ``__launch_bounds__(threads, min_blocks)`` -- ptxas keeps a thread's
     registers to what that many blocks an SM leave (at most 1536 threads an SM's worth; 0: no bound).
     Same bits.
@@ -131,8 +126,6 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         raise ValueError(f"padding={padding!r}: expected 'skip' or 'walk'")
     if parent not in ("prefetch", "load"):
         raise ValueError(f"parent={parent!r}: expected 'prefetch' or 'load'")
-    if sync not in ("one", "two"):
-        raise ValueError(f"sync={sync!r}: expected 'one' or 'two'")
     if tree and not keep_states:
         raise ValueError("the tree form is verification's: it needs keep_states (a final state after a tree "
                          "is no one's)")
@@ -242,8 +235,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
     update = _delta_rule(rows, parts)
     shared_ops = operands == "shared"
     prefetch = parent == "prefetch"
-    one_sync = sync == "one"
-    NB = 3 if one_sync else 2   # operand buffers: one barrier a step needs a third (see ``blocked``)
+    NB = 2   # operand buffers: this token's and the next's
 
 
     def walked(live, n):
@@ -299,8 +291,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         """Token t of the ``m`` the loop walks (of n), its operands in buffer u (a Python int), the next
         token's fetched into the next buffer.  The loop goes in groups of ``NB``, so t may be past m: a
         step that changes nothing (TVM inserts barriers where a condition around the step would forbid
-        them).  With one barrier a step, token t - 1's output is summed after step t's barrier.  Every
-        buffer a step writes is a buffer of its own (kx, qx, rk, rq: Python lists of NB), so TVM's
+        them).  Every buffer a step writes is a buffer of its own (kx, qx, rk, rq: Python lists of NB), so TVM's
         barrier pass sees them apart and adds no barrier of its own."""
         if t >= m:
             ix[u] = -1
@@ -320,14 +311,9 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                     parent_state(s0, st, parents, ps, n, b, t + 1, h, p, cb * cols + jl)
         update(s, part, acc, rk[u], 0, p, jl, lambda i: kx[u][kq(p, i)], lambda i: qx[u][kq(p, i)],
                sx[u, 1], sx[u, 0], sx[u, 2], ix[u] >= 0)
-        if one_sync:
-            if t >= 1:
-                output(o, rq[(u + NB - 1) % NB], acc, ix, m, b, t - 1, h, p, jl, cb, (u + NB - 1) % NB)
-            rq[u][0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
-        else:
-            rq[u][0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
-            T.tvm_storage_sync("shared")
-            output(o, rq[u], acc, ix, m, b, t, h, p, jl, cb, u)
+        rq[u][0, p, jl] = (part[0] + part[1]) + (part[2] + part[3])
+        T.tvm_storage_sync("shared")
+        output(o, rq[u], acc, ix, m, b, t, h, p, jl, cb, u)
         if tree:   # (the bit goes through a register: TVM's barrier pass rejects shared loads in conditions)
             acc[0] = T.Cast("float32", T.if_then_else(t >= cap, 1, (stored[T.min(t, cap - 1) // 32] >> (t % 32)) & 1))
             if t < m:
@@ -341,15 +327,11 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         whole token loop."""
         s = T.alloc_buffer((rows,), "float32", scope="local")
         ps = T.alloc_buffer((rows,), "float32", scope="local")        # the next token's parent state
-        # k, q of this token and the next (and the one after: one barrier a step), a buffer each
+        # k, q of this token and the next, a buffer each
         kx0 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
         kx1 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
-        kx2 = T.alloc_buffer((dk if shared_ops else rows,) if one_sync else (1,), "float32",
-                             scope="shared" if shared_ops else "local")
         qx0 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
         qx1 = T.alloc_buffer((dk if shared_ops else rows,), "float32", scope="shared" if shared_ops else "local")
-        qx2 = T.alloc_buffer((dk if shared_ops else rows,) if one_sync else (1,), "float32",
-                             scope="shared" if shared_ops else "local")
         sx = T.alloc_buffer((NB, 3), "float32", scope="local")         # v[j], g, beta
         ix = T.alloc_buffer((NB,), "int32", scope="local")             # slot
         acc = T.alloc_buffer((2,), "float32", scope="local")
@@ -358,10 +340,8 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
         live = T.alloc_buffer((1,), idt, scope="local")           # tokens up to the last real one
         rk0 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")   # the S^T k partial sums of a step
         rk1 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
-        rk2 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
         rq0 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")   # its S^T q partial sums
         rq1 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
-        rq2 = T.alloc_buffer((1, parts, cols), "float32", scope="shared")
         stored = T.alloc_buffer((cap // 32,), "int32", scope="shared")
         if keep_states:   # the records first: nothing in the token loop waits for them
             for r in range((n + parts - 1) // parts):
@@ -380,7 +360,7 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
             T.tvm_storage_sync("shared")
         for i in T.unroll(rows):
             s[i] = s0[sat(b, h, p * rows + i, cb * cols + jl)]
-        kx, qx, rk, rq = [kx0, kx1, kx2], [qx0, qx1, qx2], [rk0, rk1, rk2], [rq0, rq1, rq2]
+        kx, qx, rk, rq = [kx0, kx1], [qx0, qx1], [rk0, rk1], [rq0, rq1]
         fetch(q, k, v, g, beta, slots, kx, qx, sx, ix, n, b, I(0), h, p, cb * cols + jl, p * cols + jl, 0)
         if shared_ops:
             T.tvm_storage_sync("shared")
@@ -397,14 +377,6 @@ def gated_delta_rule(n_heads: int, dk: int, dv: int, keep_states: bool, gpu: boo
                  s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 0)
             step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * NB + 1, h, p, jl, cb,
                  s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 1)
-            if one_sync:
-                step(q, k, v, g, beta, s0, slots, parents, o, st, n, walked(live, n), b, t2 * NB + 2, h, p, jl, cb,
-                     s, ps, kx, qx, sx, ix, acc, part, rk, rq, stored, 2)
-        if one_sync:   # the last step's output: its partial sums after one more barrier
-            T.tvm_storage_sync("shared")
-            if walked(live, n) > 0:
-                output(o, rq[NB - 1], acc, ix, walked(live, n), b, (walked(live, n) + NB - 1) // NB * NB - 1, h, p, jl,
-                       cb, NB - 1)
         if not keep_states:
             for i in T.unroll(rows):
                 st[sat(b, h, p * rows + i, cb * cols + jl)] = s[i]

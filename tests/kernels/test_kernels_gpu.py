@@ -49,17 +49,15 @@ def _token_loop(source: str, kernel: str) -> str:
 
 
 def test_gdn_gpu_token_steps_have_only_their_own_barriers(tmp_path):
-    """TVM's barrier pass adds none to a token step: two a step (one with ``sync='one'``), for every
-    split; a split or the parent state loaded at need changes where, not how many."""
-    forms = {"two": "{}", "one": "{'sync': 'one'}", "split": "{'split': (8, 16)}",
-             "need": "{'split': (8, 16), 'parent': 'load', 'sync': 'one'}"}
+    """TVM's barrier pass adds none to a token step: two a step (the S^T k sums, the S^T q sums), two
+    steps a loop iteration, for every split; a split or the parent state prefetched changes where, not
+    how many."""
+    forms = {"two": "{}", "split": "{'split': (8, 16)}", "prefetch": "{'split': (8, 16), 'parent': 'prefetch'}"}
     funcs = ", ".join(f"'{name}': gated_delta_rule(48, 128, 128, True, True, True, stack=(2, 1), **{kw})"
                       for name, kw in forms.items())
     text = sm90_source(tmp_path, "from specpilot.kernels import gated_delta_rule", "{" + funcs + "}")
-    steps = {"two": 2, "one": 3, "split": 2, "need": 3}     # tokens a loop iteration
-    barriers = {"two": 2, "one": 1, "split": 2, "need": 1}
     for name in forms:
-        assert _token_loop(text, name).count("__syncthreads()") == steps[name] * barriers[name], name
+        assert _token_loop(text, name).count("__syncthreads()") == 2 * 2, name
     # registers for 6 blocks of 128 threads an SM by default (80 a thread on sm_90), and int32 indices
     assert "__launch_bounds__(128, 6) two_kernel(" in text
     start = text.rindex(" two_kernel(")
@@ -70,8 +68,6 @@ def test_gdn_gpu_token_steps_have_only_their_own_barriers(tmp_path):
 def test_gdn_split_is_checked():
     with pytest.raises(ValueError, match="split=\\(3, 32\\)"):
         gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, split=(3, 32))
-    with pytest.raises(ValueError, match="sync='three'"):
-        gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, sync="three")
     with pytest.raises(ValueError, match="parent='guess'"):
         gated_delta_rule(3, 128, 128, keep_states=True, gpu=True, tree=True, parent="guess")
 
