@@ -21,6 +21,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.runtime import heap
 from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import identity_vocab, scatter_draft_vocab
+from specpilot.runtime.uploads import upload
 
 
 class CacheRow:
@@ -157,7 +158,7 @@ class CompiledBlockNet(_Compiled):
         col = np.arange(K)
         new = col < counts[:, None]                              # (B, K): the rows holding new features
         padded = torch.zeros((B * K, F), dtype=self.dtype, device=self.device)
-        index = torch.from_numpy(np.flatnonzero(new)).to(self.device)
+        index = upload(np.flatnonzero(new), self.device)
         padded[index] = torch.cat([f for _, f, _, _ in entries]).to(device=self.device, dtype=self.dtype)
         committed = starts[:, None] - counts[:, None] + col
         positions = (starts[:, None] + col).astype("int32")

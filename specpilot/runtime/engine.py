@@ -436,10 +436,9 @@ class _Batch:
 class _Pass:
     start: int
     length: int
-    conv_states: object       # (1, T, G, C, K-1) on the device
-    rec_records: object       # (1, T, G, H, dk + dv + 2): each token's k, v, g, beta
-    conv_before: object
-    rec_before: object
+    conv_states: object       # (1, T, G, C, K-1) on the device; None: row ``index`` of ``batch``'s
+    rec_records: object       # (1, T, G, H, dk + dv + 2): each token's k, v, g, beta; None: as conv_states
+    before: tuple             # the sequence's states before the pass, as `CompiledState.states` gives them
     parents: np.ndarray       # (T,) on the host: each token's parent in the pass (-1: before it)
     batch: _Batch | None = None   # the call the pass was row ``index`` of
     index: int = 0
@@ -460,7 +459,8 @@ class CompiledState:
     `CompiledModel.accept_path` / `truncate` pick another), rebuilt by ``commit`` only when first
     read (`CompiledModel.settle`), as are the keys / values of an accepted tree path
     (``kv_moves``).  ``stacked``: (conv, rec, b) where the states are row b of a call's (B, ...)
-    outputs."""
+    outputs; their (1, ...) views are made when first read (a batch passing its states on as the
+    call's outputs reads none: a view a sequence and tensor a pass is host time on every pass)."""
 
     def __init__(self, model: "CompiledModel", row: int, capacity: int):
         self.model, self.row, self.capacity, self.length = model, row, capacity, 0
@@ -476,7 +476,16 @@ class CompiledState:
         self._release = weakref.finalize(self, model.free_rows.append, row)
 
     def set_states(self, conv, rec, stacked: tuple | None = None) -> None:
+        """The states (1, ...) ``conv`` and ``rec``; both None: row b of ``stacked`` = (conv, rec, b)."""
+        if conv is None and (rec is not None or stacked is None):
+            raise ValueError("states without their arrays need the call outputs they are a row of")
         self._conv, self._rec, self._pending, self.stacked = conv, rec, None, stacked
+
+    @property
+    def states(self) -> tuple:
+        """The states as `set_states` takes them (committed first), without making row views."""
+        self._settle()
+        return self._conv, self._rec, self.stacked
 
     def set_after(self, p: "_Pass", index: int | None = None) -> None:
         """The states after token ``index`` (default: the last) of recorded pass ``p``, committed
@@ -496,12 +505,19 @@ class CompiledState:
     @property
     def conv(self):
         self._settle()
+        self._materialize()
         return self._conv
 
     @property
     def rec(self):
         self._settle()
+        self._materialize()
         return self._rec
+
+    def _materialize(self) -> None:
+        if self._conv is None:
+            conv, rec, b = self.stacked
+            self._conv, self._rec = self.model.row(conv, b), self.model.row(rec, b)
 
     def close(self) -> None:
         """Give the cache row back now (otherwise when the state is garbage)."""
@@ -513,12 +529,12 @@ class CompiledState:
                                  f"{self.capacity}; raise it in the spec or ask for fewer tokens")
 
     def snapshot(self):
-        return (self.length, self.conv, self.rec)
+        return (self.length, *self.states)
 
     def restore(self, snap, keep_history: bool = False) -> None:
         """Back to ``snap``; ``keep_history``: keep the passes recorded before it (see the reference state)."""
         self.length = snap[0]
-        self.set_states(snap[1], snap[2])
+        self.set_states(*snap[1:])
         self.history = [p for p in self.history if keep_history and p.start + p.length <= self.length]
 
     def drop_history(self) -> None:
@@ -691,7 +707,7 @@ class CompiledModel:
         head[0] = m.tvm.runtime.from_dlpack(token.reshape(1, 1).to(torch.int32))
         out = self._decode(*head, self.kv, state.conv, state.rec, m.params)
         if self.has_gdn:
-            state.set_states(self._row(out[1], 0), self._row(out[2], 0))
+            state.set_states(self.row(out[1], 0), self.row(out[2], 0))
         if self.feature_layers:
             state.features.write(start, self._host_or_device(out[-1])[0])
         state.length = start + 1
@@ -774,30 +790,37 @@ class CompiledModel:
         self.module.keep_headroom()
         fn, args, toks, states, parents = self._step_inputs(items, record)
         out = fn(*args)
-        logits = self._logits(out[0] if self._tuple else out)
-        features = self._host_or_device(out[-1]) if self.feature_layers else None
-        # a CUDA-graph build's outputs may be a replay's buffers: its rows are copies, nothing passes them on
-        shared = self.has_gdn and not self.module.manifest.cuda_graph
+        # the host's work a sequence first, while the device runs the pass
+        starts = [st.length for st in states]
         if self.has_gdn:     # each read of a result's field makes another handle: read once, compare by identity
-            conv_out, rec_out = out[1], out[2]
-            batch = _Batch(conv_out, rec_out, args[self.REC_ARG], len(states)) if record and shared else None
-        if features is not None:
-            self.feature_pool.write([(st.features, st.length, len(t)) for t, st in zip(toks, states)], features)
-        for b, (t, st) in enumerate(zip(toks, states)):
-            n, start = len(t), st.length
-            if self.has_gdn:
-                if record:
-                    p = _Pass(start, n, self._row(conv_out, b, n), self._row(rec_out, b, n), st.conv, st.rec,
-                              parents[b, :n].copy(), batch, b)
-                    st.history.append(p)
-                    st.set_after(p)
-                else:
-                    st.set_states(self._row(conv_out, b), self._row(rec_out, b),
-                                  (conv_out, rec_out, b) if shared else None)
-            st.length = start + n
+            self._pass_states(out[1], out[2], args[self.REC_ARG], toks, states, parents if record else None)
+        for t, st in zip(toks, states):
+            st.length += len(t)
+        logits = self._logits(out[0] if self._tuple else out)
+        if self.feature_layers:
+            self.feature_pool.write([(st.features, start, len(t)) for t, st, start in zip(toks, states, starts)],
+                                    self._host_or_device(out[-1]))
         if logits.dim() == 2:      # a packed pass's: the real tokens' rows, a sequence's after the one before's
             return list(logits.split([len(t) for t in toks]))
         return [logits[b, :len(t)] for b, t in enumerate(toks)]
+
+    def _pass_states(self, conv_out, rec_out, rec_in, toks, states, parents) -> None:
+        """Each sequence's states after a pass: a row of its outputs (made when read), or with ``parents``
+        (a recorded verification) those after its last token, committed when read (`settle`).  A
+        CUDA-graph build's outputs may be a replay's buffers: its rows are copies made now, and nothing
+        passes its outputs on."""
+        shared = not self.module.manifest.cuda_graph
+        batch = _Batch(conv_out, rec_out, rec_in, len(states)) if parents is not None and shared else None
+        for b, (t, st) in enumerate(zip(toks, states)):
+            n = len(t)
+            if parents is None:
+                st.set_states(*((None, None, (conv_out, rec_out, b)) if shared else
+                                (self.row(conv_out, b), self.row(rec_out, b))))
+                continue
+            rows = (None, None) if shared else (self.row(conv_out, b, n), self.row(rec_out, b, n))
+            p = _Pass(st.length, n, *rows, st.states, parents[b, :n].copy(), batch, b)
+            st.history.append(p)
+            st.set_after(p)
 
     def _host_or_device(self, array) -> torch.Tensor:
         """A step output as a torch view where the build ran (read before the next call)."""
@@ -816,8 +839,10 @@ class CompiledModel:
     def _commit_at(self, p: _Pass, index: int):
         """The conv / recurrent states after token ``index`` of recorded pass ``p``."""
         m = self.module
-        return self._commit(p.conv_states, p.rec_records, p.rec_before, *m.tensors(p.path(index),
-                                                                                   np.array([index], "int32")))
+        conv, rec = (p.conv_states, p.rec_records) if p.conv_states is not None else \
+            (self.row(p.batch.conv_states, p.index, p.length), self.row(p.batch.rec_records, p.index, p.length))
+        before = p.before[1] if p.before[1] is not None else self.row(p.before[2][1], p.before[2][2])
+        return self._commit(conv, rec, before, *m.tensors(p.path(index), np.array([index], "int32")))
 
     def settle(self, states: list[CompiledState]) -> None:
         """Move the accepted tree paths' keys / values of ``states`` in the pool (one ``compact_kv`` call)
@@ -847,8 +872,7 @@ class CompiledModel:
             conv, rec = self._commit(batch.conv_states, batch.rec_records, batch.rec_before,
                                      *self.module.tensors(path, index))
             for st in group:
-                b = st.pending[0].index
-                st.set_states(self._row(conv, b), self._row(rec, b), (conv, rec, b))
+                st.set_states(None, None, (conv, rec, st.pending[0].index))
 
     def _move_kv(self, states: list[CompiledState]) -> None:
         if not states:
@@ -877,7 +901,7 @@ class CompiledModel:
             return arrays[0]
         return self.module.tvm.runtime.from_dlpack(torch.cat([torch.from_dlpack(a) for a in arrays]))
 
-    def _row(self, array, b: int, n: int | None = None):
+    def row(self, array, b: int, n: int | None = None):
         """Batch entry b of a (B, ...) result (its first n tokens for per-token results), as (1, ...):
         a view of it, or a copy where the view would not be 64-byte aligned (TVM takes no other) or
         the build replays CUDA graphs (whose buffers a later replay may write)."""
@@ -897,7 +921,7 @@ class CompiledModel:
         if self.has_gdn:
             for p in state.history:
                 if length == p.start:
-                    state.set_states(p.conv_before, p.rec_before)
+                    state.set_states(*p.before)
                     break
                 if p.start < length <= p.start + p.length:
                     state.set_after(p, length - p.start - 1)

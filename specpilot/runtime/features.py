@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specpilot.core.errors import SpecPilotError
+from specpilot.runtime.uploads import upload
 
 
 class FeaturePool:
@@ -43,7 +44,7 @@ class FeaturePool:
         t = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)        # each entry's 0 .. n - 1
         row = np.array([store.row for store, _, _ in entries])[b]
         pos = np.array([start for _, start, _ in entries])[b] + t
-        b, t, row, pos = torch.from_numpy(np.stack([b, t, row, pos])).to(self.data.device)
+        b, t, row, pos = upload(np.stack([b, t, row, pos]), self.data.device)
         self.data[row, pos] = features[b, t].to(self.data.dtype)
         for store, start, n in entries:
             store.written = start + n
@@ -52,7 +53,7 @@ class FeaturePool:
         """Move the accepted paths ``stores`` still owe (`FeatureStore.accept`), all in one copy."""
         moves = [store.take_moves() for store in stores if store.moves is not None]
         if moves:
-            row, src, dst = torch.from_numpy(np.concatenate(moves, axis=1)).to(self.data.device)
+            row, src, dst = upload(np.concatenate(moves, axis=1), self.data.device)
             self.data[row, dst] = self.data[row, src]
 
 

@@ -34,12 +34,18 @@ def system(tmp_path_factory):
 
 
 class _Calls:
-    """Counts the engine's stacks of several states (copies), its commit calls' batch sizes and its
-    calls moving accepted tree paths' keys / values (their batch sizes)."""
+    """Counts the engine's stacks of several states (copies), the (1, ...) views of a state it makes,
+    its commit calls' batch sizes and its calls moving accepted tree paths' keys / values (their batch
+    sizes)."""
 
     def __init__(self, monkeypatch, model):
-        self.stacks, self.commits, self.moves = 0, [], []
-        stack, commit, compact = engine.CompiledModel._stack, model._commit, model._compact_kv
+        self.stacks, self.rows, self.commits, self.moves = 0, 0, [], []
+        stack, row, commit, compact = engine.CompiledModel._stack, engine.CompiledModel.row, model._commit, \
+            model._compact_kv
+
+        def counted_row(this, array, *args):
+            self.rows += array.shape[0] > 1      # a row of a batch's outputs (a single sequence's are themselves)
+            return row(this, array, *args)
 
         def counted_stack(this, arrays):
             self.stacks += len(arrays) > 1
@@ -52,6 +58,7 @@ class _Calls:
             self.moves.append(rows.shape[0])
             return compact(kv, rows, *args)
         monkeypatch.setattr(engine.CompiledModel, "_stack", counted_stack)
+        monkeypatch.setattr(engine.CompiledModel, "row", counted_row)
         monkeypatch.setattr(model, "_commit", counted_commit)
         monkeypatch.setattr(model, "_compact_kv", counted_compact)
 
@@ -70,8 +77,10 @@ def test_ar_steps_pass_the_batch_s_states_on_without_copies(system, monkeypatch)
     run = system.serve("compiled", ARRIVALS, system.batch_policy("compiled", 3), StepClock())
     assert [g.tokens for g in run.generations] == alone
     steps = len([s for s in run.steps if s.running])
-    # conv and rec restacked once after each change of the running set, never on a step that keeps it
+    # conv and rec restacked once after each change of the running set, never on a step that keeps it;
+    # a state's row views are made only to be restacked (at most 3 states a stack here)
     assert 0 < calls.stacks <= 2 * _members(run) < steps
+    assert 0 < calls.rows <= 3 * calls.stacks
 
 
 @pytest.mark.parametrize("name", ["compiled-spec", "compiled-tree"])
@@ -85,6 +94,7 @@ def test_a_verification_s_kept_states_are_committed_in_one_call(system, monkeypa
     assert calls.commits and max(calls.commits) == 3             # the whole batch in one call
     assert len(calls.commits) <= len(passes)                     # never a call per request
     assert calls.stacks <= 2 * _members(run)                     # committed rows are the next pass's input
+    assert calls.rows <= 3 * calls.stacks + 4 * sum(s.running == 1 for s in passes)   # to restack or commit one alone
     assert len(calls.moves) <= len(passes)                       # a tree pass's path moves in one call
 
 
@@ -120,7 +130,7 @@ def test_accepted_tree_paths_move_in_one_call_and_continue_as_if_fed_alone(syste
 
 
 def test_a_row_is_a_view_only_where_tvm_can_take_it():
-    """`_row`: a view of the batch's output where it is 64-byte aligned, a copy where it is not
+    """`row`: a view of the batch's output where it is 64-byte aligned, a copy where it is not
     (TVM takes no other DLPack tensor) or where the build replays CUDA graphs."""
     import tvm
     for graphs in (False, True):
@@ -128,7 +138,7 @@ def test_a_row_is_a_view_only_where_tvm_can_take_it():
         for width, aligned in ((16, True), (5, False)):      # float32 rows of 64 / 20 bytes
             base = torch.arange(3 * width, dtype=torch.float32).reshape(3, width)
             out = tvm.runtime.from_dlpack(base)
-            row = engine.CompiledModel._row(fake, out, 1)
+            row = engine.CompiledModel.row(fake, out, 1)
             got = torch.from_dlpack(row)
             assert torch.equal(got, base[1:2])
             assert (got.data_ptr() == base[1:2].data_ptr()) == (aligned and not graphs), (width, graphs)
