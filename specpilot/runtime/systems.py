@@ -381,11 +381,13 @@ def from_spec(spec) -> System:
                   setup=setup, oracle=oracle, draft_reference=draft_model)
 
 
-def from_build(build_dir: Path) -> System:
+def from_build(build_dir: Path, module=None) -> System:
+    """The system of a build; ``module``: its `CompiledModule` loaded already (a benchmark's that times the
+    build's calls, say)."""
     from specpilot.core.config import ModelConfig
     from specpilot.runtime.engine import CompiledModule
 
-    module = CompiledModule(build_dir)
+    module = module or CompiledModule(build_dir)
     m = module.manifest
     dtype, capacity, d = DTYPES[m.dtype], m.capacity, m.drafter
     device = "cuda" if m.target_kind == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it

@@ -193,3 +193,26 @@ def test_a_single_sequence_s_commits_are_timed_as_commit(system, monkeypatch):
             finally:
                 del system.engines["timed"]
         assert got.tokens == alone[0] and seen and set(seen) == {"commit"}, (name, seen)
+
+
+def test_the_batch_host_bench_splits_each_part_into_host_and_build_calls(system, tmp_path):
+    """bench/batch_host.py on this build: every pass's verification spends time in the build's calls and
+    on the host, and the parts' host times are what the rows report."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    build = system[0].engines["compiled"].model.module.dir
+    proc = subprocess.run([sys.executable, str(root / "bench" / "batch_host.py"), str(build), "--batches", "3",
+                           "--engines", "compiled-spec,compiled-tree", "--new-tokens", "6", "--prompt-tokens", "5",
+                           "--reps", "2", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("batch-host-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [("compiled-spec", 3), ("compiled-tree", 3)]
+    for r in rows:
+        assert len(r["runs"]) == 2 and r["passes"] > 0
+        for run in r["runs"]:
+            assert run["verify"]["calls_ms"] > 0 and run["verify"]["host_ms"] > 0 and run["commit"]["host_ms"] > 0
+        assert r["host_ms_best"] == {p: min(run[p]["host_ms"] for run in r["runs"]) for p in r["host_ms_best"]}
