@@ -38,6 +38,7 @@ from specpilot.core.weights import file_digest
 from specpilot.runtime import cuda_errors, heap
 from specpilot.runtime.features import FeaturePool
 from specpilot.runtime.threads import claim_cores_for_tvm
+from specpilot.runtime.uploads import upload
 
 def import_tvm_runtime(gpu: bool):
     """tvm without needing its compiler; on GPUs also load the CUDA runtime library."""
@@ -277,9 +278,7 @@ class CompiledModule:
         if self.device.dlpack_device_type() == 1:
             return [self.tensor(a) for a in arrays]
         host, views = pack_inputs(arrays)
-        # from pinned memory, not waiting for the device (torch's host allocator keeps the buffer
-        # until the copy has run)
-        dev = torch.from_numpy(host).pin_memory().to(self.torch_device, non_blocking=True)
+        dev = upload(host, self.torch_device)
         return [self.tvm.runtime.from_dlpack(view(dev)) for view in views]
 
     def sample_scores(self, logits: torch.Tensor, keys: np.ndarray, controls: torch.Tensor) -> torch.Tensor:

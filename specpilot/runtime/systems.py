@@ -387,7 +387,7 @@ def from_build(build_dir: Path, module=None) -> System:
     from specpilot.core.config import ModelConfig
     from specpilot.runtime.engine import CompiledModule
 
-    module = module or CompiledModule(build_dir)
+    module = CompiledModule(build_dir) if module is None else module
     m = module.manifest
     dtype, capacity, d = DTYPES[m.dtype], m.capacity, m.drafter
     device = "cuda" if m.target_kind == "cuda" and torch.cuda.is_available() else "cpu"  # stock beside it
