@@ -15,6 +15,7 @@
 #                                           (and the scheduled one under each NODES/CHUNK of SCHEDULES, every
 #                                           speculative one under each set of DRAFT_LENGTHS)
 #   bash bench/h200_e2e.sh batch-profile BUILD  the host's side of a batched run (cProfile at BATCHES), to $OUT
+#   bash bench/h200_e2e.sh timeline BUILD   bench/batch_timeline.py: where the device waits for the host a pass, to $OUT
 #   bash bench/h200_e2e.sh pass-cost BUILD   a batched pass's AR step / verification / drafter level per kernel, to $OUT
 #   bash bench/h200_e2e.sh packed-verify BUILD  bench/packed_verify.py: padded against packed verification, to $OUT
 #   bash bench/h200_e2e.sh skinny LIB.so     bench/skinny_gemm.py run (LIB built here with the same SKINNY_*), to $OUT
@@ -187,6 +188,11 @@ for _ in range(32):
       -o $OUT/batch-profile-$1.json 2>&1 | tail -8
     python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(25)
 s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/batch-profile-$1.pstats | cut -c1-160 ;;
+  timeline)
+    # each part of a batched pass split into device-busy and idle time (profiler trace), TL_ARGS: its options
+    shift; setup; unpack
+    timeout ${TL_S:-300} python3 bench/batch_timeline.py $b/$1 --batches ${BATCHES:-16} ${TL_ARGS:-} --out $OUT 2>&1 \
+      | grep -v -e WARN -e USDT | tail -${TAIL:-12} ;;
   pass-cost)
     # where a batched pass's time goes (bench/batch_pass_cost.py): AR step, verification, drafter level, per kernel
     shift; setup; unpack
@@ -262,6 +268,6 @@ s.sort_stats('cumtime').print_stats('specpilot', 30)" $OUT/fd-profile-$1.pstats 
       timeout ${COST_S:-300} python3 bench/drafter_cost.py $b/$build --context ${CONTEXT:-$context} ${COST_ARGS:-} \
         --out $OUT 2>&1 | tail -${TAIL:-8}
     done ;;
-  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | exact-batch BUILD... | batch-profile BUILD | pass-cost BUILD | packed-verify BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
+  *) echo "usage: $0 stage DIR... | smol [BUILD...] | serve [BUILD] | full-check | full-ref BUILD | full-sweep BUILD | full-batch BUILD | exact-batch BUILD... | batch-profile BUILD | timeline BUILD | pass-cost BUILD | packed-verify BUILD | skinny LIB | gdn LIB | smol-batch BUILD | train-drafters | fd [BUILD...] | fd-profile BUILD | cost BUILD..." >&2
      exit 2 ;;
 esac

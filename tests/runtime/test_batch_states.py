@@ -216,3 +216,35 @@ def test_the_batch_host_bench_splits_each_part_into_host_and_build_calls(system,
         for run in r["runs"]:
             assert run["verify"]["calls_ms"] > 0 and run["verify"]["host_ms"] > 0 and run["commit"]["host_ms"] > 0
         assert r["host_ms_best"] == {p: min(run[p]["host_ms"] for run in r["runs"]) for p in r["host_ms_best"]}
+
+
+def test_the_timeline_bench_counts_device_time_by_part_against_a_brute_force_clock():
+    """bench/batch_timeline.py's interval arithmetic on random traces: the union of device intervals and
+    each window's covered time equal a unit grid's count (integer endpoints, overlaps and nesting
+    included), and a trace's parts split into busy and idle time that add up to their wall time."""
+    import random
+    from bench.batch_timeline import covered, split, union
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = [(s, s + rng.randrange(0, 9)) for s in (rng.randrange(0, 60) for _ in range(rng.randrange(0, 12)))]
+        merged = union(spans)
+        grid = {t for s, e in spans for t in range(s, e)}
+        assert sum(e - s for s, e in merged) == len(grid)
+        assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))
+        starts = [s for s, _ in merged]
+        for _ in range(5):
+            lo = rng.randrange(0, 70)
+            hi = lo + rng.randrange(0, 20)
+            assert covered(merged, starts, lo, hi) == len({t for t in grid if lo <= t < hi})
+    events = [{"ph": "X", "cat": "user_annotation", "name": p, "ts": t, "dur": d}
+              for p, t, d in (("draft", 0, 10), ("verify", 10, 30), ("commit", 40, 5),
+                              ("draft", 45, 10), ("verify", 55, 30), ("commit", 85, 5))]
+    events += [{"ph": "X", "cat": "kernel", "name": "k", "ts": t, "dur": d} for t, d in ((2, 3), (12, 25), (38, 4), (60, 20))]
+    events += [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": t, "dur": 0.5} for t in (1, 11, 36, 58)]
+    out = split({"traceEvents": events})
+    assert out["passes"]["count"] == 2 and abs(out["passes"]["wall_ms"] - 0.045) < 1e-12
+    assert abs(out["verify"]["busy_ms"] - (25 + 2 + 20) / 2e3) < 1e-12
+    assert abs(out["commit"]["busy_ms"] - 2 / 2e3) < 1e-12
+    assert out["draft"]["launches"] == 0.5 and out["verify"]["launches"] == 1.5
+    for part in ("draft", "verify", "commit"):
+        assert abs(out[part]["busy_ms"] + out[part]["idle_ms"] - out[part]["wall_ms"]) < 1e-12

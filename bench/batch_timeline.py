@@ -1,0 +1,169 @@
+"""Where the device waits for the host in a continuous batch's passes: each part's wall time (draft, its
+batched block call, verification, commit) split into the time the device ran kernels or copies and the time
+it sat idle, a pass, from a profiler trace (torch.profiler: CUPTI's kernel records and the parts' ranges on
+one clock).
+
+    python bench/batch_timeline.py BUILD_DIR [--batches 16] [--engines compiled-spec,compiled-tree-sched]
+                                   [--priced off|on|both] [--prompt-tokens 128] [--new-tokens 64] [--out DIR]
+
+A burst of B requests of random token ids (seeded) runs on batched AR first (its tokens force the
+speculative engines, so the replay drafter follows them), then each engine once untimed and once under
+the profiler.  ``--priced on`` prices chains and trees by cost (`BatchPolicy.adaptive`, the build's
+``draft-length{priced=true}``).  Also recorded: the host's processor and a single-thread Python loop's
+time, so hosts compare.  On a CPU build nothing runs on a device: every part is idle time.  JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import write  # noqa: E402
+from bench.batch_host import burst  # noqa: E402
+
+PARTS = ("draft", "draft_blocks", "draft_sync", "verify", "commit")
+DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")        # trace categories of device work
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals (start, end) merged into disjoint ones, in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def covered(merged: list[tuple[float, float]], starts: list[float], start: float, end: float) -> float:
+    """How much of [start, end] the disjoint sorted intervals ``merged`` cover (``starts``: their starts)."""
+    total, i = 0.0, max(bisect.bisect_right(starts, start) - 1, 0)
+    while i < len(merged) and merged[i][0] < end:
+        total += max(0.0, min(end, merged[i][1]) - max(start, merged[i][0]))
+        i += 1
+    return total
+
+
+class Ranges:
+    """A `cycle_timing.Clock`'s interface: each part a named profiler range."""
+
+    def timed(self, part: str, fn, *args, **kwargs):
+        from torch.profiler import record_function
+        with record_function(part):
+            return fn(*args, **kwargs)
+
+
+def split(trace: dict) -> dict:
+    """Per part of a trace's passes: wall, device-busy and idle milliseconds a pass, launches a pass."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    merged = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE])
+    starts = [s for s, _ in merged]
+    launches = sorted(e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                      and "Launch" in e.get("name", ""))
+    ranges = {p: [(e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") == "user_annotation" and e.get("name") == p] for p in PARTS}
+    passes = max(len(ranges["verify"]), 1)
+    out = {}
+    for part, windows in ranges.items():
+        wall = sum(e - s for s, e in windows)
+        busy = sum(covered(merged, starts, s, e) for s, e in windows)
+        calls = sum(bisect.bisect_right(launches, e) - bisect.bisect_left(launches, s) for s, e in windows)
+        out[part] = {"wall_ms": wall / 1e3 / passes, "busy_ms": busy / 1e3 / passes,
+                     "idle_ms": (wall - busy) / 1e3 / passes, "launches": calls / passes}
+    span = (min(s for s, _ in ranges["draft"]), max(e for _, e in ranges["commit"])) if ranges["draft"] else (0, 0)
+    busy = covered(merged, starts, *span)
+    out["passes"] = {"count": passes, "wall_ms": (span[1] - span[0]) / 1e3 / passes, "busy_ms": busy / 1e3 / passes,
+                     "idle_ms": (span[1] - span[0] - busy) / 1e3 / passes}
+    return out
+
+
+def python_loop_ms() -> float:
+    """A single-thread Python loop's best time of 5 (a host's speed at the runtime's kind of work)."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i & 7
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def host() -> dict:
+    name = platform.processor()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"processor": name, "python_loop_ms": python_loop_ms()}
+
+
+def profiled(system, engine: str, arrivals, policy, forces) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    system.serve(engine, arrivals, policy, forces=forces)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        system.serve(engine, arrivals, policy, forces=forces, parts=Ranges())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return split(json.loads(path.read_text()))
+
+
+def measure(system, engine: str, batch: int, args) -> dict:
+    arrivals = burst(batch, args.prompt_tokens, args.new_tokens, system.vocab_size)
+    forces = [g.tokens for g in system.serve(system.autoregressive_engine(), arrivals,
+                                              system.batch_policy(system.autoregressive_engine(), batch)).generations]
+    policy = system.batch_policy(engine, batch)
+    start = time.perf_counter()
+    system.serve(engine, arrivals, policy, forces=forces)
+    plain = time.perf_counter() - start
+    row = {"engine": engine, "batch": batch, "priced": policy.adaptive, "plain_seconds": plain,
+           **profiled(system, engine, arrivals, policy, forces)}
+    return row
+
+
+def report(row: dict) -> dict:
+    print(f"{row['engine']}{' priced' if row['priced'] else ''} at {row['batch']}: {row['passes']['count']} passes, "
+          f"{row['passes']['wall_ms']:.2f} ms a pass, device idle {row['passes']['idle_ms']:.2f}; "
+          + "; ".join(f"{p} {row[p]['wall_ms']:.2f} (idle {row[p]['idle_ms']:.2f}, {row[p]['launches']:.0f} launches)"
+                      for p in PARTS))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("build")
+    ap.add_argument("--batches", default="16")
+    ap.add_argument("--engines", default="compiled-spec,compiled-tree-sched")
+    ap.add_argument("--priced", choices=("off", "on", "both"), default="off")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from specpilot.runtime.systems import from_build
+    system = from_build(Path(args.build))
+    rows = []
+    for priced in {"off": (False,), "on": (True,), "both": (False, True)}[args.priced]:
+        system.draft_priced = priced
+        for engine in args.engines.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                rows.append(report(measure(system, engine, batch, args)))
+    machine = host()
+    print(f"host: {machine['processor']}; a 1M-iteration Python loop {machine['python_loop_ms']:.1f} ms")
+    print("wrote", write("batch-timeline", {"build": args.build, "host": machine,
+                                            "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, args.out))
+
+
+if __name__ == "__main__":
+    main()
