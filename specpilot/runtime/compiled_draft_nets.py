@@ -6,7 +6,8 @@ A cache is a drafter's row of a key/value buffer on the build's device (`CacheRo
 drafter's own buffer; a block drafter's row of the network's pool, shared by the drafters of one
 batch so that `CompiledBlockNet.cycle_batch` drafts all their blocks in one call.  Every call
 takes its positions, slots and mask from the host in one copy, its tensors where the build runs,
-and returns torch tensors there (copies: a CUDA graph's outputs are reused by its next replay).
+and returns torch tensors there (copies: a CUDA graph's outputs are reused by its next replay); a
+cycle's ranked block comes back to the host, as numpy arrays.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class CompiledBlockNet(_Compiled):
         self.one_call = True      # `ranked_cycle` as the build's drafter_cycle where it serves
         # a draft vocabulary: the build's head rows and ranks are draft ids, mapped here to the target's
         self.d2t = None if identity_vocab(cfg, d2t) else d2t.to(self.device)
-        self.ids = None if self.d2t is None else fd.vocab_ids(d2t.cpu())
+        self.ids = None if self.d2t is None else fd.vocab_ids(d2t.cpu()).numpy()
         rows = cfg.draft_vocab_size if self.ids is not None else cfg.vocab_size
         self.ranks = min(module.manifest.drafter.top_k, rows)   # what drafter_cycle ranks a position
         # the build's pool: max_batch rows where it drafts batches, else a buffer a drafter
@@ -138,14 +139,16 @@ class CompiledBlockNet(_Compiled):
                                  f"most a block of new tokens, ranked at most {self.ranks} a position")
         return self._cycle("drafter_cycle_batch", entries, k)
 
-    def _cycle(self, name: str, entries: list, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _cycle(self, name: str, entries: list, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each entry's ranked block on the host as numpy views of the call's one read-back (a
+        sequence's rows are read a few times a pass; numpy slices cost a tenth of torch's)."""
         m = self.module
         out = self.fns[name](*self._cycle_inputs(entries), entries[0][0].pool, m.params)
-        ranked = torch.from_numpy(out.numpy())[:, :, :k]       # (B, K, k, 2): log-probability, index
-        index = ranked[..., 1].long()
+        ranked = out.numpy()[:, :, :k]                          # (B, K, k, 2): log-probability, index
+        index = ranked[..., 1].astype(np.int64)
         if self.ids is not None:
             index = self.ids[index]
-        return [(i, r[..., 0]) for i, r in zip(index, ranked)]
+        return list(zip(index, ranked[..., 0]))
 
     def _cycle_inputs(self, entries: list) -> list:
         """A cycle call's inputs for ``entries``, built for the whole batch at once (a copy or array

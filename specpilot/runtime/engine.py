@@ -554,10 +554,43 @@ def packed_rows(toks: list, T: int) -> tuple[np.ndarray, np.ndarray] | None:
     if lengths.sum() == len(toks) * T:
         return None
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    pack = np.concatenate([b * T + np.arange(n) for b, n in enumerate(lengths)]).astype("int32")
     within = np.arange(T)[None, :]
-    unpack = (starts[:, None] + np.where(within < lengths[:, None], within, 0)).astype("int32")
+    real = within < lengths[:, None]
+    pack = np.flatnonzero(real).astype("int32")
+    unpack = (starts[:, None] + np.where(real, within, 0)).astype("int32")
     return pack, unpack
+
+
+def step_rows(toks: list[np.ndarray], items: list, T: int):
+    """A step's (B, T) tokens, rotary positions, cache slots, (B, T, L) mask and parents for ``items``
+    (tokens ``toks``; the rest as `CompiledModel.forward_batch` takes them), built for the batch at once:
+    each sequence's tokens at its next slots, causal rows unless it gives positions / a mask / parents.
+    Padding rows write nowhere (slot -1) and attend to slot 0 only (their outputs are dropped)."""
+    B = len(items)
+    lengths = np.fromiter((len(t) for t in toks), np.int64, B)
+    starts = np.fromiter((it[1].length for it in items), np.int64, B)
+    for (_, st, *_), n in zip(items, lengths):
+        st.check_room(int(n))
+    L = int((starts + lengths).max())
+    at = starts[:, None] + np.arange(T)                        # each row's slot, were it real
+    real = np.arange(T)[None, :] < lengths[:, None]
+    tokens = np.zeros((B, T), "int32")
+    if lengths.sum():
+        tokens[real] = np.concatenate(toks)
+    slots = np.where(real, at, -1).astype("int32")
+    positions = np.where(real, at, 0).astype("int32")
+    mask = (np.arange(L)[None, None, :] <= at[:, :, None]) & real[:, :, None]
+    mask[:, :, 0] = True
+    parents = np.tile(np.arange(-1, T - 1, dtype="int32"), (B, 1))   # a chain unless a tree is given
+    for b, (_, _, pos, attn, par) in enumerate(items):
+        n, start = int(lengths[b]), int(starts[b])
+        if pos is not None:
+            positions[b, :n] = np.asarray(pos, dtype="int32")
+        if attn is not None:
+            mask[b, :n, :start + n] = np.asarray(attn, dtype=bool)
+        if par is not None:
+            parents[b, :n] = np.asarray(par, dtype="int32")
+    return tokens, positions, slots, mask, parents
 
 
 class CompiledModel:
@@ -734,23 +767,7 @@ class CompiledModel:
         fixed = record and B == 1 and self.fixed_verify_tokens is not None and T <= self.fixed_verify_tokens
         if fixed:        # padding tokens: written nowhere, attending to slot 0, their rows dropped
             T = self.fixed_verify_tokens
-        L = max(st.length + len(t) for t, (_, st, *_) in zip(toks, items))
-        tokens = np.zeros((B, T), "int32")
-        positions = np.zeros((B, T), "int32")
-        slots = np.full((B, T), -1, "int32")
-        mask = np.zeros((B, T, L), bool)
-        mask[:, :, 0] = True              # padding rows attend somewhere (their outputs are dropped)
-        parents = np.tile(np.arange(-1, T - 1, dtype="int32"), (B, 1))   # a chain unless a tree is given
-        for b, (t, (_, st, pos, attn, par)) in enumerate(zip(toks, items)):
-            n, start = len(t), st.length
-            st.check_room(n)
-            tokens[b, :n] = t
-            slots[b, :n] = np.arange(start, start + n)
-            positions[b, :n] = slots[b, :n] if pos is None else np.asarray(pos, dtype="int32")
-            mask[b, :n, :start + n] = (np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]
-                                       if attn is None else np.asarray(attn, dtype=bool))
-            if par is not None:
-                parents[b, :n] = np.asarray(par, dtype="int32")
+        tokens, positions, slots, mask, parents = step_rows(toks, items, T)
         states = [it[1] for it in items]
         self.settle(states)
         m = self.module

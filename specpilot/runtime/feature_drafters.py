@@ -13,6 +13,7 @@ last emitted one -- and keeps what it derived from them until the context change
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specpilot.core.errors import SpecPilotError
@@ -92,9 +93,9 @@ class BlockDrafter(_Conditioned):
         """Give the cache back (a pooled row returns to its network's pool)."""
         self.cache = self.last = None
 
-    def block_ranked(self, context: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_ranked(self, context: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The top_k (indices, log-probabilities) on the host of each draft after ``context``, (block - 1,
-        top_k) each, best first, equal logits in index order (`drafters.ranked` over the logits).  The
+        top_k) numpy arrays (int64, float32), best first, equal logits in index order (`drafters.ranked` over the logits).  The
         committed context's keys/values (all but its last token) are cached first: with the block and
         its ranking in one call where the network has one (`CompiledBlockNet.ranked_cycle`) and the
         new tokens, top_k and temperature 1 let it; else context and block calls, ranked here.  The
@@ -112,7 +113,7 @@ class BlockDrafter(_Conditioned):
                 self.net.context(self.cache, self._features(keep, n), keep)
             logits = self.net.block(self.cache, tokens, n)[1:]
             indices, _ = ranked(logits, self.top_k)
-            out = indices.cpu(), self._logp(logits).gather(-1, indices).float().cpu()
+            out = indices.cpu().numpy(), self._logp(logits).gather(-1, indices).float().cpu().numpy()
         else:
             out = out[0][1:], out[1][1:]
         self._drafted(context, out)
@@ -159,7 +160,7 @@ class BlockDrafter(_Conditioned):
         if n <= 0:
             return Lattice.empty(self.top_k)
         indices, values = self.block_ranked(context)
-        return Lattice(indices[:n], values[:n])
+        return Lattice(torch.from_numpy(indices[:n]), torch.from_numpy(values[:n]))
 
     def scored_chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
         """``propose(context, n).scored_chain()`` without the lattice."""

@@ -234,7 +234,24 @@ class ReplayDrafter:
         log-probability) of each position, for a cost network that drafted its block already
         (`feature_drafters.draft_blocks`)."""
         self.cost.scored_chain(context, n)                     # the drafting work, its tokens unused
+        if self.pools is None:
+            return self._first_ranked(context, n)
         return [(token, self.float32.get(score, score)) for (token, score), in self._rows(context, n, 1)]
+
+    def _first_ranked(self, context: list[int], n: int) -> list[tuple[int, float]]:
+        """`_rows`' first-ranked (token, float32 score) at each of ``n`` positions for a rate plan (no
+        recorded pools): the continuation's token while the plan accepts, then the first wrong token."""
+        position, tokens, wrong = self._locate(context)
+        on, off = self.float32[ON_PLAN], self.float32[self.off_scores[0]]
+        out, on_path = [], True
+        for at in range(position, position + n):
+            right = tokens[at] if at < len(tokens) else None
+            on_path = on_path and right is not None and at not in wrong
+            if on_path:
+                out.append((right, on))
+            else:
+                out.append((0 if right is None else (right + 1) % self.vocab_size, off))
+        return out
 
     def propose(self, context: list[int], n: int) -> Lattice:
         self.cost.propose(context, n)                          # the real drafting work, its tokens unused

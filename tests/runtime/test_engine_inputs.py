@@ -7,6 +7,7 @@ driver exactly when a GPU's free memory is under the headroom."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from specpilot.runtime import engine
@@ -53,3 +54,60 @@ def test_headroom_releases_pooled_memory_only_when_the_card_runs_low(monkeypatch
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index, free=free: (free, total))
         assert engine.CompiledModule.keep_headroom(gpu) == low
     assert len(released) == 2
+
+
+class _Seq:
+    def __init__(self, length: int, capacity: int = 4096):
+        self.length, self.capacity = length, capacity
+
+    def check_room(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            raise ValueError("no room")
+
+
+def _rows_one_by_one(toks, items, T):
+    """The step's rows a sequence at a time: the reference `engine.step_rows` is checked against."""
+    B = len(items)
+    L = max(st.length + len(t) for t, (_, st, *_) in zip(toks, items))
+    tokens, positions = np.zeros((B, T), "int32"), np.zeros((B, T), "int32")
+    slots, mask = np.full((B, T), -1, "int32"), np.zeros((B, T, L), bool)
+    mask[:, :, 0] = True
+    parents = np.tile(np.arange(-1, T - 1, dtype="int32"), (B, 1))
+    for b, (t, (_, st, pos, attn, par)) in enumerate(zip(toks, items)):
+        n, start = len(t), st.length
+        tokens[b, :n] = t
+        slots[b, :n] = np.arange(start, start + n)
+        positions[b, :n] = slots[b, :n] if pos is None else pos
+        for i in range(n):
+            for j in range(start + n):
+                mask[b, i, j] = (j <= start + i) if attn is None else attn[i][j]
+        if par is not None:
+            parents[b, :n] = par
+    return tokens, positions, slots, mask, parents
+
+
+def test_step_rows_equal_a_sequence_at_a_time_on_random_batches():
+    """`engine.step_rows` (a batched pass's rows built for the batch at once) against the same rows
+    built a sequence at a time: random batches of chains, trees (positions, masks, parents of their
+    own) and empty items, odd lengths and padding included; a sequence without room is refused."""
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        B = int(rng.integers(1, 7))
+        toks, items = [], []
+        for _ in range(B):
+            n, start = int(rng.integers(0, 6)), int(rng.integers(1, 20))
+            t = rng.integers(0, 1000, n).astype("int32")
+            pos = attn = par = None
+            if n and rng.random() < 0.5:     # a tree: its own positions, mask and parents
+                par = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)], "int32")
+                pos = (start + rng.integers(0, n, n)).astype("int32")
+                attn = rng.random((n, start + n)) < 0.7
+            toks.append(t)
+            items.append((t, _Seq(start), pos, attn, par))
+        T = max(1, max(len(t) for t in toks)) + int(rng.integers(0, 3))
+        got, want = engine.step_rows(toks, items, T), _rows_one_by_one(toks, items, T)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
+    full = (np.zeros(3, "int32"), _Seq(10, capacity=12), None, None, None)
+    with pytest.raises(ValueError, match="no room"):
+        engine.step_rows([full[0]], [full], 3)

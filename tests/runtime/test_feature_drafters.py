@@ -9,6 +9,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -481,8 +482,9 @@ def test_the_lowered_drafter_equals_its_reference(compiled):
         nets[1].context(caches[1], more, 13)
         logits = nets[1].block(caches[1], tokens, 16)
         want, _ = ranked(logits, k)
-        assert torch.equal(got[0], want)
-        torch.testing.assert_close(got[1], torch.log_softmax(logits, dim=-1).gather(-1, want), atol=1e-4, rtol=1e-4)
+        assert torch.equal(torch.from_numpy(got[0]), want)
+        torch.testing.assert_close(torch.from_numpy(got[1]), torch.log_softmax(logits, dim=-1).gather(-1, want),
+                                   atol=1e-4, rtol=1e-4)
         assert nets[0].ranked_cycle(caches[0], features[:cfg.block_size + 1], 16, tokens, k) is None   # too many
         return
     hidden = [net.fuse(features) for net in nets]
@@ -789,8 +791,8 @@ def test_a_batch_s_blocks_in_one_call_equal_each_drafted_alone(batch_build):
         want.append((ranked(logits, k)[0], torch.log_softmax(logits, dim=-1)))
         entries.append((cache, features[cached:], cached + new, tokens))
     for (indices, values), (want_indices, logp) in zip(net.cycle_batch(entries, k), want):
-        assert torch.equal(indices, want_indices)
-        torch.testing.assert_close(values, logp.gather(-1, want_indices), atol=1e-4, rtol=1e-4)
+        assert torch.equal(torch.from_numpy(indices), want_indices)
+        torch.testing.assert_close(torch.from_numpy(values), logp.gather(-1, want_indices), atol=1e-4, rtol=1e-4)
     with pytest.raises(SpecPilotError, match="of its own"):
         net.cycle_batch([entries[0], entries[0]], k)        # two sequences on one row would race
     with pytest.raises(SpecPilotError, match="all 3 rows"):
@@ -869,8 +871,8 @@ def test_drafting_blocks_together_gives_each_drafter_what_it_drafts_alone(batch_
         alone = BlockDrafter(net, top_k=3, capacity=capacity)
         alone.bind(state)
         want, got = alone.block_ranked(context), drafter.block_ranked(context)
-        assert torch.equal(got[0], want[0])
-        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+        assert np.array_equal(got[0], want[0])
+        np.testing.assert_allclose(got[1], want[1], atol=1e-4, rtol=1e-4)
         alone.close()                           # its row back for the next
     together[0].bind(states[0])
     assert together[0].last is None
