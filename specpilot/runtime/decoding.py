@@ -72,14 +72,13 @@ def top2_rows(logits: list[torch.Tensor]) -> list[list[Choice]]:
     rows = torch.cat(list(logits)) if len(logits) > 1 else logits[0]
     best, at = rows.max(1)
     second, runner = rows.scatter(1, at[:, None], float("-inf")).max(1)
-    # one copy (float64 holds the float32 values and the token ids exactly), so one wait for the device
-    first, token, runner_up, token2 = torch.stack([best.double(), at.double(), second.double(),
-                                                   runner.double()]).cpu().tolist()
-    token, token2 = [int(t) for t in token], [int(t) for t in token2]
+    values = torch.stack([best, second]).float().cpu().tolist()
+    index = torch.stack([at, runner]).cpu().tolist()
     out, start = [], 0
     for rows in logits:
         end = start + rows.shape[0]
-        out.append([Choice(*c) for c in zip(first[start:end], token[start:end], runner_up[start:end], token2[start:end])])
+        out.append([Choice(*c) for c in zip(values[0][start:end], index[0][start:end], values[1][start:end],
+                                             index[1][start:end])])
         start = end
     return out
 
