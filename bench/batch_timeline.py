@@ -1,7 +1,8 @@
 """Where the device waits for the host in a continuous batch's passes: each part's wall time (draft, its
 batched block call, verification, commit) split into the time the device ran kernels or copies and the time
 it sat idle, a pass, from a profiler trace (torch.profiler: CUPTI's kernel records and the parts' ranges on
-one clock).
+one clock).  Of a part's idle time, what fell inside the build's calls is the device waiting for kernels to be
+launched (or for the call's allocations); the rest waits for the runtime's Python, its copies and its reads.
 
     python bench/batch_timeline.py BUILD_DIR [--batches 16] [--engines compiled-spec,compiled-tree-sched]
                                    [--priced off|on|both] [--prompt-tokens 128] [--new-tokens 64] [--out DIR]
@@ -30,6 +31,7 @@ from bench._common import write  # noqa: E402
 from bench.batch_host import burst  # noqa: E402
 
 PARTS = ("draft", "draft_blocks", "draft_sync", "verify", "commit")
+CALL = "build call"          # the range of each call of a build's function (`calls_ranged`)
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")        # trace categories of device work
 
 
@@ -62,23 +64,44 @@ class Ranges:
             return fn(*args, **kwargs)
 
 
+def calls_ranged(module) -> None:
+    """Each of a loaded build's functions (``module.functions``) called inside a `CALL` range: the host's
+    time in the build (the VM launching kernels) apart from its Python around them."""
+    from torch.profiler import record_function
+
+    def ranged(fn):
+        def call(*args):
+            with record_function(CALL):
+                return fn(*args)
+        return call
+    module.functions = {name: ranged(fn) for name, fn in module.functions.items()}
+
+
 def split(trace: dict) -> dict:
-    """Per part of a trace's passes: wall, device-busy and idle milliseconds a pass, launches a pass."""
+    """Per part of a trace's passes, milliseconds a pass: wall, device-busy and idle time; of them, the
+    build's calls' wall and the device's idle time inside them; launches a pass."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     merged = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE])
     starts = [s for s, _ in merged]
     launches = sorted(e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                       and "Launch" in e.get("name", ""))
     ranges = {p: [(e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("cat") == "user_annotation" and e.get("name") == p] for p in PARTS}
+                  if e.get("cat") == "user_annotation" and e.get("name") == p] for p in (*PARTS, CALL)}
+    calls = sorted(ranges.pop(CALL))
+    call_starts = [s for s, _ in calls]
     passes = max(len(ranges["verify"]), 1)
     out = {}
     for part, windows in ranges.items():
         wall = sum(e - s for s, e in windows)
         busy = sum(covered(merged, starts, s, e) for s, e in windows)
-        calls = sum(bisect.bisect_right(launches, e) - bisect.bisect_left(launches, s) for s, e in windows)
+        inside = [(cs, min(ce, e)) for s, e in windows
+                  for cs, ce in calls[bisect.bisect_left(call_starts, s):bisect.bisect_left(call_starts, e)]]
+        in_calls = sum(e - s for s, e in inside)
+        idle_in_calls = in_calls - sum(covered(merged, starts, s, e) for s, e in inside)
+        count = sum(bisect.bisect_right(launches, e) - bisect.bisect_left(launches, s) for s, e in windows)
         out[part] = {"wall_ms": wall / 1e3 / passes, "busy_ms": busy / 1e3 / passes,
-                     "idle_ms": (wall - busy) / 1e3 / passes, "launches": calls / passes}
+                     "idle_ms": (wall - busy) / 1e3 / passes, "in_calls_ms": in_calls / 1e3 / passes,
+                     "idle_in_calls_ms": idle_in_calls / 1e3 / passes, "launches": count / passes}
     span = (min(s for s, _ in ranges["draft"]), max(e for _, e in ranges["commit"])) if ranges["draft"] else (0, 0)
     busy = covered(merged, starts, *span)
     out["passes"] = {"count": passes, "wall_ms": (span[1] - span[0]) / 1e3 / passes, "busy_ms": busy / 1e3 / passes,
@@ -136,8 +159,8 @@ def measure(system, engine: str, batch: int, args) -> dict:
 def report(row: dict) -> dict:
     print(f"{row['engine']}{' priced' if row['priced'] else ''} at {row['batch']}: {row['passes']['count']} passes, "
           f"{row['passes']['wall_ms']:.2f} ms a pass, device idle {row['passes']['idle_ms']:.2f}; "
-          + "; ".join(f"{p} {row[p]['wall_ms']:.2f} (idle {row[p]['idle_ms']:.2f}, {row[p]['launches']:.0f} launches)"
-                      for p in PARTS))
+          + "; ".join(f"{p} {row[p]['wall_ms']:.2f} (idle {row[p]['idle_ms']:.2f}, of it in the build's calls "
+                      f"{row[p]['idle_in_calls_ms']:.2f}; {row[p]['launches']:.0f} launches)" for p in PARTS))
     return row
 
 
@@ -151,8 +174,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    from specpilot.runtime.engine import CompiledModule
     from specpilot.runtime.systems import from_build
-    system = from_build(Path(args.build))
+    module = CompiledModule(Path(args.build))
+    calls_ranged(module)            # before the system's models take their functions
+    system = from_build(Path(args.build), module)
     rows = []
     for priced in {"off": (False,), "on": (True,), "both": (False, True)}[args.priced]:
         system.draft_priced = priced

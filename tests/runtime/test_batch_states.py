@@ -223,7 +223,7 @@ def test_the_timeline_bench_counts_device_time_by_part_against_a_brute_force_clo
     each window's covered time equal a unit grid's count (integer endpoints, overlaps and nesting
     included), and a trace's parts split into busy and idle time that add up to their wall time."""
     import random
-    from bench.batch_timeline import covered, split, union
+    from bench.batch_timeline import CALL, covered, split, union
     rng = random.Random(7)
     for _ in range(200):
         spans = [(s, s + rng.randrange(0, 9)) for s in (rng.randrange(0, 60) for _ in range(rng.randrange(0, 12)))]
@@ -241,7 +241,11 @@ def test_the_timeline_bench_counts_device_time_by_part_against_a_brute_force_clo
                               ("draft", 45, 10), ("verify", 55, 30), ("commit", 85, 5))]
     events += [{"ph": "X", "cat": "kernel", "name": "k", "ts": t, "dur": d} for t, d in ((2, 3), (12, 25), (38, 4), (60, 20))]
     events += [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": t, "dur": 0.5} for t in (1, 11, 36, 58)]
+    events += [{"ph": "X", "cat": "user_annotation", "name": CALL, "ts": t, "dur": d} for t, d in ((1, 3), (11, 3), (56, 5))]
     out = split({"traceEvents": events})
+    assert abs(out["verify"]["in_calls_ms"] - 8 / 2e3) < 1e-12
+    assert abs(out["verify"]["idle_in_calls_ms"] - (1 + 4) / 2e3) < 1e-12        # 11-12 and 56-60 idle
+    assert abs(out["draft"]["idle_in_calls_ms"] - 1 / 2e3) < 1e-12               # 1-2 idle, 2-4 busy
     assert out["passes"]["count"] == 2 and abs(out["passes"]["wall_ms"] - 0.045) < 1e-12
     assert abs(out["verify"]["busy_ms"] - (25 + 2 + 20) / 2e3) < 1e-12
     assert abs(out["commit"]["busy_ms"] - 2 / 2e3) < 1e-12
