@@ -141,7 +141,7 @@ class CompiledBlockNet(_Compiled):
 
     def _cycle(self, name: str, entries: list, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each entry's ranked block on the host as numpy views of the call's one read-back (a
-        sequence's rows are read a few times a pass; numpy slices cost a tenth of torch's)."""
+        sequence's rows are read a few times a pass, and numpy's slices cost a fraction of torch's)."""
         m = self.module
         out = self.fns[name](*self._cycle_inputs(entries), entries[0][0].pool, m.params)
         ranked = out.numpy()[:, :, :k]                          # (B, K, k, 2): log-probability, index

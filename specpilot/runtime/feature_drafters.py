@@ -95,11 +95,12 @@ class BlockDrafter(_Conditioned):
 
     def block_ranked(self, context: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The top_k (indices, log-probabilities) on the host of each draft after ``context``, (block - 1,
-        top_k) numpy arrays (int64, float32), best first, equal logits in index order (`drafters.ranked` over the logits).  The
-        committed context's keys/values (all but its last token) are cached first: with the block and
-        its ranking in one call where the network has one (`CompiledBlockNet.ranked_cycle`) and the
-        new tokens, top_k and temperature 1 let it; else context and block calls, ranked here.  The
-        same context twice (or one `draft_blocks` drafted) is not drafted again."""
+        top_k) numpy arrays (int64, float32), best first, equal logits in index order (`drafters.ranked`
+        over the logits).  The committed context's keys/values (all but its last token) are cached
+        first: with the block and its ranking in one call where the network has one
+        (`CompiledBlockNet.ranked_cycle`) and the new tokens, top_k and temperature 1 let it; else
+        context and block calls, ranked here.  The same context twice (or one `draft_blocks` drafted)
+        is not drafted again."""
         if self.last is not None and self.last[0] == tuple(context):
             return self.last[1]
         self.catch_up(context)

@@ -246,11 +246,8 @@ class ReplayDrafter:
         out, on_path = [], True
         for at in range(position, position + n):
             right = tokens[at] if at < len(tokens) else None
-            on_path = on_path and right is not None and at not in wrong
-            if on_path:
-                out.append((right, on))
-            else:
-                out.append((0 if right is None else (right + 1) % self.vocab_size, off))
+            on_path = self._accepts(at, tokens, wrong, on_path)
+            out.append((right, on) if on_path else (self._wrong_tokens(right, 1)[0], off))
         return out
 
     def propose(self, context: list[int], n: int) -> Lattice:
