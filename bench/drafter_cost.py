@@ -133,7 +133,7 @@ def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: i
         entries_r = entries(r)
         _sync(net.device)
         t0 = time.perf_counter()
-        together = net.cycle_batch(entries_r, net.ranks)
+        together = net.cycle_batch(entries_r, net.ranks).read()
         t1 = time.perf_counter()
         alone = [net.ranked_cycle(*entry, net.ranks) for entry in entries_r]
         t2 = time.perf_counter()
@@ -142,7 +142,7 @@ def batched_cycles(module: CompiledModule, context: int, accepted: int, batch: i
             each.append((t2 - t1) * 1e3)
         alike += sum(bool(np.array_equal(a[0], b[0])) for a, b in zip(together, alone))
         worst = max([worst] + [float(np.abs(a[1][:, 0] - b[1][:, 0]).max()) for a, b in zip(together, alone)])
-    kernels = kernel_table(lambda: [net.cycle_batch(entries(r), net.ranks) for r in range(warmup + reps, n)],
+    kernels = kernel_table(lambda: [net.cycle_batch(entries(r), net.ranks).read() for r in range(warmup + reps, n)],
                            profiled) if profiled else []
     return {"batch": batch, "one_call": quartiles(one), "a_call_each": quartiles(each),
             "identical_rankings": alike / ((warmup + reps) * batch), "max_top1_logprob_difference": worst,

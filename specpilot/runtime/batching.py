@@ -415,7 +415,9 @@ class _Scheduler:
         items, plans = [], []
         for r, tree in zip(self.running, self._grown(drafts, rooms, chunks)):
             base = r.state.length
-            if self.policy.mode != "tree":     # causal rows; rejected drafts are cut off, no KV moves
+            if isinstance(tree, _Ahead):
+                items.append((tree.tokens, r.state))
+            elif self.policy.mode != "tree":     # causal rows; rejected drafts are cut off, no KV moves
                 items.append(([r.last] + tree.tokens, r.state))
             else:
                 tokens, positions, mask, parents = tree_inputs(r.last, tree, base)
@@ -527,8 +529,10 @@ class _Scheduler:
             contexts = [r.prompt + r.out.gen.tokens for r in self.running]
             self._timed("draft_blocks", draft_blocks, drafters, contexts)
 
-            def chains(caps: list[int]) -> list[Tree]:
-                return [_chain_tree(d.scored_chain(c, cap)) if cap else Tree() for d, c, cap in zip(drafters, contexts, caps)]
+            def chains(caps: list[int]) -> list:
+                ahead = _chains_ahead(drafters, contexts, caps)
+                return ahead if ahead is not None else \
+                    [_chain_tree(d.scored_chain(c, cap)) if cap else Tree() for d, c, cap in zip(drafters, contexts, caps)]
             return _Drafts(chains(caps), chains)
         own = self._expanders()
         trees = [Tree() for _ in own]
@@ -569,6 +573,8 @@ class _Scheduler:
         return chunks
 
     def _commit_all(self, plans, rows) -> None:
+        # chains verified before they were read are read now, behind the verification
+        plans = [(tree.read() if isinstance(tree, _Ahead) else tree, base) for tree, base in plans]
         # the running requests' choices, all rows at once (a hook needs the rows themselves)
         chosen = top2_rows(rows[:len(plans)]) if self.hook is None else rows
         for r, plan, logits in zip(list(self.running), plans, chosen):
@@ -615,6 +621,31 @@ class _Drafts:
     the ones these have."""
     trees: list[Tree]
     grow: Callable[[list[int]], list[Tree]] | None = None
+
+
+class _Ahead:
+    """A chain verified before the host read it (`BlockDrafter.chain_ahead`): the verification's
+    tokens, [last] + the chain (placed where the drafter computed them, or a host list), and
+    ``read()``, its tree once the drafter's block is read.  Its length is the chain's."""
+
+    def __init__(self, tokens, finish: Callable[[], list[tuple[int, float]]]):
+        self.tokens, self.finish = tokens, finish
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1
+
+    def read(self) -> Tree:
+        return _chain_tree(self.finish())
+
+
+def _chains_ahead(drafters: list, contexts: list[list[int]], caps: list[int]) -> list[_Ahead] | None:
+    """Every request's chain as `_Ahead`, where every drafter's block came from the pass's batched
+    cycle and is not read yet: the verification then launches behind the drafter without a host
+    round trip.  None otherwise (the chains are read first)."""
+    if not all(hasattr(d, "chain_ahead") for d in drafters):
+        return None
+    ahead = [d.chain_ahead(c, cap) for d, c, cap in zip(drafters, contexts, caps)]
+    return None if any(a is None for a in ahead) else [_Ahead(*a) for a in ahead]
 
 
 def _chain_tree(chain: list[tuple[int, float]]) -> Tree:

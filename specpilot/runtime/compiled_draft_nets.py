@@ -7,7 +7,7 @@ drafter's own buffer; a block drafter's row of the network's pool, shared by the
 batch so that `CompiledBlockNet.cycle_batch` drafts all their blocks in one call.  Every call
 takes its positions, slots and mask from the host in one copy, its tensors where the build runs,
 and returns torch tensors there (copies: a CUDA graph's outputs are reused by its next replay); a
-cycle's ranked block comes back to the host, as numpy arrays.
+cycle's ranked blocks come back to the host as numpy arrays when read (`RankedBlocks`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class CompiledBlockNet(_Compiled):
         # a draft vocabulary: the build's head rows and ranks are draft ids, mapped here to the target's
         self.d2t = None if identity_vocab(cfg, d2t) else d2t.to(self.device)
         self.ids = None if self.d2t is None else fd.vocab_ids(d2t.cpu()).numpy()
+        self.d2t_ids = None if self.ids is None else torch.from_numpy(self.ids).to(self.device)
         rows = cfg.draft_vocab_size if self.ids is not None else cfg.vocab_size
         self.ranks = min(module.manifest.drafter.top_k, rows)   # what drafter_cycle ranks a position
         # the build's pool: max_batch rows where it drafts batches, else a buffer a drafter
@@ -126,10 +127,11 @@ class CompiledBlockNet(_Compiled):
         """Whether a cycle call takes ``new`` committed tokens and ranks ``k`` proposals a position."""
         return self.one_call and new <= self.cfg.block_size and k <= self.ranks
 
-    def cycle_batch(self, entries: list[tuple[CacheRow, torch.Tensor, int, torch.Tensor]], k: int) -> list:
+    def cycle_batch(self, entries: list[tuple[CacheRow, torch.Tensor, int, torch.Tensor]], k: int) -> "RankedBlocks":
         """`ranked_cycle` of many sequences, each (cache row, features, start, tokens), in one call over
-        the pool (the build's ``drafter_cycle_batch``: one pass over the weights for all their blocks).
-        Every entry must be one `serves` takes, its row of this network's pool."""
+        the pool (the build's ``drafter_cycle_batch``: one pass over the weights for all their blocks),
+        read to the host when first indexed.  Every entry must be one `serves` takes, its row of this
+        network's pool."""
         if not self.batched:
             raise SpecPilotError("this build drafts one block a call (no drafter_cycle_batch: deployment.max_batch 1)")
         rows = {c.row for c, *_ in entries}
@@ -139,16 +141,11 @@ class CompiledBlockNet(_Compiled):
                                  f"most a block of new tokens, ranked at most {self.ranks} a position")
         return self._cycle("drafter_cycle_batch", entries, k)
 
-    def _cycle(self, name: str, entries: list, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each entry's ranked block on the host as numpy views of the call's one read-back (a
-        sequence's rows are read a few times a pass, and numpy's slices cost a fraction of torch's)."""
-        m = self.module
-        out = self.fns[name](*self._cycle_inputs(entries), entries[0][0].pool, m.params)
-        ranked = out.numpy()[:, :, :k]                          # (B, K, k, 2): log-probability, index
-        index = ranked[..., 1].astype(np.int64)
-        if self.ids is not None:
-            index = self.ids[index]
-        return list(zip(index, ranked[..., 0]))
+    def _cycle(self, name: str, entries: list, k: int) -> "RankedBlocks":
+        inputs = self._cycle_inputs(entries)
+        out = self.fns[name](*inputs, entries[0][0].pool, self.module.params)
+        tokens = torch.from_dlpack(inputs[3]) if self.gpu else torch.from_numpy(inputs[3].numpy())
+        return RankedBlocks(out, k, self.ids, self.d2t_ids, tokens, self.gpu)
 
     def _cycle_inputs(self, entries: list) -> list:
         """A cycle call's inputs for ``entries``, built for the whole batch at once (a copy or array
@@ -181,6 +178,45 @@ class CompiledBlockNet(_Compiled):
         positions = np.arange(start, start + K, dtype="int32")[None]
         return (np.asarray(host_array(tokens), "int32")[None], positions, positions,
                 np.ones((1, K, start + K), bool), rows)
+
+
+class RankedBlocks:
+    """A cycle call's ranked blocks, (indices, values) an entry, left where the build ran until first
+    indexed: then read to the host in one copy, as numpy views of it (int64 target ids, float32
+    log-probabilities, (K, k) each, best first).  `first_ranked` hands a verification each entry's
+    block token and first-ranked drafts where they were computed, so that it launches behind the
+    cycle without waiting for it; the host reads the blocks when it commits."""
+
+    def __init__(self, out, k: int, ids: np.ndarray | None, ids_device: torch.Tensor | None,
+                 tokens: torch.Tensor, gpu: bool):
+        self.out, self.k, self.ids, self.ids_device, self.tokens, self.gpu = out, k, ids, ids_device, tokens, gpu
+        self.host: list | None = None
+        self.first: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.read()[i]
+
+    def read(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Every entry's ranked block on the host (one read-back, waiting for the call)."""
+        if self.host is None:
+            ranked = self.out.numpy()[:, :, :self.k]               # (B, K, k, 2): log-probability, index
+            index = ranked[..., 1].astype(np.int64)
+            self.host = list(zip(self.ids[index] if self.ids is not None else index, ranked[..., 0]))
+        return self.host
+
+    def first_ranked(self) -> torch.Tensor:
+        """(B, K) int32 where the build ran: each entry's block token 0 (its context's last token), then
+        its first-ranked draft at every later position -- the tokens a chain verification reads."""
+        if self.first is None:
+            out = torch.from_dlpack(self.out) if self.gpu else torch.from_numpy(self.out.numpy())
+            index = out[:, 1:, 0, 1].long()                       # the index channel holds exact integers
+            if self.ids_device is not None:
+                index = self.ids_device[index]
+            self.first = torch.cat([self.tokens[:, :1].to(index.device, torch.int32), index.to(torch.int32)], 1)
+        return self.first
 
 
 class CompiledFeatureNet(_Compiled):

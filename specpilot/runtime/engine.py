@@ -89,20 +89,42 @@ def release_device_memory() -> None:
 
 
 def host_array(x):
-    """A step's host-side input: torch tensors (tokens a GPU's logits chose, say) as numpy arrays."""
+    """A step's host-side input: torch tensors (tokens a GPU's logits chose, say) and placed tokens
+    (read to the host) as numpy arrays."""
+    if isinstance(x, PlacedTokens):
+        x = x.rows[x.row, :x.length]
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
 
 
-def _tokens_in_place(items) -> torch.Tensor | None:
-    """The items' tokens as one (B, T) torch tensor where they are, when every item gives them as a
-    torch tensor of the same length T (one stack, no copy to the host); else None."""
+@dataclass(frozen=True)
+class PlacedTokens:
+    """A sequence's tokens left where they were computed: the first ``length`` of row ``row`` of the
+    (B, W) int tensor ``rows`` (a batched drafter's verification tokens, say), so that a step over
+    the batch takes them without a copy to the host and the wait it would cost."""
+    rows: torch.Tensor
+    row: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _tokens_in_place(items) -> tuple[torch.Tensor, list[int]] | None:
+    """The items' tokens as one (B, W) torch tensor where they are and each item's length (W at
+    least the longest; a row's tail past its length is padding): when every item gives them as a
+    torch tensor of the same length, or as `PlacedTokens` rows 0..B-1 of one tensor; else None."""
     tokens = [it[0] for it in items]
+    if tokens and all(isinstance(t, PlacedTokens) for t in tokens):
+        rows = tokens[0].rows
+        if all(t.rows is rows for t in tokens) and [t.row for t in tokens] == list(range(rows.shape[0])):
+            return rows, [t.length for t in tokens]
+        return None
     if not tokens or not all(isinstance(t, torch.Tensor) for t in tokens):
         return None
     flat = [t.reshape(-1) for t in tokens]
     if len({t.shape[0] for t in flat}) != 1 or len({t.device for t in flat}) != 1 or flat[0].shape[0] == 0:
         return None
-    return torch.stack(flat)
+    return torch.stack(flat), [flat[0].shape[0]] * len(flat)
 
 
 _LOADED: dict[str, str] = {}    # model.so paths this process has loaded -> the content digest loaded there
@@ -754,15 +776,17 @@ class CompiledModel:
 
     def _step_inputs(self, items, record: bool):
         """`step_call`'s tuple and the host copy of the parents it passed.  Tokens given as torch
-        tensors of one length (a drafter's own choices, where they were computed) stay where they
-        are: the step reads them there, without a copy to the host and the wait it would cost."""
-        kept = _tokens_in_place(items)
+        tensors of one length or as `PlacedTokens` rows of one tensor (a drafter's own choices, where
+        they were computed) stay where they are: the step reads them there, without a copy to the
+        host and the wait it would cost."""
+        placed = _tokens_in_place(items)
+        kept = None if placed is None else placed[0]
         items = [(None if kept is not None else host_array(it[0]),) + tuple(host_array(x) for x in it[1:])
                  + (None,) * (5 - len(it)) for it in items]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items] if kept is None else \
-            [np.zeros(kept.shape[1], "int32")] * len(items)
+            [np.zeros(n, "int32") for n in placed[1]]
         B, T = len(items), max(len(t) for t in toks)
         fixed = record and B == 1 and self.fixed_verify_tokens is not None and T <= self.fixed_verify_tokens
         if fixed:        # padding tokens: written nowhere, attending to slot 0, their rows dropped
@@ -787,6 +811,7 @@ class CompiledModel:
             kept = kept.to(device=m.torch_device, dtype=torch.int32)
             if T > kept.shape[1]:        # a fixed-size verification's padding
                 kept = torch.nn.functional.pad(kept, (0, T - kept.shape[1]))
+            kept = kept[:, :T]
             head[0] = m.tvm.runtime.from_dlpack(kept.contiguous())
         if record:
             fn = self._verify_fixed if fixed else self._verify_packed if packing else self._verify

@@ -13,12 +13,16 @@ last emitted one -- and keeps what it derived from them until the context change
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
 from specpilot.core.errors import SpecPilotError
 from specpilot.core.feature_drafter import cache_slots
+from specpilot.runtime.compiled_draft_nets import RankedBlocks
 from specpilot.runtime.drafters import common_prefix, log_probs, ranked, ranked_rows
+from specpilot.runtime.engine import PlacedTokens
 from specpilot.runtime.lattice import Lattice
 
 
@@ -102,7 +106,7 @@ class BlockDrafter(_Conditioned):
         context and block calls, ranked here.  The same context twice (or one `draft_blocks` drafted)
         is not drafted again."""
         if self.last is not None and self.last[0] == tuple(context):
-            return self.last[1]
+            return self._last_ranked()
         self.catch_up(context)
         n = len(context) - 1
         keep = common_prefix(self.consumed, context[:n])
@@ -124,7 +128,26 @@ class BlockDrafter(_Conditioned):
         return torch.tensor([context[-1]] + [self.net.cfg.mask_token_id] * self.net.cfg.drafts_per_pass)
 
     def _drafted(self, context: list[int], out) -> None:
+        """``out``: the block's (indices, values) on the host, or (`RankedBlocks`, entry) not read yet."""
         self.consumed, self.last = list(context[:len(context) - 1]), (tuple(context), out)
+
+    def _last_ranked(self) -> tuple[np.ndarray, np.ndarray]:
+        context, out = self.last
+        if isinstance(out[0], RankedBlocks):       # a batched cycle's entry: its block after the last token
+            indices, values = out[0][out[1]]
+            out = indices[1:], values[1:]
+            self.last = context, out
+        return out
+
+    def chain_ahead(self, context: list[int], n: int) -> tuple[PlacedTokens, Callable] | None:
+        """`scored_chain(context, n)` before its block is read: the verification's tokens ([last] + the
+        chain) where the batched cycle computed them, and ``finish()``, the scored chain (reading the
+        block then).  None unless ``context``'s block is a `draft_blocks` cycle's entry not read yet."""
+        if self.last is None or self.last[0] != tuple(context) or not isinstance(self.last[1][0], RankedBlocks):
+            return None
+        blocks, entry = self.last[1]
+        n = max(0, min(n, self.net.cfg.drafts_per_pass, self.capacity - len(context)))
+        return PlacedTokens(blocks.first_ranked(), entry, 1 + n), lambda: self.scored_chain(context, n)
 
     def catch_up(self, context: list[int]) -> None:
         """Cache the committed context's keys/values up to its last block of new tokens (one context
@@ -198,9 +221,9 @@ def draft_blocks(drafters: list, contexts: list[list[int]]) -> None:
     for members in groups.values():
         if len(members) < 2:
             continue
-        outs = members[0][0].net.cycle_batch([entry for _, _, entry in members], members[0][0].top_k)
-        for (block, context, _), (indices, values) in zip(members, outs):
-            block._drafted(context, (indices[1:], values[1:]))
+        blocks = members[0][0].net.cycle_batch([entry for _, _, entry in members], members[0][0].top_k)
+        for i, (block, context, _) in enumerate(members):
+            block._drafted(context, (blocks, i))
 
 
 class FeatureDrafter(_Conditioned):

@@ -234,6 +234,25 @@ class ReplayDrafter:
         log-probability) of each position, for a cost network that drafted its block already
         (`feature_drafters.draft_blocks`)."""
         self.cost.scored_chain(context, n)                     # the drafting work, its tokens unused
+        return self._replayed_chain(context, n)
+
+    def chain_ahead(self, context: list[int], n: int):
+        """`scored_chain(context, n)` the way the cost drafter's own `chain_ahead` goes: its
+        verification tokens placed, its block read when ``finish()`` is called (the drafting work, its
+        tokens unused); the verification's tokens are [last] + the replayed chain.  None where the
+        cost drafter has no chain ahead."""
+        ahead = getattr(self.cost, "chain_ahead", None)
+        spent = ahead(context, n) if ahead is not None else None
+        if spent is None:
+            return None
+        chain = self._replayed_chain(context, n)
+
+        def finish() -> list[tuple[int, float]]:
+            spent[1]()
+            return chain
+        return [context[-1]] + [token for token, _ in chain], finish
+
+    def _replayed_chain(self, context: list[int], n: int) -> list[tuple[int, float]]:
         if self.pools is None:
             return self._first_ranked(context, n)
         return [(token, self.float32.get(score, score)) for (token, score), in self._rows(context, n, 1)]

@@ -17,7 +17,7 @@ from specpilot.core import feature_drafter as fd
 from specpilot.core.errors import CheckpointError, SpecError, SpecPilotError
 from specpilot.core.spec import parse_spec
 from specpilot.core.weights import random_weights
-from specpilot.runtime.decoding import autoregressive, speculative, speculative_tree, tree_inputs
+from specpilot.runtime.decoding import autoregressive, close_state, speculative, speculative_tree, tree_inputs
 from specpilot.runtime.drafters import ranked
 from specpilot.runtime.feature_drafter_training import (block_batch, block_forward, feature_forward, init_tensors,
                                                          loss_curve, sample_anchors)
@@ -820,6 +820,64 @@ def test_block_drafters_of_a_continuous_batch_draft_in_one_call_and_keep_stock_s
         got = system.generate_batch(engine, prompts, lengths, max_batch=2)
         assert [g.tokens for g in got] == want, engine
         assert calls and max(calls) == 2, (engine, calls)
+
+
+def test_a_batch_s_chains_are_verified_from_where_their_block_drafters_placed_them(batch_build, monkeypatch):
+    """Chains of a batch's block drafters (and of replays over them) go to the verification as the
+    batched cycle's placed tokens (`PlacedTokens`, the host reading the blocks only when it commits),
+    requests joining and leaving a batch of three: the tokens are stock's."""
+    from specpilot.runtime.engine import CompiledModel, PlacedTokens, host_array
+    seen, events = [], []       # events: ("verified", tokens a row) and ("read", [last] + chain), in order
+    forward_batch, scored_chain = CompiledModel.forward_batch, BlockDrafter.scored_chain
+
+    def watched(self, items, record=False):
+        placed = record and all(isinstance(it[0], PlacedTokens) for it in items)
+        seen.append(len(items) if placed else 0)
+        events.append(("verified", [host_array(it[0]).tolist() for it in items] if placed else []))
+        return forward_batch(self, items, record)
+
+    def read(self, context, n):
+        chain = scored_chain(self, context, n)
+        events.append(("read", [context[-1]] + [t for t, _ in chain]))
+        return chain
+    monkeypatch.setattr(CompiledModel, "forward_batch", watched)
+    monkeypatch.setattr(BlockDrafter, "scored_chain", read)
+    system = from_build(batch_build)
+    prompts = PROMPTS + [[(3 * i + 1) % 301 for i in range(5)], [(11 * i + 2) % 301 for i in range(7)]]
+    lengths = [20, 12, 16, 14]
+    want = [system.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
+    seen.clear(), events.clear()
+    got = system.generate_batch("compiled-spec", prompts, lengths, max_batch=3)
+    assert [g.tokens for g in got] == want
+    assert sum(n > 0 for n in seen) >= 3 and 3 in seen, seen
+    # what a verification read where it ran is what the host read of the same chains as it committed
+    for i, (kind, rows) in enumerate(events):
+        if kind == "verified" and rows:
+            assert [r for _, r in events[i + 1:i + 1 + len(rows)]] == rows
+
+
+def test_placed_tokens_verify_as_the_same_tokens_from_the_host(batch_build):
+    """`forward_batch` over `PlacedTokens` rows of one tensor (lengths 1 to 5, each row's tail past its
+    length other tokens) gives the logits of the same tokens as host lists, from identical states."""
+    from specpilot.runtime.engine import CompiledModule, PlacedTokens
+    target = CompiledModule(batch_build).model("target")
+    gen = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in (9, 4, 13)]
+    rows = torch.randint(0, 301, (3, 6), generator=gen, dtype=torch.int64).to(torch.int32)
+    lengths = [5, 1, 3]
+    outs = []
+    for placed in (False, True):
+        states = [target.new_state(64) for _ in prompts]
+        for p, st in zip(prompts, states):
+            target.forward(p, st)
+        items = [(PlacedTokens(rows, b, n) if placed else rows[b, :n].tolist(), st)
+                 for b, (n, st) in enumerate(zip(lengths, states))]
+        outs.append(target.forward_batch(items, record=True))
+        assert [st.length for st in states] == [len(p) + n for p, n in zip(prompts, lengths)]
+        for st in states:
+            close_state(st)
+    for host, placed in zip(*outs):
+        assert torch.equal(host, placed)
 
 
 def test_joining_requests_catch_up_and_draft_their_blocks_with_the_batch(batch_build, monkeypatch):
