@@ -790,9 +790,12 @@ def test_a_batch_s_blocks_in_one_call_equal_each_drafted_alone(batch_build):
         logits = reference.block(own, tokens, cached + new)
         want.append((ranked(logits, k)[0], torch.log_softmax(logits, dim=-1)))
         entries.append((cache, features[cached:], cached + new, tokens))
-    for (indices, values), (want_indices, logp) in zip(net.cycle_batch(entries, k), want):
+    blocks = net.cycle_batch(entries, k)
+    first = blocks.first_ranked()              # placed before the blocks are read: the same tokens
+    for b, ((indices, values), (want_indices, logp)) in enumerate(zip(blocks, want)):
         assert torch.equal(torch.from_numpy(indices), want_indices)
         torch.testing.assert_close(torch.from_numpy(values), logp.gather(-1, want_indices), atol=1e-4, rtol=1e-4)
+        assert first[b].tolist() == [int(entries[b][3][0])] + want_indices[1:, 0].tolist()
     with pytest.raises(SpecPilotError, match="of its own"):
         net.cycle_batch([entries[0], entries[0]], k)        # two sequences on one row would race
     with pytest.raises(SpecPilotError, match="all 3 rows"):
