@@ -135,12 +135,15 @@ def profiled(system, engine: str, arrivals, policy, forces) -> dict:
     from torch.profiler import ProfilerActivity, profile
     system.serve(engine, arrivals, policy, forces=forces)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    module = system.engines[engine].model.module
+    released = module.releases
     with profile(activities=activities) as prof:
         system.serve(engine, arrivals, policy, forces=forces, parts=Ranges())
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        return split(json.loads(path.read_text()))
+        # each hand-back of pooled memory (`keep_headroom`) waits for the device and empties TVM's pool
+        return {**split(json.loads(path.read_text())), "releases": module.releases - released}
 
 
 def measure(system, engine: str, batch: int, args) -> dict:
@@ -160,7 +163,8 @@ def report(row: dict) -> dict:
     print(f"{row['engine']}{' priced' if row['priced'] else ''} at {row['batch']}: {row['passes']['count']} passes, "
           f"{row['passes']['wall_ms']:.2f} ms a pass, device idle {row['passes']['idle_ms']:.2f}; "
           + "; ".join(f"{p} {row[p]['wall_ms']:.2f} (idle {row[p]['idle_ms']:.2f}, of it in the build's calls "
-                      f"{row[p]['idle_in_calls_ms']:.2f}; {row[p]['launches']:.0f} launches)" for p in PARTS))
+                      f"{row[p]['idle_in_calls_ms']:.2f}; {row[p]['launches']:.0f} launches)" for p in PARTS)
+          + f"; {row['releases']} memory hand-backs")
     return row
 
 

@@ -55,6 +55,8 @@ class BatchResult:
     policy: dict = field(default_factory=dict)
     split: dict | None = None             # a synchronised rerun's parts: `cycle_timing.breakdown` + per pass ms
     prices: dict | None = None            # an adaptive row's fitted pass cost at its end, ms (`pass_cost.PassCost`)
+    releases: int | None = None           # the timed run's hand-backs of pooled device memory (`keep_headroom`;
+                                          # each waits for the device); None where the engine runs no build
 
 
 def arrivals_for(spec: str, prompts: list[list[int]], max_new: int, trace=None, seed: int = 0) -> list[Arrival]:
@@ -231,9 +233,12 @@ class BatchBench:
             if self.forced and speculative else None
         self.progress(f"{name} at batch {batch}")
         release_device_memory()   # the last row's workspaces, TVM's and torch's
+        module = getattr(getattr(self.system.engines[name], "model", None), "module", None)
+        released = getattr(module, "releases", None)
         run = self.system.serve(name, arrivals, policy, WallClock(), forces)
         self.progress(f"{name} at batch {batch}", advance=1)
         result = self._result(name, batch, arrivals, run, policy, tolerance, speculative)
+        result.releases = None if released is None else module.releases - released
         if self.split:
             result.split = self._split(name, arrivals, policy, forces)
         if schedule is not None:

@@ -121,6 +121,7 @@ def test_auto_lengths_are_a_row_of_each_drafting_engine(run_cli, replay_build):
     assert list(rows) == ["compiled", "compiled-spec", "compiled-tree-sched", "compiled-spec[draft auto]",
                           "compiled-tree-sched[draft auto]"]
     assert all(r["check"]["passed"] and r["tokens"] == 36 for r in rows.values())
+    assert all(r["releases"] == 0 for r in rows.values())      # a CPU's builds hand no memory back
     for engine in ("compiled-spec", "compiled-tree-sched"):
         assert rows[f"{engine}[draft auto]"]["policy"]["adaptive"] and not rows[engine]["policy"]["adaptive"]
         assert rows[engine]["prices"] is None      # the fitted prices are an adaptive row's
