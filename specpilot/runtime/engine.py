@@ -109,6 +109,21 @@ class PlacedTokens:
         return self.length
 
 
+def _host_tokens(items) -> list:
+    """Each item's tokens on the host, `PlacedTokens` rows read with one copy of their tensor (a batch
+    mixing them with host lists: prompt chunks riding a chain pass)."""
+    read: dict[int, np.ndarray] = {}
+    out = []
+    for it in items:
+        t = it[0]
+        if isinstance(t, PlacedTokens):
+            if id(t.rows) not in read:
+                read[id(t.rows)] = host_array(t.rows)
+            t = read[id(t.rows)][t.row, :t.length]
+        out.append(host_array(t))
+    return out
+
+
 def _tokens_in_place(items) -> tuple[torch.Tensor, list[int]] | None:
     """The items' tokens as one (B, W) torch tensor where they are and each item's length (W at
     least the longest; a row's tail past its length is padding): when every item gives them as a
@@ -783,8 +798,8 @@ class CompiledModel:
         host and the wait it would cost."""
         placed = _tokens_in_place(items)
         kept = None if placed is None else placed[0]
-        items = [(None if kept is not None else host_array(it[0]),) + tuple(host_array(x) for x in it[1:])
-                 + (None,) * (5 - len(it)) for it in items]
+        on_host = [None] * len(items) if kept is not None else _host_tokens(items)
+        items = [(t,) + tuple(host_array(x) for x in it[1:]) + (None,) * (5 - len(it)) for t, it in zip(on_host, items)]
         if len({id(it[1]) for it in items}) != len(items):
             raise SpecPilotError("a sequence appears twice in one batch")
         toks = [np.asarray(it[0], dtype="int32").reshape(-1) for it in items] if kept is None else \
