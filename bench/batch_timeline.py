@@ -5,13 +5,17 @@ one clock).  Of a part's idle time, what fell inside the build's calls is the de
 launched (or for the call's allocations); the rest waits for the runtime's Python, its copies and its reads.
 
     python bench/batch_timeline.py BUILD_DIR [--batches 16] [--engines compiled-spec,compiled-tree-sched]
-                                   [--priced off|on|both] [--prompt-tokens 128] [--new-tokens 64] [--out DIR]
+                                   [--priced off|on|both] [--prompt-tokens 128] [--new-tokens 64]
+                                   [--ranges MODULE:QUALNAME,...] [--out DIR]
 
 A burst of B requests of random token ids (seeded) runs on batched AR first (its tokens force the
 speculative engines, so the replay drafter follows them), then each engine once untimed and once under
 the profiler.  ``--priced on`` prices chains and trees by cost (`BatchPolicy.adaptive`, the build's
 ``draft-length{priced=true}``).  Also recorded: the host's processor and a single-thread Python loop's
-time, so hosts compare.  On a CPU build nothing runs on a device: every part is idle time.  JSON to --out.
+time, so hosts compare.  ``--ranges``: runtime functions (``specpilot.runtime.engine:CompiledModel.settle``)
+timed the same way, each call a range of its own name: where inside a part the device waits (a function
+called inside another counts in both).  On a CPU build nothing runs on a device: every part is idle time.
+JSON to --out.
 """
 
 from __future__ import annotations
@@ -77,16 +81,42 @@ def calls_ranged(module) -> None:
     module.functions = {name: ranged(fn) for name, fn in module.functions.items()}
 
 
-def split(trace: dict) -> dict:
-    """Per part of a trace's passes, milliseconds a pass: wall, device-busy and idle time; of them, the
-    build's calls' wall and the device's idle time inside them; launches a pass."""
+def functions_ranged(names: list[str]) -> list[str]:
+    """Each function ``module:qualname`` of ``names`` replaced where it is defined by one that runs it
+    inside a profiler range of that name (module-level functions are looked up by name when called, so
+    their callers in that module take the wrapper).  Returns the range names."""
+    import functools
+    import importlib
+
+    from torch.profiler import record_function
+
+    def ranged(fn, name):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return call
+    for name in names:
+        module_name, _, qualname = name.partition(":")
+        owner = importlib.import_module(module_name)
+        *path, attr = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, ranged(getattr(owner, attr), name))
+    return names
+
+
+def split(trace: dict, extra: tuple[str, ...] = ()) -> dict:
+    """Per part of a trace's passes (and per range named in ``extra``), milliseconds a pass: wall,
+    device-busy and idle time; of them, the build's calls' wall and the device's idle time inside them;
+    launches a pass."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     merged = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE])
     starts = [s for s, _ in merged]
     launches = sorted(e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                       and "Launch" in e.get("name", ""))
     ranges = {p: [(e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("cat") == "user_annotation" and e.get("name") == p] for p in (*PARTS, CALL)}
+                  if e.get("cat") == "user_annotation" and e.get("name") == p] for p in (*PARTS, *extra, CALL)}
     calls = sorted(ranges.pop(CALL))
     call_starts = [s for s, _ in calls]
     passes = max(len(ranges["verify"]), 1)
@@ -130,7 +160,7 @@ def host() -> dict:
     return {"processor": name, "python_loop_ms": python_loop_ms()}
 
 
-def profiled(system, engine: str, arrivals, policy, forces) -> dict:
+def profiled(system, engine: str, arrivals, policy, forces, extra: tuple[str, ...] = ()) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
     system.serve(engine, arrivals, policy, forces=forces)
@@ -143,7 +173,7 @@ def profiled(system, engine: str, arrivals, policy, forces) -> dict:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         # each hand-back of pooled memory (`keep_headroom`) waits for the device and empties TVM's pool
-        return {**split(json.loads(path.read_text())), "releases": module.releases - released}
+        return {**split(json.loads(path.read_text()), extra), "releases": module.releases - released}
 
 
 def measure(system, engine: str, batch: int, args) -> dict:
@@ -155,7 +185,7 @@ def measure(system, engine: str, batch: int, args) -> dict:
     system.serve(engine, arrivals, policy, forces=forces)
     plain = time.perf_counter() - start
     row = {"engine": engine, "batch": batch, "priced": policy.adaptive, "plain_seconds": plain,
-           **profiled(system, engine, arrivals, policy, forces)}
+           **profiled(system, engine, arrivals, policy, forces, tuple(args.ranges))}
     return row
 
 
@@ -165,6 +195,10 @@ def report(row: dict) -> dict:
           + "; ".join(f"{p} {row[p]['wall_ms']:.2f} (idle {row[p]['idle_ms']:.2f}, of it in the build's calls "
                       f"{row[p]['idle_in_calls_ms']:.2f}; {row[p]['launches']:.0f} launches)" for p in PARTS)
           + f"; {row['releases']} memory hand-backs")
+    for name in (k for k in row if ":" in k):
+        r = row[name]
+        print(f"  {name}: {r['wall_ms']:.2f} ms a pass, device idle {r['idle_ms']:.2f} "
+              f"(in the build's calls {r['idle_in_calls_ms']:.2f})")
     return row
 
 
@@ -176,8 +210,11 @@ def main() -> None:
     ap.add_argument("--priced", choices=("off", "on", "both"), default="off")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--ranges", type=lambda text: [n for n in text.split(",") if n], default=[],
+                    help="runtime functions MODULE:QUALNAME, comma-separated, each timed as a range of its own")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    functions_ranged(args.ranges)   # before the runtime's objects are made
     from specpilot.runtime.engine import CompiledModule
     from specpilot.runtime.systems import from_build
     module = CompiledModule(Path(args.build))

@@ -252,3 +252,26 @@ def test_the_timeline_bench_counts_device_time_by_part_against_a_brute_force_clo
     assert out["draft"]["launches"] == 0.5 and out["verify"]["launches"] == 1.5
     for part in ("draft", "verify", "commit"):
         assert abs(out[part]["busy_ms"] + out[part]["idle_ms"] - out[part]["wall_ms"]) < 1e-12
+    # a named function's range inside a part: its own busy and idle time (12-37 and 38-39 busy of 11-39)
+    named = "pkg.mod:Class.method"
+    out = split({"traceEvents": events + [{"ph": "X", "cat": "user_annotation", "name": named, "ts": 11, "dur": 28}]},
+                (named,))
+    assert abs(out[named]["busy_ms"] - 26 / 2e3) < 1e-12 and abs(out[named]["idle_ms"] - 2 / 2e3) < 1e-12
+
+
+def test_the_timeline_bench_ranges_a_named_function_where_it_is_defined(monkeypatch):
+    """`functions_ranged` replaces a method and a module-level function by wrappers that run them inside
+    a profiler range of their name: same results, the range recorded once a call."""
+    import types
+    import sys as system
+    from torch.profiler import ProfilerActivity, profile
+    from bench.batch_timeline import functions_ranged
+    mod = types.ModuleType("ranged_fixture")
+    exec("class Box:\n    def twice(self, x):\n        return 2 * x\n"
+         "def thrice(x):\n    return 3 * x\ndef caller(x):\n    return thrice(x) + 1\n", mod.__dict__)
+    monkeypatch.setitem(system.modules, "ranged_fixture", mod)
+    names = functions_ranged(["ranged_fixture:Box.twice", "ranged_fixture:thrice"])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert mod.Box().twice(4) == 8 and mod.caller(5) == 16
+    seen = [e.name for e in prof.events()]
+    assert all(seen.count(n) == 1 for n in names)
