@@ -22,7 +22,7 @@ from specpilot.core.errors import SpecPilotError
 from specpilot.runtime import heap
 from specpilot.runtime.engine import host_array
 from specpilot.runtime.reference.feature_nets import identity_vocab, scatter_draft_vocab
-from specpilot.runtime.uploads import upload
+from specpilot.runtime.uploads import Download, upload
 
 
 class CacheRow:
@@ -189,7 +189,11 @@ class RankedBlocks:
 
     def __init__(self, out, k: int, ids: np.ndarray | None, ids_device: torch.Tensor | None,
                  tokens: torch.Tensor, gpu: bool):
-        self.out, self.k, self.ids, self.ids_device, self.tokens, self.gpu = out, k, ids, ids_device, tokens, gpu
+        self.k, self.ids, self.ids_device, self.tokens = k, ids, ids_device, tokens
+        # the copy queued right behind the call: reading it later waits for the call alone, not for a
+        # verification launched since (the host ranks the blocks while the device verifies)
+        self.built = torch.from_dlpack(out) if gpu else torch.from_numpy(out.numpy())   # (B, K, ranks, 2)
+        self.copy = Download(self.built)
         self.host: list | None = None
         self.first: torch.Tensor | None = None
 
@@ -200,9 +204,9 @@ class RankedBlocks:
         return self.read()[i]
 
     def read(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Every entry's ranked block on the host (one read-back, waiting for the call)."""
+        """Every entry's ranked block on the host (one read-back, waiting for the call and its copy only)."""
         if self.host is None:
-            ranked = self.out.numpy()[:, :, :self.k]               # (B, K, k, 2): log-probability, index
+            ranked = self.copy.wait().numpy()[:, :, :self.k]        # (B, K, k, 2): log-probability, index
             index = ranked[..., 1].astype(np.int64)
             self.host = list(zip(self.ids[index] if self.ids is not None else index, ranked[..., 0]))
         return self.host
@@ -211,8 +215,7 @@ class RankedBlocks:
         """(B, K) int32 where the build ran: each entry's block token 0 (its context's last token), then
         its first-ranked draft at every later position -- the tokens a chain verification reads."""
         if self.first is None:
-            out = torch.from_dlpack(self.out) if self.gpu else torch.from_numpy(self.out.numpy())
-            index = out[:, 1:, 0, 1].long()                       # the index channel holds exact integers
+            index = self.built[:, 1:, 0, 1].long()                # the index channel holds exact integers
             if self.ids_device is not None:
                 index = self.ids_device[index]
             self.first = torch.cat([self.tokens[:, :1].to(index.device, torch.int32), index.to(torch.int32)], 1)
