@@ -286,11 +286,13 @@ def _schedule(request: BuildRequest, effects: dict) -> tuple[str, bool]:
     return schedule, bool(chosen.get("cuda_graph")) and target.is_gpu
 
 
-def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph: bool, say, instrument):
-    """Relax-to-TIR pipeline and `tvm.compile`; returns (executable, the module it compiled, the launch
-    check's summary: None on the CPU)."""
+def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph: bool, bounds: dict, say,
+             instrument):
+    """Relax-to-TIR pipeline (the step functions' memory planned at ``bounds``) and `tvm.compile`; returns
+    (executable, the module it compiled, the launch check's summary: None on the CPU)."""
     import tvm
 
+    from specpilot.compiler.memory_bounds import bound_functions
     from specpilot.kernels.fast_frames import quick_stack
     from specpilot.schedules.relax_pipeline import pipeline as relax_pipeline
 
@@ -305,7 +307,7 @@ def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph:
     context = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if cuda_graph else None,
                                         instruments=[check] if check else None)
     with compile_target, context, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
-        mod = relax_pipeline(compile_target, schedule, target.schedule_device())(lowered.mod)
+        mod = relax_pipeline(compile_target, schedule, target.schedule_device())(bound_functions(lowered.mod, bounds))
         instrument("relax-pipeline", mod)
         try:
             executable = tvm.compile(mod, target=compile_target, relax_pipeline=None)
@@ -374,7 +376,8 @@ def chat_template(directory: Path) -> str | None:
 
 
 def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_mod, schedule: str,
-              cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float, launch: dict | None) -> Manifest:
+              cuda_graph: bool, system_ir_hash: str, files: dict, seconds: float, launch: dict | None,
+              bounds: dict) -> Manifest:
     spec, target, d = request.spec, request.target, request.spec.drafter
     serving = {"draft_len": d.draft_len, **effects.get("serving", {})}
     if "serving" in effects and effects.get("tree"):   # a tree's draft length: nodes a request takes a pass
@@ -402,7 +405,16 @@ def _manifest(request: BuildRequest, lowered: Lowered, effects: dict, compiled_m
         functions=functions, params=list(lowered.context.params), versions=_versions(),
         params_source=request.params, seeds=seeds, build_seconds=round(seconds, 2), launch=launch,
         caches={which: _caches(model.cfg, spec.deployment) for which, model in (("target", tgt), ("drafter", drf)) if model},
-        **files)
+        memory_bounds={name: b for name, b in bounds.items() if name in functions}, **files)
+
+
+def memory_bounds(spec: Spec, effects: dict) -> dict[str, dict[str, int]]:
+    """The step functions' dimension bounds for this deployment and pipeline (`compiler.memory_bounds`)."""
+    from specpilot.compiler.memory_bounds import step_bounds, verify_rows
+
+    tree, serving, admission = effects.get("tree") or {}, effects.get("serving") or {}, effects.get("admission") or {}
+    rows = verify_rows(tree.get("budget"), serving.get("draft_len") or spec.drafter.draft_len, admission.get("chunk"))
+    return step_bounds(spec.deployment.max_batch, spec.deployment.max_seq_len, rows if tree.get("packed") else None)
 
 
 def _caches(cfg, deployment) -> dict:
@@ -435,14 +447,16 @@ def build(request: BuildRequest, progress=None) -> Manifest:
     system_ir_hash = system_identity(lowered)
     effects = pass_effects(lowered)
     schedule, cuda_graph = _schedule(request, effects)
-    executable, compiled_mod, launch = _compile(lowered, request, schedule, cuda_graph, say, instrument)
+    # a CUDA-graph build's capture takes its statically planned regions, keyed by their dimensions: left as is
+    bounds = {} if cuda_graph else memory_bounds(spec, effects)
+    executable, compiled_mod, launch = _compile(lowered, request, schedule, cuda_graph, bounds, say, instrument)
     out_dir = Path(request.out_dir)
     staging = _staging_dir(out_dir)
     say("exporting")
     try:
         files = _export(executable, compiled_mod, lowered, request, staging)
         manifest = _manifest(request, lowered, effects, compiled_mod, schedule, cuda_graph, system_ir_hash, files,
-                             time.perf_counter() - started, launch)
+                             time.perf_counter() - started, launch, bounds)
         write_manifest(staging, manifest)
         swap_in_dir(staging, out_dir)
     except BaseException:

@@ -146,6 +146,8 @@ class Manifest(_Strict):
     build_seconds: float = 0.0
     launch: dict | None = None         # CUDA: the launch-limit check's cards, kernel count, largest kernels
     caches: dict[str, dict[str, Cache]] | None = None   # per model: what a runtime allocates (the C++ one reads it)
+    # per step function, its dimensions' upper bounds (`compiler.memory_bounds`): a call must stay inside them
+    memory_bounds: dict[str, dict[str, int]] = {}
 
     @property
     def tree_budget(self) -> int:

@@ -660,6 +660,8 @@ class CompiledModel:
         # tree-verify{packed=true}: a padded batch's verification over its real tokens' rows
         self._verify_packed = fns.get(f"{which}_verify_packed")
         self.pack_verify = self._verify_packed is not None      # off: every verification padded (benchmarks)
+        # the tokens a sequence the packed function's memory is planned for: longer rows verify padded
+        self.packed_tokens = module.manifest.memory_bounds.get(f"{which}_verify_packed", {}).get("n")
         self.path_recompute = module.manifest.gdn_verify is not None   # every GDN verify kernel, drafter too
         # tokens a recording (verify) pass may take: the chunked GDN tree form holds a fixed number
         limit = (module.manifest.gdn_verify.max_tokens if module.manifest.gdn_verify else None) if self.has_gdn else None
@@ -817,7 +819,8 @@ class CompiledModel:
             conv, rec = self._stacked_states(states)
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
-        packing = record and not fixed and self.packs_verification and packed_rows(toks, T)
+        packing = record and not fixed and self.packs_verification and T <= (self.packed_tokens or T) \
+            and packed_rows(toks, T)
         if packing:
             head = m.tensors(tokens, positions, slots, mask, rows, parents, *packing)
         elif record:

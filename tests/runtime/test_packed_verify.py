@@ -113,6 +113,31 @@ def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, monkeypa
         assert torch.equal(packed.forward(token, a), padded.forward(token, b))
 
 
+def test_rows_past_the_packed_functions_bound_verify_padded(built, monkeypatch):
+    """The packed function's memory is planned for rows of at most the build's bound (a tree's budget and
+    its root here): a pass with a longer row verifies padded instead -- the packed function not called,
+    the logits the padded verification's -- and a pass within the bound still packs."""
+    model = built.engines["compiled"].model
+    bound = model.module.manifest.memory_bounds["target_verify_packed"]
+    assert model.packed_tokens == bound["n"] == 9 and bound["real"] == 6 * 9
+    rng = random.Random(5)
+    packed, padded, pairs = _twins(model, rng, 3)
+    calls = []
+    verify = packed._verify_packed
+    monkeypatch.setattr(packed, "_verify_packed", lambda *a: calls.append(a[0].shape) or verify(*a))
+    for lengths, packs in (((12, 3, 1), False), ((9, 2, 4), True)):
+        items = {"a": [], "b": []}
+        for (a, b), n in zip(pairs, lengths):
+            tokens = [rng.randrange(model.cfg.vocab_size) for _ in range(n)]
+            items["a"].append((tokens, a))
+            items["b"].append((tokens, b))
+        got = packed.forward_batch(items["a"], record=True)
+        want = padded.forward_batch(items["b"], record=True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert bool(calls) == packs
+        calls.clear()
+
+
 @pytest.mark.parametrize("engine", ["compiled-spec", "compiled-tree"])
 def test_batched_engines_on_a_packed_build_are_each_request_s_stock_tokens(built, engine):
     prompts = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1, 30, 2], [2, 2, 2]]
