@@ -834,10 +834,22 @@ class CompiledModel:
             kept = kept[:, :T]
             head[0] = m.tvm.runtime.from_dlpack(kept.contiguous())
         if record:
-            fn = self._verify_fixed if fixed else self._verify_packed if packing else self._verify
-            return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
-        fn = self._prefill if T > 1 else self._decode if B == 1 else self._decode_batch
+            name = "verify_tree" if fixed else "verify_packed" if packing else "verify"
+        else:
+            name = "prefill" if T > 1 else "decode" if B == 1 or self._decode_batch is self._decode else "decode_batch"
+        self._within_bounds(name, batch=B, n=T, kv_len=mask.shape[2], real=len(packing[0]) if packing else 0)
+        fn = {"verify_tree": self._verify_fixed, "verify_packed": self._verify_packed, "verify": self._verify,
+              "prefill": self._prefill, "decode": self._decode, "decode_batch": self._decode_batch}[name]
         return fn, [*head, self.kv, conv, rec, m.params], toks, states, parents
+
+    def _within_bounds(self, name: str, **dims: int) -> None:
+        """Refuse a call of ``<which>_<name>`` past the bounds its memory is planned at (the manifest's
+        ``memory_bounds``): TVM would write past the blocks it planned.  The runtime keeps its calls inside
+        them; this guards the contract."""
+        for dim, limit in self.module.manifest.memory_bounds.get(f"{self.which}_{name}", {}).items():
+            if dims.get(dim, 0) > limit:
+                raise SpecPilotError(f"{self.module.dir}: a {self.which}_{name} call with {dim} {dims[dim]}, past the "
+                                     f"{limit} its memory is planned for (the manifest's memory_bounds)")
 
     def forward_batch(self, items, record: bool = False) -> list[torch.Tensor]:
         """items: (tokens, state[, positions[, attn_mask[, parents]]]) per sequence, each sequence

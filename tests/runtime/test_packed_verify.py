@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from bench.packed_verify import random_tree
+from specpilot.core.errors import SpecPilotError
 from specpilot.runtime.engine import CompiledModel, packed_rows
 from specpilot.runtime.systems import from_build
 from specpilot.runtime.tree import Tree
@@ -136,6 +137,12 @@ def test_rows_past_the_packed_functions_bound_verify_padded(built, monkeypatch):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
         assert bool(calls) == packs
         calls.clear()
+    # a caller that packed the long row anyway is refused before TVM writes past the planned blocks
+    monkeypatch.setattr(packed, "packed_tokens", None)
+    long_rows = [([rng.randrange(model.cfg.vocab_size) for _ in range(n)], a) for (a, _), n in zip(pairs, (12, 3, 1))]
+    with pytest.raises(SpecPilotError, match="target_verify_packed call with n 12, past the 9"):
+        packed.forward_batch(long_rows, record=True)
+    assert not calls
 
 
 @pytest.mark.parametrize("engine", ["compiled-spec", "compiled-tree"])
