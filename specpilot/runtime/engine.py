@@ -80,10 +80,15 @@ def pack_inputs(arrays) -> tuple[np.ndarray, list]:
 HEADROOM = 0.12
 
 
-def release_device_memory() -> None:
-    """TVM's unused pooled blocks and torch's cached ones back to the driver (freeing synchronises)."""
+def release_pooled_memory() -> None:
+    """TVM's unused pooled blocks back to the driver (freeing synchronises)."""
     import tvm
     tvm.get_global_func("vm.builtin.memory_manager.clear")()
+
+
+def release_device_memory() -> None:
+    """TVM's unused pooled blocks and torch's cached ones back to the driver (freeing synchronises)."""
+    release_pooled_memory()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -284,15 +289,20 @@ class CompiledModule:
             raise SpecPilotError(f"{self.dir}: parameter {e} listed in manifest.json is missing") from None
 
     def keep_headroom(self) -> bool:
-        """On a GPU with less than HEADROOM of its memory free, `release_device_memory`; whether it did."""
-        if self.device.dlpack_device_type() != 2:
+        """On a GPU with less than HEADROOM of its memory free, TVM's unused pooled blocks back to the
+        driver, and torch's cached ones too where that leaves too little free (torch reuses its blocks for
+        any size, so emptying its cache mostly costs the allocations that follow); whether it released."""
+        if self.device.dlpack_device_type() != 2 or not self._low_on_memory():
             return False
-        free, total = torch.cuda.mem_get_info(self.device.index)
-        if free >= HEADROOM * total:
-            return False
-        release_device_memory()
+        release_pooled_memory()
+        if self._low_on_memory():
+            torch.cuda.empty_cache()
         self.releases += 1
         return True
+
+    def _low_on_memory(self) -> bool:
+        free, total = torch.cuda.mem_get_info(self.device.index)
+        return free < HEADROOM * total
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,8 +1,8 @@
 """`engine.pack_inputs`: a step's small inputs as one buffer (one host-to-device copy on GPUs),
 each a view at a 64-byte aligned offset -- checked on the CPU: every view is its array again
 (values, dtype, shape), aligned as TVM requires of DLPack tensors, no two views overlap, and TVM
-takes each view as is.  `CompiledModule.keep_headroom`: TVM's and torch's unused blocks go back to the
-driver exactly when a GPU's free memory is under the headroom."""
+takes each view as is.  `CompiledModule.keep_headroom`: TVM's unused blocks go back to the driver
+exactly when a GPU's free memory is under the headroom, torch's cached ones only where it stays under."""
 
 from __future__ import annotations
 
@@ -40,20 +40,47 @@ def test_packed_inputs_are_the_arrays_again_aligned_and_disjoint():
     assert len(host) == sum((a.nbytes + 63) // 64 * 64 for a in arrays)
 
 
+def _gpu_module():
+    from types import SimpleNamespace
+    gpu = SimpleNamespace(device=SimpleNamespace(dlpack_device_type=lambda: 2, index=0), releases=0)
+    gpu._low_on_memory = lambda: engine.CompiledModule._low_on_memory(gpu)
+    return gpu
+
+
 def test_headroom_releases_pooled_memory_only_when_the_card_runs_low(monkeypatch):
     from types import SimpleNamespace
     engine.release_device_memory()      # TVM's memory manager is reachable in this runtime
     released = []
-    monkeypatch.setattr(engine, "release_device_memory", lambda: released.append(1))
+    monkeypatch.setattr(engine, "release_pooled_memory", lambda: released.append("tvm"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append("torch"))
     cpu = SimpleNamespace(device=SimpleNamespace(dlpack_device_type=lambda: 1, index=0))
     assert not engine.CompiledModule.keep_headroom(cpu) and not released
-    gpu = SimpleNamespace(device=SimpleNamespace(dlpack_device_type=lambda: 2, index=0), releases=0)
+    gpu = _gpu_module()
     total = 1000
     for free, low in ((total, False), (int(engine.HEADROOM * total), False), (int(engine.HEADROOM * total) - 1, True),
                       (0, True)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index, free=free: (free, total))
         assert engine.CompiledModule.keep_headroom(gpu) == low
-    assert len(released) == 2 and gpu.releases == 2     # counted for the benchmarks' rows
+    # nothing came free either time: torch's cache went back too
+    assert released == ["tvm", "torch"] * 2 and gpu.releases == 2     # counted for the benchmarks' rows
+
+
+def test_torch_keeps_its_cache_where_tvms_pool_alone_frees_enough(monkeypatch):
+    """A hand-back empties torch's cache only where TVM's pool going back leaves the card still low."""
+    total, state = 1000, {"free": 50}
+    released = []
+
+    def tvm_back(amount):
+        released.append("tvm")
+        state["free"] += amount
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (state["free"], total))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append("torch"))
+    gpu = _gpu_module()
+    monkeypatch.setattr(engine, "release_pooled_memory", lambda: tvm_back(400))
+    assert engine.CompiledModule.keep_headroom(gpu) and released == ["tvm"]
+    state["free"], released[:] = 50, []
+    monkeypatch.setattr(engine, "release_pooled_memory", lambda: tvm_back(10))
+    assert engine.CompiledModule.keep_headroom(gpu) and released == ["tvm", "torch"] and gpu.releases == 2
 
 
 class _Seq:
