@@ -6,7 +6,7 @@ launched (or for the call's allocations); the rest waits for the runtime's Pytho
 
     python bench/batch_timeline.py BUILD_DIR [--batches 16] [--engines compiled-spec,compiled-tree-sched]
                                    [--priced off|on|both] [--prompt-tokens 128] [--new-tokens 64]
-                                   [--ranges MODULE:QUALNAME,...] [--out DIR]
+                                   [--ranges MODULE:QUALNAME,...|runtime] [--out DIR]
 
 A burst of B requests of random token ids (seeded) runs on batched AR first (its tokens force the
 speculative engines, so the replay drafter follows them), then each engine once untimed and once under
@@ -14,7 +14,7 @@ the profiler.  ``--priced on`` prices chains and trees by cost (`BatchPolicy.ada
 ``draft-length{priced=true}``).  Also recorded: the host's processor and a single-thread Python loop's
 time, so hosts compare.  ``--ranges``: runtime functions (``specpilot.runtime.engine:CompiledModel.settle``)
 timed the same way, each call a range of its own name: where inside a part the device waits (a function
-called inside another counts in both).  On a CPU build nothing runs on a device: every part is idle time.
+called inside another counts in both; ``runtime``: `RUNTIME_RANGES`).  On a CPU build nothing runs on a device: every part is idle time.
 JSON to --out.
 """
 
@@ -35,6 +35,14 @@ from bench._common import write  # noqa: E402
 from bench.batch_host import burst  # noqa: E402
 
 PARTS = ("draft", "draft_blocks", "draft_sync", "verify", "commit")
+# `--ranges runtime`: the runtime's host work around a batched pass's calls
+_E, _B = "specpilot.runtime.engine", "specpilot.runtime.batching"
+RUNTIME_RANGES = (
+    f"{_E}:CompiledModel._step_inputs", f"{_E}:CompiledModel.settle", f"{_E}:CompiledModel._pass_states",
+    f"{_E}:CompiledModel._logits", f"{_E}:CompiledModel._stacked_states", f"{_E}:CompiledModule.tensors",
+    f"{_E}:CompiledModule.keep_headroom", f"{_E}:step_rows", f"{_B}:_chains_ahead", f"{_B}:top2_rows",
+    f"{_B}:draft_blocks", f"{_B}:_Scheduler._commit", f"{_B}:_Scheduler._retire", f"{_B}:_Scheduler._chunks",
+    "specpilot.runtime.compiled_draft_nets:CompiledBlockNet._cycle_inputs")
 CALL = "build call"          # the range of each call of a build's function (`calls_ranged`)
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")        # trace categories of device work
 
@@ -210,8 +218,10 @@ def main() -> None:
     ap.add_argument("--priced", choices=("off", "on", "both"), default="off")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--ranges", type=lambda text: [n for n in text.split(",") if n], default=[],
-                    help="runtime functions MODULE:QUALNAME, comma-separated, each timed as a range of its own")
+    ap.add_argument("--ranges", type=lambda text: list(RUNTIME_RANGES) if text == "runtime" else
+                    [n for n in text.split(",") if n], default=[],
+                    help="runtime functions MODULE:QUALNAME, comma-separated, each timed as a range of its own "
+                         "('runtime': the runtime's host work around a pass's calls)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     functions_ranged(args.ranges)   # before the runtime's objects are made
