@@ -275,3 +275,15 @@ def test_the_timeline_bench_ranges_a_named_function_where_it_is_defined(monkeypa
         assert mod.Box().twice(4) == 8 and mod.caller(5) == 16
     seen = [e.name for e in prof.events()]
     assert all(seen.count(n) == 1 for n in names)
+
+
+def test_the_timeline_benchs_runtime_ranges_name_functions_that_exist():
+    """`--ranges runtime` names runtime functions by module and qualified name: each resolves to a callable."""
+    import importlib
+    from bench.batch_timeline import RUNTIME_RANGES
+    for name in RUNTIME_RANGES:
+        module_name, _, qualname = name.partition(":")
+        owner = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            owner = getattr(owner, part)
+        assert callable(owner), name
