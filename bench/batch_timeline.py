@@ -14,8 +14,8 @@ the profiler.  ``--priced on`` prices chains and trees by cost (`BatchPolicy.ada
 ``draft-length{priced=true}``).  Also recorded: the host's processor and a single-thread Python loop's
 time, so hosts compare.  ``--ranges``: runtime functions (``specpilot.runtime.engine:CompiledModel.settle``)
 timed the same way, each call a range of its own name: where inside a part the device waits (a function
-called inside another counts in both; ``runtime``: `RUNTIME_RANGES`).  On a CPU build nothing runs on a device: every part is idle time.
-JSON to --out.
+called inside another counts in both; ``runtime``: `RUNTIME_RANGES`).  On a CPU build nothing runs on a
+device: every part is idle time.  JSON to --out.
 """
 
 from __future__ import annotations
@@ -67,6 +67,19 @@ def covered(merged: list[tuple[float, float]], starts: list[float], start: float
     return total
 
 
+def in_range(fn, name: str):
+    """``fn`` run inside a profiler range called ``name``."""
+    import functools
+
+    from torch.profiler import record_function
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return call
+
+
 class Ranges:
     """A `cycle_timing.Clock`'s interface: each part a named profiler range."""
 
@@ -79,38 +92,22 @@ class Ranges:
 def calls_ranged(module) -> None:
     """Each of a loaded build's functions (``module.functions``) called inside a `CALL` range: the host's
     time in the build (the VM launching kernels) apart from its Python around them."""
-    from torch.profiler import record_function
-
-    def ranged(fn):
-        def call(*args):
-            with record_function(CALL):
-                return fn(*args)
-        return call
-    module.functions = {name: ranged(fn) for name, fn in module.functions.items()}
+    module.functions = {name: in_range(fn, CALL) for name, fn in module.functions.items()}
 
 
 def functions_ranged(names: list[str]) -> list[str]:
     """Each function ``module:qualname`` of ``names`` replaced where it is defined by one that runs it
     inside a profiler range of that name (module-level functions are looked up by name when called, so
     their callers in that module take the wrapper).  Returns the range names."""
-    import functools
     import importlib
 
-    from torch.profiler import record_function
-
-    def ranged(fn, name):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            with record_function(name):
-                return fn(*args, **kwargs)
-        return call
     for name in names:
         module_name, _, qualname = name.partition(":")
         owner = importlib.import_module(module_name)
         *path, attr = qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
-        setattr(owner, attr, ranged(getattr(owner, attr), name))
+        setattr(owner, attr, in_range(getattr(owner, attr), name))
     return names
 
 

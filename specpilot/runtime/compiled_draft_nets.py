@@ -181,8 +181,8 @@ class CompiledBlockNet(_Compiled):
 
 
 class RankedBlocks:
-    """A cycle call's ranked blocks, (indices, values) an entry, left where the build ran until first
-    indexed: then read to the host in one copy, as numpy views of it (int64 target ids, float32
+    """A cycle call's ranked blocks, (indices, values) an entry: copied to the host right behind the
+    call and read when first indexed, as numpy views of that copy (int64 target ids, float32
     log-probabilities, (K, k) each, best first).  `first_ranked` hands a verification each entry's
     block token and first-ranked drafts where they were computed, so that it launches behind the
     cycle without waiting for it; the host reads the blocks when it commits."""
