@@ -70,9 +70,9 @@ def one_batch(model, B: int, sizes: list[int], context: int, reps: int, rng: ran
     T = max(lengths)
     results = {name: logits_of(fn(*args)) for name, (fn, args) in calls.items()}
     real = [(b, t) for b, n in enumerate(lengths) for t in range(n)]
-    a = results["packed"]                     # the real tokens' rows (N, vocab), in the same order
-    if a.dim() == 3:                          # a build whose packed pass returned the padded layout
-        a = torch.stack([a[b, t] for b, t in real])
+    a = results["packed"]                     # the real tokens' rows (N, vocab), in the same order, then rounding's
+    # (a build whose packed pass returned the padded layout: its real positions)
+    a = torch.stack([a[b, t] for b, t in real]) if a.dim() == 3 else a[:len(real)]
     p = torch.stack([results["padded"][b, t] for b, t in real])
     times = timed_calls({**calls, **ar_step}, reps)
     per_kernel = {name: kernel_times(fn, args, top, model.module) for name, (fn, args) in {**calls, **ar_step}.items()} \

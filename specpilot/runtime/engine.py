@@ -78,6 +78,10 @@ def pack_inputs(arrays) -> tuple[np.ndarray, list]:
 # shapes (a continuous batch: each batch size times tokens a pass) would hoard the card; below this share
 # of the card free, the unused blocks go back to the driver
 HEADROOM = 0.12
+# and so on a GPU a packed verification's real rows are rounded up to a multiple of this: its logits (N, vocab),
+# about 1 MB a row on a 248k vocabulary, then take a few sizes instead of one a row count; the rows added
+# are within a GEMM's row block
+PACKED_ROWS_STEP = 16
 
 
 def release_pooled_memory() -> None:
@@ -595,10 +599,12 @@ class CompiledState:
 PREFILL_CHUNK = 2048   # prompt tokens one GPU prefill pass takes at most (`CompiledModel.forward`)
 
 
-def packed_rows(toks: list, T: int) -> tuple[np.ndarray, np.ndarray] | None:
+def packed_rows(toks: list, T: int, step: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
     """``target_verify_packed``'s ``pack`` (N,): the flat indices in (B*T) of a batch's real tokens
-    (``toks``: each sequence's, padded to T), and ``unpack`` (B, T): each position's row among them (a
-    padding position: its sequence's first row); None where nothing pads."""
+    (``toks``: each sequence's, padded to T), then as many copies of the last as round N up to a multiple
+    of ``step`` (at most B*T rows; no position reads them: their logits are dropped), and ``unpack``
+    (B, T): each position's row among them (a padding position: its sequence's first row); None where
+    nothing pads."""
     lengths = np.array([len(t) for t in toks])
     if lengths.sum() == len(toks) * T:
         return None
@@ -606,6 +612,8 @@ def packed_rows(toks: list, T: int) -> tuple[np.ndarray, np.ndarray] | None:
     within = np.arange(T)[None, :]
     real = within < lengths[:, None]
     pack = np.flatnonzero(real).astype("int32")
+    rows = min(-(-len(pack) // step) * step, len(toks) * T)
+    pack = np.concatenate([pack, np.full(rows - len(pack), pack[-1], "int32")]) if len(pack) else pack
     unpack = (starts[:, None] + np.where(real, within, 0)).astype("int32")
     return pack, unpack
 
@@ -683,6 +691,7 @@ class CompiledModel:
         # a pass's workspace grows with its tokens (a 4096-token prefill of a 27B-class hybrid asks the card
         # for ~58 GB beside the weights): GPU builds prefill a long prompt in passes of PREFILL_CHUNK tokens
         self.prefill_chunk = PREFILL_CHUNK if module.device.dlpack_device_type() == 2 else None
+        self.packed_rows_step = PACKED_ROWS_STEP if module.device.dlpack_device_type() == 2 else 1
 
     @property
     def vocab_size(self) -> int:
@@ -830,7 +839,7 @@ class CompiledModel:
         else:   # the placeholder arguments of a model without recurrent layers
             conv, rec = states[0].conv, states[0].rec
         packing = record and not fixed and self.packs_verification and T <= (self.packed_tokens or T) \
-            and packed_rows(toks, T)
+            and packed_rows(toks, T, self.packed_rows_step)
         if packing:
             head = m.tensors(tokens, positions, slots, mask, rows, parents, *packing)
         elif record:
@@ -879,7 +888,7 @@ class CompiledModel:
             self._pass_states(out[1], out[2], args[self.REC_ARG], toks, states, parents if record else None)
         for t, st in zip(toks, states):
             st.length += len(t)
-        logits = self._logits(out[0] if self._tuple else out)
+        logits = self._logits(out[0] if self._tuple else out, sum(len(t) for t in toks))
         if self.feature_layers:
             self.feature_pool.write([(st.features, start, len(t)) for t, st, start in zip(toks, states, starts)],
                                     self._host_or_device(out[-1]))
@@ -911,13 +920,16 @@ class CompiledModel:
             return torch.from_numpy(array.numpy())
         return torch.from_dlpack(array)
 
-    def _logits(self, array) -> torch.Tensor:
+    def _logits(self, array, real: int | None = None) -> torch.Tensor:
         """A step's logits as a torch tensor where the build ran: on a GPU a device copy (the
         reference engine's logits stay on the GPU too; the step's output buffer may be reused by the
-        next call, a CUDA graph's static output for one), on the CPU the values themselves."""
+        next call, a CUDA graph's static output for one), on the CPU the values themselves.  A packed
+        pass's (N, vocab): its first ``real`` rows (those after are `packed_rows`' rounding)."""
         if self.module.device.dlpack_device_type() == 1:
-            return torch.from_numpy(array.numpy())
-        return torch.from_dlpack(array).clone()
+            logits = torch.from_numpy(array.numpy())
+            return logits[:real] if logits.dim() == 2 and real else logits
+        logits = torch.from_dlpack(array)
+        return (logits[:real] if logits.dim() == 2 and real else logits).clone()
 
     def _commit_at(self, p: _Pass, index: int):
         """The conv / recurrent states after token ``index`` of recorded pass ``p``."""

@@ -26,23 +26,27 @@ from tests.conftest import TINY_CONFIGS, build_spec
 ARCHS = ["LlamaForCausalLM", "Qwen3_5ForCausalLM"]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_packed_rows_index_the_real_tokens(seed):
     rng = random.Random(seed)
     B = rng.randint(1, 7)
     lengths = [rng.randint(1, 13) for _ in range(B)]
     T = max(lengths) + rng.choice([0, 0, 3])          # a fixed-size pad past the longest too
-    got = packed_rows([[0] * n for n in lengths], T)
+    step = rng.choice([1, 1, 4, 16])
+    got = packed_rows([[0] * n for n in lengths], T, step)
     if sum(lengths) == B * T:
         assert got is None
         return
     pack, unpack = got
     assert pack.dtype == unpack.dtype == np.int32 and unpack.shape == (B, T)
-    assert pack.tolist() == [b * T + t for b, n in enumerate(lengths) for t in range(n)]
+    real = [b * T + t for b, n in enumerate(lengths) for t in range(n)]
+    # the real tokens in order, then copies of the last up to a multiple of step (at most the padded rows)
+    assert pack[:len(real)].tolist() == real
+    assert len(pack) == min(-(-len(real) // step) * step, B * T) and set(pack[len(real):].tolist()) <= {real[-1]}
     for b, n in enumerate(lengths):
         for t in range(T):
             # a real position finds itself; a padding one its sequence's first real row
-            assert pack[unpack[b, t]] == b * T + (t if t < n else 0)
+            assert unpack[b, t] < len(real) and pack[unpack[b, t]] == b * T + (t if t < n else 0)
 
 
 def test_nothing_to_pack_where_no_row_pads():
@@ -73,14 +77,17 @@ def _twins(model: CompiledModel, rng: random.Random, n: int):
     return packed, padded, pairs
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, monkeypatch):
+@pytest.mark.parametrize("seed, step", [(0, 1), (1, 1), (2, 4), (3, 16)])
+def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, step, monkeypatch):
+    """With its rows rounded up (``step``: a GPU's `PACKED_ROWS_STEP`) too: the rows added change nothing."""
     rng = random.Random(seed)
     built = built.engines["compiled"].model
     packed, padded, pairs = _twins(built, rng, rng.randint(2, 6))
+    packed.packed_rows_step = step
     calls = []
     verify = packed._verify_packed
-    monkeypatch.setattr(packed, "_verify_packed", lambda *a: calls.append(a[6].shape[0]) or verify(*a))
+    monkeypatch.setattr(packed, "_verify_packed", lambda *a: calls.append((a[6].shape[0], len(np.unique(a[6].numpy())), a[0].shape[1]))
+                        or verify(*a))
     for _ in range(3):              # passes in a row: each starts from the states the last one committed
         items, trees = {"a": [], "b": []}, []
         for a, b in pairs:
@@ -108,6 +115,8 @@ def test_packed_verification_is_the_padded_one_bit_for_bit(built, seed, monkeypa
             if built.has_gdn:
                 assert np.array_equal(a.conv.numpy(), b.conv.numpy()) and np.array_equal(a.rec.numpy(), b.rec.numpy())
     assert calls, "no pass padded: the packed function was never called"
+    assert all(n % step == 0 or n == len(items["a"]) * T for n, _, T in calls)
+    assert any(n > real for n, real, _ in calls) == (step > 1)      # rows were added, and only when asked
     # the next decode steps read the keys / values both verifications wrote
     for a, b in pairs:
         token = [rng.randrange(built.cfg.vocab_size)]
@@ -145,11 +154,12 @@ def test_rows_past_the_packed_functions_bound_verify_padded(built, monkeypatch):
     assert not calls
 
 
-@pytest.mark.parametrize("engine", ["compiled-spec", "compiled-tree"])
-def test_batched_engines_on_a_packed_build_are_each_request_s_stock_tokens(built, engine):
+@pytest.mark.parametrize("engine, step", [("compiled-spec", 1), ("compiled-tree", 1), ("compiled-tree", 16)])
+def test_batched_engines_on_a_packed_build_are_each_request_s_stock_tokens(built, engine, step, monkeypatch):
     prompts = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1, 30, 2], [2, 2, 2]]
     lengths = [17, 6, 12, 9]
     assert built.engines["compiled"].model.module.manifest.tree.packed
+    monkeypatch.setattr(built.engines[engine].model, "packed_rows_step", step)
     want = [built.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
     got = built.generate_batch(engine, prompts, lengths, max_batch=4)
     assert [g.tokens for g in got] == want
