@@ -982,13 +982,25 @@ class CompiledModel:
 
     def _stacked_states(self, states: list[CompiledState]):
         """The sequences' (B, ...) conv and recurrent states: the last call's outputs themselves when
-        ``states`` are its rows in order, else their rows stacked (``states`` settled)."""
+        ``states`` are its rows in order, its rows picked in one copy (or a view of consecutive ones) when
+        they are some of its rows (requests left the batch), else their rows stacked (``states`` settled)."""
         first = states[0].stacked
-        if first is not None and first[0].shape[0] == len(states) and all(
-                st.stacked is not None and st.stacked[0] is first[0] and st.stacked[2] == b
-                for b, st in enumerate(states)):
-            return first[0], first[1]
+        if first is not None and all(st.stacked is not None and st.stacked[0] is first[0] for st in states):
+            picks = [st.stacked[2] for st in states]
+            if picks == list(range(first[0].shape[0])):
+                return first[0], first[1]
+            return self._pick(first[0], picks), self._pick(first[1], picks)
         return self._stack([st.conv for st in states]), self._stack([st.rec for st in states])
+
+    def _pick(self, array, picks: list[int]):
+        """Rows ``picks`` of a (B, ...) array as one (len(picks), ...) array on the device: a view of it
+        where they are consecutive and the view 64-byte aligned (TVM takes no other), else one gather."""
+        whole = torch.from_dlpack(array)
+        lo = picks[0]
+        rows = whole[lo:lo + len(picks)]
+        if picks != list(range(lo, lo + len(picks))) or rows.data_ptr() % 64:
+            rows = whole.index_select(0, upload(np.array(picks, "int64"), whole.device))
+        return self.module.tvm.runtime.from_dlpack(rows)
 
     def _stack(self, arrays):
         """(1, ...) arrays of the sequences -> one (B, ...) array on the device."""

@@ -34,14 +34,19 @@ def system(tmp_path_factory):
 
 
 class _Calls:
-    """Counts the engine's stacks of several states (copies), the (1, ...) views of a state it makes,
-    its commit calls' batch sizes and its calls moving accepted tree paths' keys / values (their batch
-    sizes)."""
+    """Counts the engine's stacks of several states (copies of their row views), its picks of some
+    rows of a call's outputs, the (1, ...) views of a state it makes, its commit calls' batch sizes and
+    its calls moving accepted tree paths' keys / values (their batch sizes)."""
 
     def __init__(self, monkeypatch, model):
-        self.stacks, self.rows, self.commits, self.moves = 0, 0, [], []
+        self.stacks, self.picks, self.rows, self.commits, self.moves = 0, 0, 0, [], []
         stack, row, commit, compact = engine.CompiledModel._stack, engine.CompiledModel.row, model._commit, \
             model._compact_kv
+        pick = engine.CompiledModel._pick
+
+        def counted_pick(this, array, picks):
+            self.picks += 1
+            return pick(this, array, picks)
 
         def counted_row(this, array, *args):
             self.rows += array.shape[0] > 1      # a row of a batch's outputs (a single sequence's are themselves)
@@ -58,6 +63,7 @@ class _Calls:
             self.moves.append(rows.shape[0])
             return compact(kv, rows, *args)
         monkeypatch.setattr(engine.CompiledModel, "_stack", counted_stack)
+        monkeypatch.setattr(engine.CompiledModel, "_pick", counted_pick)
         monkeypatch.setattr(engine.CompiledModel, "row", counted_row)
         monkeypatch.setattr(model, "_commit", counted_commit)
         monkeypatch.setattr(model, "_compact_kv", counted_compact)
@@ -77,10 +83,10 @@ def test_ar_steps_pass_the_batch_s_states_on_without_copies(system, monkeypatch)
     run = system.serve("compiled", ARRIVALS, system.batch_policy("compiled", 3), StepClock())
     assert [g.tokens for g in run.generations] == alone
     steps = len([s for s in run.steps if s.running])
-    # conv and rec restacked once after each change of the running set, never on a step that keeps it;
-    # a state's row views are made only to be restacked (at most 3 states a stack here)
-    assert 0 < calls.stacks <= 2 * _members(run) < steps
-    assert 0 < calls.rows <= 3 * calls.stacks
+    # conv and rec restacked (or their rows picked) once after each change of the running set, never on a
+    # step that keeps it; a state's row views are made only to be restacked (at most 3 states a stack here)
+    assert 0 < calls.stacks + calls.picks <= 2 * _members(run) < steps
+    assert calls.picks > 0 and calls.rows <= 3 * calls.stacks
 
 
 @pytest.mark.parametrize("name", ["compiled-spec", "compiled-tree"])
@@ -93,7 +99,7 @@ def test_a_verification_s_kept_states_are_committed_in_one_call(system, monkeypa
     passes = [s for s in run.steps if s.running and not s.prefill]
     assert calls.commits and max(calls.commits) == 3             # the whole batch in one call
     assert len(calls.commits) <= len(passes)                     # never a call per request
-    assert calls.stacks <= 2 * _members(run)                     # committed rows are the next pass's input
+    assert calls.stacks + calls.picks <= 2 * _members(run)       # committed rows are the next pass's input
     assert calls.rows <= 3 * calls.stacks + 4 * sum(s.running == 1 for s in passes)   # to restack or commit one alone
     assert len(calls.moves) <= len(passes)                       # a tree pass's path moves in one call
 
@@ -143,6 +149,26 @@ def test_a_row_is_a_view_only_where_tvm_can_take_it():
             assert torch.equal(got, base[1:2])
             assert (got.data_ptr() == base[1:2].data_ptr()) == (aligned and not graphs), (width, graphs)
 
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_some_rows_of_a_call_s_outputs_are_picked_in_order(seed):
+    """`_pick` (a batch that lost members): rows ``picks`` of the outputs, in their order -- consecutive
+    aligned ones a view of the outputs, others one gather (repeats and any order included)."""
+    import random
+    import tvm
+    rng = random.Random(seed)
+    fake = SimpleNamespace(module=SimpleNamespace(tvm=tvm))
+    B, width = rng.randint(2, 9), rng.choice([16, 5, 48, 7])       # float32 rows of 64, 20, 192, 28 bytes
+    base = torch.randn(B, width, 3)
+    n = rng.randint(1, B)
+    lo = rng.randrange(B - n + 1)
+    for picks in (list(range(lo, lo + n)), rng.sample(range(B), n), [rng.randrange(B)] * 2):
+        got = torch.from_dlpack(engine.CompiledModel._pick(fake, tvm.runtime.from_dlpack(base), picks))
+        assert torch.equal(got, base[picks])
+        consecutive = picks == list(range(picks[0], picks[0] + len(picks)))
+        view = got.data_ptr() == base[picks[0]:].data_ptr()
+        assert view == (consecutive and (picks[0] * width * 3 * 4) % 64 == 0), (picks, width)
 
 
 def test_a_cuda_graph_build_s_rows_are_copies_stacked_again(system, monkeypatch):
