@@ -288,11 +288,12 @@ def _schedule(request: BuildRequest, effects: dict) -> tuple[str, bool]:
 
 def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph: bool, bounds: dict, say,
              instrument):
-    """Relax-to-TIR pipeline (the step functions' memory planned at ``bounds``) and `tvm.compile`; returns
+    """Relax-to-TIR pipeline (the step functions' memory planned at ``bounds``, their outputs' storage
+    rounded: `compiler.memory_bounds`; neither for a CUDA-graph build) and `tvm.compile`; returns
     (executable, the module it compiled, the launch check's summary: None on the CPU)."""
     import tvm
 
-    from specpilot.compiler.memory_bounds import bound_functions
+    from specpilot.compiler.memory_bounds import bound_functions, round_output_storage, round_rows
     from specpilot.kernels.fast_frames import quick_stack
     from specpilot.schedules.relax_pipeline import pipeline as relax_pipeline
 
@@ -307,7 +308,10 @@ def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph:
     context = tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True} if cuda_graph else None,
                                         instruments=[check] if check else None)
     with compile_target, context, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
-        mod = relax_pipeline(compile_target, schedule, target.schedule_device())(bound_functions(lowered.mod, bounds))
+        mod = lowered.mod if cuda_graph else round_rows(bound_functions(lowered.mod, bounds),
+                                                        request.spec.deployment.max_batch, bounds)
+        mod = relax_pipeline(compile_target, schedule, target.schedule_device(),
+                             [] if cuda_graph else [round_output_storage()])(mod)
         instrument("relax-pipeline", mod)
         try:
             executable = tvm.compile(mod, target=compile_target, relax_pipeline=None)

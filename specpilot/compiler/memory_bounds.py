@@ -8,6 +8,11 @@ which waits for the device.  Given a function's bounds (its ``tir_var_upper_boun
 few blocks whatever its shape.  Its outputs stay sized by the call (the recurrent states a sequence
 outlive it, and planned at the bounds a batch of 16 would hold a batch of 32's).  The runtime keeps
 every call inside its function's bounds (the manifest's ``memory_bounds``).
+
+The outputs' storage is rounded instead (`round_rows`, `round_output_storage`): a function's batch (and
+a bounded function's other dimensions) is allocated for the next power of two, at most its bound. A
+batch losing one request a pass at the end of a burst then asks for a few sizes of each output, not one
+a batch size -- a (B, ...) recurrent state of a 27B-class hybrid is 151 MB a row.
 """
 
 from __future__ import annotations
@@ -48,3 +53,78 @@ def bound_functions(mod, bounds: dict[str, dict[str, int]]):
             mod[gv] = func.with_attr("tir_var_upper_bound", {name: wanted[name] for name in names})
     return mod
 
+
+
+ROUND_ROWS = "specpilot.round_rows"      # a Relax function's attribute: {dimension: its cap}
+
+
+def round_rows(mod, max_batch: int, bounds: dict[str, dict[str, int]]):
+    """``mod`` with each Relax function's rounded dimensions (`ROUND_ROWS`): ``batch`` at most
+    ``max_batch`` wherever it is a dimension, and a bounded function's dimensions at most their bounds."""
+    from tvm import relax
+
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function):
+            continue
+        names = {v.name for param in func.params for v in relax.analysis.tir_vars_in_type(param.ty)}
+        caps = {**({"batch": max_batch} if "batch" in names else {}),
+                **{name: cap for name, cap in bounds.get(gv.name_hint, {}).items() if name in names}}
+        if caps:
+            mod[gv] = func.with_attr(ROUND_ROWS, caps)
+    return mod
+
+
+def power_of_two_at_most(dim, cap: int):
+    """The TIR expression: ``dim`` rounded up to a power of two, at most ``cap`` (``dim`` itself past it)."""
+    from tvm import tirx
+
+    expr = tirx.Select(dim <= cap, tirx.IntImm("int64", cap), dim)
+    power = 1
+    while power * 2 < cap:
+        power *= 2
+    while power >= 1:
+        expr = tirx.Select(dim <= power, tirx.IntImm("int64", power), expr)
+        power //= 2
+    return expr
+
+
+def round_output_storage():
+    """A Relax pass, after ``StaticPlanBlockMemory``: each allocation it left to the call (the outputs)
+    of a function with `ROUND_ROWS` gets storage of its own sized with those dimensions rounded
+    (`power_of_two_at_most`); the tensor is that storage's first bytes."""
+    import tvm
+    from tvm import relax, tirx
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    alloc = tvm.ir.Op.get("relax.builtin.alloc_tensor")
+
+    @mutator
+    class Rounded(PyExprMutator):
+        def __init__(self, mod, caps: dict[str, int]):
+            super().__init__(mod)
+            self.caps = caps
+
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op != alloc or not isinstance(call.args[0], relax.ShapeExpr):
+                return call
+            dims = list(call.args[0].values)
+            rounded = [power_of_two_at_most(d, self.caps[d.name]) if isinstance(d, tirx.Var) and d.name in self.caps
+                       else d for d in dims]
+            if all(r is d for r, d in zip(rounded, dims)):
+                return call
+            size = tirx.IntImm("int64", tvm.DataType(call.args[1].value).bits // 8)
+            for dim in rounded:
+                size = size * dim
+            storage = self.builder_.emit(relax.op.memory.alloc_storage(relax.ShapeExpr([size]), call.args[2],
+                                                                       call.args[3], "uint8"), "storage")
+            return relax.op.memory.alloc_tensor(storage, relax.prim_value(0), call.args[0], call.args[1], call.args[2])
+
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.round_output_storage")
+    def _round(mod, _ctx):
+        for gv, func in list(mod.functions.items()):
+            caps = func.attrs.get(ROUND_ROWS) if isinstance(func, relax.Function) and func.attrs else None
+            if caps:
+                mod[gv] = Rounded(mod, {str(k): int(v) for k, v in caps.items()}).visit_expr(func)
+        return mod
+    return _round

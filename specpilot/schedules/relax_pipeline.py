@@ -148,7 +148,7 @@ def gpu_schedules() -> tvm.transform.Pass:
     return dl.ApplyDefaultSchedule(*(_declining(r) for r in rules), dl.gpu.Fallback())
 
 
-def _cpu_nt(target: tvm.target.Target) -> tvm.transform.Pass:
+def _cpu_nt(target: tvm.target.Target, after_planning: list) -> tvm.transform.Pass:
     """x @ W^T as one kernel reading W in its stored layout (no per-call weight transpose), vectorised
     over K for any number of rows (`schedules.cpu_matmul`), then TVM's CPU lowering."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
@@ -160,19 +160,49 @@ def _cpu_nt(target: tvm.target.Target) -> tvm.transform.Pass:
         with target:
             seq = tvm.transform.Sequential([relax.transform.FuseTransposeMatmul(), *cpu.library_dispatch_passes(target),
                                             *cpu.legalize_passes(target), cpu_matmuls(),
-                                            *cpu.dataflow_lower_passes(target), *cpu.finalize_passes(target)])
+                                            *cpu.dataflow_lower_passes(target),
+                                            *_finalize(cpu.finalize_passes(target), after_planning)])
             return seq(mod)
     return _pipeline
 
 
-def pipeline(target: tvm.target.Target, schedule: str, gpu: Device = TUNED) -> tvm.transform.Pass:
-    """The pipeline of ``schedule`` for ``target``, its kernels sized for the card ``gpu``."""
+def _finalize(passes: list, after_planning: list) -> list:
+    """A backend's finalization passes with ``after_planning`` right after ``StaticPlanBlockMemory``."""
+    at = next(i for i, p in enumerate(passes) if p.info.name == "StaticPlanBlockMemory") + 1
+    return [*passes[:at], *after_planning, *passes[at:]]
+
+
+def _default(target: tvm.target.Target, after_planning: list) -> tvm.transform.Pass:
+    """TVM's default pipeline for ``target`` (CUDA or CPU), ``after_planning`` run after its memory planning."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    from tvm.relax.backend.cuda import pipeline as cuda
+    backend = cuda if target.kind.name == "cuda" else cpu
+
+    @tvm.transform.module_pass(opt_level=0, name="specpilot.default_pipeline")
+    def _pipeline(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
+        with target:
+            seq = tvm.transform.Sequential(backend.library_dispatch_passes(target) + backend.legalize_passes(target)
+                                           + backend.dataflow_lower_passes(target)
+                                           + _finalize(backend.finalize_passes(target), after_planning))
+            return seq(mod)
+    return _pipeline
+
+
+def pipeline(target: tvm.target.Target, schedule: str, gpu: Device = TUNED,
+             after_planning: list | None = None) -> tvm.transform.Pass:
+    """The pipeline of ``schedule`` for ``target``, its kernels sized for the card ``gpu``;
+    ``after_planning``: Relax passes to run right after its static memory planning."""
+    after_planning = list(after_planning or [])
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule set {schedule!r}; known: {', '.join(SCHEDULES)}")
     if schedule == "cpu-nt" and target.kind.name != "cuda":
-        return _cpu_nt(target)
+        return _cpu_nt(target, after_planning)
     if schedule not in ("nt-gemv", "skinny-mma") or target.kind.name != "cuda":
-        return relax.get_default_pipeline(target)
+        if target.kind.name not in ("cuda", "llvm"):
+            if after_planning:
+                raise ValueError(f"passes after memory planning take a cuda or llvm target, not {target.kind.name}")
+            return relax.get_default_pipeline(target)
+        return _default(target, after_planning)
     from tvm.relax.backend.cuda import pipeline as cuda
 
     legalize = [
@@ -191,7 +221,8 @@ def pipeline(target: tvm.target.Target, schedule: str, gpu: Device = TUNED) -> t
     def _pipeline(mod: tvm.ir.IRModule, _ctx) -> tvm.ir.IRModule:
         with target:
             seq = tvm.transform.Sequential(cuda.library_dispatch_passes(target) + legalize
-                                           + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
+                                           + cuda.dataflow_lower_passes(target)
+                                           + _finalize(cuda.finalize_passes(target), after_planning))
             return seq(mod)
 
     return _pipeline

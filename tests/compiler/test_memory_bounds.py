@@ -67,3 +67,86 @@ def test_a_bounded_function_computes_what_the_unbounded_one_does(shape):
     a, b = (vm[name](tvm.runtime.tensor(x)).numpy() for name in ("bounded", "free"))
     e = np.exp(x)
     assert np.array_equal(a, b) and np.allclose(a, e + e.sum(1, keepdims=True), rtol=1e-6)
+
+
+@pytest.mark.parametrize("cap", [1, 5, 16, 17, 32])
+def test_a_dimension_rounds_up_to_a_power_of_two_at_most_its_cap(cap):
+    for dim in range(1, 2 * cap + 3):
+        want = dim if dim > cap else min(cap, 1 << (dim - 1).bit_length())
+        assert _rounded(dim, cap) == want, (dim, cap)
+
+
+def _rounded(dim: int, cap: int) -> int:
+    from tvm import tirx
+    from tvm.sym import Analyzer
+    from specpilot.compiler.memory_bounds import power_of_two_at_most
+    return int(Analyzer().simplify(power_of_two_at_most(tirx.IntImm("int64", dim), cap)))
+
+
+def _batched():
+    """f(x (batch, n, 3)) -> (x * 2 (batch, n, 3), its sum over n (batch, 3)), and g(y (m,)) -> y + 1."""
+    from tvm import relax, tirx
+    bb = relax.BlockBuilder()
+    batch, n, m = (tirx.Var(name, "int64") for name in ("batch", "n", "m"))
+    x = relax.Var("x", relax.TensorType([batch, n, 3], "float32"))
+    with bb.function("f", [x]):
+        with bb.dataflow():
+            doubled = bb.emit(relax.op.multiply(x, relax.const(2.0, "float32")))
+            out = bb.emit_output(relax.Tuple([doubled, relax.op.sum(doubled, axis=[1])]))
+        bb.emit_func_output(out)
+    y = relax.Var("y", relax.TensorType([m], "float32"))
+    with bb.function("g", [y]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(y, relax.const(1.0, "float32")))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _storage_bytes(func, **dims: int) -> list[int]:
+    """The sizes of ``func``'s ``alloc_storage`` calls at the given values of its shape variables."""
+    import tvm
+    from tvm import relax, tirx
+    from tvm.sym import Analyzer
+    analyzer = Analyzer()
+    for var in func.params[0].ty.shape.values:
+        if isinstance(var, tirx.Var) and var.name in dims:
+            analyzer.bind(var, tirx.IntImm("int64", dims[var.name]))
+    op = tvm.ir.Op.get("relax.memory.alloc_storage")
+    return [int(analyzer.simplify(b.value.args[0].values[0])) for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and b.value.op == op]
+
+
+def test_rounded_dimensions_are_the_batch_everywhere_and_a_bounded_function_s_bounds():
+    from specpilot.compiler.memory_bounds import ROUND_ROWS, round_rows
+    mod = round_rows(_batched(), 16, {"f": {"n": 9, "unused": 4}, "g": {}})
+    assert {k: int(v) for k, v in mod["f"].attrs[ROUND_ROWS].items()} == {"batch": 16, "n": 9}
+    assert ROUND_ROWS not in (mod["g"].attrs or {})          # no batch, no bounds: left as it was
+    assert {k: int(v) for k, v in round_rows(_batched(), 32, {})["f"].attrs[ROUND_ROWS].items()} == {"batch": 32}
+
+
+def test_outputs_get_storage_of_the_rounded_size_and_the_same_values():
+    """After planning, each output of a function with rounded dimensions has storage of its own sized for
+    them (a (batch, n, 3) float32 output: 4 * 3 * rounded batch * rounded n bytes); the compiled function
+    computes what the plain one does below, at and past the caps."""
+    import tvm
+    from tvm import relax
+    from specpilot.compiler.memory_bounds import round_output_storage, round_rows
+    from specpilot.schedules.relax_pipeline import pipeline
+    mod = round_rows(_batched(), 16, {"f": {"n": 9}})
+    target = tvm.target.Target("llvm")
+    with target:
+        planned = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.ToNonDataflow(),
+                                            relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
+                                            relax.transform.StaticPlanBlockMemory(), round_output_storage()])(mod)
+    assert "alloc_storage" not in planned["g"].script(show_meta=False)     # g's output left to TVM as before
+    for (batch, n), (rb, rn) in {(3, 5): (4, 8), (16, 9): (16, 9), (17, 12): (17, 12), (1, 1): (1, 1)}.items():
+        # the doubled (batch, n, 3) and the summed (batch, 3), float32
+        assert sorted(_storage_bytes(planned["f"], batch=batch, n=n)) == sorted([4 * 3 * rb * rn, 4 * 3 * rb])
+    exe = tvm.compile(pipeline(target, "tvm-default", after_planning=[round_output_storage()])(mod), target=target,
+                      relax_pipeline=None)
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    for batch, n in ((3, 5), (16, 9), (17, 12), (1, 1)):
+        x = np.random.default_rng(batch * n).standard_normal((batch, n, 3)).astype("float32")
+        doubled, summed = vm["f"](tvm.runtime.tensor(x))
+        assert np.array_equal(doubled.numpy(), x * 2) and np.allclose(summed.numpy(), (x * 2).sum(1), rtol=1e-6)
+    assert np.array_equal(vm["g"](tvm.runtime.tensor(np.arange(5, dtype="float32"))).numpy(), np.arange(1, 6))
