@@ -69,7 +69,7 @@ def top2_rows(logits: list[torch.Tensor]) -> list[list[Choice]]:
     `top2` row by row (``max`` over a dimension takes the first maximum)."""
     if not logits:
         return []
-    rows = torch.cat(list(logits)) if len(logits) > 1 else logits[0]
+    rows = joined_rows(list(logits))
     best, at = rows.max(1)
     second, runner = rows.scatter(1, at[:, None], float("-inf")).max(1)
     values = torch.stack([best, second]).float().cpu().tolist()
@@ -81,6 +81,24 @@ def top2_rows(logits: list[torch.Tensor]) -> list[list[Choice]]:
                                              index[1][start:end])])
         start = end
     return out
+
+
+def joined_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """(rows, vocab) blocks as one: a view where they lie one after the other in one tensor's memory (a
+    packed pass's logits, split by request), else a copy."""
+    first = blocks[0]
+    total = sum(b.shape[0] for b in blocks)
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for b in blocks:
+        if not b.is_contiguous() or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] \
+                or b.untyped_storage().data_ptr() != storage or b.storage_offset() != offset:
+            return torch.cat(blocks)
+        offset += b.numel()
+    shape = (total, *first.shape[1:])
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return first.as_strided(shape, strides, first.storage_offset())
 
 
 STREAM_WINDOW = 4     # tokens a streamed on-device decode hands over at once (a host round trip each)

@@ -921,15 +921,16 @@ class CompiledModel:
         return torch.from_dlpack(array)
 
     def _logits(self, array, real: int | None = None) -> torch.Tensor:
-        """A step's logits as a torch tensor where the build ran: on a GPU a device copy (the
-        reference engine's logits stay on the GPU too; the step's output buffer may be reused by the
-        next call, a CUDA graph's static output for one), on the CPU the values themselves.  A packed
-        pass's (N, vocab): its first ``real`` rows (those after are `packed_rows`' rounding)."""
+        """A step's logits as a torch tensor where the build ran: on a GPU the call's output itself (it
+        holds its block until torch lets it go), a copy where the build replays CUDA graphs (a later
+        replay writes the same buffer); on the CPU a copy.  A packed pass's (N, vocab): its first ``real``
+        rows (those after are `packed_rows`' rounding)."""
         if self.module.device.dlpack_device_type() == 1:
             logits = torch.from_numpy(array.numpy())
-            return logits[:real] if logits.dim() == 2 and real else logits
-        logits = torch.from_dlpack(array)
-        return (logits[:real] if logits.dim() == 2 and real else logits).clone()
+        else:
+            logits = torch.from_dlpack(array)
+            logits = logits.clone() if self.module.manifest.cuda_graph else logits
+        return logits[:real] if logits.dim() == 2 and real else logits
 
     def _commit_at(self, p: _Pass, index: int):
         """The conv / recurrent states after token ``index`` of recorded pass ``p``."""

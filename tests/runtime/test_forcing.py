@@ -257,3 +257,25 @@ def test_the_tolerance_rule_refuses_what_would_excuse_anything(setting):
         tolerance_rule(system, [[1]], [], setting)
     assert tolerance_rule(system, [[1]], [], "auto") == (0.25, 9) == tolerance_rule(system, [[1]], [], None)
     assert tolerance_rule(system, [[1]], [], "0.5") == (0.5, None)
+
+
+def test_joined_rows_are_a_view_of_consecutive_blocks_and_a_copy_of_others():
+    """`decoding.joined_rows`: a packed pass's logits split by request come back as the one tensor they
+    are (no copy); blocks from different tensors, out of order or with a gap are concatenated."""
+    from specpilot.runtime.decoding import joined_rows
+    gen = torch.Generator().manual_seed(7)
+    for vocab in (1, 7, 301):
+        whole = torch.randn(23, vocab, generator=gen)
+        sizes = [5, 1, 0, 9, 8]
+        parts = list(whole.split(sizes))
+        got = joined_rows(parts)
+        assert torch.equal(got, whole) and got.data_ptr() == whole.data_ptr()
+        one_row = whole[4:5]
+        assert torch.equal(joined_rows([one_row]), one_row)
+        # out of order, with a gap, from another tensor, not contiguous
+        others = [[parts[1], parts[0]], [parts[0], parts[3]], [parts[0], torch.randn(2, vocab, generator=gen)]]
+        if vocab > 2:
+            others.append([whole[:3, 1:], whole[3:5, 1:]])
+        for blocks in others:
+            got = joined_rows(blocks)
+            assert torch.equal(got, torch.cat(blocks)) and got.data_ptr() not in (whole.data_ptr(), whole[:, 1:].data_ptr())
