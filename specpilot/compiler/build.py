@@ -309,7 +309,7 @@ def _compile(lowered: Lowered, request: BuildRequest, schedule: str, cuda_graph:
                                         instruments=[check] if check else None)
     with compile_target, context, quick_stack():    # TVM parses TVMScript (intrinsics) on the way
         mod = lowered.mod if cuda_graph else round_rows(bound_functions(lowered.mod, bounds),
-                                                        request.spec.deployment.max_batch, bounds)
+                                                        request.spec.deployment.max_batch)
         mod = relax_pipeline(compile_target, schedule, target.schedule_device(),
                              [] if cuda_graph else [round_output_storage()])(mod)
         instrument("relax-pipeline", mod)

@@ -9,10 +9,11 @@ few blocks whatever its shape.  Its outputs stay sized by the call (the recurren
 outlive it, and planned at the bounds a batch of 16 would hold a batch of 32's).  The runtime keeps
 every call inside its function's bounds (the manifest's ``memory_bounds``).
 
-The outputs' storage is rounded instead (`round_rows`, `round_output_storage`): a function's batch (and
-a bounded function's other dimensions) is allocated for the next power of two, at most its bound. A
-batch losing one request a pass at the end of a burst then asks for a few sizes of each output, not one
-a batch size -- a (B, ...) recurrent state of a 27B-class hybrid is 151 MB a row.
+The outputs' storage is rounded instead (`round_rows`, `round_output_storage`): a function's batch is
+allocated for the next power of two, at most the pool's rows. A batch losing one request a pass at the
+end of a burst then asks for a few sizes of each output, not one a batch size -- a (B, ...) recurrent
+state of a 27B-class hybrid is 151 MB a row. Other dimensions stay as the call has them: a row count
+rounded up to a power of two would hold up to twice the logits.
 """
 
 from __future__ import annotations
@@ -58,19 +59,15 @@ def bound_functions(mod, bounds: dict[str, dict[str, int]]):
 ROUND_ROWS = "specpilot.round_rows"      # a Relax function's attribute: {dimension: its cap}
 
 
-def round_rows(mod, max_batch: int, bounds: dict[str, dict[str, int]]):
-    """``mod`` with each Relax function's rounded dimensions (`ROUND_ROWS`): ``batch`` at most
-    ``max_batch`` wherever it is a dimension, and a bounded function's dimensions at most their bounds."""
+def round_rows(mod, max_batch: int):
+    """``mod`` with each Relax function that takes a ``batch`` dimension marked to round it (`ROUND_ROWS`),
+    at most ``max_batch``."""
     from tvm import relax
 
     for gv, func in list(mod.functions.items()):
-        if not isinstance(func, relax.Function):
-            continue
-        names = {v.name for param in func.params for v in relax.analysis.tir_vars_in_type(param.ty)}
-        caps = {**({"batch": max_batch} if "batch" in names else {}),
-                **{name: cap for name, cap in bounds.get(gv.name_hint, {}).items() if name in names}}
-        if caps:
-            mod[gv] = func.with_attr(ROUND_ROWS, caps)
+        if isinstance(func, relax.Function) and "batch" in {
+                v.name for param in func.params for v in relax.analysis.tir_vars_in_type(param.ty)}:
+            mod[gv] = func.with_attr(ROUND_ROWS, {"batch": max_batch})
     return mod
 
 
@@ -89,9 +86,9 @@ def power_of_two_at_most(dim, cap: int):
 
 
 def round_output_storage():
-    """A Relax pass, after ``StaticPlanBlockMemory``: each allocation it left to the call (the outputs)
-    of a function with `ROUND_ROWS` gets storage of its own sized with those dimensions rounded
-    (`power_of_two_at_most`); the tensor is that storage's first bytes."""
+    """A Relax pass, after ``StaticPlanBlockMemory``: each allocation it left unplanned (a function's
+    outputs) of a function with `ROUND_ROWS` gets storage of its own sized
+    with those dimensions rounded (`power_of_two_at_most`); the tensor is that storage's first bytes."""
     import tvm
     from tvm import relax, tirx
     from tvm.relax.expr_functor import PyExprMutator, mutator

@@ -79,8 +79,9 @@ def pack_inputs(arrays) -> tuple[np.ndarray, list]:
 # of the card free, the unused blocks go back to the driver
 HEADROOM = 0.12
 # and so on a GPU a packed verification's real rows are rounded up to a multiple of this: its logits (N, vocab),
-# about 1 MB a row on a 248k vocabulary, then take a few sizes instead of one a row count; the rows added
-# are within a GEMM's row block
+# about 1 MB a row on a 248k vocabulary, then take a few sizes instead of one a row count (the rows added cost
+# little beside the hundred-odd a batch of 16 verifies; a GEMM may pick another tiling for the row count, so a
+# real row's logits round as its kernel does -- forcing holds them to stock's, as between packed and padded)
 PACKED_ROWS_STEP = 16
 
 
@@ -926,11 +927,11 @@ class CompiledModel:
         replay writes the same buffer); on the CPU a copy.  A packed pass's (N, vocab): its first ``real``
         rows (those after are `packed_rows`' rounding)."""
         if self.module.device.dlpack_device_type() == 1:
-            logits = torch.from_numpy(array.numpy())
+            logits, replayed = torch.from_numpy(array.numpy()), False
         else:
-            logits = torch.from_dlpack(array)
-            logits = logits.clone() if self.module.manifest.cuda_graph else logits
-        return logits[:real] if logits.dim() == 2 and real else logits
+            logits, replayed = torch.from_dlpack(array), self.module.manifest.cuda_graph
+        logits = logits[:real] if logits.dim() == 2 and real else logits
+        return logits.clone() if replayed else logits
 
     def _commit_at(self, p: _Pass, index: int):
         """The conv / recurrent states after token ``index`` of recorded pass ``p``."""

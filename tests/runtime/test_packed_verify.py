@@ -159,10 +159,16 @@ def test_batched_engines_on_a_packed_build_are_each_request_s_stock_tokens(built
     prompts = [[4, 8, 15, 16, 23, 42], [5, 9, 2, 7], [11, 3, 8, 1, 1, 30, 2], [2, 2, 2]]
     lengths = [17, 6, 12, 9]
     assert built.engines["compiled"].model.module.manifest.tree.packed
-    monkeypatch.setattr(built.engines[engine].model, "packed_rows_step", step)
+    model = built.engines[engine].model
+    monkeypatch.setattr(model, "packed_rows_step", step)
+    rounded = []        # each packed call's (rows, real rows)
+    verify = model._verify_packed
+    monkeypatch.setattr(model, "_verify_packed",
+                        lambda *a: rounded.append((a[6].shape[0], len(np.unique(a[6].numpy())))) or verify(*a))
     want = [built.generate("stock", p, n).tokens for p, n in zip(prompts, lengths)]
     got = built.generate_batch(engine, prompts, lengths, max_batch=4)
     assert [g.tokens for g in got] == want
+    assert rounded and any(n > real for n, real in rounded) == (step > 1)
 
 
 def test_the_packed_verify_bench_times_and_profiles_both_forms_beside_the_ar_step(built, tmp_path):
