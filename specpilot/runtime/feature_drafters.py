@@ -196,11 +196,15 @@ class BlockDrafter(_Conditioned):
 
     def _expander(self, context: list[int]):
         indices, values = self.block_ranked(context)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        tops: dict[int, list[tuple[int, float]]] = {}       # a depth's row, made when a tree first asks for it
 
         def expand(path: list[int]) -> list[tuple[int, float]]:
             d = len(path)
-            return tops[d] if d < len(tops) and len(context) + d < self.capacity else []
+            if d >= len(indices) or len(context) + d >= self.capacity:
+                return []
+            if d not in tops:
+                tops[d] = list(zip(indices[d].tolist(), values[d].tolist()))
+            return tops[d]
         expand.by_depth = True      # a node's expansion depends on its depth alone (`replay` reads this)
         return expand
 
