@@ -87,18 +87,14 @@ def joined_rows(blocks: list[torch.Tensor]) -> torch.Tensor:
     """(rows, vocab) blocks as one: a view where they lie one after the other in one tensor's memory (a
     packed pass's logits, split by request), else a copy."""
     first = blocks[0]
-    total = sum(b.shape[0] for b in blocks)
+    width = first.shape[1]
     offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
     for b in blocks:
-        if not b.is_contiguous() or b.dtype != first.dtype or b.shape[1:] != first.shape[1:] \
+        if not b.is_contiguous() or b.dtype != first.dtype or b.shape[1] != width \
                 or b.untyped_storage().data_ptr() != storage or b.storage_offset() != offset:
             return torch.cat(blocks)
         offset += b.numel()
-    shape = (total, *first.shape[1:])
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    return first.as_strided(shape, strides, first.storage_offset())
+    return first.as_strided((sum(b.shape[0] for b in blocks), width), (width, 1), first.storage_offset())
 
 
 STREAM_WINDOW = 4     # tokens a streamed on-device decode hands over at once (a host round trip each)
